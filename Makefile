@@ -1,13 +1,19 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11+ and pip:
 #   make verify   create .venv, install the project with its dev extras, run `python -m refimpl verify`
 #   make test     the same set-up, then the whole test suite (unit tests, notebooks, docs check)
+# and the documentation site:
+#   make docs     execute every tutorial (full size; TUTORIAL_SMALL=1 for small) and build docs/_build/html
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= auto
+SPHINXOPTS ?= -j auto
+TUTORIAL_SMALL ?=
+# -E: read every page afresh (autodoc pages depend on code Sphinx does not track); -W: warnings are errors
+SPHINX := $(PY) -m sphinx -E -W --keep-going -b html $(SPHINXOPTS)
 
-.PHONY: install verify test bench clean
+.PHONY: install verify test bench docs docs-check clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; v = sys.version_info; sys.exit(0 if v >= (3, 11) else "Python 3.11+ is needed, found %d.%d" % v[:2])'
@@ -22,9 +28,19 @@ verify: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS)
+	$(MAKE) --no-print-directory docs-check
+
+# the site with every notebook executed during the build
+docs: $(STAMP)
+	TUTORIAL_SMALL=$(TUTORIAL_SMALL) $(SPHINX) docs docs/_build/html
+	@echo "docs: open docs/_build/html/index.html"
+
+# the same build without executing the notebooks (pytest has just executed them): pages, math, API, links
+docs-check: $(STAMP)
+	$(SPHINX) -q -D nb_execution_mode=off docs docs/_build/check
 
 bench: $(STAMP)
 	@for f in benchmarks/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis docs/_build
+	rm -rf $(VENV) .pytest_cache .hypothesis docs/_build docs/tutorials docs/api/generated

@@ -1,0 +1,247 @@
+r"""Verifications of OVQ attention (spec ovq.md sections 3 and 4).
+
+Growth against the Chinese-restaurant process
+---------------------------------------------
+A CRP with concentration :math:`N` opens a new table at customer :math:`i`
+with probability :math:`N/(N+i)`, so after :math:`t` customers the expected
+number of tables is
+
+.. math::
+
+    E(t) = \sum_{i<t} \frac{N}{N+i} = N\,(\psi(N+t) - \psi(N)).
+
+The plateau curve is :math:`n(t) = \max(1, \lfloor f(t)\rfloor)` with
+:math:`f(t) = tN/(t+N) = N(1 - N/(N+t))`.  It is *not* :math:`E(t)`: both start
+with slope 1, but :math:`E` keeps growing like :math:`N\log(1+t/N)` while
+:math:`f` saturates at :math:`N`.  The exact gap follows from two elementary
+bounds.  The summand is decreasing, so the sum exceeds the integral by at
+most its first term: :math:`0 \le E(t) - N\log(1+t/N) \le 1`.  And
+:math:`|n(t) - f(t)| < 1`.  Hence, with :math:`x = t/N` and
+:math:`g(x) = \log(1+x) - x/(1+x) \ge 0`,
+
+.. math::
+
+    \big|\,(E(t) - n(t)) - N g(t/N)\,\big| < 2 \quad\text{tables, for every } t \ge 1.
+
+The check measures the left side: the plateau curve sits below the CRP
+expectation by :math:`N g(t/N)` (about :math:`N x^2/2` early on, 28% of
+:math:`E` at :math:`t = N`, growing without bound later) and nothing else.
+
+Per chunk of :math:`C` tokens the spec approximates the plateau increment by
+:math:`C\,(N/(N+t))^2 = C f'(t)`.  The exact increment of :math:`f` is
+:math:`f(t+C) - f(t) = C f'(t)\cdot (N+t)/(N+t+C)`, and the floors move it by
+less than 1 (at chunk boundaries :math:`t = jC \ge C \ge 2`, where
+:math:`f \ge 1`), so
+
+.. math::
+
+    |\Delta n - C (N/(N+t))^2| < 1 + C (N/(N+t))^2 \frac{C}{N+t+C}.
+
+The check reports the largest ratio of the left side to that bound.  Note that
+:math:`C(N/(N+t))^2` is the slope of the plateau curve, not the CRP's
+expected number of new tables in the chunk, which is about :math:`C N/(N+t)`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.special import digamma
+
+from .. import ovq
+from ..attention import softmax_attention
+from ..ovq_oracle import ovq_attention_loop
+from ..verify import register
+
+
+def _plan_rows(cache):
+    return np.concatenate([r.rows for r in cache.records])
+
+
+@register(
+    "ovq.loop_oracle_state_bit_for_bit",
+    "token-by-token loop oracle vs vectorised OVQ, 5 switch settings: state bit for bit (else inf), max output difference",
+    tol=1e-14,
+)
+def _oracle():
+    rng = np.random.default_rng(50)
+    worst = 0.0
+    T, d, d_v = 45, 4, 3
+    for kw in (
+        {},
+        {"growth": "linear"},
+        {"init": "random", "seed": 7},
+        {"count_bias": False},
+        {"learning_rate": 0.05},
+    ):
+        q, k, v = rng.normal(size=(T, d)), rng.normal(size=(T, d)), rng.normal(size=(T, d_v))
+        out, st = ovq.ovq_attention(q, k, v, max_size=9, chunk_size=6, return_state=True, **kw)
+        ref, rs = ovq_attention_loop(q, k, v, max_size=9, chunk_size=6, **kw)
+        same = (
+            np.array_equal(st.keys, rs.keys)
+            and np.array_equal(st.values, rs.values)
+            and np.array_equal(st.counts, rs.counts)
+            and (st.size, st.tokens_seen) == (rs.size, rs.tokens_seen)
+        )
+        if not same:
+            return float("inf")
+        worst = max(worst, float(np.max(np.abs(out - ref)) / np.max(np.abs(v))))
+    return worst
+
+
+@register(
+    "ovq.linear_growth_equals_causal_softmax",
+    "OVQ, growth=linear, max_size >= T (every key its own centroid, count 1): == softmax_attention(q^, k^, v, scale=beta, causal)",
+    tol=1e-13,
+)
+def _linear_is_softmax():
+    rng = np.random.default_rng(51)
+    worst = 0.0
+    for T, C, beta in ((203, 16, None), (64, 64, 5.0), (50, 1, 2.0)):
+        q, k, v = rng.normal(size=(T, 8)), rng.normal(size=(T, 8)), rng.normal(size=(T, 3))
+        out = ovq.ovq_attention(q, k, v, max_size=T, chunk_size=C, beta=beta, growth="linear")
+        scale = np.sqrt(8) if beta is None else beta
+        ref = softmax_attention(ovq.unit_rows(q), ovq.unit_rows(k), v, scale=scale, causal=True)
+        worst = max(worst, float(np.max(np.abs(out - ref)) / np.max(np.abs(v))))
+    return worst
+
+
+@register(
+    "ovq.update_equals_newton_step",
+    "OVQ chunk update of D_k, D_v == Newton step mu - H^-1 grad on the NLL of all tokens seen, H = beta c' I, assignments fixed",
+    tol=1e-13,
+)
+def _newton():
+    rng = np.random.default_rng(52)
+    T, C, N, beta = 96, 16, 8, 3.0
+    q, k, v = rng.normal(size=(T, 5)), rng.normal(size=(T, 5)), rng.normal(size=(T, 4))
+    _, cache = ovq.ovq_attention_forward(q, k, v, max_size=N, chunk_size=C, beta=beta, growth="linear")
+    last = cache.records[-1]
+    if last.n != N or last.seeds.size:  # the last chunk must only update existing centroids
+        return float("inf")
+    rows = _plan_rows(cache)
+    x = {"keys": ovq.unit_rows(k), "values": v}
+    before = {"keys": last.dict_keys, "values": last.dict_values}
+    after = {"keys": cache.state.keys, "values": cache.state.values}
+    worst = 0.0
+    for name in ("keys", "values"):
+        mu = before[name]
+        # NLL surrogate sum_i (beta/2) ||x_i - mu_{a_i}||^2 over every token seen, at mu = D before the chunk
+        grad = np.zeros_like(mu)
+        np.add.at(grad, rows, -beta * (x[name] - mu[rows]))
+        hess = beta * np.bincount(rows, minlength=N)[:, None]
+        newton = mu - grad / hess
+        worst = max(worst, float(np.max(np.abs(newton - after[name])) / np.max(np.abs(after[name]))))
+    return worst
+
+
+@register(
+    "ovq.dictionary_is_batch_mean",
+    "after 300 tokens in 19 chunks: every D_k, D_v row == batch mean of the unit keys / values assigned to it (plateau, spread)",
+    tol=1e-13,
+)
+def _batch_mean():
+    rng = np.random.default_rng(53)
+    T, d, d_v, N = 300, 6, 4, 24
+    q, k, v = rng.normal(size=(T, d)), rng.normal(size=(T, d)), rng.normal(size=(T, d_v)) + 2.0
+    _, cache = ovq.ovq_attention_forward(q, k, v, max_size=N, chunk_size=16)
+    rows, st = _plan_rows(cache), cache.state
+    kh = ovq.unit_rows(k)
+    worst = 0.0
+    for m in range(st.size):
+        sel = rows == m
+        worst = max(
+            worst,
+            float(np.max(np.abs(kh[sel].mean(axis=0) - st.keys[m]))),
+            float(np.max(np.abs(v[sel].mean(axis=0) - st.values[m])) / np.max(np.abs(v))),
+        )
+    return worst
+
+
+@register(
+    "ovq.counts_sum_to_tokens_seen",
+    "sum(c) == t, c == number of tokens assigned per row, unused rows 0, over 6 settings fed in uneven pieces (exact)",
+    tol=0.0,
+)
+def _counts():
+    rng = np.random.default_rng(54)
+    worst = 0
+    for N, C, kw in ((16, 8, {}), (1, 5, {}), (30, 1, {}), (12, 7, {"growth": "linear"}), (10, 4, {"init": "random"}), (9, 3, {"learning_rate": 0.1})):
+        q, k, v = rng.normal(size=(200, 3)), rng.normal(size=(200, 3)), rng.normal(size=(200, 2))
+        state, rows = None, []
+        for lo, hi in ((0, 3 * C), (3 * C, 5 * C), (5 * C, 200)):
+            _, cache = ovq.ovq_attention_forward(q[lo:hi], k[lo:hi], v[lo:hi], max_size=N, chunk_size=C, state=state, **kw)
+            state = cache.state
+            rows.append(_plan_rows(cache))
+        c = state.counts
+        per_row = np.bincount(np.concatenate(rows), minlength=N)
+        worst = max(worst, abs(int(c.sum()) - state.tokens_seen), abs(state.tokens_seen - 200),
+                    int(np.max(np.abs(c - per_row))), int(np.count_nonzero(c[state.size :])))
+    return float(worst)
+
+
+@register(
+    "ovq.growth_vs_crp_expected_tables",
+    "plateau n(t) vs CRP E[tables] = N(psi(N+t)-psi(N)): |(E - n) - N(log(1+t/N) - t/(N+t))| in tables, t <= 64N (bound < 2)",
+    tol=2.0,
+)
+def _growth_crp():
+    worst = 0.0
+    for N in (4, 64, 1024):
+        t = np.arange(1, 64 * N + 1)
+        n = ovq.dictionary_size(t, N, "plateau")
+        expected = N * (digamma(N + t) - digamma(N))
+        if N == 64 and not np.allclose(expected, np.cumsum(N / (N + np.arange(t.size))), rtol=1e-12):
+            return float("inf")  # the digamma closed form must be the sum it stands for
+        x = t / N
+        gap = N * (np.log1p(x) - x / (1 + x))
+        worst = max(worst, float(np.max(np.abs((expected - n) - gap))))
+    return worst
+
+
+@register(
+    "ovq.growth_increments_vs_spec",
+    "plateau increment per chunk vs the spec's C (N/(N+t))^2: |error| / (1 + C (N/(N+t))^2 C/(N+t+C)), a strict bound (< 1)",
+    tol=1.0,
+)
+def _growth_increments():
+    worst = 0.0
+    for N, C in ((64, 16), (1024, 256), (1024, 64)):
+        t = np.arange(0, 64 * N, C)
+        dn = ovq.dictionary_size(t + C, N) - ovq.dictionary_size(t, N)
+        slope = C * (N / (N + t)) ** 2
+        bound = 1 + slope * C / (N + t + C)
+        worst = max(worst, float(np.max(np.abs(dn - slope) / bound)))
+    return worst
+
+
+@register(
+    "ovq.backward_vs_finite_differences",
+    "hand-derived dL/dq, dL/dk, dL/dv (assignments fixed) vs central differences, random upstream gradient, 2 settings",
+    tol=1e-7,
+)
+def _backward():
+    rng = np.random.default_rng(55)
+    T, d, d_v, N, C, h = 11, 3, 2, 4, 4, 1e-6
+    worst = 0.0
+    for kw in ({}, {"learning_rate": 0.3, "count_bias": False}):
+        inputs = {"q": rng.normal(size=(T, d)), "k": rng.normal(size=(T, d)), "v": rng.normal(size=(T, d_v))}
+        G = rng.normal(size=(T, d_v))
+        _, cache = ovq.ovq_attention_forward(**inputs, max_size=N, chunk_size=C, **kw)
+        grads = ovq.ovq_attention_backward(G, cache)
+        plan = _plan_rows(cache)
+        for name in ("q", "k", "v"):
+            fd = np.zeros_like(inputs[name])
+            for idx in np.ndindex(fd.shape):
+                loss = []
+                for sign in (1.0, -1.0):
+                    moved = dict(inputs)
+                    moved[name] = inputs[name].copy()
+                    moved[name][idx] += sign * h
+                    out, c2 = ovq.ovq_attention_forward(**moved, max_size=N, chunk_size=C, **kw)
+                    if not np.array_equal(_plan_rows(c2), plan):
+                        return float("inf")  # the perturbation flipped an assignment: not a valid test point
+                    loss.append(float(np.sum(G * out)))
+                fd[idx] = (loss[0] - loss[1]) / (2 * h)
+            g = getattr(grads, name)
+            worst = max(worst, float(np.max(np.abs(g - fd)) / np.max(np.abs(g))))
+    return worst

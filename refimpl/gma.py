@@ -1,0 +1,385 @@
+r"""Gaussian Mixture Attention (GMA): routing through a shared GMM, in linear time.
+
+Shapes: routing queries ``x_q`` are ``(N_q, d_r)``, routing keys ``x_k`` are
+``(N_k, d_r)``, values ``v`` are ``(N_k, d_v)``; one GMM with ``K`` diagonal
+components (``means`` and ``variances`` ``(K, d_r)``, ``weights`` ``(K,)``)
+is shared by queries and keys.
+
+Responsibilities
+----------------
+With :math:`\ell_k(x) = \log\pi_k + \log\mathcal N(x\mid\mu_k,\operatorname{diag}\sigma_k^2)`
+the posterior of component :math:`k` is
+:math:`\gamma_k(x) = \exp(\ell_k(x) - \operatorname{logsumexp}_m \ell_m(x))`,
+evaluated by :mod:`refimpl.gmm` (matrix-product quadratic form, per-row
+maximum subtracted).  :math:`\Gamma_Q = \gamma(X_Q)` and
+:math:`\Gamma_K = \gamma(X_K)` are ``N x K`` with rows on the simplex.
+
+Write, then read
+----------------
+.. math::
+
+    \tilde V = \Gamma_K^\top V\ (K\times d_v),\qquad
+    Z = \Gamma_K^\top\mathbf 1\ (K),\qquad
+    O = \frac{\Gamma_Q\tilde V}{\Gamma_Q Z + \epsilon}\ \text{(row-wise)}.
+
+By associativity this equals the quadratic form :math:`O = D^{-1}AV` with the
+implicit affinity :math:`A = \Gamma_Q\Gamma_K^\top` and
+:math:`D = \operatorname{diag}(A\mathbf 1+\epsilon)` (:func:`gma_dense`, the
+oracle).  Causal GMA replaces :math:`A` by its lower triangle, i.e. prefix
+sums :math:`S_t=\sum_{j\le t}\gamma^K_j v_j^\top`, :math:`z_t=\sum_{j\le t}\gamma^K_j`:
+it *is* causal linear attention with the feature maps :math:`\phi_Q=\gamma(X_Q)`,
+:math:`\phi_K=\gamma(X_K)` of dimension :math:`K`.  Both variants therefore
+call :func:`refimpl.attention.feature_attention_forward`, whose chunked scan
+never forms an ``N x K x d_v`` tensor or an ``N x N`` matrix (extra memory
+:math:`O(NK + K d_v + C^2)`, time :math:`O(NK(d_r+d_v))`).
+
+Backward through the responsibilities
+-------------------------------------
+The mixing backward (:func:`refimpl.attention.feature_attention_backward`)
+gives :math:`g = \partial L/\partial\gamma(x)` for every query and key token.
+The softmax Jacobian :math:`\partial\gamma_m/\partial\ell_k = \gamma_m(\delta_{mk}-\gamma_k)`
+gives, with :math:`\bar g = \sum_m\gamma_m g_m`,
+
+.. math::
+
+    c_m := \frac{\partial L}{\partial\ell_m} = \gamma_m(g_m - \bar g).
+
+Differentiating
+:math:`\ell_m = \log\pi_m - \tfrac12\sum_j\log\sigma^2_{mj} - \tfrac12\sum_j (x_j-\mu_{mj})^2/\sigma^2_{mj} + \text{const}`:
+
+.. math::
+
+    \frac{\partial L}{\partial x} = \sum_m c_m\frac{\mu_m - x}{\sigma_m^2},\qquad
+    \frac{\partial L}{\partial\mu_m} = c_m\frac{x-\mu_m}{\sigma_m^2},\qquad
+    \frac{\partial L}{\partial\sigma^2_{mj}} = c_m\frac{(x_j-\mu_{mj})^2-\sigma^2_{mj}}{2\sigma^4_{mj}} .
+
+With :math:`\pi = \operatorname{softmax}(a)`,
+:math:`\partial\log\pi_m/\partial a_k = \delta_{mk}-\pi_k` and
+:math:`\sum_m c_m = 0`, so :math:`\partial L/\partial a_k = c_k`; with
+:math:`\sigma^2 = \operatorname{softplus}(s)+\sigma^2_{\min}`,
+:math:`\partial L/\partial s = \partial L/\partial\sigma^2\cdot\operatorname{sigmoid}(s)`.
+Parameter gradients sum these over the tokens of both :math:`X_Q` and
+:math:`X_K`.  Over ``N`` tokens the sums are matrix products
+(``C`` is the ``N x K`` matrix of :math:`c`):
+
+.. math::
+
+    dX = C(\mu/\sigma^2) - X\odot\big(C(1/\sigma^2)\big),\qquad
+    d\mu = \frac{C^\top X - (C^\top\mathbf 1)\odot\mu}{\sigma^2},\qquad
+    d\sigma^2 = \frac{C^\top X^{\odot 2} - 2\mu\odot C^\top X
+    + (\mu^{\odot2} - \sigma^2)\odot C^\top\mathbf 1}{2\sigma^4},
+
+evaluated on :math:`X` and :math:`\mu` shifted by the centre of the means
+(:math:`x - \mu` is unchanged by a common shift, and the expansions stay
+small where the responsibilities are sensitive), so no ``N x K x d_r``
+tensor is formed.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _validation as V
+from . import gmm
+from .attention import (
+    DEFAULT_CHUNK_SIZE,
+    FeatureAttentionCache,
+    _check_causal_lengths,
+    _check_grad_out,
+    _check_options,
+    _feature_attention_backward,
+    _feature_attention_forward,
+)
+
+__all__ = [
+    "gma",
+    "gma_dense",
+    "gma_forward",
+    "gma_backward",
+    "GMAGrads",
+    "GMACache",
+]
+
+
+class GMAGrads(NamedTuple):
+    """Gradients of the loss with respect to every input of :func:`gma_forward`."""
+
+    x_q: np.ndarray
+    x_k: np.ndarray
+    v: np.ndarray
+    means: np.ndarray
+    raw_variances: np.ndarray
+    logits: np.ndarray
+
+
+class GMACache(NamedTuple):
+    """What :func:`gma_backward` needs from :func:`gma_forward`."""
+
+    x_q: np.ndarray
+    x_k: np.ndarray
+    means: np.ndarray
+    raw_variances: np.ndarray
+    variances: np.ndarray
+    gamma_q: np.ndarray
+    gamma_k: np.ndarray
+    mixing: FeatureAttentionCache
+
+
+# ---------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------
+
+
+def _check_tokens(x_q, x_k, v, causal):
+    x_q = V.as_float_array(x_q, "x_q", ndim=2)
+    x_k = V.as_float_array(x_k, "x_k", ndim=2)
+    v = V.as_float_array(v, "v", ndim=2)
+    V.check_shape(x_k, "x_k", (None, x_q.shape[1]), ("N_k", "d_r"))
+    V.check_shape(v, "v", (x_k.shape[0], None), ("N_k", "d_v"))
+    if x_q.shape[0] < 1 or x_k.shape[0] < 1:
+        raise ValueError(f"x_q, x_k: expected at least one token each, got shapes {x_q.shape} and {x_k.shape}")
+    _check_causal_lengths(x_q.shape[0], x_k.shape[0], causal, names=("x_q", "x_k"))
+    return x_q, x_k, v
+
+
+def _check_components(means, second, second_name, d_r):
+    means = V.as_float_array(means, "means", ndim=2)
+    V.check_shape(means, "means", (None, d_r), ("K", "d_r"))
+    if means.shape[0] < 1:
+        raise ValueError("means: expected at least one component (K >= 1), got K = 0")
+    second = V.as_float_array(second, second_name, ndim=2)
+    V.check_shape(second, second_name, means.shape, ("K", "d_r"))
+    return means, second
+
+
+def _cast(dtype, *arrays):
+    return tuple(a.astype(dtype, copy=False) for a in arrays)
+
+
+# ---------------------------------------------------------------------------
+# Forward: responsibilities, then the shared linear-time mixing
+# ---------------------------------------------------------------------------
+
+
+def _log_responsibilities(x, means, variances, log_weights):
+    # log gamma = log_softmax(log pi + log N(x | mu, sigma^2)), per-row max subtracted
+    return gmm.log_softmax(gmm._log_gaussian_diag(x, means, variances) + log_weights, axis=1)
+
+
+def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """Gaussian Mixture Attention with a GMM given by its variances and weights.
+
+    Parameters
+    ----------
+    x_q : array_like, shape (N_q, d_r)
+        Routing queries.
+    x_k : array_like, shape (N_k, d_r)
+        Routing keys.
+    v : array_like, shape (N_k, d_v)
+        Values.
+    means : array_like, shape (K, d_r)
+    variances : array_like, shape (K, d_r)
+        Diagonal variances, all > 0.
+    weights : array_like, shape (K,)
+        Mixture weights: nonnegative, summing to one.
+    causal : bool, default False
+        Query ``t`` reads keys ``j <= t`` only (needs ``N_q == N_k``); computed
+        by a chunked scan.
+    eps : float, default 1e-6
+        Added to every denominator ``gamma_q . Z`` (>= 0).
+    chunk_size : int, default 64
+        Tokens per chunk of the causal scan (>= 1).
+
+    Returns
+    -------
+    ndarray, shape (N_q, d_v)
+        ``(Gamma_Q Gamma_K^T V) / (Gamma_Q Gamma_K^T 1 + eps)`` (lower
+        triangle of the affinity when causal), computed in ``O(N K (d_r + d_v))``
+        time without an ``N x N`` matrix.  Dtype of the inputs.
+    """
+    causal, eps, chunk_size = _check_options(causal, eps, chunk_size)
+    x_q, x_k, v = _check_tokens(x_q, x_k, v, causal)
+    means, variances = _check_components(means, variances, "variances", x_q.shape[1])
+    V.check_positive(variances, "variances")
+    weights = V.as_float_array(weights, "weights", ndim=1)
+    V.check_shape(weights, "weights", (means.shape[0],), ("K",))
+    V.check_probability_vector(weights, "weights")
+    dtype = V.common_float_dtype(x_q, x_k, v, means, variances, weights)
+    x_q, x_k, v, means, variances, weights = _cast(dtype, x_q, x_k, v, means, variances, weights)
+    with np.errstate(divide="ignore"):  # a zero weight is a component that never wins: log 0 = -inf
+        log_weights = np.log(weights)
+    gamma_q = np.exp(_log_responsibilities(x_q, means, variances, log_weights))
+    gamma_k = np.exp(_log_responsibilities(x_k, means, variances, log_weights))
+    return _feature_attention_forward(gamma_q, gamma_k, v, causal, eps, chunk_size)[0]
+
+
+def gma_dense(gamma_q, gamma_k, v, *, causal: bool = False, eps: float = 1e-6):
+    """The explicit quadratic form ``D^{-1} A V``: the oracle for :func:`gma`.
+
+    Forms the ``N_q x N_k`` affinity ``A = gamma_q gamma_k^T`` (its lower
+    triangle when causal) and divides each row of ``A V`` by ``A 1 + eps``.
+    Time and memory ``O(N^2)``: for tests and tutorials only.
+
+    Parameters
+    ----------
+    gamma_q : array_like, shape (N_q, K)
+        Query responsibilities (any nonnegative features are accepted).
+    gamma_k : array_like, shape (N_k, K)
+        Key responsibilities (nonnegative).
+    v : array_like, shape (N_k, d_v)
+    causal : bool, default False
+        Keep ``A_ij`` for ``j <= i`` only (needs ``N_q == N_k``).
+    eps : float, default 1e-6
+        Added to every row sum (>= 0).
+
+    Returns
+    -------
+    ndarray, shape (N_q, d_v)
+    """
+    gamma_q = V.as_float_array(gamma_q, "gamma_q", ndim=2)
+    gamma_k = V.as_float_array(gamma_k, "gamma_k", ndim=2)
+    v = V.as_float_array(v, "v", ndim=2)
+    V.check_shape(gamma_k, "gamma_k", (None, gamma_q.shape[1]), ("N_k", "K"))
+    V.check_shape(v, "v", (gamma_k.shape[0], None), ("N_k", "d_v"))
+    for arr, name in ((gamma_q, "gamma_q"), (gamma_k, "gamma_k")):
+        if arr.size and np.min(arr) < 0:
+            raise ValueError(f"{name}: expected nonnegative responsibilities, got minimum {np.min(arr)}")
+    causal = V.check_bool(causal, "causal")
+    eps = V.check_positive_float(eps, "eps", allow_zero=True)
+    _check_causal_lengths(gamma_q.shape[0], gamma_k.shape[0], causal, names=("gamma_q", "gamma_k"))
+    dtype = V.common_float_dtype(gamma_q, gamma_k, v)
+    gamma_q, gamma_k, v = _cast(dtype, gamma_q, gamma_k, v)
+    # A_ij = gamma_q_i . gamma_k_j = P(z_i = z_j)
+    affinity = gamma_q @ gamma_k.T
+    if causal:
+        affinity = np.tril(affinity)
+    den = affinity.sum(axis=1) + dtype.type(eps)
+    return (affinity @ v) / den[:, None]
+
+
+def gma_forward(
+    x_q,
+    x_k,
+    v,
+    means,
+    raw_variances,
+    logits,
+    *,
+    causal: bool = False,
+    eps: float = 1e-6,
+    min_variance: float = 1e-6,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+):
+    """GMA with unconstrained GMM parameters, keeping what :func:`gma_backward` needs.
+
+    The GMM is ``variances = softplus(raw_variances) + min_variance`` and
+    ``weights = softmax(logits)``; otherwise this is :func:`gma`.
+
+    Parameters
+    ----------
+    x_q : array_like, shape (N_q, d_r)
+    x_k : array_like, shape (N_k, d_r)
+    v : array_like, shape (N_k, d_v)
+    means : array_like, shape (K, d_r)
+    raw_variances : array_like, shape (K, d_r)
+        Any real values.
+    logits : array_like, shape (K,)
+        Prior logits, any real values.
+    causal : bool, default False
+    eps : float, default 1e-6
+    min_variance : float, default 1e-6
+        The variance floor ``sigma2_min`` (> 0).
+    chunk_size : int, default 64
+
+    Returns
+    -------
+    out : ndarray, shape (N_q, d_v)
+    cache : GMACache
+        Inputs, variances, both responsibility matrices (``N x K``) and the
+        mixing cache.
+    """
+    causal, eps, chunk_size = _check_options(causal, eps, chunk_size)
+    min_variance = V.check_positive_float(min_variance, "min_variance")
+    x_q, x_k, v = _check_tokens(x_q, x_k, v, causal)
+    means, raw_variances = _check_components(means, raw_variances, "raw_variances", x_q.shape[1])
+    logits = V.as_float_array(logits, "logits", ndim=1)
+    V.check_shape(logits, "logits", (means.shape[0],), ("K",))
+    dtype = V.common_float_dtype(x_q, x_k, v, means, raw_variances, logits)
+    x_q, x_k, v, means, raw_variances, logits = _cast(dtype, x_q, x_k, v, means, raw_variances, logits)
+    return _gma_forward(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size)
+
+
+def _gma_forward(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size):
+    """Unchecked core of :func:`gma_forward` (all inputs of one dtype)."""
+    variances = gmm.variances_from_raw(raw_variances, min_variance)
+    # log pi = log_softmax(a), never log(softmax(a)): a weight of 1e-320 keeps its log
+    log_weights = gmm.log_softmax(logits)
+    gamma_q = np.exp(_log_responsibilities(x_q, means, variances, log_weights))
+    gamma_k = np.exp(_log_responsibilities(x_k, means, variances, log_weights))
+    out, mixing = _feature_attention_forward(gamma_q, gamma_k, v, causal, eps, chunk_size)
+    return out, GMACache(x_q, x_k, means, raw_variances, variances, gamma_q, gamma_k, mixing)
+
+
+# ---------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------
+
+
+def _responsibility_backward(x, gamma, grad_gamma, means, variances, centre):
+    """Push ``dL/dgamma`` (N, K) through ``gamma = softmax(l(x))``.
+
+    Returns ``(dx, dmeans, dvariances, dlogits)`` for this set of tokens.
+    """
+    # dL/dl_m = gamma_m (g_m - gbar) with gbar = sum_m gamma_m g_m (softmax Jacobian)
+    c = gamma * (grad_gamma - np.sum(gamma * grad_gamma, axis=1, keepdims=True))
+    # x - mu is invariant under the common shift by the centre of the means
+    xc = x - centre
+    mc = means - centre
+    prec = 1.0 / variances
+    csum = c.sum(axis=0)  # (K,)
+    ctx = c.T @ xc  # (K, d_r): sum_i c_im x_i
+    # dL/dx_i = sum_m c_im (mu_m - x_i) / sigma_m^2
+    dx = c @ (mc * prec) - xc * (c @ prec)
+    # dL/dmu_m = sum_i c_im (x_i - mu_m) / sigma_m^2
+    dmeans = (ctx - csum[:, None] * mc) * prec
+    # dL/dsigma2_mj = sum_i c_im ((x_ij - mu_mj)^2 - sigma2_mj) / (2 sigma2_mj^2), (x - mu)^2 expanded
+    sq = c.T @ (xc * xc) - 2.0 * mc * ctx + (mc * mc - variances) * csum[:, None]
+    dvariances = 0.5 * sq * prec * prec
+    # dL/da_k = c_k: the -pi_k sum_m c_m term of the log-softmax Jacobian vanishes
+    return dx, dmeans, dvariances, csum
+
+
+def _gma_backward(g, cache):
+    """Unchecked core of :func:`gma_backward` (``g`` of the cache's dtype)."""
+    dgamma = _feature_attention_backward(g, cache.mixing)
+    means, variances = cache.means, cache.variances
+    centre = means.mean(axis=0)
+    dx_q, dmu_q, dvar_q, da_q = _responsibility_backward(cache.x_q, cache.gamma_q, dgamma.phi_q, means, variances, centre)
+    dx_k, dmu_k, dvar_k, da_k = _responsibility_backward(cache.x_k, cache.gamma_k, dgamma.phi_k, means, variances, centre)
+    # sigma2 = softplus(s) + sigma2_min: dsigma2/ds = sigmoid(s)
+    draw = (dvar_q + dvar_k) * gmm.sigmoid(cache.raw_variances)
+    return GMAGrads(x_q=dx_q, x_k=dx_k, v=dgamma.v, means=dmu_q + dmu_k, raw_variances=draw, logits=da_q + da_k)
+
+
+def gma_backward(grad_out, cache) -> GMAGrads:
+    """Hand-derived gradients of :func:`gma_forward`; returns new arrays (nothing accumulates).
+
+    Parameters
+    ----------
+    grad_out : array_like, shape (N_q, d_v)
+        ``dL/d out``.
+    cache : GMACache
+        From :func:`gma_forward`.
+
+    Returns
+    -------
+    GMAGrads
+        Fields ``x_q`` (N_q, d_r), ``x_k`` (N_k, d_r), ``v`` (N_k, d_v),
+        ``means`` and ``raw_variances`` (K, d_r), ``logits`` (K,).  When the
+        same array is passed as ``x_q`` and ``x_k`` its gradient is
+        ``x_q + x_k``.
+    """
+    g = _check_grad_out(grad_out, cache.x_q.shape[0], cache.mixing.v.shape[1], cache.gamma_q.dtype)
+    return _gma_backward(g, cache)

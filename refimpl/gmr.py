@@ -1,0 +1,396 @@
+r"""Gaussian kernel regression and Gaussian mixture regression (GMR): attention as regression.
+
+Shapes: queries ``q`` are ``(N_q, d)``, keys ``k`` are ``(N_k, d)``, values
+``v`` are ``(N_k, d_v)``; a mixture has ``M`` components with key means
+``(M, d)``, value means ``(M, d_v)`` and weights ``(M,)``.
+
+Self-attention is Gaussian kernel regression (spec ovq.md section 1)
+--------------------------------------------------------------------
+The Nadaraya-Watson estimator with a Gaussian kernel of variance
+:math:`1/\beta` predicts
+
+.. math::
+
+    m(q) = \frac{\sum_j \exp(-\tfrac\beta2\|q-k_j\|^2)\, v_j}
+                {\sum_j \exp(-\tfrac\beta2\|q-k_j\|^2)} .
+
+Expanding :math:`\|q-k_j\|^2 = \|q\|^2 - 2 q\cdot k_j + \|k_j\|^2` and taking
+unit vectors, the exponent is :math:`\beta\, q\cdot k_j - \beta`; the constant
+:math:`-\beta` cancels between numerator and denominator, so
+:math:`m(q) = \operatorname{softmax}(\beta\, q K^\top)\, V`: softmax attention
+with scale :math:`\beta` on unit queries and keys.  Every past token is its own
+mixture component.
+
+VQ/OVQ attention is Gaussian mixture regression (section 2)
+-----------------------------------------------------------
+Fit one GMM to the joint data :math:`(k, v)` with weights :math:`\pi_n`, key
+means :math:`\mu^k_n`, value means :math:`\mu^v_n`, block-diagonal covariance
+(no key-value cross-covariance) and key covariance :math:`I/\beta`.  The
+conditional mean of :math:`v` given a query is
+
+.. math::
+
+    E[v\mid q] = \sum_n h_n(q)\, \mu^v_n,\qquad
+    h_n(q) = \frac{\pi_n\,\mathcal N(q;\mu^k_n, I/\beta)}{\sum_m \pi_m\,\mathcal N(q;\mu^k_m, I/\beta)}.
+
+Expanding the Gaussian and dropping what is common to all components
+(:math:`-\tfrac\beta2\|q\|^2` and the normalising constant),
+
+.. math::
+
+    h(q) = \operatorname{softmax}_n\big(\beta\, q\cdot\mu^k_n - \tfrac\beta2\|\mu^k_n\|^2 + \log\pi_n\big).
+
+When every :math:`\|\mu^k_n\|` is the same the middle term is a constant and
+cancels; with :math:`\pi_n = c_n/\sum c` the :math:`-\log\sum c` cancels too,
+leaving the OVQ read-out
+
+.. math::
+
+    E[v\mid q] = \operatorname{softmax}(\beta\, q D_k^\top + \log c)\, D_v .
+
+Centroids that are means of unit keys have norm below one.  OVQ drops the term
+:math:`\delta_n = -\tfrac\beta2\|\mu^k_n\|^2` anyway; :func:`readout_gap`
+measures what that costs.  The two weight vectors differ by the tilt
+:math:`e^{\delta_n}`, so the log-ratio of the two has range
+:math:`r = \max_n\delta_n - \min_n\delta_n \le \beta/2`, and for two
+distributions whose log-ratio has range :math:`r` the total variation is at
+most :math:`\tanh(r/4)`.  Since both weight vectors sum to one, every output
+coordinate moves by at most that total variation times the spread of the
+value means in that coordinate (:func:`readout_gap_bound`).  With a
+key-value cross-covariance the exact prediction would add
+:math:`\Sigma^{vk}_n(\Sigma^{kk}_n)^{-1}(q-\mu^k_n)` per component; OVQ drops
+that too (the isotropic model here has none).
+
+Fitting the joint GMM
+---------------------
+:func:`fit_joint_gmm` runs :func:`refimpl.gmm.em_step` on the concatenated
+rows :math:`[k, v]` with diagonal covariances.  A diagonal joint covariance has
+no cross-covariance, so its exact conditional mean is the weighted sum of value
+means above, with responsibilities from the key marginals
+(:func:`joint_gmm_predict`).
+
+All functions accept float32 or float64; the result has the dtype NumPy's
+promotion gives for the floating inputs (float32 in, float32 out).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _validation as V
+from .gmm import _log_gaussian_diag, em_step, log_likelihood, softmax
+
+__all__ = [
+    "kernel_regression",
+    "gmr_predict",
+    "ovq_readout",
+    "readout_gap",
+    "readout_gap_bound",
+    "JointGMM",
+    "fit_joint_gmm",
+    "joint_gmm_predict",
+]
+
+# Elements of the (rows x N_k x d) difference tensor formed at a time by kernel_regression.
+_BLOCK_ELEMENTS = 1 << 22
+
+
+def _check_q_k_v(q, k, v):
+    q = V.as_float_array(q, "q", ndim=2)
+    k = V.as_float_array(k, "k", ndim=2)
+    v = V.as_float_array(v, "v", ndim=2)
+    V.check_shape(k, "k", (None, q.shape[1]), ("N_k", "d"))
+    V.check_shape(v, "v", (k.shape[0], None), ("N_k", "d_v"))
+    if q.shape[0] < 1 or k.shape[0] < 1:
+        raise ValueError(f"q, k: expected at least one row each, got shapes {q.shape} and {k.shape}")
+    dtype = V.common_float_dtype(q, k, v)
+    return q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False)
+
+
+def _check_mixture(q, key_means, value_means):
+    q = V.as_float_array(q, "q", ndim=2)
+    key_means = V.as_float_array(key_means, "key_means", ndim=2)
+    value_means = V.as_float_array(value_means, "value_means", ndim=2)
+    V.check_shape(key_means, "key_means", (None, q.shape[1]), ("M", "d"))
+    M = key_means.shape[0]
+    if M < 1:
+        raise ValueError("key_means: expected at least one component (M >= 1), got M = 0")
+    V.check_shape(value_means, "value_means", (M, None), ("M", "d_v"))
+    return q, key_means, value_means
+
+
+def kernel_regression(q, k, v, *, beta):
+    r"""Nadaraya-Watson regression with the Gaussian kernel ``exp(-(beta/2)||q - k_j||^2)``.
+
+    Parameters
+    ----------
+    q : array_like, shape (N_q, d)
+        Query points.
+    k : array_like, shape (N_k, d)
+        Sample inputs (the keys).
+    v : array_like, shape (N_k, d_v)
+        Sample outputs (the values).
+    beta : float
+        Kernel precision (> 0); the kernel variance is ``1 / beta``.
+
+    Returns
+    -------
+    ndarray, shape (N_q, d_v)
+        ``sum_j w_ij v_j`` with ``w_ij = softmax_j(-(beta/2)||q_i - k_j||^2)``.
+
+    Notes
+    -----
+    The squared distances are formed from the differences ``q_i - k_j``
+    (blocks of rows, never an expanded dot product), so this is an evaluation
+    independent of :func:`refimpl.attention.softmax_attention`.  On unit
+    vectors the two agree: ``softmax_attention(q, k, v, scale=beta)``.
+    """
+    q, k, v = _check_q_k_v(q, k, v)
+    beta = V.check_positive_float(beta, "beta")
+    n_q, n_k = q.shape[0], k.shape[0]
+    half_beta = q.dtype.type(0.5 * beta)
+    logits = np.empty((n_q, n_k), dtype=q.dtype)
+    rows = max(1, _BLOCK_ELEMENTS // max(1, n_k * q.shape[1]))
+    for r in range(0, n_q, rows):
+        diff = q[r : r + rows, None, :] - k[None, :, :]
+        # log kernel: -(beta/2) ||q_i - k_j||^2
+        logits[r : r + rows] = -half_beta * np.sum(diff * diff, axis=2)
+    # w_ij = exp(l_ij) / sum_j exp(l_ij), per-row max subtracted inside softmax
+    return softmax(logits, axis=1) @ v
+
+
+def gmr_predict(q, key_means, value_means, weights, *, beta):
+    r"""Exact conditional mean ``E[v | q]`` of a GMM with key covariance ``I / beta``.
+
+    Parameters
+    ----------
+    q : array_like, shape (N_q, d)
+        Queries (not normalised here).
+    key_means : array_like, shape (M, d)
+    value_means : array_like, shape (M, d_v)
+    weights : array_like, shape (M,)
+        Mixture weights: nonnegative, summing to one.
+    beta : float
+        Key precision (> 0).
+
+    Returns
+    -------
+    ndarray, shape (N_q, d_v)
+        ``sum_n h_n(q) mu^v_n`` with ``h_n`` the posterior of component ``n``
+        given the key: it keeps the ``-(beta/2)||mu^k_n||^2`` term.
+
+    Notes
+    -----
+    The responsibilities come from the full isotropic log-density
+    (:func:`refimpl.gmm.log_gaussian_diag` with variances ``1/beta``) plus
+    ``log pi``, normalised by a per-row log-sum-exp; no cross-covariance.
+    """
+    q, key_means, value_means = _check_mixture(q, key_means, value_means)
+    beta = V.check_positive_float(beta, "beta")
+    weights = V.as_float_array(weights, "weights", ndim=1)
+    V.check_shape(weights, "weights", (key_means.shape[0],), ("M",))
+    V.check_probability_vector(weights, "weights")
+    dtype = V.common_float_dtype(q, key_means, value_means, weights)
+    q, key_means, value_means, weights = (a.astype(dtype, copy=False) for a in (q, key_means, value_means, weights))
+    variances = np.full(key_means.shape, 1.0 / beta, dtype=dtype)
+    with np.errstate(divide="ignore"):
+        log_w = np.log(weights)
+    # log h_n(q) = log pi_n + log N(q; mu_n, I/beta) - logsumexp_m(...)
+    h = softmax(_log_gaussian_diag(q, key_means, variances) + log_w, axis=1)
+    return h @ value_means
+
+
+def _check_counts(counts, M: int):
+    counts = np.asarray(counts)
+    if not (np.issubdtype(counts.dtype, np.integer) or np.issubdtype(counts.dtype, np.floating)) or counts.dtype == bool:
+        raise TypeError(f"counts: expected an integer or float array, got dtype {counts.dtype}")
+    V.check_shape(counts, "counts", (M,), ("M",))
+    if np.issubdtype(counts.dtype, np.floating):
+        V.check_finite(counts, "counts")
+    V.check_positive(counts, "counts")
+    return counts
+
+
+def ovq_readout(q, key_means, value_means, counts, *, beta, count_bias: bool = True):
+    r"""The OVQ read-out ``softmax(beta q D_k^T + log c) D_v`` (no norm term).
+
+    Parameters
+    ----------
+    q : array_like, shape (N_q, d)
+        Queries; OVQ feeds unit vectors (they are not normalised here).
+    key_means : array_like, shape (M, d)
+        ``D_k``.
+    value_means : array_like, shape (M, d_v)
+        ``D_v``.
+    counts : array_like, shape (M,)
+        Positive counts ``c`` (integers or floats).
+    beta : float
+        Scale (> 0).
+    count_bias : bool, default True
+        Add ``log c`` to the logits (the ablation switch of OVQ).
+
+    Returns
+    -------
+    ndarray, shape (N_q, d_v)
+    """
+    q, key_means, value_means = _check_mixture(q, key_means, value_means)
+    beta = V.check_positive_float(beta, "beta")
+    counts = _check_counts(counts, key_means.shape[0])
+    count_bias = V.check_bool(count_bias, "count_bias")
+    dtype = V.common_float_dtype(q, key_means, value_means)
+    q, key_means, value_means = (a.astype(dtype, copy=False) for a in (q, key_means, value_means))
+    logits = q @ key_means.T
+    logits *= dtype.type(beta)
+    if count_bias:
+        # pi_n = c_n / sum c; the -log sum c is common to the row and cancels
+        logits += np.log(counts.astype(dtype))
+    return softmax(logits, axis=1) @ value_means
+
+
+def readout_gap(q, key_means, value_means, counts, *, beta):
+    """``ovq_readout - gmr_predict`` with ``pi = c / sum(c)``: the cost of dropping ``-(beta/2)||mu||^2``.
+
+    Parameters are those of :func:`ovq_readout`.
+
+    Returns
+    -------
+    ndarray, shape (N_q, d_v)
+        Zero up to rounding when all ``||key_means[n]||`` are equal.
+    """
+    q, key_means, value_means = _check_mixture(q, key_means, value_means)
+    counts = _check_counts(counts, key_means.shape[0])
+    weights = counts.astype(np.float64) / np.sum(counts, dtype=np.float64)
+    ovq = ovq_readout(q, key_means, value_means, counts, beta=beta)
+    exact = gmr_predict(q, key_means, value_means, weights.astype(ovq.dtype), beta=beta)
+    return ovq - exact
+
+
+def readout_gap_bound(key_means, value_means, *, beta):
+    r"""Per-coordinate bound on ``|readout_gap|``: ``tanh(r / 4) * (max_n mu^v_n - min_n mu^v_n)``.
+
+    Parameters
+    ----------
+    key_means : array_like, shape (M, d)
+    value_means : array_like, shape (M, d_v)
+    beta : float
+
+    Returns
+    -------
+    ndarray, shape (d_v,)
+        ``r = (beta/2) (max_n ||mu^k_n||^2 - min_n ||mu^k_n||^2)`` is the range
+        of the dropped term; the module docstring derives the bound.  It holds
+        for every query and every set of counts.
+    """
+    key_means = V.as_float_array(key_means, "key_means", ndim=2)
+    value_means = V.as_float_array(value_means, "value_means", ndim=2)
+    if key_means.shape[0] < 1:
+        raise ValueError("key_means: expected at least one component (M >= 1), got M = 0")
+    V.check_shape(value_means, "value_means", (key_means.shape[0], None), ("M", "d_v"))
+    beta = V.check_positive_float(beta, "beta")
+    sq = np.sum(key_means * key_means, axis=1)
+    r = 0.5 * beta * (np.max(sq) - np.min(sq))
+    # TV(p, p') <= tanh(r/4) when log(p'/p) has range r; sum_n (p_n - p'_n) = 0
+    return np.tanh(r / 4.0) * (np.max(value_means, axis=0) - np.min(value_means, axis=0))
+
+
+class JointGMM(NamedTuple):
+    """A diagonal GMM fitted to the joint rows ``[k, v]``, split into its key and value parts."""
+
+    key_means: np.ndarray  #: (M, d)
+    value_means: np.ndarray  #: (M, d_v)
+    key_variances: np.ndarray  #: (M, d)
+    value_variances: np.ndarray  #: (M, d_v)
+    weights: np.ndarray  #: (M,)
+    log_likelihood: np.ndarray  #: (n_iter + 1,) mean log-likelihood before each step and after the last
+
+
+def fit_joint_gmm(k, v, n_components, *, n_iter: int = 50, reg_covar: float = 1e-6, seed: int = 0) -> JointGMM:
+    """Fit a diagonal GMM to the joint data ``(k, v)`` with EM (:func:`refimpl.gmm.em_step`).
+
+    Parameters
+    ----------
+    k : array_like, shape (T, d)
+    v : array_like, shape (T, d_v)
+    n_components : int
+        ``M``, between 1 and ``T``.
+    n_iter : int, default 50
+        EM iterations (>= 0).
+    reg_covar : float, default 1e-6
+        Added to every variance at each M-step.
+    seed : int, default 0
+        The initial means are ``M`` distinct rows drawn by
+        ``np.random.default_rng(seed)``; initial variances are the per-column
+        variances of the data (plus ``reg_covar``), weights uniform.
+
+    Returns
+    -------
+    JointGMM
+        Means, variances and weights split at column ``d``, and the mean
+        log-likelihood trace (non-decreasing: EM never increases the NLL).
+    """
+    k = V.as_float_array(k, "k", ndim=2)
+    v = V.as_float_array(v, "v", ndim=2)
+    V.check_shape(v, "v", (k.shape[0], None), ("T", "d_v"))
+    T, d = k.shape
+    M = V.check_int(n_components, "n_components", minimum=1)
+    if M > T:
+        raise ValueError(f"n_components: expected at most T = {T} components (one per row), got {M}")
+    n_iter = V.check_int(n_iter, "n_iter", minimum=0)
+    reg_covar = V.check_positive_float(reg_covar, "reg_covar", allow_zero=True)
+    seed = V.check_int(seed, "seed", minimum=0)
+    dtype = V.common_float_dtype(k, v)
+    x = np.concatenate([k, v], axis=1).astype(dtype, copy=False)
+    rng = np.random.default_rng(seed)
+    means = x[rng.choice(T, size=M, replace=False)].copy()
+    variances = np.tile(np.var(x, axis=0) + reg_covar, (M, 1)).astype(dtype)
+    variances = np.maximum(variances, np.finfo(dtype).tiny)
+    weights = np.full(M, 1.0 / M, dtype=dtype)
+    trace = [float(np.mean(log_likelihood(x, means, variances, weights)))]
+    for _ in range(n_iter):
+        means, variances, weights = em_step(x, means, variances, weights, reg_covar=reg_covar)
+        trace.append(float(np.mean(log_likelihood(x, means, variances, weights))))
+    return JointGMM(
+        key_means=means[:, :d],
+        value_means=means[:, d:],
+        key_variances=variances[:, :d],
+        value_variances=variances[:, d:],
+        weights=weights,
+        log_likelihood=np.asarray(trace),
+    )
+
+
+def joint_gmm_predict(q, fit: JointGMM):
+    """Exact conditional mean ``E[v | q]`` of a fitted diagonal joint GMM.
+
+    Parameters
+    ----------
+    q : array_like, shape (N_q, d)
+    fit : JointGMM
+        From :func:`fit_joint_gmm`.
+
+    Returns
+    -------
+    ndarray, shape (N_q, d_v)
+        ``sum_n h_n(q) mu^v_n`` with ``h_n`` the posterior under the key
+        marginals ``N(q; mu^k_n, diag key_variances_n)``: a diagonal joint
+        covariance has no cross-covariance, so nothing else enters.
+    """
+    if not isinstance(fit, JointGMM):
+        raise TypeError(f"fit: expected a JointGMM from fit_joint_gmm, got {type(fit).__name__}")
+    q, key_means, value_means = _check_mixture(q, fit.key_means, fit.value_means)
+    key_variances = V.as_float_array(fit.key_variances, "fit.key_variances", ndim=2)
+    V.check_shape(key_variances, "fit.key_variances", key_means.shape, ("M", "d"))
+    V.check_positive(key_variances, "fit.key_variances")
+    weights = V.as_float_array(fit.weights, "fit.weights", ndim=1)
+    V.check_shape(weights, "fit.weights", (key_means.shape[0],), ("M",))
+    V.check_probability_vector(weights, "fit.weights")
+    dtype = V.common_float_dtype(q, key_means, value_means, key_variances, weights)
+    q, key_means, value_means, key_variances, weights = (
+        a.astype(dtype, copy=False) for a in (q, key_means, value_means, key_variances, weights)
+    )
+    with np.errstate(divide="ignore"):
+        log_w = np.log(weights)
+    h = softmax(_log_gaussian_diag(q, key_means, key_variances) + log_w, axis=1)
+    return h @ value_means

@@ -1,0 +1,206 @@
+"""Token-by-token loop oracles for OVQ and VQ attention, written straight from ``spec/ovq.md``.
+
+Plain Python loops over tokens, centroids and chunk keys; NumPy only for the
+arithmetic on one row at a time.  No matrix products, no sorting by
+``argsort``, no ``np.add.at``: each step is the sentence of the spec it
+implements, so that :mod:`refimpl.ovq` (vectorised within a chunk) can be
+checked against it.  The state arithmetic follows the conventions that make
+the two agree bit for bit in float64 (listed in :mod:`refimpl.ovq`): unit
+rows as ``x / max(sqrt(sum(x * x)), 1e-12)``, per-centroid sums accumulated
+in token order and combined as ``(c * D + sum) / c'``, the random draw from
+``np.random.default_rng([seed, t])``.  The outputs agree to rounding only (a
+dot product here is summed in another order than in a matrix product).
+
+Slow by design: use small sizes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .gmm import softmax
+from .ovq import OVQState
+
+__all__ = ["ovq_attention_loop", "vq_attention_loop"]
+
+
+def _unit(x):
+    # q^ = q / max(||q||, 1e-12)
+    return x / max(np.sqrt(np.sum(x * x)), 1e-12)
+
+
+def _growth(t, N, growth):
+    if growth == "linear":
+        return min(t, N)
+    return max(1, (t * N) // (t + N))
+
+
+def ovq_attention_loop(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread",
+                       count_bias=True, learning_rate=None, seed=0):
+    """OVQ attention of spec section 4, one token at a time.
+
+    Parameters are those of :func:`refimpl.ovq.ovq_attention` (no ``state``;
+    inputs are assumed valid).
+
+    Returns
+    -------
+    out : ndarray, shape (T, d_v)
+    state : OVQState
+        ``D_k``, ``D_v``, ``c``, ``n``, ``t`` after the last chunk.
+    """
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    dtype = np.result_type(q, k, v)
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    T, d = q.shape
+    d_v = v.shape[1]
+    N, C = max_size, chunk_size
+    beta = math.sqrt(d) if beta is None else beta
+    Dk = np.zeros((N, d), dtype=dtype)
+    Dv = np.zeros((N, d_v), dtype=dtype)
+    c = [0] * N
+    n, t = 0, 0
+    out = np.zeros((T, d_v), dtype=dtype)
+
+    for s in range(0, T, C):
+        e = min(s + C, T)
+        L = e - s
+        qh = [_unit(q[s + a]) for a in range(L)]
+        kh = [_unit(k[s + a]) for a in range(L)]
+        vc = [v[s + a] for a in range(L)]
+
+        # Predict: one softmax over the n centroids and the chunk keys b <= a
+        for a in range(L):
+            logits, rows = [], []
+            for m in range(n):
+                logit = beta * np.dot(qh[a], Dk[m])
+                if count_bias:
+                    logit += np.log(dtype.type(c[m]))
+                logits.append(logit)
+                rows.append(Dv[m])
+            for b in range(a + 1):
+                logits.append(beta * np.dot(qh[a], kh[b]))  # a raw key: count 1, log 1 = 0
+                rows.append(vc[b])
+            p = softmax(np.array(logits, dtype=dtype))
+            o = np.zeros(d_v, dtype=dtype)
+            for j in range(len(rows)):
+                o += p[j] * rows[j]
+            out[s + a] = o
+
+        # Grow
+        t_next = t + L
+        n_next = max(n, _growth(t_next, N, growth))
+        n_new = n_next - n
+
+        # Assign
+        assigned = [None] * L  # centroid each non-seeding key joins
+        seeds = []  # keys seeding centroids n, n+1, ... in this order
+        if n == 0:
+            seeds.append(0)
+            score = {i: np.dot(kh[i], kh[0]) for i in range(1, L)}
+            by_score = sorted(range(1, L), key=lambda i: (score[i], i))
+            seeds += by_score[: n_new - 1]
+            for i in range(1, L):
+                if i not in seeds:
+                    assigned[i] = 0
+        else:
+            score = []
+            for i in range(L):
+                best, best_m = None, None
+                for m in range(n):
+                    sim = np.dot(kh[i], Dk[m])
+                    if best is None or sim > best:  # strict: ties keep the lowest index
+                        best, best_m = sim, m
+                assigned[i] = best_m
+                score.append(best)
+            if n_new > 0:
+                if init == "spread":
+                    seeds = sorted(range(L), key=lambda i: (score[i], i))[:n_new]
+                else:
+                    rng = np.random.default_rng([seed, t])
+                    seeds = [int(i) for i in rng.choice(L, size=n_new, replace=False)]
+            for i in seeds:
+                assigned[i] = None
+
+        # Update: seeded centroids first (D = key, value; c = 1) ...
+        for j, i in enumerate(seeds):
+            m = n + j
+            Dk[m] = kh[i]
+            Dv[m] = vc[i]
+            c[m] = 1
+        # ... then every centroid folds in the keys assigned to it, sums in token order
+        for m in range(n_next):
+            members = [i for i in range(L) if assigned[i] == m]
+            if not members:
+                continue
+            if learning_rate is None:
+                sum_k = np.zeros(d, dtype=dtype)
+                sum_v = np.zeros(d_v, dtype=dtype)
+                for i in members:
+                    sum_k += kh[i]
+                    sum_v += vc[i]
+                c_old, c_new = c[m], c[m] + len(members)
+                Dk[m] = (dtype.type(c_old) * Dk[m] + sum_k) / dtype.type(c_new)
+                Dv[m] = (dtype.type(c_old) * Dv[m] + sum_v) / dtype.type(c_new)
+            else:
+                delta_k = np.zeros(d, dtype=dtype)
+                delta_v = np.zeros(d_v, dtype=dtype)
+                for i in members:
+                    delta_k += kh[i] - Dk[m]
+                    delta_v += vc[i] - Dv[m]
+                Dk[m] = Dk[m] + dtype.type(learning_rate) * delta_k
+                Dv[m] = Dv[m] + dtype.type(learning_rate) * delta_v
+                c_new = c[m] + len(members)
+            c[m] = c_new
+        n, t = n_next, t_next
+
+    return out, OVQState(Dk, Dv, np.array(c, dtype=np.int64), n, t)
+
+
+def vq_attention_loop(q, k, v, codebook, *, chunk_size, beta=None):
+    """VQ attention of spec section 5, one token at a time.
+
+    Parameters are those of :func:`refimpl.ovq.vq_attention`.
+
+    Returns
+    -------
+    ndarray, shape (T, d_v)
+    """
+    q, k, v, codebook = (np.asarray(a) for a in (q, k, v, codebook))
+    dtype = np.result_type(q, k, v, codebook)
+    T, d = q.shape
+    d_v = v.shape[1]
+    S = codebook.shape[0]
+    beta = math.sqrt(d) if beta is None else beta
+    L_count = [0] * S
+    U = [np.zeros(d_v, dtype=dtype) for _ in range(S)]  # sum of values per code
+    out = np.zeros((T, d_v), dtype=dtype)
+
+    def code(x):
+        best, best_m = None, None
+        for m in range(S):
+            sim = np.dot(x, codebook[m])
+            if best is None or sim > best:
+                best, best_m = sim, m
+        return best_m
+
+    for s in range(0, T, chunk_size):
+        e = min(s + chunk_size, T)
+        z = [code(_unit(k[i])) for i in range(s, e)]
+        for a in range(e - s):
+            qa = _unit(q[s + a])
+            logits, rows = [], []
+            for m in range(S):
+                if L_count[m] > 0:
+                    logits.append(beta * np.dot(qa, codebook[m]) + math.log(L_count[m]))
+                    rows.append(U[m] / L_count[m])
+            for b in range(a + 1):
+                logits.append(beta * np.dot(qa, codebook[z[b]]))
+                rows.append(v[s + b])
+            p = softmax(np.array(logits, dtype=dtype))
+            out[s + a] = sum(p[j] * rows[j] for j in range(len(rows)))
+        for b, i in enumerate(range(s, e)):
+            L_count[z[b]] += 1
+            U[z[b]] = U[z[b]] + v[i]
+    return out

@@ -1,0 +1,619 @@
+r"""The theory of Gaussian Mixture Attention, as functions that can be checked numerically.
+
+Shapes follow :mod:`refimpl.gma`: points ``x`` are ``(N, d)``, ``means`` and
+``variances`` ``(K, d)``, ``weights`` ``(K,)``, responsibilities ``(N, K)``.
+These functions serve analysis on small problems: some form ``N x K x d``
+tensors or ``N x N`` matrices on purpose; the mechanism itself lives in
+:mod:`refimpl.gma`.
+
+The responsibility Jacobian
+---------------------------
+With :math:`\ell_m(x) = \log\pi_m + \log\mathcal N(x\mid\mu_m,\sigma_m^2)`,
+:math:`\partial\ell_m/\partial x = (\mu_m - x)/\sigma_m^2 =: u_m` (division
+elementwise), and the softmax Jacobian
+:math:`\partial\gamma/\partial\ell = \operatorname{diag}\gamma - \gamma\gamma^\top`
+gives the ``K x d`` matrix
+
+.. math::
+
+    J(x) = (\operatorname{diag}\gamma - \gamma\gamma^\top)\,U,\qquad
+    J_{m\cdot} = \gamma_m\,(u_m - \bar u),\quad \bar u = \textstyle\sum_k\gamma_k u_k .
+
+Two Lipschitz bounds
+--------------------
+On the ball :math:`\|x\|\le B_x`, with :math:`B_\mu = \max_m\|\mu_m\|`,
+:math:`\sigma^2 \ge \sigma^2_{\min}` and :math:`R = (B_x + B_\mu)/\sigma^2_{\min}`,
+every row of :math:`U` has :math:`\|u_m\| \le R`.
+
+*Crude.*  :math:`\operatorname{diag}\gamma-\gamma\gamma^\top` is the covariance
+of a one-hot vector, so it is positive semidefinite, and by Gershgorin (row
+:math:`m` has centre :math:`\gamma_m(1-\gamma_m)` and radius
+:math:`\gamma_m\sum_{k\ne m}\gamma_k = \gamma_m(1-\gamma_m)`) its eigenvalues
+lie in :math:`[0, \max_m 2\gamma_m(1-\gamma_m)] \subset [0, 1/2]`; with
+:math:`\|U\|_2\le\|U\|_F\le\sqrt K R`, so :math:`\|J\|_2\le\tfrac12\sqrt K R`.
+
+*K-free.*  For a unit vector :math:`v`, put :math:`w_m = u_m\cdot v`
+(:math:`|w_m|\le R`).  Then :math:`(Jv)_m = \gamma_m(w_m-\bar w)` and
+
+.. math::
+
+    \|Jv\|_2 \le \|Jv\|_1 = \textstyle\sum_m\gamma_m|w_m-\bar w|
+    \le \big(\sum_m\gamma_m(w_m-\bar w)^2\big)^{1/2} = \operatorname{SD}_\gamma(w)
+    \le \tfrac12\operatorname{range}(w) \le R,
+
+by Cauchy-Schwarz (Jensen) and Popoviciu's inequality on the variance.
+Remark: the entries of :math:`Jv` sum to zero, so its positive and negative
+parts each carry half of :math:`\|Jv\|_1` and
+:math:`\|Jv\|_2 \le \|Jv\|_1/\sqrt2`; the constant sharpens to :math:`R/\sqrt2`,
+which is attained in the limit :math:`B_x \to 0` by two components
+:math:`\mu = \pm B e_1` of variance :math:`\sigma^2_{\min}` and equal weights
+(at :math:`x = 0`, :math:`\gamma = (\tfrac12,\tfrac12)` and
+:math:`u = \pm B e_1/\sigma^2_{\min} = \pm R e_1`).  The
+:func:`lipschitz_bounds` report the spec's :math:`R`; the tests also check
+:math:`R/\sqrt2`.  The
+ball is convex, so integrating :math:`J` along the segment gives
+:math:`\|\gamma(x)-\gamma(x')\|_2 \le R\,\|x-x'\|_2`.  :func:`empirical_lipschitz`
+estimates both sides from samples: the largest :math:`\|J\|_2` at sampled
+points and the largest difference quotient over sampled pairs.
+
+Responsibility-modulated gradients
+----------------------------------
+For one token with upstream :math:`g = \partial L/\partial\gamma(x)` the
+gradient of every logit is :math:`c_m = \gamma_m(g_m-\bar g)`, and
+:math:`g_m - \bar g = \sum_{k\ne m}\gamma_k(g_m-g_k)` gives
+:math:`|g_m-\bar g|\le(1-\gamma_m)\operatorname{range}(g)`, hence
+
+.. math::
+
+    |c_m| \le \gamma_m(1-\gamma_m)\operatorname{range}(g) \le \tfrac14\operatorname{range}(g),\qquad
+    \Big\|\frac{\partial L}{\partial\mu_m}\Big\| = |c_m|\,\Big\|\frac{x-\mu_m}{\sigma_m^2}\Big\|
+    \le \tfrac14\operatorname{range}(g)\,R .
+
+For the input, :math:`\sum_m c_m = 0` lets us write
+:math:`\partial L/\partial x = \sum_m c_m u_m` and bound it by
+:math:`R\sum_m\gamma_m|g_m-\bar g| \le R\,\operatorname{SD}_\gamma(g) \le \tfrac12\operatorname{range}(g)R`.
+A sequence's parameter gradient is the sum of these per-token terms over the
+query and key tokens, so it is bounded by the sum of the per-token bounds.
+
+The affinity
+------------
+:math:`A = \Gamma_Q\Gamma_K^\top` has :math:`A_{ij} = \sum_k\gamma^Q_{ik}\gamma^K_{jk}
+= P(z_i = z_j)` for independent :math:`z_i\sim\gamma^Q_i`, :math:`z_j\sim\gamma^K_j`,
+so :math:`0\le A_{ij}\le 1`; it is a product of ``N x K`` and ``K x N``
+nonnegative factors, so its rank and its nonnegative rank are at most
+:math:`K`; with :math:`X_Q = X_K` it is a Gram matrix, hence positive
+semidefinite.  Writing :math:`m_k = \tilde V_k/Z_k` (the slot means: each a
+convex combination of values, with weights :math:`\gamma^K_{jk}/Z_k`),
+
+.. math::
+
+    o_i = \sum_k w_{ik} m_k,\qquad w_{ik} = \frac{\gamma^Q_{ik}Z_k}{\gamma^Q_i\cdot Z + \epsilon},
+    \qquad w_{ik}\ge 0,\quad \textstyle\sum_k w_{ik} = 1 - \frac{\epsilon}{\gamma^Q_i\cdot Z+\epsilon},
+
+so with :math:`\epsilon = 0` every output lies in the convex hull of the
+values (with :math:`\epsilon > 0`, in the hull of the values and the origin).
+
+The isotropic collapse
+----------------------
+If every component has the same isotropic variance :math:`\sigma^2`, the
+terms :math:`-\|x\|^2/(2\sigma^2)` and the log-determinant are common to all
+components and cancel in the softmax:
+:math:`\gamma(x) = \operatorname{softmax}(x\mu^\top/\sigma^2 + b)` with
+:math:`b_k = \log\pi_k - \|\mu_k\|^2/(2\sigma^2)`: the router is linear in
+:math:`x`, and it is the diagonal, per-component variances that make GMA's
+router quadratic.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _validation as V
+from . import gmm
+
+__all__ = [
+    "LipschitzBounds",
+    "EmpiricalLipschitz",
+    "PerTokenGradients",
+    "GradientBounds",
+    "bound_radius",
+    "lipschitz_bounds",
+    "responsibility_jacobian",
+    "jacobian_spectral_norms",
+    "sample_ball",
+    "empirical_lipschitz",
+    "per_token_gradients",
+    "gradient_bounds",
+    "affinity",
+    "affinity_by_enumeration",
+    "affinity_by_sampling",
+    "slot_means",
+    "mixing_weights",
+    "isotropic_router_logits",
+]
+
+
+class LipschitzBounds(NamedTuple):
+    """Upper bounds on ``||J(x)||_2`` over the ball ``||x|| <= bound_x``."""
+
+    radius: float  # R = (B_x + B_mu) / sigma2_min
+    crude: float  # sqrt(K) R / 2
+    k_free: float  # R
+
+
+class EmpiricalLipschitz(NamedTuple):
+    """Lower estimates of the Lipschitz constant of ``x -> gamma(x)`` from samples."""
+
+    jacobian_norm: float  # max ||J(x)||_2 over the sampled points
+    difference_quotient: float  # max ||gamma(x) - gamma(x')|| / ||x - x'|| over the sampled pairs
+
+
+class PerTokenGradients(NamedTuple):
+    """Per-token gradients through the responsibilities, before summing over tokens."""
+
+    x: np.ndarray  # (N, d): dL/dx_i
+    means_norm: np.ndarray  # (N, K): ||dL/dmu_m|| contributed by token i
+    logits: np.ndarray  # (N, K): c_im = dL/da_m contributed by token i
+
+
+class GradientBounds(NamedTuple):
+    """The bounds of the module docstring, per token (and per component)."""
+
+    x: np.ndarray  # (N,): range(g_i) R / 2
+    means: np.ndarray  # (N,): range(g_i) R / 4
+    logits: np.ndarray  # (N,): range(g_i) / 4
+    logits_modulated: np.ndarray  # (N, K): gamma_im (1 - gamma_im) range(g_i)
+
+
+# ---------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------
+
+
+def _check_mixture(x, means, variances, weights):
+    x = V.as_float_array(x, "x", ndim=2)
+    means = V.as_float_array(means, "means", ndim=2)
+    variances = V.as_float_array(variances, "variances", ndim=2)
+    weights = V.as_float_array(weights, "weights", ndim=1)
+    V.check_shape(means, "means", (None, x.shape[1]), ("K", "d"))
+    if means.shape[0] < 1:
+        raise ValueError("means: expected at least one component (K >= 1), got K = 0")
+    V.check_shape(variances, "variances", means.shape, ("K", "d"))
+    V.check_positive(variances, "variances")
+    V.check_shape(weights, "weights", (means.shape[0],), ("K",))
+    V.check_probability_vector(weights, "weights")
+    return tuple(a.astype(np.float64, copy=False) for a in (x, means, variances, weights))
+
+
+def _check_responsibilities(gamma, name, K=None):
+    gamma = V.as_float_array(gamma, name, ndim=2)
+    if K is not None:
+        V.check_shape(gamma, name, (None, K), ("N", "K"))
+    if gamma.size and np.min(gamma) < 0:
+        raise ValueError(f"{name}: expected nonnegative responsibilities, got minimum {np.min(gamma)}")
+    tol = float(np.sqrt(np.finfo(gamma.dtype).eps)) * max(1, gamma.shape[1])
+    worst = float(np.max(np.abs(gamma.sum(axis=1) - 1))) if gamma.size else 0.0
+    if worst > tol:
+        raise ValueError(f"{name}: expected rows that sum to 1 (within {tol:.1e}), got a row off by {worst:.2e}")
+    return gamma
+
+
+def _responsibilities(x, means, variances, weights):
+    with np.errstate(divide="ignore"):
+        log_w = np.log(weights)
+    return np.exp(gmm.log_softmax(gmm._log_gaussian_diag(x, means, variances) + log_w, axis=1))
+
+
+# ---------------------------------------------------------------------------
+# Lipschitz continuity of the responsibility map
+# ---------------------------------------------------------------------------
+
+
+def bound_radius(means, variances, bound_x, *, min_variance=None) -> float:
+    """``R = (B_x + B_mu) / sigma2_min``: the largest ``||(mu_m - x) / sigma_m^2||`` on the ball.
+
+    Parameters
+    ----------
+    means : array_like, shape (K, d)
+    variances : array_like, shape (K, d)
+        All > 0.
+    bound_x : float
+        Radius ``B_x`` (>= 0) of the ball of inputs.
+    min_variance : float, optional
+        The floor ``sigma2_min``; by default the smallest entry of
+        ``variances``.  A given floor must not exceed that entry.
+
+    Returns
+    -------
+    float
+    """
+    means = V.as_float_array(means, "means", ndim=2)
+    variances = V.as_float_array(variances, "variances", ndim=2)
+    V.check_shape(variances, "variances", means.shape, ("K", "d"))
+    V.check_positive(variances, "variances")
+    bound_x = V.check_positive_float(bound_x, "bound_x", allow_zero=True)
+    floor = float(np.min(variances))
+    if min_variance is not None:
+        min_variance = V.check_positive_float(min_variance, "min_variance")
+        if min_variance > floor:
+            raise ValueError(
+                f"min_variance: expected a floor <= the smallest variance {floor!r}, got {min_variance!r}"
+            )
+        floor = min_variance
+    b_mu = float(np.max(np.linalg.norm(means.astype(np.float64), axis=1)))
+    return (bound_x + b_mu) / floor
+
+
+def lipschitz_bounds(means, variances, bound_x, *, min_variance=None) -> LipschitzBounds:
+    """The crude and the K-free bounds on ``||J(x)||_2`` over ``||x|| <= bound_x``.
+
+    Parameters are those of :func:`bound_radius`.
+
+    Returns
+    -------
+    LipschitzBounds
+        ``radius`` R, ``crude = sqrt(K) R / 2`` and ``k_free = R``; both bound
+        the Lipschitz constant of ``x -> gamma(x)`` on the ball (module
+        docstring).
+    """
+    r = bound_radius(means, variances, bound_x, min_variance=min_variance)
+    K = np.asarray(means).shape[0]
+    return LipschitzBounds(radius=float(r), crude=float(0.5 * np.sqrt(K) * r), k_free=float(r))
+
+
+def responsibility_jacobian(x, means, variances, weights):
+    """``d gamma_m / d x_j`` at every point: ``gamma_m (u_m - ubar)``.
+
+    Parameters
+    ----------
+    x : array_like, shape (N, d)
+    means, variances : array_like, shape (K, d)
+    weights : array_like, shape (K,)
+
+    Returns
+    -------
+    ndarray, shape (N, K, d)
+        Float64.  Forms ``N x K x d`` numbers: for analysis, not for the mechanism.
+    """
+    x, means, variances, weights = _check_mixture(x, means, variances, weights)
+    gamma = _responsibilities(x, means, variances, weights)
+    # u_m = d l_m / dx = (mu_m - x) / sigma_m^2
+    u = (means[None, :, :] - x[:, None, :]) / variances[None, :, :]
+    ubar = np.einsum("nk,nkd->nd", gamma, u)
+    # J = (diag gamma - gamma gamma^T) U, row m = gamma_m (u_m - ubar)
+    return gamma[:, :, None] * (u - ubar[:, None, :])
+
+
+def jacobian_spectral_norms(x, means, variances, weights):
+    """``||J(x_i)||_2`` (largest singular value) at every point.
+
+    Parameters are those of :func:`responsibility_jacobian`.
+
+    Returns
+    -------
+    ndarray, shape (N,)
+    """
+    jac = responsibility_jacobian(x, means, variances, weights)
+    return np.linalg.norm(jac, ord=2, axis=(1, 2))
+
+
+def sample_ball(n, d, radius, rng):
+    """``n`` points uniform in the ball ``||x|| <= radius`` of ``R^d``.
+
+    Parameters
+    ----------
+    n, d : int
+        Number of points (>= 0) and dimension (>= 1).
+    radius : float
+        >= 0.
+    rng : numpy.random.Generator
+
+    Returns
+    -------
+    ndarray, shape (n, d)
+    """
+    n = V.check_int(n, "n", minimum=0)
+    d = V.check_int(d, "d", minimum=1)
+    radius = V.check_positive_float(radius, "radius", allow_zero=True)
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng: expected a numpy.random.Generator, got {type(rng).__name__}")
+    direction = rng.normal(size=(n, d))
+    direction /= np.maximum(np.linalg.norm(direction, axis=1, keepdims=True), np.finfo(float).tiny)
+    # P(||x|| <= r) = (r / radius)^d for the uniform law, so ||x|| = radius U^(1/d)
+    return direction * (radius * rng.random(n) ** (1.0 / d))[:, None]
+
+
+def _project_to_ball(x, radius):
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return np.where(norms > radius, x * (radius / np.maximum(norms, np.finfo(float).tiny)), x)
+
+
+def _probe_points(means, variances, bound_x, n, rng):
+    """Points where the responsibilities change fastest, plus uniform ones, all in the ball."""
+    K, d = means.shape
+    third = n // 3
+    uniform = sample_ball(n - 2 * third, d, bound_x, rng)
+    # near a component: mu_m + sigma_m z
+    m = rng.integers(0, K, size=third)
+    near = means[m] + np.sqrt(variances[m]) * rng.normal(size=(third, d))
+    # on the segment between two components, where the posterior switches
+    a, b = rng.integers(0, K, size=third), rng.integers(0, K, size=third)
+    t = rng.random((third, 1))
+    between = t * means[a] + (1 - t) * means[b] + 0.1 * np.sqrt(variances[a]) * rng.normal(size=(third, d))
+    return _project_to_ball(np.concatenate([uniform, near, between]), bound_x)
+
+
+def empirical_lipschitz(means, variances, weights, bound_x, *, n_points: int = 1000, n_pairs: int = 1000, seed=0) -> EmpiricalLipschitz:
+    """Estimate the Lipschitz constant of ``x -> gamma(x)`` on ``||x|| <= bound_x`` from below.
+
+    Points are drawn a third uniformly in the ball, a third near the means
+    and a third between pairs of means (projected into the ball); pairs are
+    a point and a perturbation of it at a log-uniform distance in
+    ``[1e-4 B, 2 B]`` (``B = max(bound_x, 1e-12)``), also projected.
+
+    Parameters
+    ----------
+    means, variances : array_like, shape (K, d)
+    weights : array_like, shape (K,)
+    bound_x : float
+        Radius of the ball (>= 0).
+    n_points : int, default 1000
+        Points at which ``||J||_2`` is evaluated (>= 1).
+    n_pairs : int, default 1000
+        Pairs for the difference quotient (>= 1).
+    seed : int or numpy.random.Generator, default 0
+
+    Returns
+    -------
+    EmpiricalLipschitz
+        Both are lower bounds on the true constant, to compare with
+        :func:`lipschitz_bounds`.
+    """
+    means = V.as_float_array(means, "means", ndim=2)
+    bound_x = V.check_positive_float(bound_x, "bound_x", allow_zero=True)
+    n_points = V.check_int(n_points, "n_points", minimum=1)
+    n_pairs = V.check_int(n_pairs, "n_pairs", minimum=1)
+    _, means, variances, weights = _check_mixture(np.zeros((1, means.shape[1])), means, variances, weights)
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    pts = _probe_points(means, variances, bound_x, n_points, rng)
+    jac_max = float(np.max(jacobian_spectral_norms(pts, means, variances, weights)))
+
+    x = _probe_points(means, variances, bound_x, n_pairs, rng)
+    scale = max(bound_x, 1e-12)
+    dist = scale * 10.0 ** rng.uniform(-4, np.log10(2.0), size=(n_pairs, 1))
+    step = rng.normal(size=x.shape)
+    step /= np.maximum(np.linalg.norm(step, axis=1, keepdims=True), np.finfo(float).tiny)
+    x2 = _project_to_ball(x + dist * step, bound_x)
+    gap = np.linalg.norm(x - x2, axis=1)
+    keep = gap > 0
+    diff = np.linalg.norm(
+        _responsibilities(x[keep], means, variances, weights) - _responsibilities(x2[keep], means, variances, weights), axis=1
+    )
+    quotient = float(np.max(diff / gap[keep])) if np.any(keep) else 0.0
+    return EmpiricalLipschitz(jacobian_norm=jac_max, difference_quotient=quotient)
+
+
+# ---------------------------------------------------------------------------
+# Responsibility-modulated gradients
+# ---------------------------------------------------------------------------
+
+
+def per_token_gradients(x, means, variances, weights, grad_resp) -> PerTokenGradients:
+    """What each token contributes to the gradients through ``gamma(x)``.
+
+    Parameters
+    ----------
+    x : array_like, shape (N, d)
+    means, variances : array_like, shape (K, d)
+    weights : array_like, shape (K,)
+    grad_resp : array_like, shape (N, K)
+        Upstream ``g_i = dL/dgamma(x_i)``.
+
+    Returns
+    -------
+    PerTokenGradients
+        ``x`` (N, d): ``dL/dx_i = sum_m c_im (mu_m - x_i) / sigma_m^2``;
+        ``means_norm`` (N, K): ``|c_im| ||(x_i - mu_m) / sigma_m^2||``;
+        ``logits`` (N, K): ``c_im = gamma_im (g_im - gbar_i)``.  Summed over
+        tokens these are the gradients :func:`refimpl.gma.gma_backward` returns.
+    """
+    x, means, variances, weights = _check_mixture(x, means, variances, weights)
+    g = V.as_float_array(grad_resp, "grad_resp", ndim=2)
+    V.check_shape(g, "grad_resp", (x.shape[0], means.shape[0]), ("N", "K"))
+    gamma = _responsibilities(x, means, variances, weights)
+    # dL/dl_m = gamma_m (g_m - gbar): the softmax Jacobian
+    c = gamma * (g - np.sum(gamma * g, axis=1, keepdims=True))
+    u = (means[None, :, :] - x[:, None, :]) / variances[None, :, :]
+    return PerTokenGradients(
+        x=np.einsum("nk,nkd->nd", c, u),
+        means_norm=np.abs(c) * np.linalg.norm(u, axis=2),
+        logits=c,
+    )
+
+
+def gradient_bounds(gamma, grad_resp, radius) -> GradientBounds:
+    """The per-token bounds of the module docstring.
+
+    Parameters
+    ----------
+    gamma : array_like, shape (N, K)
+        Responsibilities (rows on the simplex).
+    grad_resp : array_like, shape (N, K)
+        Upstream ``g_i = dL/dgamma(x_i)``.
+    radius : float
+        ``R`` from :func:`bound_radius` (>= 0).
+
+    Returns
+    -------
+    GradientBounds
+        ``x`` (N,) = ``range(g_i) R / 2``; ``means`` (N,) = ``range(g_i) R / 4``;
+        ``logits`` (N,) = ``range(g_i) / 4``; ``logits_modulated`` (N, K) =
+        ``gamma_im (1 - gamma_im) range(g_i)``.
+    """
+    gamma = _check_responsibilities(gamma, "gamma")
+    g = V.as_float_array(grad_resp, "grad_resp", ndim=2)
+    V.check_shape(g, "grad_resp", gamma.shape, ("N", "K"))
+    radius = V.check_positive_float(radius, "radius", allow_zero=True)
+    rng_g = np.ptp(g, axis=1)
+    return GradientBounds(
+        x=0.5 * rng_g * radius,
+        means=0.25 * rng_g * radius,
+        logits=0.25 * rng_g,
+        logits_modulated=gamma * (1 - gamma) * rng_g[:, None],
+    )
+
+
+# ---------------------------------------------------------------------------
+# The affinity and the outputs
+# ---------------------------------------------------------------------------
+
+
+def affinity(gamma_q, gamma_k, *, causal: bool = False):
+    """The implicit affinity ``A = gamma_q gamma_k^T`` (its lower triangle when causal).
+
+    Parameters
+    ----------
+    gamma_q : array_like, shape (N_q, K)
+    gamma_k : array_like, shape (N_k, K)
+        Responsibilities (rows on the simplex).
+    causal : bool, default False
+
+    Returns
+    -------
+    ndarray, shape (N_q, N_k)
+    """
+    gamma_q = _check_responsibilities(gamma_q, "gamma_q")
+    gamma_k = _check_responsibilities(gamma_k, "gamma_k", K=gamma_q.shape[1])
+    causal = V.check_bool(causal, "causal")
+    if causal and gamma_q.shape[0] != gamma_k.shape[0]:
+        raise ValueError(f"causal=True needs N_q == N_k, got {gamma_q.shape[0]} and {gamma_k.shape[0]}")
+    a = gamma_q @ gamma_k.T
+    return np.tril(a) if causal else a
+
+
+def affinity_by_enumeration(gamma_q, gamma_k):
+    """``P(z_i = z_j)`` by summing the joint law of ``(z_i, z_j)`` over its diagonal.
+
+    For every pair the ``K x K`` table ``P(z_i = a, z_j = b) = gamma_q_ia gamma_k_jb``
+    (independent draws) is formed and the cells ``a = b`` are added: the
+    definition of the event, with no use of the dot product.
+
+    Returns
+    -------
+    ndarray, shape (N_q, N_k)
+    """
+    gamma_q = _check_responsibilities(gamma_q, "gamma_q")
+    gamma_k = _check_responsibilities(gamma_k, "gamma_k", K=gamma_q.shape[1])
+    K = gamma_q.shape[1]
+    out = np.zeros((gamma_q.shape[0], gamma_k.shape[0]))
+    same = np.eye(K, dtype=bool)
+    for i in range(gamma_q.shape[0]):
+        for j in range(gamma_k.shape[0]):
+            joint = np.outer(gamma_q[i], gamma_k[j])
+            out[i, j] = joint[same].sum()
+    return out
+
+
+def affinity_by_sampling(gamma_q, gamma_k, n_samples: int, seed=0):
+    """Monte Carlo frequency of ``z_i = z_j`` with ``z_i ~ gamma_q_i``, ``z_j ~ gamma_k_j`` independent.
+
+    Parameters
+    ----------
+    gamma_q : array_like, shape (N_q, K)
+    gamma_k : array_like, shape (N_k, K)
+    n_samples : int
+        Independent draws of every ``z`` (>= 1).  The standard error of each
+        entry is at most ``0.5 / sqrt(n_samples)``.
+    seed : int or numpy.random.Generator, default 0
+
+    Returns
+    -------
+    ndarray, shape (N_q, N_k)
+    """
+    gamma_q = _check_responsibilities(gamma_q, "gamma_q")
+    gamma_k = _check_responsibilities(gamma_k, "gamma_k", K=gamma_q.shape[1])
+    n_samples = V.check_int(n_samples, "n_samples", minimum=1)
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    K = gamma_q.shape[1]
+
+    def draw(gamma):
+        # inverse-CDF sampling: z = #{k : cdf_k <= u}, clipped for rows that sum to 1 - tiny
+        cdf = np.cumsum(gamma, axis=1)
+        u = rng.random((gamma.shape[0], n_samples))
+        z = np.sum(u[:, :, None] >= cdf[:, None, :], axis=2)
+        return np.minimum(z, K - 1)
+
+    zq, zk = draw(gamma_q), draw(gamma_k)
+    return np.mean(zq[:, None, :] == zk[None, :, :], axis=2)
+
+
+def slot_means(gamma_k, v):
+    """``m_k = sum_j gamma_jk v_j / sum_j gamma_jk``: the value each slot holds.
+
+    Parameters
+    ----------
+    gamma_k : array_like, shape (N_k, K)
+        Key responsibilities; every column needs a positive sum.
+    v : array_like, shape (N_k, d_v)
+
+    Returns
+    -------
+    ndarray, shape (K, d_v)
+        Each row is a convex combination of the rows of ``v``.
+    """
+    gamma_k = _check_responsibilities(gamma_k, "gamma_k")
+    v = V.as_float_array(v, "v", ndim=2)
+    V.check_shape(v, "v", (gamma_k.shape[0], None), ("N_k", "d_v"))
+    z = gamma_k.sum(axis=0)
+    if np.any(z <= 0):
+        raise ValueError(f"gamma_k: every slot needs a positive mass, got column sums with minimum {np.min(z)}")
+    return (gamma_k.T @ v) / z[:, None]
+
+
+def mixing_weights(gamma_q, gamma_k, *, eps: float = 1e-6):
+    """``w_ik = gamma_q_ik Z_k / (gamma_q_i . Z + eps)``: ``out = w @ slot_means`` (bidirectional).
+
+    Parameters
+    ----------
+    gamma_q : array_like, shape (N_q, K)
+    gamma_k : array_like, shape (N_k, K)
+    eps : float, default 1e-6
+
+    Returns
+    -------
+    ndarray, shape (N_q, K)
+        Nonnegative rows summing to ``1 - eps / (gamma_q_i . Z + eps)``.
+    """
+    gamma_q = _check_responsibilities(gamma_q, "gamma_q")
+    gamma_k = _check_responsibilities(gamma_k, "gamma_k", K=gamma_q.shape[1])
+    eps = V.check_positive_float(eps, "eps", allow_zero=True)
+    z = gamma_k.sum(axis=0)
+    weighted = gamma_q * z[None, :]
+    return weighted / (weighted.sum(axis=1, keepdims=True) + eps)
+
+
+def isotropic_router_logits(x, means, variance, weights):
+    """``x mu^T / sigma^2 + log pi - ||mu||^2 / (2 sigma^2)``: the router when all variances are equal.
+
+    Parameters
+    ----------
+    x : array_like, shape (N, d)
+    means : array_like, shape (K, d)
+    variance : float
+        The one shared variance (> 0).
+    weights : array_like, shape (K,)
+
+    Returns
+    -------
+    ndarray, shape (N, K)
+        ``softmax`` of these rows equals the responsibilities of the GMM with
+        ``variances = variance`` everywhere (module docstring).
+    """
+    variance = V.check_positive_float(variance, "variance")
+    x, means, _, weights = _check_mixture(x, means, np.full(np.shape(means), variance), weights)
+    with np.errstate(divide="ignore"):
+        log_w = np.log(weights)
+    # -||x - mu||^2 / (2 s) = x . mu / s - ||mu||^2 / (2 s) - ||x||^2 / (2 s); the last is common to the row
+    return x @ means.T / variance + log_w - np.sum(means * means, axis=1) / (2 * variance)

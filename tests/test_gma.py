@@ -1,0 +1,339 @@
+"""refimpl.gma against the dense oracle, scikit-learn responsibilities, closed forms and finite differences."""
+
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sklearn.mixture import GaussianMixture
+
+from refimpl import attention, gma, gmm
+
+TOL = {np.float64: dict(rtol=1e-12, atol=1e-12), np.float32: dict(rtol=1e-4, atol=5e-4)}
+FIELDS = ("x_q", "x_k", "v", "means", "raw_variances", "logits")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def problem(seed, n_q=9, n_k=9, K=3, d_r=2, d_v=3, dtype=np.float64):
+    """Unconstrained GMA inputs in the order of gma_forward."""
+    rng = np.random.default_rng(seed)
+    args = [
+        rng.normal(size=(n_q, d_r)),
+        rng.normal(size=(n_k, d_r)),
+        rng.normal(size=(n_k, d_v)),
+        rng.normal(size=(K, d_r)),
+        rng.normal(size=(K, d_r)),
+        rng.normal(size=K),
+    ]
+    return [a.astype(dtype) for a in args]
+
+
+def constrained(args, min_variance=1e-6):
+    """(x_q, x_k, v, means, variances, weights) for gma()."""
+    x_q, x_k, v, means, raw, logits = args
+    return [x_q, x_k, v, means, gmm.variances_from_raw(raw, min_variance), gmm.softmax(logits)]
+
+
+def gammas(x_q, x_k, v, means, variances, weights):
+    return gmm.responsibilities(x_q, means, variances, weights), gmm.responsibilities(x_k, means, variances, weights)
+
+
+def fd_gradients(f, args, g, h=1e-6):
+    grads = []
+    for i, arr in enumerate(args):
+        fd = np.zeros_like(arr)
+        for idx in np.ndindex(arr.shape):
+            plus, minus = list(args), list(args)
+            plus[i], minus[i] = arr.copy(), arr.copy()
+            plus[i][idx] += h
+            minus[i][idx] -= h
+            fd[idx] = np.sum(g * (f(*plus) - f(*minus))) / (2 * h)
+        grads.append(fd)
+    return grads
+
+
+# --- forward against the dense oracle ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "n_q,n_k,K,chunk",
+    [(37, 37, 5, 8), (64, 64, 4, 64), (65, 65, 4, 64), (1, 1, 1, 8), (1, 1, 4, 8), (20, 20, 1, 3), (11, 11, 3, 1), (11, 11, 3, 100)],
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gma_matches_dense_form(n_q, n_k, K, chunk, causal):
+    args = constrained(problem(n_q * 100 + K, n_q, n_k, K, d_r=3, d_v=4))
+    out = gma.gma(*args, causal=causal, chunk_size=chunk)
+    assert out.shape == (n_q, 4)
+    np.testing.assert_allclose(out, gma.gma_dense(*gammas(*args), args[2], causal=causal), **TOL[np.float64])
+
+
+def test_cross_attention_with_different_lengths():
+    args = constrained(problem(1, n_q=5, n_k=13, K=4))
+    np.testing.assert_allclose(gma.gma(*args), gma.gma_dense(*gammas(*args), args[2]), **TOL[np.float64])
+
+
+def test_gma_dense_with_scikit_learn_responsibilities():
+    """An independent route: sklearn's predict_proba as responsibilities, then the explicit N x N form."""
+    x_q, x_k, v, means, variances, weights = constrained(problem(2, n_q=30, n_k=30, K=4, d_r=3))
+    g = GaussianMixture(n_components=4, covariance_type="diag")
+    g.means_, g.covariances_, g.weights_ = means, variances, weights
+    g.precisions_cholesky_ = 1.0 / np.sqrt(variances)
+    for causal in (False, True):
+        ref = gma.gma_dense(g.predict_proba(x_q), g.predict_proba(x_k), v, causal=causal)
+        np.testing.assert_allclose(gma.gma(x_q, x_k, v, means, variances, weights, causal=causal, chunk_size=7), ref, rtol=1e-11, atol=1e-12)
+
+
+def test_one_component_is_the_running_mean_of_the_values():
+    """K = 1: every responsibility is 1, so out_t = sum_{j<=t} v_j / (t + 1 + eps)."""
+    rng = np.random.default_rng(3)
+    x, v = rng.normal(size=(10, 2)), rng.normal(size=(10, 3))
+    args = (x, x, v, np.zeros((1, 2)), np.ones((1, 2)), np.ones(1))
+    counts = np.arange(1, 11)[:, None]
+    np.testing.assert_allclose(gma.gma(*args, causal=True, chunk_size=4), np.cumsum(v, 0) / (counts + 1e-6), rtol=1e-13)
+    np.testing.assert_allclose(gma.gma(*args), np.broadcast_to(v.sum(0) / (10 + 1e-6), (10, 3)), rtol=1e-13)
+
+
+def test_causal_output_depends_only_on_the_past():
+    args = constrained(problem(4, 12, 12, K=3))
+    out = gma.gma(*args, causal=True, chunk_size=5)
+    changed = [a.copy() for a in args]
+    for i in (0, 1, 2):
+        changed[i][7:] = np.random.default_rng(5).normal(size=changed[i][7:].shape)
+    out2 = gma.gma(*changed, causal=True, chunk_size=5)
+    np.testing.assert_array_equal(out[:7], out2[:7])
+    assert not np.allclose(out[7:], out2[7:])
+
+
+def test_gma_forward_is_gma_with_the_reparameterised_gmm():
+    args = problem(6, K=4)
+    for causal in (False, True):
+        out, cache = gma.gma_forward(*args, causal=causal, min_variance=1e-3, chunk_size=4)
+        np.testing.assert_allclose(out, gma.gma(*constrained(args, 1e-3), causal=causal, chunk_size=4), **TOL[np.float64])
+        assert np.all(cache.variances >= 1e-3)
+
+
+def test_zero_weight_component_is_never_used():
+    x_q, x_k, v, means, variances, _ = constrained(problem(7, K=3))
+    weights = np.array([0.5, 0.5, 0.0])
+    out = gma.gma(x_q, x_k, v, means, variances, weights)
+    ref = gma.gma(x_q, x_k, v, means[:2], variances[:2], weights[:2])
+    np.testing.assert_allclose(out, ref, **TOL[np.float64])
+
+
+# --- adversarial inputs --------------------------------------------------------------
+
+
+def test_far_tokens_and_tiny_variances_stay_finite_and_match_the_oracle():
+    """|x| ~ 1e4 with variances ~ 1e-8: raw log-densities are ~ -1e16; the max-subtracted form survives."""
+    rng = np.random.default_rng(8)
+    centre = np.array([1e4, -1e4])
+    means = centre + 1e-4 * rng.normal(size=(4, 2))
+    variances = np.full((4, 2), 1e-8)
+    x_q, x_k = centre + 1e-4 * rng.normal(size=(15, 2)), centre + 1e-4 * rng.normal(size=(15, 2))
+    v = rng.normal(size=(15, 2))
+    for causal in (False, True):
+        out = gma.gma(x_q, x_k, v, means, variances, np.full(4, 0.25), causal=causal, chunk_size=4)
+        assert np.all(np.isfinite(out))
+        ref = gma.gma_dense(*gammas(x_q, x_k, v, means, variances, np.full(4, 0.25)), v, causal=causal)
+        np.testing.assert_allclose(out, ref, **TOL[np.float64])
+
+
+def test_saturated_responsibilities_give_finite_gradients():
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(8, 2)) * 1e3
+    args = [x, x[::-1].copy(), rng.normal(size=(8, 2)), rng.normal(size=(3, 2)), np.full((3, 2), -20.0), np.array([50.0, 0.0, -50.0])]
+    for causal in (False, True):
+        out, cache = gma.gma_forward(*args, causal=causal, chunk_size=3)
+        grads = gma.gma_backward(rng.normal(size=out.shape), cache)
+        assert all(np.all(np.isfinite(a)) for a in (out, *grads))
+
+
+# --- gradients ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "causal,n_q,n_k,K,chunk",
+    [
+        (False, 7, 9, 3, 4),  # cross attention
+        (True, 10, 10, 3, 4),  # N not a multiple of the chunk size
+        (True, 8, 8, 2, 8),  # one full chunk
+        (True, 1, 1, 3, 4),
+        (False, 1, 1, 3, 4),
+        (True, 6, 6, 1, 4),
+        (False, 5, 5, 1, 4),
+    ],
+)
+def test_backward_matches_finite_differences(causal, n_q, n_k, K, chunk):
+    args = problem(10 + n_q + K, n_q, n_k, K)
+    out, cache = gma.gma_forward(*args, causal=causal, chunk_size=chunk)
+    g = np.random.default_rng(11).normal(size=out.shape)
+    grads = gma.gma_backward(g, cache)
+    assert grads._fields == FIELDS
+    fd = fd_gradients(lambda *a: gma.gma_forward(*a, causal=causal, chunk_size=chunk)[0], args, g)
+    for name, a, b, arg in zip(FIELDS, grads, fd, args):
+        assert a.shape == arg.shape and a.dtype == arg.dtype, name
+        scale = max(1.0, float(np.max(np.abs(b))))
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8 * scale, err_msg=name)
+
+
+def test_backward_with_a_larger_variance_floor():
+    args = problem(12, 6, 6, 3)
+    args[4] = args[4] - 3.0  # softplus(raw) small: the floor matters
+    out, cache = gma.gma_forward(*args, causal=True, min_variance=0.05, chunk_size=4)
+    g = np.random.default_rng(13).normal(size=out.shape)
+    grads = gma.gma_backward(g, cache)
+    fd = fd_gradients(lambda *a: gma.gma_forward(*a, causal=True, min_variance=0.05, chunk_size=4)[0], args, g)
+    for a, b in zip(grads, fd):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8 * max(1.0, float(np.max(np.abs(b)))))
+
+
+def test_gradients_of_shared_queries_and_keys_add_up():
+    """x_q is x_k: the gradient with respect to the one array is x_q + x_k."""
+    args = problem(14, 6, 6, 3)
+    x = args[0]
+    out, cache = gma.gma_forward(x, x, *args[2:], causal=True, chunk_size=4)
+    g = np.random.default_rng(15).normal(size=out.shape)
+    grads = gma.gma_backward(g, cache)
+    (fd,) = fd_gradients(lambda y: gma.gma_forward(y, y, *args[2:], causal=True, chunk_size=4)[0], [x], g)
+    np.testing.assert_allclose(grads.x_q + grads.x_k, fd, rtol=1e-6, atol=1e-8)
+
+
+def test_backward_does_not_accumulate_and_inputs_are_not_mutated():
+    args = problem(16, 8, 8, 3)
+    copies = [a.copy() for a in args]
+    out, cache = gma.gma_forward(*args, causal=True, chunk_size=3)
+    g = np.ones_like(out)
+    first, second = gma.gma_backward(g, cache), gma.gma_backward(g, cache)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+        assert not np.shares_memory(a, b)
+    gma.gma(*constrained(args), causal=True)
+    for a, c in zip(args, copies):
+        np.testing.assert_array_equal(a, c)
+
+
+# --- float32 --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_in_float32_out(causal):
+    args64 = problem(17, 40, 40, 6, d_r=4, d_v=3)
+    args32 = [a.astype(np.float32) for a in args64]
+    out32, cache32 = gma.gma_forward(*args32, causal=causal, chunk_size=16)
+    out64, cache64 = gma.gma_forward(*args64, causal=causal, chunk_size=16)
+    assert out32.dtype == np.float32
+    np.testing.assert_allclose(out32, out64, **TOL[np.float32])
+    g = np.random.default_rng(18).normal(size=out64.shape)
+    for name, a, b in zip(FIELDS, gma.gma_backward(g.astype(np.float32), cache32), gma.gma_backward(g, cache64)):
+        assert a.dtype == np.float32, name
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-4 * max(1.0, float(np.max(np.abs(b)))), err_msg=name)
+    c32 = constrained(args32)
+    assert gma.gma(*c32, causal=causal).dtype == np.float32
+    assert gma.gma_dense(*gammas(*c32), c32[2], causal=causal).dtype == np.float32
+
+
+def test_mixed_dtypes_promote_to_float64():
+    args = constrained(problem(19))
+    args[0] = args[0].astype(np.float32)
+    assert gma.gma(*args).dtype == np.float64
+
+
+# --- memory: what the algorithm never forms -------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_peak_memory_is_linear_and_has_no_quadratic_or_nkd_tensor(causal):
+    def peak(n):
+        args = problem(20, n, n, K=32, d_r=4, d_v=32)
+        tracemalloc.start()
+        try:
+            out, cache = gma.gma_forward(*args, causal=causal)
+            gma.gma_backward(out, cache)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    small, large = peak(1024), peak(8192)
+    assert large < 10 * small  # 8x the tokens: linear growth (an N^2 term would give ~64x)
+    # the N x K and N x d_v arrays of the forward and backward are 2 MiB each; one
+    # N x K x d_v tensor would be 64 MiB and one N x N matrix 512 MiB
+    assert large < 8192 * 32 * 32 * 8 / 2
+    assert large < 8192 * 8192 * 8 / 16
+
+
+# --- errors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "index,value,exc,match",
+    [
+        (1, np.ones((9, 3)), ValueError, r"x_k: expected shape \(N_k, d_r\)"),
+        (2, np.ones((8, 3)), ValueError, r"v: expected shape \(N_k, d_v\)"),
+        (3, np.ones((3, 3)), ValueError, r"means: expected shape \(K, d_r\)"),
+        (4, -np.ones((3, 2)), ValueError, "variances: expected strictly positive"),
+        (5, np.array([0.5, 0.5, 0.5]), ValueError, "weights: expected weights that sum to 1"),
+        (5, np.array([0.5, 0.5]), ValueError, r"weights: expected shape \(K,\)"),
+        (0, np.ones((9, 2), dtype=int), TypeError, "x_q: expected a real floating-point array"),
+        (2, np.full((9, 3), np.nan), ValueError, "v: expected finite values"),
+    ],
+)
+def test_gma_bad_arrays_get_clear_errors(index, value, exc, match):
+    args = constrained(problem(21))
+    args[index] = value
+    with pytest.raises(exc, match=match):
+        gma.gma(*args)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(chunk_size=0), ValueError, "chunk_size: expected an integer >= 1"),
+        (dict(chunk_size=2.5), TypeError, "chunk_size: expected an integer"),
+        (dict(eps=-1e-6), ValueError, "eps: expected a finite number >= 0"),
+        (dict(causal=1), TypeError, "causal: expected True or False"),
+        (dict(min_variance=0.0), ValueError, "min_variance: expected a finite number > 0"),
+    ],
+)
+def test_gma_forward_bad_options_get_clear_errors(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        gma.gma_forward(*problem(22), **kwargs)
+
+
+def test_more_errors():
+    args = problem(23, n_q=4, n_k=6)
+    with pytest.raises(ValueError, match="causal=True needs as many queries as keys"):
+        gma.gma_forward(*args, causal=True)
+    args[5] = args[5][:2]
+    with pytest.raises(ValueError, match=r"logits: expected shape \(K,\)"):
+        gma.gma_forward(*args)
+    args = problem(24)
+    args[4] = args[4][:, :1]
+    with pytest.raises(ValueError, match=r"raw_variances: expected shape \(K, d_r\)"):
+        gma.gma_forward(*args)
+    out, cache = gma.gma_forward(*problem(25))
+    with pytest.raises(ValueError, match=r"grad_out: expected shape \(N_q, d_v\)"):
+        gma.gma_backward(out[:, :1], cache)
+    with pytest.raises(ValueError, match="gamma_k: expected nonnegative responsibilities"):
+        gma.gma_dense(np.ones((3, 2)) / 2, -np.ones((3, 2)), np.ones((3, 1)))
+
+
+def test_gma_uses_the_shared_scan():
+    """Causal GMA is causal linear attention with gamma as the feature map (spec section 3)."""
+    args = constrained(problem(26, 13, 13, 4))
+    gq, gk = gammas(*args)
+    np.testing.assert_array_equal(
+        gma.gma(*args, causal=True, chunk_size=5), attention.feature_attention(gq, gk, args[2], causal=True, chunk_size=5)
+    )
+
+
+# --- the benchmark script runs ---------------------------------------------------------
+
+
+def test_benchmark_script_runs_in_quick_mode():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_gma.py"), "--quick"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "speed-up" in proc.stdout and "peak memory" in proc.stdout

@@ -1,0 +1,116 @@
+"""OVQ backward (assignments held fixed) against central finite differences, float64; float32 against float64."""
+
+import numpy as np
+import pytest
+
+from refimpl import ovq
+
+H = 1e-6
+
+
+def setup(seed, T, d, d_v):
+    rng = np.random.default_rng(seed)
+    inputs = {"q": rng.normal(size=(T, d)), "k": rng.normal(size=(T, d)), "v": rng.normal(size=(T, d_v))}
+    return inputs, rng.normal(size=(T, d_v))
+
+
+def plan(cache):
+    return np.concatenate([r.rows for r in cache.records])
+
+
+def finite_differences(inputs, G, name, kw):
+    """Central differences of sum(G * out) in every entry of inputs[name], with the assignment plan checked unchanged."""
+    _, cache = ovq.ovq_attention_forward(**inputs, **kw)
+    base = plan(cache)
+    fd = np.zeros_like(inputs[name])
+    for idx in np.ndindex(fd.shape):
+        loss = []
+        for sign in (1.0, -1.0):
+            moved = dict(inputs)
+            moved[name] = inputs[name].copy()
+            moved[name][idx] += sign * H
+            out, c2 = ovq.ovq_attention_forward(**moved, **kw)
+            # the gradient is defined with the assignments held fixed: the test point must not flip one
+            assert np.array_equal(plan(c2), base), f"perturbing {name}{idx} changed an assignment"
+            loss.append(np.sum(G * out))
+        fd[idx] = (loss[0] - loss[1]) / (2 * H)
+    return fd
+
+
+CASES = [
+    # (T, d, d_v, max_size, chunk_size, switches)
+    (13, 3, 2, 5, 4, {}),  # T not a multiple of C
+    (12, 3, 2, 4, 4, {"learning_rate": 0.2}),
+    (10, 2, 3, 6, 3, {"count_bias": False, "growth": "linear"}),
+    (11, 3, 2, 6, 3, {"init": "random", "seed": 4, "beta": 5.0}),
+    (9, 2, 2, 4, 1, {}),  # chunk_size = 1
+    (10, 3, 2, 1, 4, {}),  # max_size = 1: one centroid takes every key
+    (1, 3, 2, 3, 4, {}),  # T = 1
+]
+
+
+@pytest.mark.parametrize("T, d, d_v, N, C, kw", CASES)
+def test_backward_matches_central_differences(T, d, d_v, N, C, kw):
+    inputs, G = setup(100 + T + N, T, d, d_v)
+    kw = dict(kw, max_size=N, chunk_size=C)
+    _, cache = ovq.ovq_attention_forward(**inputs, **kw)
+    grads = ovq.ovq_attention_backward(G, cache)
+    for name in ("q", "k", "v"):
+        g = getattr(grads, name)
+        assert g.shape == inputs[name].shape and g.dtype == np.float64
+        np.testing.assert_allclose(g, finite_differences(inputs, G, name, kw), rtol=1e-6, atol=1e-8 * np.max(np.abs(g)))
+
+
+def test_backward_with_an_incoming_state_treats_it_as_a_constant():
+    inputs, G = setup(7, 20, 3, 2)
+    _, st = ovq.ovq_attention(**inputs, max_size=6, chunk_size=4, return_state=True)
+    later, G2 = setup(8, 10, 3, 2)
+    kw = dict(max_size=6, chunk_size=4, state=st)
+    _, cache = ovq.ovq_attention_forward(**later, **kw)
+    grads = ovq.ovq_attention_backward(G2, cache)
+    for name in ("q", "k", "v"):
+        np.testing.assert_allclose(getattr(grads, name), finite_differences(later, G2, name, kw), rtol=1e-6, atol=1e-9)
+
+
+def test_gradient_flows_through_the_dictionary_into_earlier_chunks():
+    """The last chunk's output depends on the first chunk's keys and values only through D_k, D_v."""
+    inputs, _ = setup(9, 16, 3, 2)
+    G = np.zeros((16, 2))
+    G[12:] = 1.0
+    _, cache = ovq.ovq_attention_forward(**inputs, max_size=4, chunk_size=4)
+    grads = ovq.ovq_attention_backward(G, cache)
+    assert np.all(grads.q[:12] == 0)
+    assert np.max(np.abs(grads.k[:4])) > 1e-4 and np.max(np.abs(grads.v[:4])) > 1e-4
+
+
+def test_backward_returns_new_arrays_and_does_not_accumulate():
+    inputs, G = setup(10, 14, 3, 2)
+    _, cache = ovq.ovq_attention_forward(**inputs, max_size=5, chunk_size=4)
+    a = ovq.ovq_attention_backward(G, cache)
+    b = ovq.ovq_attention_backward(G, cache)
+    for x, y in zip(a, b):
+        assert np.array_equal(x, y) and x is not y
+
+
+def test_float32_backward_against_float64():
+    inputs, G = setup(11, 40, 5, 4)
+    _, c64 = ovq.ovq_attention_forward(**inputs, max_size=8, chunk_size=6)
+    inputs32 = {n: a.astype(np.float32) for n, a in inputs.items()}
+    _, c32 = ovq.ovq_attention_forward(**inputs32, max_size=8, chunk_size=6)
+    assert np.array_equal(plan(c64), plan(c32))
+    g64 = ovq.ovq_attention_backward(G, c64)
+    g32 = ovq.ovq_attention_backward(G.astype(np.float32), c32)
+    for x, y in zip(g32, g64):
+        assert x.dtype == np.float32
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=5e-4 * np.max(np.abs(y)))
+
+
+def test_backward_validates_its_inputs():
+    inputs, G = setup(12, 6, 3, 2)
+    _, cache = ovq.ovq_attention_forward(**inputs, max_size=3, chunk_size=2)
+    with pytest.raises(ValueError, match=r"grad_out: expected shape \(T, d_v\)"):
+        ovq.ovq_attention_backward(G[:5], cache)
+    with pytest.raises(ValueError, match="grad_out: expected finite values"):
+        ovq.ovq_attention_backward(np.full_like(G, np.nan), cache)
+    with pytest.raises(TypeError, match="cache: expected the OVQCache"):
+        ovq.ovq_attention_backward(G, (1, 2))
