@@ -27,6 +27,9 @@ __all__ = [
     "check_positive_float",
     "check_option",
     "check_bool",
+    "check_seed",
+    "check_float_dtype",
+    "check_instance",
 ]
 
 
@@ -191,3 +194,36 @@ def check_bool(value, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
     return bool(value)
+
+
+def check_seed(seed, name: str = "seed"):
+    """Return ``seed`` if it is an integer >= 0 or a ``numpy.random.Generator``, else raise.
+
+    Booleans and floats are refused (``TypeError``), negative integers too
+    (``ValueError``), so a typo never reaches ``numpy.random.default_rng``.
+    """
+    if isinstance(seed, np.random.Generator):
+        return seed
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+        raise TypeError(
+            f"{name}: expected an integer >= 0 or a numpy.random.Generator, got {type(seed).__name__} {seed!r}"
+        )
+    return check_int(seed, name, minimum=0)
+
+
+def check_float_dtype(dtype, name: str = "dtype") -> np.dtype:
+    """Return ``np.dtype(dtype)`` if it is float32 or float64, else raise ``TypeError``."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"{name}: expected float32 or float64, got {dtype!r} ({e})") from None
+    if dt not in (np.float32, np.float64):
+        raise TypeError(f"{name}: expected float32 or float64, got {dt}")
+    return dt
+
+
+def check_instance(value, name: str, cls, what: str):
+    """Return ``value`` if it is an instance of ``cls``, else raise ``TypeError`` saying ``what`` is expected."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__}")
+    return value

@@ -95,7 +95,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _validation as V
-from .gmm import softmax
+from .gmm import _check_logits, _softmax
 
 __all__ = [
     "softmax_attention",
@@ -125,6 +125,16 @@ class SoftmaxAttentionGrads(NamedTuple):
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
+
+
+class SoftmaxAttentionCache(NamedTuple):
+    """What :func:`softmax_attention_backward` needs: a tuple ``(q, k, v, p, scale)``."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    p: np.ndarray  # (N_q, N_k) attention matrix
+    scale: float
 
 
 def _check_qkv(q, k, v, causal):
@@ -161,8 +171,8 @@ def softmax_attention_forward(q, k, v, *, scale=None, causal: bool = False):
     Returns
     -------
     out : ndarray, shape (N_q, d_v)
-    cache : tuple
-        ``(q, k, v, P, scale)`` with ``P`` the ``N_q x N_k`` attention matrix.
+    cache : SoftmaxAttentionCache
+        The tuple ``(q, k, v, P, scale)`` with ``P`` the ``N_q x N_k`` attention matrix.
     """
     q, k, v, causal = _check_qkv(q, k, v, causal)
     scale = 1.0 / np.sqrt(q.shape[1]) if scale is None else V.check_positive_float(scale, "scale")
@@ -171,8 +181,9 @@ def softmax_attention_forward(q, k, v, *, scale=None, causal: bool = False):
     if causal:
         # entries j > i get -inf, so exp gives exactly 0 (the diagonal keeps every row non-empty)
         scores[np.triu_indices(scores.shape[0], k=1)] = -np.inf
-    p = softmax(scores, axis=1)
-    return p @ v, (q, k, v, p, scale)
+    _check_logits(scores, "scale, q, k", "lower scale or rescale q and k")
+    p = _softmax(scores, axis=1)
+    return p @ v, SoftmaxAttentionCache(q, k, v, p, scale)
 
 
 def softmax_attention_backward(grad_out, cache) -> SoftmaxAttentionGrads:
@@ -182,7 +193,7 @@ def softmax_attention_backward(grad_out, cache) -> SoftmaxAttentionGrads:
     ----------
     grad_out : array_like, shape (N_q, d_v)
         ``dL/d out``.
-    cache : tuple
+    cache : SoftmaxAttentionCache
         From :func:`softmax_attention_forward`.
 
     Returns
@@ -190,6 +201,7 @@ def softmax_attention_backward(grad_out, cache) -> SoftmaxAttentionGrads:
     SoftmaxAttentionGrads
         Fields ``q`` (N_q, d), ``k`` (N_k, d), ``v`` (N_k, d_v).
     """
+    V.check_instance(cache, "cache", SoftmaxAttentionCache, "the SoftmaxAttentionCache from softmax_attention_forward")
     q, k, v, p, scale = cache
     g = V.as_float_array(grad_out, "grad_out", ndim=2)
     V.check_shape(g, "grad_out", (q.shape[0], v.shape[1]), ("N_q", "d_v"))
@@ -271,15 +283,26 @@ def _check_grad_out(grad_out, n_q, d_v, dtype):
     return g.astype(dtype, copy=False)
 
 
-def _bidirectional_forward(phi_q, phi_k, v, eps):
+def _check_denominators(den, eps, names, offset=0):
+    """With ``eps = 0`` a query whose features meet no key's has the output 0/0: refuse it."""
+    if eps == 0 and den.size and not np.all(den > 0):
+        i = offset + int(np.argmin(den > 0))
+        raise ValueError(
+            f"eps: with eps = 0 the denominator of query row {i} is {den[i - offset]} ({names[0]} row {i} has no overlap "
+            f"with any row of {names[1]} it reads, or it underflowed), so its output would be 0/0; pass eps > 0"
+        )
+
+
+def _bidirectional_forward(phi_q, phi_k, v, eps, names):
     # (Phi_Q Phi_K^T) V = Phi_Q (Phi_K^T V): an F x d_v memory instead of an N x N matrix
     s = phi_k.T @ v
     z = phi_k.sum(axis=0)
     den = phi_q @ z + phi_q.dtype.type(eps)
+    _check_denominators(den, eps, names)
     return (phi_q @ s) / den[:, None], den
 
 
-def _causal_forward(phi_q, phi_k, v, eps, chunk_size):
+def _causal_forward(phi_q, phi_k, v, eps, chunk_size, names):
     n, f = phi_k.shape
     dtype = phi_q.dtype
     out = np.empty((n, v.shape[1]), dtype=dtype)
@@ -293,6 +316,7 @@ def _causal_forward(phi_q, phi_k, v, eps, chunk_size):
         # the carried state and the masked C x C block tril(Phi_Q,c Phi_K,c^T)
         block = np.tril(pq @ pk.T)
         d = pq @ z + block.sum(axis=1) + dtype.type(eps)
+        _check_denominators(d, eps, names, offset=a)
         out[a:b] = (pq @ s + block @ vc) / d[:, None]
         den[a:b] = d
         s += pk.T @ vc
@@ -354,12 +378,12 @@ def _causal_backward(g, c):
     return FeatureAttentionGrads(phi_q=dphi_q, phi_k=dphi_k, v=dv)
 
 
-def _feature_attention_forward(phi_q, phi_k, v, causal, eps, chunk_size):
+def _feature_attention_forward(phi_q, phi_k, v, causal, eps, chunk_size, names=("phi_q", "phi_k")):
     """Unchecked core of :func:`feature_attention_forward` (inputs of one dtype)."""
     if causal:
-        out, den = _causal_forward(phi_q, phi_k, v, eps, chunk_size)
+        out, den = _causal_forward(phi_q, phi_k, v, eps, chunk_size, names)
     else:
-        out, den = _bidirectional_forward(phi_q, phi_k, v, eps)
+        out, den = _bidirectional_forward(phi_q, phi_k, v, eps, names)
     return out, FeatureAttentionCache(phi_q, phi_k, v, out, den, causal, eps, chunk_size)
 
 
@@ -386,7 +410,8 @@ def feature_attention_forward(phi_q, phi_k, v, *, causal: bool = False, eps: flo
     causal : bool, default False
         Query ``t`` sees keys ``j <= t`` only (needs ``N_q == N_k``).
     eps : float, default 1e-6
-        Added to every denominator (>= 0).
+        Added to every denominator (>= 0).  With 0, a query whose denominator
+        is 0 (no overlap with the keys it reads) is refused: its output is 0/0.
     chunk_size : int, default 64
         Tokens per chunk of the causal scan (>= 1); ignored when not causal.
 
@@ -429,6 +454,7 @@ def feature_attention_backward(grad_out, cache) -> FeatureAttentionGrads:
         The causal backward uses memory ``O(F d_v + C^2)`` beyond its inputs
         and outputs, like the forward.
     """
+    V.check_instance(cache, "cache", FeatureAttentionCache, "the FeatureAttentionCache from feature_attention_forward")
     g = _check_grad_out(grad_out, cache.phi_q.shape[0], cache.v.shape[1], cache.out.dtype)
     return _feature_attention_backward(g, cache)
 
@@ -472,15 +498,18 @@ def elu_feature_map(x):
 
     Parameters
     ----------
-    x : ndarray
-        Any shape; float32 or float64.
+    x : array_like
+        Any shape; finite float32 or float64.
 
     Returns
     -------
     ndarray
         Same shape and dtype.
     """
-    x = np.asarray(x)
+    return _elu_feature_map(V.as_float_array(x, "x"))
+
+
+def _elu_feature_map(x):
     # exp of min(x, 0) never overflows; the x > 0 branch does not use it
     return np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))
 
@@ -505,7 +534,8 @@ def linear_attention_forward(q, k, v, *, causal: bool = False, eps: float = 1e-6
     causal : bool, default False
         Query ``t`` sees keys ``j <= t`` only (needs ``N_q == N_k``).
     eps : float, default 1e-6
-        Added to every denominator (>= 0).
+        Added to every denominator (>= 0).  With 0, a query whose denominator
+        is 0 (no overlap with the keys it reads) is refused: its output is 0/0.
     chunk_size : int, default 64
         Tokens per chunk of the causal scan (>= 1).
 
@@ -516,7 +546,7 @@ def linear_attention_forward(q, k, v, *, causal: bool = False, eps: float = 1e-6
     """
     q, k, v, causal = _check_qkv(q, k, v, causal)
     causal, eps, chunk_size = _check_options(causal, eps, chunk_size)
-    out, features = _feature_attention_forward(elu_feature_map(q), elu_feature_map(k), v, causal, eps, chunk_size)
+    out, features = _feature_attention_forward(_elu_feature_map(q), _elu_feature_map(k), v, causal, eps, chunk_size, ("q", "k"))
     return out, LinearAttentionCache(q, k, features)
 
 
@@ -535,6 +565,7 @@ def linear_attention_backward(grad_out, cache) -> LinearAttentionGrads:
     LinearAttentionGrads
         Fields ``q`` (N_q, d), ``k`` (N_k, d), ``v`` (N_k, d_v).
     """
+    V.check_instance(cache, "cache", LinearAttentionCache, "the LinearAttentionCache from linear_attention_forward")
     fc = cache.features
     g = _check_grad_out(grad_out, fc.phi_q.shape[0], fc.v.shape[1], fc.out.dtype)
     d = _feature_attention_backward(g, fc)

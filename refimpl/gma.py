@@ -80,6 +80,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+from scipy.special import expit
 
 from . import _validation as V
 from . import gmm
@@ -87,6 +88,7 @@ from .attention import (
     DEFAULT_CHUNK_SIZE,
     FeatureAttentionCache,
     _check_causal_lengths,
+    _check_denominators,
     _check_grad_out,
     _check_options,
     _feature_attention_backward,
@@ -163,9 +165,9 @@ def _cast(dtype, *arrays):
 # ---------------------------------------------------------------------------
 
 
-def _log_responsibilities(x, means, variances, log_weights):
+def _log_responsibilities(x, means, variances, log_weights, name):
     # log gamma = log_softmax(log pi + log N(x | mu, sigma^2)), per-row max subtracted
-    return gmm.log_softmax(gmm._log_gaussian_diag(x, means, variances) + log_weights, axis=1)
+    return gmm._log_softmax(gmm._log_gaussian_diag(x, means, variances, name) + log_weights, axis=1)
 
 
 def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
@@ -188,7 +190,9 @@ def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: fl
         Query ``t`` reads keys ``j <= t`` only (needs ``N_q == N_k``); computed
         by a chunked scan.
     eps : float, default 1e-6
-        Added to every denominator ``gamma_q . Z`` (>= 0).
+        Added to every denominator ``gamma_q . Z`` (>= 0).  With 0, a query
+        whose responsibilities meet no key's (they underflow far from every
+        component) is refused: its output is 0/0.
     chunk_size : int, default 64
         Tokens per chunk of the causal scan (>= 1).
 
@@ -210,9 +214,9 @@ def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: fl
     x_q, x_k, v, means, variances, weights = _cast(dtype, x_q, x_k, v, means, variances, weights)
     with np.errstate(divide="ignore"):  # a zero weight is a component that never wins: log 0 = -inf
         log_weights = np.log(weights)
-    gamma_q = np.exp(_log_responsibilities(x_q, means, variances, log_weights))
-    gamma_k = np.exp(_log_responsibilities(x_k, means, variances, log_weights))
-    return _feature_attention_forward(gamma_q, gamma_k, v, causal, eps, chunk_size)[0]
+    gamma_q = np.exp(_log_responsibilities(x_q, means, variances, log_weights, "x_q"))
+    gamma_k = np.exp(_log_responsibilities(x_k, means, variances, log_weights, "x_k"))
+    return _feature_attention_forward(gamma_q, gamma_k, v, causal, eps, chunk_size, ("x_q", "x_k"))[0]
 
 
 def gma_dense(gamma_q, gamma_k, v, *, causal: bool = False, eps: float = 1e-6):
@@ -232,7 +236,7 @@ def gma_dense(gamma_q, gamma_k, v, *, causal: bool = False, eps: float = 1e-6):
     causal : bool, default False
         Keep ``A_ij`` for ``j <= i`` only (needs ``N_q == N_k``).
     eps : float, default 1e-6
-        Added to every row sum (>= 0).
+        Added to every row sum (>= 0); with 0, a row that sums to 0 is refused.
 
     Returns
     -------
@@ -256,6 +260,7 @@ def gma_dense(gamma_q, gamma_k, v, *, causal: bool = False, eps: float = 1e-6):
     if causal:
         affinity = np.tril(affinity)
     den = affinity.sum(axis=1) + dtype.type(eps)
+    _check_denominators(den, eps, ("gamma_q", "gamma_k"))
     return (affinity @ v) / den[:, None]
 
 
@@ -313,12 +318,12 @@ def gma_forward(
 
 def _gma_forward(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size):
     """Unchecked core of :func:`gma_forward` (all inputs of one dtype)."""
-    variances = gmm.variances_from_raw(raw_variances, min_variance)
+    variances = gmm._variances_from_raw(raw_variances, min_variance)
     # log pi = log_softmax(a), never log(softmax(a)): a weight of 1e-320 keeps its log
-    log_weights = gmm.log_softmax(logits)
-    gamma_q = np.exp(_log_responsibilities(x_q, means, variances, log_weights))
-    gamma_k = np.exp(_log_responsibilities(x_k, means, variances, log_weights))
-    out, mixing = _feature_attention_forward(gamma_q, gamma_k, v, causal, eps, chunk_size)
+    log_weights = gmm._log_softmax(logits)
+    gamma_q = np.exp(_log_responsibilities(x_q, means, variances, log_weights, "x_q"))
+    gamma_k = np.exp(_log_responsibilities(x_k, means, variances, log_weights, "x_k"))
+    out, mixing = _feature_attention_forward(gamma_q, gamma_k, v, causal, eps, chunk_size, ("x_q", "x_k"))
     return out, GMACache(x_q, x_k, means, raw_variances, variances, gamma_q, gamma_k, mixing)
 
 
@@ -359,7 +364,7 @@ def _gma_backward(g, cache):
     dx_q, dmu_q, dvar_q, da_q = _responsibility_backward(cache.x_q, cache.gamma_q, dgamma.phi_q, means, variances, centre)
     dx_k, dmu_k, dvar_k, da_k = _responsibility_backward(cache.x_k, cache.gamma_k, dgamma.phi_k, means, variances, centre)
     # sigma2 = softplus(s) + sigma2_min: dsigma2/ds = sigmoid(s)
-    draw = (dvar_q + dvar_k) * gmm.sigmoid(cache.raw_variances)
+    draw = (dvar_q + dvar_k) * expit(cache.raw_variances)
     return GMAGrads(x_q=dx_q, x_k=dx_k, v=dgamma.v, means=dmu_q + dmu_k, raw_variances=draw, logits=da_q + da_k)
 
 
@@ -381,5 +386,6 @@ def gma_backward(grad_out, cache) -> GMAGrads:
         same array is passed as ``x_q`` and ``x_k`` its gradient is
         ``x_q + x_k``.
     """
+    V.check_instance(cache, "cache", GMACache, "the GMACache from gma_forward")
     g = _check_grad_out(grad_out, cache.x_q.shape[0], cache.mixing.v.shape[1], cache.gamma_q.dtype)
     return _gma_backward(g, cache)

@@ -42,6 +42,12 @@ sum in :math:`[1, K]`:
 
     \log\sum_m e^{\ell_m} = \ell^\star + \log\sum_m e^{\ell_m-\ell^\star}.
 
+A component whose scaled distance :math:`\sum_j (x_j-\mu_{kj})^2/\sigma_{kj}^2`
+overflows the float type gets responsibility 0, which is right to rounding.  A
+row where it overflows for *every* component has no representable posterior
+(it would come out as NaN); it is refused with an error that says to rescale or
+use float64.
+
 EM
 --
 E-step: :math:`r_{ik} = \gamma_k(x_i)`.  M-step with :math:`N_k = \sum_i r_{ik}`:
@@ -123,24 +129,20 @@ LOG_2PI = float(np.log(2.0 * np.pi))
 # ---------------------------------------------------------------------------
 
 
-def logsumexp(a, axis: int = -1, keepdims: bool = False):
-    """``log(sum(exp(a), axis))`` with the maximum along ``axis`` subtracted.
+def _check_log_values(a, name: str):
+    """A float array in the log domain: ``-inf`` (the log of a zero weight) is allowed, NaN and ``+inf`` are not."""
+    a = V.as_float_array(a, name, finite=False)
+    bad = np.isnan(a) | np.isposinf(a)
+    if np.any(bad):
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name}: expected finite values or -inf (the log of a zero weight), "
+            f"got {int(np.sum(bad))} NaN or +inf entries (first at index {first}: {a[first]})"
+        )
+    return a
 
-    Parameters
-    ----------
-    a : ndarray
-        Values in the log domain; ``-inf`` entries are allowed.
-    axis : int, default -1
-        Axis to reduce (per row for a 2-D array and ``axis=-1``).
-    keepdims : bool, default False
-        Keep the reduced axis with length one.
 
-    Returns
-    -------
-    ndarray
-        Same dtype as ``a``.  A slice that is all ``-inf`` gives ``-inf``.
-    """
-    a = np.asarray(a)
+def _logsumexp(a, axis, keepdims):
     m = np.max(a, axis=axis, keepdims=True)
     # a slice of all -inf has max -inf; shift it by 0 so that exp gives 0, not nan
     m = np.where(np.isfinite(m), m, 0).astype(a.dtype, copy=False)
@@ -151,15 +153,7 @@ def logsumexp(a, axis: int = -1, keepdims: bool = False):
     return out if keepdims else np.squeeze(out, axis=axis)
 
 
-def log_softmax(a, axis: int = -1):
-    """``a - logsumexp(a, axis)``, accurate even where ``|a|`` is huge.
-
-    Subtracting the per-row maximum first makes the largest entry exactly 0;
-    only then is ``log sum exp`` (a number in ``[0, log K]``) subtracted.
-    Forming ``logsumexp(a)`` first would add ``log K`` to a number like
-    ``-1e16`` and lose it to rounding, so rows would stop normalising.
-    """
-    a = np.asarray(a)
+def _log_softmax(a, axis=-1):
     m = np.max(a, axis=axis, keepdims=True)
     m = np.where(np.isfinite(m), m, 0).astype(a.dtype, copy=False)
     # a - m may overflow to -inf (a = -1e308, m = 1e308): exp gives the right 0
@@ -168,9 +162,7 @@ def log_softmax(a, axis: int = -1):
         return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
 
 
-def softmax(a, axis: int = -1):
-    """``exp(a) / sum(exp(a), axis)`` with the per-row maximum subtracted."""
-    a = np.asarray(a)
+def _softmax(a, axis=-1):
     m = np.max(a, axis=axis, keepdims=True)
     m = np.where(np.isfinite(m), m, 0).astype(a.dtype, copy=False)
     # softmax(a) = softmax(a - m): the largest term is exp(0) = 1, the sum is in [1, K]
@@ -179,9 +171,76 @@ def softmax(a, axis: int = -1):
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
-def softplus(s):
-    """``log(1 + exp(s))`` without overflow, as ``logaddexp(0, s)``."""
+def _check_logits(logits, names: str, fix: str):
+    """Refuse rows of a 2-D ``logits`` whose softmax is undefined because a product overflowed.
+
+    ``+inf`` (or NaN) in a row, or a row that is all ``-inf``, cannot come
+    from finite inputs except through overflow; :func:`_softmax` would turn
+    it into a row of NaN.  These are exactly the rows whose maximum is not
+    finite, so one reduction finds them.  ``names`` are the arguments to
+    blame, ``fix`` says what to change.
+    """
+    bad = ~np.isfinite(np.max(logits, axis=1))
+    if np.any(bad):
+        raise ValueError(
+            f"{names}: the logits of {int(np.sum(bad))} row(s) (first: row {int(np.argmax(bad))}) overflow "
+            f"{logits.dtype}, so their softmax is undefined; {fix}"
+        )
+
+
+def _softplus(s):
     return np.logaddexp(np.zeros((), dtype=np.result_type(s, np.float32)), s)
+
+
+def _variances_from_raw(raw_variances, min_variance):
+    return _softplus(raw_variances) + np.asarray(min_variance, dtype=raw_variances.dtype)
+
+
+def logsumexp(a, axis: int = -1, keepdims: bool = False):
+    """``log(sum(exp(a), axis))`` with the maximum along ``axis`` subtracted.
+
+    Parameters
+    ----------
+    a : array_like of float
+        Values in the log domain, any shape; ``-inf`` entries are allowed,
+        NaN and ``+inf`` are not.
+    axis : int, default -1
+        Axis to reduce (per row for a 2-D array and ``axis=-1``).
+    keepdims : bool, default False
+        Keep the reduced axis with length one.
+
+    Returns
+    -------
+    ndarray
+        Same dtype as ``a``.  A slice that is all ``-inf`` gives ``-inf``.
+    """
+    a = _check_log_values(a, "a")
+    return _logsumexp(a, V.check_int(axis, "axis"), V.check_bool(keepdims, "keepdims"))
+
+
+def log_softmax(a, axis: int = -1):
+    """``a - logsumexp(a, axis)``, accurate even where ``|a|`` is huge.
+
+    Subtracting the per-row maximum first makes the largest entry exactly 0;
+    only then is ``log sum exp`` (a number in ``[0, log K]``) subtracted.
+    Forming ``logsumexp(a)`` first would add ``log K`` to a number like
+    ``-1e16`` and lose it to rounding, so rows would stop normalising.
+    ``a`` is checked as in :func:`logsumexp`.
+    """
+    return _log_softmax(_check_log_values(a, "a"), V.check_int(axis, "axis"))
+
+
+def softmax(a, axis: int = -1):
+    """``exp(a) / sum(exp(a), axis)`` with the per-row maximum subtracted.
+
+    ``a`` is checked as in :func:`logsumexp` (``-inf`` gives a weight of 0).
+    """
+    return _softmax(_check_log_values(a, "a"), V.check_int(axis, "axis"))
+
+
+def softplus(s):
+    """``log(1 + exp(s))`` without overflow, as ``logaddexp(0, s)``; ``s`` finite floats, any shape."""
+    return _softplus(V.as_float_array(s, "s"))
 
 
 def softplus_inverse(y):
@@ -190,25 +249,27 @@ def softplus_inverse(y):
     From ``exp(s) = exp(y) - 1 = exp(y) (1 - exp(-y))``; ``expm1`` keeps the
     accuracy for small ``y`` and the form never overflows for large ``y``.
     """
-    y = np.asarray(y)
+    y = V.as_float_array(y, "y")
     if np.any(y <= 0):
         raise ValueError(f"y: softplus takes only positive values, got minimum {np.min(y)}")
     return y + np.log(-np.expm1(-y))
 
 
 def sigmoid(s):
-    """``1 / (1 + exp(-s))``, the derivative of :func:`softplus` (``scipy.special.expit``)."""
-    return expit(s)
+    """``1 / (1 + exp(-s))``, the derivative of :func:`softplus` (``scipy.special.expit``); ``s`` finite floats."""
+    return expit(V.as_float_array(s, "s"))
 
 
 def variances_from_raw(raw_variances, min_variance: float = 1e-6):
-    """``softplus(raw_variances) + min_variance``: always >= ``min_variance``."""
-    return softplus(raw_variances) + np.asarray(min_variance, dtype=np.asarray(raw_variances).dtype)
+    """``softplus(raw_variances) + min_variance``: always >= ``min_variance`` (> 0)."""
+    raw_variances = V.as_float_array(raw_variances, "raw_variances")
+    return _variances_from_raw(raw_variances, V.check_positive_float(min_variance, "min_variance"))
 
 
 def raw_from_variances(variances, min_variance: float = 1e-6):
-    """Inverse of :func:`variances_from_raw`; needs ``variances > min_variance``."""
-    variances = np.asarray(variances)
+    """Inverse of :func:`variances_from_raw`; needs ``variances > min_variance > 0``."""
+    variances = V.as_float_array(variances, "variances")
+    min_variance = V.check_positive_float(min_variance, "min_variance")
     if np.any(variances <= min_variance):
         raise ValueError(
             f"variances: expected values > min_variance = {min_variance}, got minimum {np.min(variances)}"
@@ -217,8 +278,8 @@ def raw_from_variances(variances, min_variance: float = 1e-6):
 
 
 def weights_from_logits(logits):
-    """Mixture weights ``softmax(logits)`` over the last axis."""
-    return softmax(logits, axis=-1)
+    """Mixture weights ``softmax(logits)`` over the last axis (``-inf`` gives a weight of 0)."""
+    return _softmax(_check_log_values(logits, "logits"), axis=-1)
 
 
 # ---------------------------------------------------------------------------
@@ -259,7 +320,26 @@ def _check_gmm(x, means, variances, weights):
 # ---------------------------------------------------------------------------
 
 
-def _log_gaussian_diag(x, means, variances):
+def _check_overflow(quad, name):
+    """Refuse rows of the quadratic form whose minimum is not finite.
+
+    A component at an infinite distance simply gets responsibility 0.  A row
+    whose every distance overflows (minimum ``+inf``) has no representable
+    posterior; NaN (``inf - inf``) or ``-inf`` in a row means the expansion
+    itself overflowed.  Either would give a NaN or a wrong row downstream, so
+    it is refused here, with the fix.
+    """
+    bad = ~np.isfinite(np.min(quad, axis=1))
+    if np.any(bad):
+        hint = ", or compute in float64" if quad.dtype == np.float32 else ""
+        raise ValueError(
+            f"{name}: the scaled squared distance sum_j (x_j - mu_kj)^2 / sigma_kj^2 overflows {quad.dtype} "
+            f"in {int(np.sum(bad))} row(s) (first: row {int(np.argmax(bad))}), for every component or inside its "
+            f"expansion, so no posterior can be formed; rescale {name}, the means and the variances{hint}"
+        )
+
+
+def _log_gaussian_diag(x, means, variances, name="x"):
     d = x.shape[1]
     # (x - mu)^2 is invariant under a common shift c; centring on the means
     # keeps the expanded terms below small where the posterior is sensitive.
@@ -269,6 +349,7 @@ def _log_gaussian_diag(x, means, variances):
     precisions = 1.0 / variances
     # sum_j (x_j - mu_kj)^2 / s_kj = (x*x) @ (1/s)^T - 2 x @ (mu/s)^T + sum_j mu_kj^2 / s_kj
     quad = (xc * xc) @ precisions.T - 2.0 * (xc @ (mc * precisions).T) + np.sum(mc * mc * precisions, axis=1)
+    _check_overflow(quad, name)
     # the exact value is >= 0; rounding in the expansion can dip below
     quad = np.maximum(quad, 0)
     log_det = np.sum(np.log(variances), axis=1)
@@ -283,7 +364,7 @@ def _log_joint(x, means, variances, weights):
 
 def _log_responsibilities(x, means, variances, weights):
     # log gamma_k = l_k - logsumexp_m l_m, with the max of each row subtracted first
-    return log_softmax(_log_joint(x, means, variances, weights), axis=1)
+    return _log_softmax(_log_joint(x, means, variances, weights), axis=1)
 
 
 def log_gaussian_diag(x, means, variances):
@@ -352,7 +433,7 @@ def log_likelihood(x, means, variances, weights):
     -------
     ndarray, shape (N,)
     """
-    return logsumexp(_log_joint(*_check_gmm(x, means, variances, weights)), axis=1)
+    return _logsumexp(_log_joint(*_check_gmm(x, means, variances, weights)), 1, False)
 
 
 def em_step(x, means, variances, weights, *, reg_covar: float = 0.0):
@@ -443,7 +524,7 @@ def isotropic_nll(x, means, beta, weights=None) -> float:
         ``-sum_i log sum_n pi_n N(x_i; mu_n, I / beta)``.
     """
     x, means, variances, weights = _check_isotropic(x, means, beta, weights)
-    return float(-np.sum(logsumexp(_log_joint(x, means, variances, weights), axis=1)))
+    return float(-np.sum(_logsumexp(_log_joint(x, means, variances, weights), 1, False)))
 
 
 def _isotropic_resp(x, means, variances, weights):
@@ -592,6 +673,8 @@ def running_mean_update(means, counts, x, assignments):
     V.check_shape(counts, "counts", (means.shape[0],), ("K",))
     if not (np.issubdtype(counts.dtype, np.integer) or np.issubdtype(counts.dtype, np.floating)):
         raise TypeError(f"counts: expected an integer or float array, got dtype {counts.dtype}")
+    if np.issubdtype(counts.dtype, np.floating):
+        V.check_finite(counts, "counts")
     if np.any(counts < 0):
         raise ValueError(f"counts: expected nonnegative counts, got minimum {np.min(counts)}")
     assignments = np.asarray(assignments)

@@ -80,7 +80,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _validation as V
-from .gmm import _log_gaussian_diag, em_step, log_likelihood, softmax
+from .gmm import _check_logits, _log_gaussian_diag, _softmax, em_step, log_likelihood
 
 __all__ = [
     "kernel_regression",
@@ -109,15 +109,15 @@ def _check_q_k_v(q, k, v):
     return q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False)
 
 
-def _check_mixture(q, key_means, value_means):
+def _check_mixture(q, key_means, value_means, names=("key_means", "value_means")):
     q = V.as_float_array(q, "q", ndim=2)
-    key_means = V.as_float_array(key_means, "key_means", ndim=2)
-    value_means = V.as_float_array(value_means, "value_means", ndim=2)
-    V.check_shape(key_means, "key_means", (None, q.shape[1]), ("M", "d"))
+    key_means = V.as_float_array(key_means, names[0], ndim=2)
+    value_means = V.as_float_array(value_means, names[1], ndim=2)
+    V.check_shape(key_means, names[0], (None, q.shape[1]), ("M", "d"))
     M = key_means.shape[0]
     if M < 1:
-        raise ValueError("key_means: expected at least one component (M >= 1), got M = 0")
-    V.check_shape(value_means, "value_means", (M, None), ("M", "d_v"))
+        raise ValueError(f"{names[0]}: expected at least one component (M >= 1), got M = 0")
+    V.check_shape(value_means, names[1], (M, None), ("M", "d_v"))
     return q, key_means, value_means
 
 
@@ -157,8 +157,9 @@ def kernel_regression(q, k, v, *, beta):
         diff = q[r : r + rows, None, :] - k[None, :, :]
         # log kernel: -(beta/2) ||q_i - k_j||^2
         logits[r : r + rows] = -half_beta * np.sum(diff * diff, axis=2)
+    _check_logits(logits, "beta, q, k", "lower beta or rescale q and k")
     # w_ij = exp(l_ij) / sum_j exp(l_ij), per-row max subtracted inside softmax
-    return softmax(logits, axis=1) @ v
+    return _softmax(logits, axis=1) @ v
 
 
 def gmr_predict(q, key_means, value_means, weights, *, beta):
@@ -198,7 +199,7 @@ def gmr_predict(q, key_means, value_means, weights, *, beta):
     with np.errstate(divide="ignore"):
         log_w = np.log(weights)
     # log h_n(q) = log pi_n + log N(q; mu_n, I/beta) - logsumexp_m(...)
-    h = softmax(_log_gaussian_diag(q, key_means, variances) + log_w, axis=1)
+    h = _softmax(_log_gaussian_diag(q, key_means, variances, "q") + log_w, axis=1)
     return h @ value_means
 
 
@@ -246,7 +247,8 @@ def ovq_readout(q, key_means, value_means, counts, *, beta, count_bias: bool = T
     if count_bias:
         # pi_n = c_n / sum c; the -log sum c is common to the row and cancels
         logits += np.log(counts.astype(dtype))
-    return softmax(logits, axis=1) @ value_means
+    _check_logits(logits, "beta, q, key_means", "lower beta or rescale q and key_means")
+    return _softmax(logits, axis=1) @ value_means
 
 
 def readout_gap(q, key_means, value_means, counts, *, beta):
@@ -281,7 +283,10 @@ def readout_gap_bound(key_means, value_means, *, beta):
     ndarray, shape (d_v,)
         ``r = (beta/2) (max_n ||mu^k_n||^2 - min_n ||mu^k_n||^2)`` is the range
         of the dropped term; the module docstring derives the bound.  It holds
-        for every query and every set of counts.
+        for every query and every set of counts in exact arithmetic; a
+        computed :func:`readout_gap` can exceed it by rounding (about
+        ``1e-15`` times the range of the value means, e.g. when the bound is 0
+        for centroids of equal norm).
     """
     key_means = V.as_float_array(key_means, "key_means", ndim=2)
     value_means = V.as_float_array(value_means, "value_means", ndim=2)
@@ -348,8 +353,14 @@ def fit_joint_gmm(k, v, n_components, *, n_iter: int = 50, reg_covar: float = 1e
     variances = np.maximum(variances, np.finfo(dtype).tiny)
     weights = np.full(M, 1.0 / M, dtype=dtype)
     trace = [float(np.mean(log_likelihood(x, means, variances, weights)))]
-    for _ in range(n_iter):
+    for it in range(n_iter):
         means, variances, weights = em_step(x, means, variances, weights, reg_covar=reg_covar)
+        if not np.all(variances > 0):
+            m, j = (int(i) for i in np.argwhere(~(variances > 0))[0])
+            raise ValueError(
+                f"reg_covar: after EM iteration {it + 1}, component {m} has variance 0 in column {j} (its points do "
+                f"not spread there); pass reg_covar > 0 (the default is 1e-6)"
+            )
         trace.append(float(np.mean(log_likelihood(x, means, variances, weights))))
     return JointGMM(
         key_means=means[:, :d],
@@ -357,7 +368,7 @@ def fit_joint_gmm(k, v, n_components, *, n_iter: int = 50, reg_covar: float = 1e
         key_variances=variances[:, :d],
         value_variances=variances[:, d:],
         weights=weights,
-        log_likelihood=np.asarray(trace),
+        log_likelihood=np.asarray(trace, dtype=dtype),
     )
 
 
@@ -379,7 +390,7 @@ def joint_gmm_predict(q, fit: JointGMM):
     """
     if not isinstance(fit, JointGMM):
         raise TypeError(f"fit: expected a JointGMM from fit_joint_gmm, got {type(fit).__name__}")
-    q, key_means, value_means = _check_mixture(q, fit.key_means, fit.value_means)
+    q, key_means, value_means = _check_mixture(q, fit.key_means, fit.value_means, ("fit.key_means", "fit.value_means"))
     key_variances = V.as_float_array(fit.key_variances, "fit.key_variances", ndim=2)
     V.check_shape(key_variances, "fit.key_variances", key_means.shape, ("M", "d"))
     V.check_positive(key_variances, "fit.key_variances")
@@ -392,5 +403,5 @@ def joint_gmm_predict(q, fit: JointGMM):
     )
     with np.errstate(divide="ignore"):
         log_w = np.log(weights)
-    h = softmax(_log_gaussian_diag(q, key_means, key_variances) + log_w, axis=1)
+    h = _softmax(_log_gaussian_diag(q, key_means, key_variances, "q") + log_w, axis=1)
     return h @ value_means

@@ -125,6 +125,8 @@ def init_multihead_gma(
     d_model, n_heads, d_route, d_value, n_components : int
         ``d_model``, ``H``, ``d_r``, ``d_v`` and ``K``; all >= 1.
     seed : int or numpy.random.Generator, default 0
+        An integer >= 0 seeds ``numpy.random.default_rng``; a generator is used
+        (and advanced) as given.
     init_variance : float, default 1.0
         Initial variance of every component; must exceed ``min_variance``.
     min_variance : float, default 1e-6
@@ -145,9 +147,8 @@ def init_multihead_gma(
     min_variance = V.check_positive_float(min_variance, "min_variance")
     if init_variance <= min_variance:
         raise ValueError(f"init_variance: expected a value > min_variance = {min_variance}, got {init_variance}")
-    dtype = np.dtype(dtype)
-    if dtype not in (np.float32, np.float64):
-        raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
+    dtype = V.check_float_dtype(dtype, "dtype")
+    seed = V.check_seed(seed, "seed")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     raw = float(gmm.raw_from_variances(np.array(init_variance), min_variance))
     params = MultiheadGMAParams(
@@ -170,8 +171,8 @@ def _check_params(params, d_model):
         params = MultiheadGMAParams(**{f: params[f] for f in MultiheadGMAParams._fields})
     elif not isinstance(params, MultiheadGMAParams):
         raise TypeError(f"params: expected a MultiheadGMAParams or a mapping with its fields, got {type(params).__name__}")
-    p = {f: V.as_float_array(getattr(params, f), f"params.{f}") for f in MultiheadGMAParams._fields}
-    V.check_ndim(p["means"], "params.means", 3)
+    ndims = dict(W_q=2, W_k=2, W_v=2, W_o=2, means=3, raw_variances=3, logits=2)
+    p = {f: V.as_float_array(getattr(params, f), f"params.{f}", ndim=ndims[f]) for f in MultiheadGMAParams._fields}
     H, K, d_r = p["means"].shape
     if H < 1 or K < 1 or d_r < 1:
         raise ValueError(f"params.means: expected shape (H, K, d_r) with every size >= 1, got {p['means'].shape}")
@@ -275,6 +276,7 @@ def multihead_gma_backward(grad_out, cache) -> MultiheadGMAGrads:
         parameter's shape; GMM and projection gradients are summed over the
         batch.
     """
+    V.check_instance(cache, "cache", MultiheadGMACache, "the MultiheadGMACache from multihead_gma_forward")
     x, p, heads = cache.x, cache.params, cache.heads
     B, N, d_model = x.shape
     H, K, d_r = p.means.shape

@@ -133,7 +133,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _validation as V
-from .gmm import running_mean_update, softmax
+from .gmm import _check_logits, _softmax, running_mean_update
 
 __all__ = [
     "NORM_EPS",
@@ -331,9 +331,7 @@ class OVQState:
         N = V.check_int(max_size, "max_size", minimum=1)
         d = V.check_int(d, "d", minimum=1)
         d_v = V.check_int(d_v, "d_v", minimum=1)
-        dtype = np.dtype(dtype)
-        if dtype not in (np.float32, np.float64):
-            raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
+        dtype = V.check_float_dtype(dtype, "dtype")
         return cls(np.zeros((N, d), dtype), np.zeros((N, d_v), dtype), np.zeros(N, np.int64), 0, 0)
 
     def __repr__(self) -> str:
@@ -373,7 +371,10 @@ class OVQState:
         """
         fields = ("format", "version", "keys", "values", "counts", "size", "tokens_seen")
         try:
-            with np.load(path, allow_pickle=False) as data:
+            data = np.load(path, allow_pickle=False)
+            if not isinstance(data, np.lib.npyio.NpzFile):  # a .npy file holds one bare array
+                raise ValueError(f"expected an .npz archive of named fields, got a single {type(data).__name__}")
+            with data:
                 missing = [f for f in fields if f not in data.files]
                 if missing:
                     raise ValueError(f"missing field(s) {missing}")
@@ -441,6 +442,17 @@ def _check_call(q, k, v, *, max_size, chunk_size, beta, growth, init, count_bias
             raise ValueError(f"state: holds keys of dimension d = {state.d}, but q and k have d = {d}")
         if state.d_v != v.shape[1]:
             raise ValueError(f"state: holds values of dimension d_v = {state.d_v}, but v has d_v = {v.shape[1]}")
+        # the spec's n_new = n' - n <= L: the first chunk must be able to seed the rows growth asks for
+        # (after it, n >= growth(t) and growth rises by at most one per token)
+        L = min(C, T)
+        needed = dictionary_size(state.tokens_seen + L, N, growth)
+        if needed - state.size > L:
+            raise ValueError(
+                f"state: size = {state.size} after tokens_seen = {state.tokens_seen} is too small for growth={growth!r}: "
+                f"the first chunk of {L} tokens would need {needed - state.size} new centroids; a state that "
+                f"ovq_attention returned with this growth has size >= dictionary_size(tokens_seen, max_size, growth) "
+                f"= {dictionary_size(state.tokens_seen, N, growth)}"
+            )
         arrays.append(state.keys)
     dtype = V.common_float_dtype(*arrays)
     q, k, v = (a.astype(dtype, copy=False) for a in (q, k, v))
@@ -520,8 +532,17 @@ def _update_chunk(Dk, Dv, counts, khat, vc, rows, seeded, seeds, n, eta):
         new_k, new_counts = running_mean_update(Dk, counts, khat[keep], a)
         new_v, _ = running_mean_update(Dv, counts, vc[keep], a)
     else:
-        new_k = _constant_rate_update(Dk, khat[keep], a, eta)
-        new_v = _constant_rate_update(Dv, vc[keep], a, eta)
+        # D' - x* = (1 - eta |S|)(D - x*) for a fixed set S: the rule diverges when eta |S| > 2
+        with np.errstate(over="ignore", invalid="ignore"):
+            new_k = _constant_rate_update(Dk, khat[keep], a, eta)
+            new_v = _constant_rate_update(Dv, vc[keep], a, eta)
+        if not (np.all(np.isfinite(new_k)) and np.all(np.isfinite(new_v))):
+            worst = int(added.max()) if added.size else 0
+            raise ValueError(
+                f"learning_rate: the constant-rate update diverged (eta = {eta}, up to {worst} keys "
+                f"joined one centroid in a chunk; the rule is stable only while eta * |S_m| < 2); "
+                f"use a smaller learning_rate or learning_rate=None (the adaptive 1/c running mean)"
+            )
         new_counts = counts + added
     return new_k, new_v, new_counts, counts, added
 
@@ -538,6 +559,18 @@ class _ChunkRecord(NamedTuple):
     seeds: np.ndarray  # seeding keys in centroid order (rows n, n+1, ...)
     counts_mid: np.ndarray  # (N,) counts after seeding, before the merge
     added: np.ndarray  # (N,) |S_m|
+
+
+def _logit_blame(state, eta):
+    # who can make beta q.D_k overflow: beta itself, a passed-in state, or a constant-rate dictionary
+    names, fixes = ["beta"], ["lower beta"]
+    if state is not None:
+        names.append("state")
+        fixes.append("pass a state whose keys have norms about 1")
+    if eta is not None:
+        names.append("learning_rate")
+        fixes.append("use a smaller learning_rate")
+    return ", ".join(names), " or ".join(fixes)
 
 
 def _initial_state(state, N, d, d_v, dtype):
@@ -565,8 +598,9 @@ def _run(q, k, v, p: _Params, state, dtype, record: bool):
         log_c = np.log(counts[:n].astype(dtype)) if p.count_bias else None
         # predict, before the chunk touches the state
         logits, _ = _chunk_logits(qhat, khat, Dk[:n], log_c, p.beta, masks[L])
+        _check_logits(logits, *_logit_blame(state, p.eta))
         values = np.concatenate([Dv[:n], vc]) if n else vc
-        out[s:e] = softmax(logits, axis=1) @ values
+        out[s:e] = _softmax(logits, axis=1) @ values
         # grow: n' = max(n, growth(t + L, N))
         t_next = t + L
         n_next = max(n, dictionary_size(t_next, N, p.growth))
@@ -626,10 +660,17 @@ def ovq_attention(
     learning_rate : float, optional
         ``None``: the adaptive ``1/c`` running mean; a number ``eta > 0``: the
         constant-rate rule ``D += eta sum_S (x - D)`` (counts still add up).
+        For a fixed set ``S`` the error to its mean is multiplied by
+        ``1 - eta |S|`` each chunk, so the rule is stable only while
+        ``eta |S_m| < 2``; the first chunk already sends most of its keys to
+        centroid 0.  A dictionary that overflows is refused with an error.
     seed : int, default 0
         Seed of ``init="random"`` (>= 0); ignored by ``init="spread"``.
     state : OVQState, optional
-        Continue a stream from this state (it is not modified).
+        Continue a stream from this state (it is not modified).  Its size must
+        let the first chunk seed what ``growth`` asks for, as every state that
+        this function returned with the same ``growth`` does; a state built
+        by hand that lags behind is refused.
     return_state : bool, default False
         Also return the state after the last chunk.
 
@@ -780,7 +821,7 @@ def ovq_attention_backward(grad_out, cache: OVQCache) -> OVQGrads:
         # (2) read-out of the chunk against the dictionary it saw
         mask = np.triu(np.ones((L, L), dtype=bool), k=1)
         logits, keys = _chunk_logits(qhat, khat, rec.dict_keys, rec.log_c, p.beta, mask)
-        P = softmax(logits, axis=1)
+        P = _softmax(logits, axis=1)
         values = np.concatenate([rec.dict_values, v[s:e]]) if n else v[s:e]
         G = g_out[s:e]
         dP = G @ values.T
@@ -800,6 +841,26 @@ def ovq_attention_backward(grad_out, cache: OVQCache) -> OVQGrads:
         gk[s:e] = _unit_rows_backward(g_khat, khat, k_norms)
         gv[s:e] = g_vc
     return OVQGrads(q=gq, k=gk, v=gv)
+
+
+def _check_vq_call(q, k, v, codebook, chunk_size, beta):
+    q = V.as_float_array(q, "q", ndim=2)
+    k = V.as_float_array(k, "k", ndim=2)
+    v = V.as_float_array(v, "v", ndim=2)
+    codebook = V.as_float_array(codebook, "codebook", ndim=2)
+    T, d = q.shape
+    if T < 1 or d < 1:
+        raise ValueError(f"q: expected shape (T, d) with T >= 1 and d >= 1, got {q.shape}")
+    V.check_shape(k, "k", (T, d), ("T", "d"))
+    V.check_shape(v, "v", (T, None), ("T", "d_v"))
+    V.check_shape(codebook, "codebook", (None, d), ("S", "d"))
+    if codebook.shape[0] < 1:
+        raise ValueError("codebook: expected at least one code (S >= 1), got S = 0")
+    C = V.check_int(chunk_size, "chunk_size", minimum=1)
+    beta = float(np.sqrt(d)) if beta is None else V.check_positive_float(beta, "beta")
+    dtype = V.common_float_dtype(q, k, v, codebook)
+    q, k, v, codebook = (a.astype(dtype, copy=False) for a in (q, k, v, codebook))
+    return q, k, v, codebook, C, beta
 
 
 def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
@@ -829,23 +890,8 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
     ``beta q^ . D_k[m] + log L_m`` (codes with ``L_m = 0`` get ``-inf``); the
     current chunk is read causally with ``beta q^_a . D_k[z_b]``, ``b <= a``.
     """
-    q = V.as_float_array(q, "q", ndim=2)
-    k = V.as_float_array(k, "k", ndim=2)
-    v = V.as_float_array(v, "v", ndim=2)
-    codebook = V.as_float_array(codebook, "codebook", ndim=2)
-    T, d = q.shape
-    if T < 1 or d < 1:
-        raise ValueError(f"q: expected shape (T, d) with T >= 1 and d >= 1, got {q.shape}")
-    V.check_shape(k, "k", (T, d), ("T", "d"))
-    V.check_shape(v, "v", (T, None), ("T", "d_v"))
-    V.check_shape(codebook, "codebook", (None, d), ("S", "d"))
-    S = codebook.shape[0]
-    if S < 1:
-        raise ValueError("codebook: expected at least one code (S >= 1), got S = 0")
-    C = V.check_int(chunk_size, "chunk_size", minimum=1)
-    beta = float(np.sqrt(d)) if beta is None else V.check_positive_float(beta, "beta")
-    dtype = V.common_float_dtype(q, k, v, codebook)
-    q, k, v, codebook = (a.astype(dtype, copy=False) for a in (q, k, v, codebook))
+    q, k, v, codebook, C, beta = _check_vq_call(q, k, v, codebook, chunk_size, beta)
+    T, S, dtype = q.shape[0], codebook.shape[0], q.dtype
     b = dtype.type(beta)
     value_means = np.zeros((S, v.shape[1]), dtype=dtype)
     counts = np.zeros(S, dtype=np.int64)
@@ -863,7 +909,9 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
         past = b * (qhat @ codebook.T) + log_counts
         current = b * (qhat @ codebook[z].T)
         current[np.triu_indices(L, k=1)] = -np.inf
-        P = softmax(np.concatenate([past, current], axis=1), axis=1)
+        logits = np.concatenate([past, current], axis=1)
+        _check_logits(logits, "beta, codebook", "lower beta or rescale the codebook")
+        P = _softmax(logits, axis=1)
         out[s:e] = P[:, :S] @ value_means + P[:, S:] @ v[s:e]
         # U_m / L_m: running mean of the values each code summarises
         value_means, counts = running_mean_update(value_means, counts, v[s:e], z)

@@ -20,8 +20,8 @@ import math
 
 import numpy as np
 
-from .gmm import softmax
-from .ovq import OVQState
+from .gmm import _softmax
+from .ovq import OVQState, _check_call, _check_vq_call
 
 __all__ = ["ovq_attention_loop", "vq_attention_loop"]
 
@@ -41,8 +41,8 @@ def ovq_attention_loop(q, k, v, *, max_size, chunk_size, beta=None, growth="plat
                        count_bias=True, learning_rate=None, seed=0):
     """OVQ attention of spec section 4, one token at a time.
 
-    Parameters are those of :func:`refimpl.ovq.ovq_attention` (no ``state``;
-    inputs are assumed valid).
+    Parameters are those of :func:`refimpl.ovq.ovq_attention` (no ``state``),
+    checked by the same validation (which is not what this oracle is for).
 
     Returns
     -------
@@ -50,9 +50,10 @@ def ovq_attention_loop(q, k, v, *, max_size, chunk_size, beta=None, growth="plat
     state : OVQState
         ``D_k``, ``D_v``, ``c``, ``n``, ``t`` after the last chunk.
     """
-    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-    dtype = np.result_type(q, k, v)
-    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    q, k, v, _, dtype = _check_call(
+        q, k, v, max_size=max_size, chunk_size=chunk_size, beta=beta, growth=growth, init=init,
+        count_bias=count_bias, learning_rate=learning_rate, seed=seed, state=None,
+    )
     T, d = q.shape
     d_v = v.shape[1]
     N, C = max_size, chunk_size
@@ -82,7 +83,7 @@ def ovq_attention_loop(q, k, v, *, max_size, chunk_size, beta=None, growth="plat
             for b in range(a + 1):
                 logits.append(beta * np.dot(qh[a], kh[b]))  # a raw key: count 1, log 1 = 0
                 rows.append(vc[b])
-            p = softmax(np.array(logits, dtype=dtype))
+            p = _softmax(np.array(logits, dtype=dtype))
             o = np.zeros(d_v, dtype=dtype)
             for j in range(len(rows)):
                 o += p[j] * rows[j]
@@ -161,14 +162,15 @@ def ovq_attention_loop(q, k, v, *, max_size, chunk_size, beta=None, growth="plat
 def vq_attention_loop(q, k, v, codebook, *, chunk_size, beta=None):
     """VQ attention of spec section 5, one token at a time.
 
-    Parameters are those of :func:`refimpl.ovq.vq_attention`.
+    Parameters are those of :func:`refimpl.ovq.vq_attention`, checked by the
+    same validation.
 
     Returns
     -------
     ndarray, shape (T, d_v)
     """
-    q, k, v, codebook = (np.asarray(a) for a in (q, k, v, codebook))
-    dtype = np.result_type(q, k, v, codebook)
+    q, k, v, codebook, chunk_size, _ = _check_vq_call(q, k, v, codebook, chunk_size, beta)
+    dtype = q.dtype
     T, d = q.shape
     d_v = v.shape[1]
     S = codebook.shape[0]
@@ -198,7 +200,7 @@ def vq_attention_loop(q, k, v, codebook, *, chunk_size, beta=None):
             for b in range(a + 1):
                 logits.append(beta * np.dot(qa, codebook[z[b]]))
                 rows.append(v[s + b])
-            p = softmax(np.array(logits, dtype=dtype))
+            p = _softmax(np.array(logits, dtype=dtype))
             out[s + a] = sum(p[j] * rows[j] for j in range(len(rows)))
         for b, i in enumerate(range(s, e)):
             L_count[z[b]] += 1

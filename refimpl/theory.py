@@ -112,6 +112,7 @@ import numpy as np
 
 from . import _validation as V
 from . import gmm
+from .attention import _check_denominators
 
 __all__ = [
     "LipschitzBounds",
@@ -184,7 +185,8 @@ def _check_mixture(x, means, variances, weights):
     V.check_positive(variances, "variances")
     V.check_shape(weights, "weights", (means.shape[0],), ("K",))
     V.check_probability_vector(weights, "weights")
-    return tuple(a.astype(np.float64, copy=False) for a in (x, means, variances, weights))
+    dtype = V.common_float_dtype(x, means, variances, weights)
+    return tuple(a.astype(dtype, copy=False) for a in (x, means, variances, weights))
 
 
 def _check_responsibilities(gamma, name, K=None):
@@ -203,7 +205,7 @@ def _check_responsibilities(gamma, name, K=None):
 def _responsibilities(x, means, variances, weights):
     with np.errstate(divide="ignore"):
         log_w = np.log(weights)
-    return np.exp(gmm.log_softmax(gmm._log_gaussian_diag(x, means, variances) + log_w, axis=1))
+    return np.exp(gmm._log_softmax(gmm._log_gaussian_diag(x, means, variances) + log_w, axis=1))
 
 
 # ---------------------------------------------------------------------------
@@ -275,7 +277,7 @@ def responsibility_jacobian(x, means, variances, weights):
     Returns
     -------
     ndarray, shape (N, K, d)
-        Float64.  Forms ``N x K x d`` numbers: for analysis, not for the mechanism.
+        Dtype of the inputs.  Forms ``N x K x d`` numbers: for analysis, not for the mechanism.
     """
     x, means, variances, weights = _check_mixture(x, means, variances, weights)
     gamma = _responsibilities(x, means, variances, weights)
@@ -375,6 +377,8 @@ def empirical_lipschitz(means, variances, weights, bound_x, *, n_points: int = 1
     bound_x = V.check_positive_float(bound_x, "bound_x", allow_zero=True)
     n_points = V.check_int(n_points, "n_points", minimum=1)
     n_pairs = V.check_int(n_pairs, "n_pairs", minimum=1)
+    seed = V.check_seed(seed, "seed")
+    # analysis in float64: the points are drawn in float64 whatever the dtype of the mixture
     _, means, variances, weights = _check_mixture(np.zeros((1, means.shape[1])), means, variances, weights)
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     pts = _probe_points(means, variances, bound_x, n_points, rng)
@@ -387,7 +391,9 @@ def empirical_lipschitz(means, variances, weights, bound_x, *, n_points: int = 1
     step /= np.maximum(np.linalg.norm(step, axis=1, keepdims=True), np.finfo(float).tiny)
     x2 = _project_to_ball(x + dist * step, bound_x)
     gap = np.linalg.norm(x - x2, axis=1)
-    keep = gap > 0
+    # projection onto the sphere can leave a pair an ulp apart; rounding noise in
+    # gamma (~1e-16) divided by such a gap is no lower bound on anything
+    keep = gap >= 1e-6 * scale
     diff = np.linalg.norm(
         _responsibilities(x[keep], means, variances, weights) - _responsibilities(x2[keep], means, variances, weights), axis=1
     )
@@ -422,6 +428,8 @@ def per_token_gradients(x, means, variances, weights, grad_resp) -> PerTokenGrad
     x, means, variances, weights = _check_mixture(x, means, variances, weights)
     g = V.as_float_array(grad_resp, "grad_resp", ndim=2)
     V.check_shape(g, "grad_resp", (x.shape[0], means.shape[0]), ("N", "K"))
+    dtype = V.common_float_dtype(x, g)
+    x, means, variances, weights, g = (a.astype(dtype, copy=False) for a in (x, means, variances, weights, g))
     gamma = _responsibilities(x, means, variances, weights)
     # dL/dl_m = gamma_m (g_m - gbar): the softmax Jacobian
     c = gamma * (g - np.sum(gamma * g, axis=1, keepdims=True))
@@ -507,7 +515,7 @@ def affinity_by_enumeration(gamma_q, gamma_k):
     gamma_q = _check_responsibilities(gamma_q, "gamma_q")
     gamma_k = _check_responsibilities(gamma_k, "gamma_k", K=gamma_q.shape[1])
     K = gamma_q.shape[1]
-    out = np.zeros((gamma_q.shape[0], gamma_k.shape[0]))
+    out = np.zeros((gamma_q.shape[0], gamma_k.shape[0]), dtype=V.common_float_dtype(gamma_q, gamma_k))
     same = np.eye(K, dtype=bool)
     for i in range(gamma_q.shape[0]):
         for j in range(gamma_k.shape[0]):
@@ -535,6 +543,7 @@ def affinity_by_sampling(gamma_q, gamma_k, n_samples: int, seed=0):
     gamma_q = _check_responsibilities(gamma_q, "gamma_q")
     gamma_k = _check_responsibilities(gamma_k, "gamma_k", K=gamma_q.shape[1])
     n_samples = V.check_int(n_samples, "n_samples", minimum=1)
+    seed = V.check_seed(seed, "seed")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     K = gamma_q.shape[1]
 
@@ -546,7 +555,7 @@ def affinity_by_sampling(gamma_q, gamma_k, n_samples: int, seed=0):
         return np.minimum(z, K - 1)
 
     zq, zk = draw(gamma_q), draw(gamma_k)
-    return np.mean(zq[:, None, :] == zk[None, :, :], axis=2)
+    return np.mean(zq[:, None, :] == zk[None, :, :], axis=2).astype(V.common_float_dtype(gamma_q, gamma_k), copy=False)
 
 
 def slot_means(gamma_k, v):
@@ -591,7 +600,9 @@ def mixing_weights(gamma_q, gamma_k, *, eps: float = 1e-6):
     eps = V.check_positive_float(eps, "eps", allow_zero=True)
     z = gamma_k.sum(axis=0)
     weighted = gamma_q * z[None, :]
-    return weighted / (weighted.sum(axis=1, keepdims=True) + eps)
+    den = weighted.sum(axis=1, keepdims=True) + weighted.dtype.type(eps)
+    _check_denominators(den[:, 0], eps, ("gamma_q", "gamma_k"))
+    return weighted / den
 
 
 def isotropic_router_logits(x, means, variance, weights):
@@ -612,7 +623,8 @@ def isotropic_router_logits(x, means, variance, weights):
         ``variances = variance`` everywhere (module docstring).
     """
     variance = V.check_positive_float(variance, "variance")
-    x, means, _, weights = _check_mixture(x, means, np.full(np.shape(means), variance), weights)
+    means = V.as_float_array(means, "means", ndim=2)
+    x, means, _, weights = _check_mixture(x, means, np.full(means.shape, variance, dtype=means.dtype), weights)
     with np.errstate(divide="ignore"):
         log_w = np.log(weights)
     # -||x - mu||^2 / (2 s) = x . mu / s - ||mu||^2 / (2 s) - ||x||^2 / (2 s); the last is common to the row

@@ -565,3 +565,12 @@ def test_unit_rows():
     out = ovq.unit_rows(x)
     np.testing.assert_allclose(out[0], [0.6, 0.8], rtol=1e-15)
     assert np.array_equal(out[1], [0.0, 0.0]) and np.all(np.isfinite(out))
+
+
+def test_diverging_constant_learning_rate_is_refused_naming_learning_rate():
+    """Regression: eta = 1 with many keys per centroid ran a centroid to 1e94 and then blamed
+    'beta, state' although no state was passed."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(20000, 4)) for _ in range(3))
+    with pytest.raises(ValueError, match=r"^learning_rate: the constant-rate update diverged.*eta \* \|S_m\| < 2"):
+        ovq.ovq_attention(q, k, v, max_size=2, chunk_size=64, learning_rate=1.0)

@@ -72,3 +72,26 @@ def test_many_components_and_a_single_point():
     assert resp.shape == (1, K) and np.all(np.isfinite(resp))
     np.testing.assert_allclose(resp.sum(), 1.0, atol=1e-13)
     assert np.argmax(resp) == 1234
+
+
+@given(gmm_problems())
+def test_log_responsibilities_rows_have_log_sum_exp_zero(problem):
+    """Rows of log gamma normalise in the log domain too, at |x| up to 1e6 and variances down to 1e-6."""
+    log_resp = gmm.log_responsibilities(*problem)
+    assert np.all(log_resp <= 0) and np.all(np.isfinite(np.max(log_resp, axis=1)))
+    np.testing.assert_allclose(special.logsumexp(log_resp, axis=1), 0.0, rtol=0, atol=1e-13)
+
+
+@given(gmm_problems(max_abs=10.0, min_var=0.05, max_var=20.0), st.floats(-1e3, 1e3))
+def test_a_common_shift_of_points_and_means_leaves_the_posterior_unchanged(problem, shift):
+    """(x - mu)^2 does not see a common shift; the centred expansion keeps it so to rounding."""
+    x, means, variances, weights = problem
+    resp = gmm.responsibilities(x, means, variances, weights)
+    shifted = gmm.responsibilities(x + shift, means + shift, variances, weights)
+    # Rounding x + shift and mu + shift moves each x_j - mu_kj by at most delta = eps (|shift| + D), D = max|x| + max|mu|,
+    # so each log-density moves by at most d D delta / min sigma^2 and each responsibility by at most twice that
+    # (|d gamma_k| <= gamma_k (|dl_k| + sum_m gamma_m |dl_m|)); 1e-13 covers the arithmetic, as against scipy above.
+    D = np.abs(x).max() + np.abs(means).max()
+    delta = np.finfo(float).eps * (abs(shift) + D)
+    moved = 2 * x.shape[1] * D * delta / variances.min()
+    np.testing.assert_allclose(shifted, resp, rtol=0, atol=1e-13 + moved)

@@ -1,0 +1,810 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: -all
+#     notebook_metadata_filter: kernelspec,jupytext,-jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 8: Online Vector-Quantized attention
+#
+# Lesson 6 showed that softmax attention is kernel regression with one
+# component per past token, and that a dictionary of centroids $D_k$, value
+# means $D_v$ and counts $c$ gives the (almost exact) Gaussian mixture
+# regression read-out $\operatorname{softmax}(\beta\,qD_k^\top + \log c)\,D_v$.
+# Lesson 7 showed that the running mean is the right way to update a centroid.
+# Online Vector-Quantized (OVQ) attention puts the two together: it reads the
+# dictionary, then folds each chunk of tokens into it, so its memory stays at
+# $N$ centroids however long the sequence.
+#
+# **The claims of this lesson.**
+#
+# 1. The algorithm, chunk by chunk: *predict* with one softmax over the
+#    centroids and the chunk's own raw keys, then *grow*, *assign* and
+#    *update*. We write one chunk out by hand and get `refimpl.ovq`'s state
+#    bit for bit.
+# 2. The vectorised reference equals a token-by-token loop oracle, state bit
+#    for bit.
+# 3. The dictionary grows along the plateau curve $\lfloor tN/(t+N)\rfloor$.
+#    It is *inspired* by the Chinese-restaurant process but is not its
+#    expectation: the two agree only while $t \ll N$.
+# 4. Spread-maximising initialisation picks the keys least similar to the
+#    dictionary, and represents the keys better than random seeds do.
+# 5. Updates are sparse: a chunk of $L$ tokens changes at most $L$ rows.
+# 6. The state has a constant size, and it is all a stream needs to continue.
+# 7. Without any training, on a synthetic recall task, OVQ recalls far better
+#    than linear attention and VQ attention with a static codebook, and close
+#    to full softmax attention, with a state of 1/8 of its size. Which of the
+#    paper's ablations reproduce at this scale is reported as measured.
+#
+# `TUTORIAL_SMALL=1` (set by CI) runs on small arrays; the default is full size.
+
+# %%
+import os
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+from scipy import special
+
+from refimpl import gmm, ovq
+from refimpl.attention import elu_feature_map, linear_attention, softmax_attention
+from refimpl.ovq_oracle import ovq_attention_loop
+
+SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
+EPS = np.finfo(np.float64).eps  # 2.2e-16
+unit = ovq.unit_rows  # x / max(||x||, 1e-12), row by row
+print(f"small sizes: {SMALL}")
+
+# %% [markdown]
+# ## 1. One chunk, by hand
+#
+# The sequence $q, k \in \mathbb R^{T\times d}$, $v\in\mathbb R^{T\times d_v}$ is
+# cut into chunks of $C$ tokens. Queries and keys are normalised to unit
+# length; values are not. The state before a chunk is $D_k$ ($N\times d$),
+# $D_v$ ($N\times d_v$), counts $c$, the number $n$ of active rows and the
+# number $t$ of tokens seen. A chunk of length $L$ does four things.
+#
+# **Predict**, with the state as it is *before* the chunk. Position $a$ of the
+# chunk attends, in one softmax, to the $n$ centroids and to the chunk's raw
+# keys $b \le a$ (causal):
+#
+# $$
+# \ell_{a,m} = \beta\,\hat q_a\cdot D_k[m] + \log c_m\ (m < n),\qquad
+# \ell_{a,b} = \beta\,\hat q_a\cdot\hat k_b\ (b\le a),\qquad
+# o_a = \operatorname{softmax}(\ell_a)\,\big[D_v[{:}n];\ v_0;\dots;v_a\big].
+# $$
+#
+# A raw key is a centroid of count one ($\log 1 = 0$): this is the GMR read-out
+# of lesson 6 over the mixture "centroids plus recent tokens".
+#
+# **Grow.** After the chunk $t' = t + L$ and
+# $n' = \max\big(n, \max(1, \lfloor t'N/(t'+N)\rfloor)\big)$; $n' - n$ keys of
+# the chunk will seed new centroids.
+#
+# **Assign.** Each key's candidate is its nearest centroid by dot product,
+# $a_i = \arg\max_{m<n}\hat k_i\cdot D_k[m]$, with score $s_i$ the maximum.
+# The $n' - n$ keys with the *smallest* scores, the ones the dictionary
+# represents worst, seed the new centroids (in ascending order of score); all
+# other keys join $a_i$. (The very first chunk, with $n = 0$, uses key 0 as
+# the first seed and scores against it.)
+#
+# **Update.** A seed starts its centroid: $D_k = \hat k_i$, $D_v = v_i$,
+# $c = 1$. An existing centroid with assigned set $S_m$ takes the running mean
+# of lesson 7,
+# $D[m] \leftarrow (c_m D[m] + \sum_{i\in S_m} x_i)/(c_m + |S_m|)$, and
+# $c_m \leftarrow c_m + |S_m|$.
+#
+# A tiny example: $d = d_v = 2$, $N = 5$, $C = 4$, $\beta = 2$. The first
+# chunk (4 tokens) leaves $n = \lfloor 4\cdot5/9\rfloor = 2$ centroids; we take
+# that state from `refimpl.ovq` and do the second chunk by hand.
+
+# %%
+rng = np.random.default_rng(8)
+N_toy, C_toy, beta_toy = 5, 4, 2.0
+angles = rng.uniform(0, 2 * np.pi, 8)
+k_toy = np.column_stack([np.cos(angles), np.sin(angles)]) * rng.uniform(0.5, 2, size=(8, 1))  # any length
+q_toy = np.column_stack([np.cos(angles + 0.3), np.sin(angles + 0.3)])
+v_toy = np.round(rng.normal(size=(8, 2)), 2)
+toy = dict(max_size=N_toy, chunk_size=C_toy, beta=beta_toy, return_state=True)
+
+_, before = ovq.ovq_attention(q_toy[:4], k_toy[:4], v_toy[:4], **toy)  # after chunk 0
+out_ref, after = ovq.ovq_attention(q_toy, k_toy, v_toy, **toy)  # after chunk 1
+n, L = before.size, 4
+Dk, Dv, c = before.keys[:n], before.values[:n], before.counts[:n]
+print(f"state before chunk 1: n = {n}, t = {before.tokens_seen}, counts {c}")
+print(f"D_k =\n{np.round(Dk, 3)}\n(norms {np.round(np.linalg.norm(Dk, axis=1), 3)}: centroid 0 is a mean of unit keys)")
+
+# predict
+qh, kh, vc = unit(q_toy[4:]), unit(k_toy[4:]), v_toy[4:]
+logits = np.full((L, n + L), -np.inf)
+logits[:, :n] = beta_toy * (qh @ Dk.T) + np.log(c)
+for a in range(L):
+    logits[a, n : n + a + 1] = beta_toy * (qh[a] @ kh[: a + 1].T)
+weights = special.softmax(logits, axis=1)
+out_hand = weights @ np.concatenate([Dv, vc])
+np.set_printoptions(precision=3, suppress=True, linewidth=120)
+print("columns: centroid 0, centroid 1, chunk keys 4, 5, 6, 7")
+print(f"logits =\n{logits}\nsoftmax =\n{weights}")
+
+# %% [markdown]
+# Each row of the logits has the two centroid columns plus a lower triangle of
+# chunk keys. Row $a$ sums to one over $n + a + 1$ entries. The outputs match
+# `refimpl.ovq` to rounding (the two softmaxes are different code, so the
+# last bit may differ: we allow $8\varepsilon\cdot\max|v|$, a few roundings of
+# a sum of six terms of size at most $\max|v|$).
+#
+# Now the update, written out: grow, assign, seed, running means.
+
+# %%
+err_out = np.max(np.abs(out_hand - out_ref[4:]))
+print(f"outputs of chunk 1, by hand vs refimpl: {err_out:.1e}")
+assert err_out <= 8 * EPS * np.max(np.abs(v_toy))
+
+# grow
+t_next = before.tokens_seen + L
+n_next = max(n, ovq.dictionary_size(t_next, N_toy))  # max(1, floor(t N / (t + N)))
+n_add = n_next - n
+# assign: nearest centroid by dot product; the worst-represented keys seed
+sims = kh @ Dk.T
+nearest, score = np.argmax(sims, axis=1), np.max(sims, axis=1)
+seeds = np.argsort(score, kind="stable")[:n_add]
+print(f"t' = {t_next}: n' = {n_next}, so {n_add} new centroid(s)")
+print(f"scores (best dot product with a centroid) {score};  seed(s): chunk key {seeds}")
+# update: seeds first, then the running mean of each centroid's new members (sums in token order)
+Dk_new, Dv_new, c_new = before.keys.copy(), before.values.copy(), before.counts.copy()
+for j, i in enumerate(seeds):
+    Dk_new[n + j], Dv_new[n + j], c_new[n + j] = kh[i], vc[i], 1
+for m in range(n):
+    members = [i for i in range(L) if i not in seeds and nearest[i] == m]
+    if members:
+        sum_k, sum_v = np.zeros(2), np.zeros(2)
+        for i in members:
+            sum_k += kh[i]
+            sum_v += vc[i]
+        Dk_new[m] = (c_new[m] * Dk_new[m] + sum_k) / (c_new[m] + len(members))
+        Dv_new[m] = (c_new[m] * Dv_new[m] + sum_v) / (c_new[m] + len(members))
+        c_new[m] += len(members)
+        print(f"centroid {m}: joined by chunk keys {members}, count {c_new[m] - len(members)} -> {c_new[m]}")
+same_state = (np.array_equal(Dk_new, after.keys) and np.array_equal(Dv_new, after.values)
+              and np.array_equal(c_new, after.counts) and n_next == after.size)
+print(f"state by hand == refimpl state, bit for bit: {same_state}")
+assert same_state
+
+# %%
+fig, ax = plt.subplots(figsize=(5, 5))
+circle = np.linspace(0, 2 * np.pi, 200)
+ax.plot(np.cos(circle), np.sin(circle), color="0.85")
+colors = ["tab:blue", "tab:orange", "tab:green"]
+kh0 = unit(k_toy[:4])
+ax.scatter(*kh0.T, marker="x", color="0.5", label="keys of chunk 0")
+for m in range(n_next):
+    ax.scatter(*after.keys[m], s=160, marker="*", color=colors[m], edgecolors="k", zorder=4)
+    if m < n:
+        ax.annotate("", xy=after.keys[m], xytext=Dk[m], arrowprops=dict(arrowstyle="->", color=colors[m]))
+        ax.scatter(*Dk[m], s=80, marker="o", facecolors="none", edgecolors=colors[m], zorder=4)
+for i in range(L):
+    row = n + list(seeds).index(i) if i in seeds else nearest[i]
+    ax.scatter(*kh[i], s=40, color=colors[row], zorder=3)
+    ax.annotate(f"k{4 + i}", kh[i], textcoords="offset points", xytext=(6, 4))
+ax.set(aspect="equal", title="chunk 1: keys (dots) join a centroid (o -> *)\nor seed a new one", xlim=(-1.3, 1.3), ylim=(-1.3, 1.3))
+ax.legend(loc="lower left", fontsize=8)
+plt.show()
+
+# %% [markdown]
+# The dots are the chunk's unit keys, coloured by the row they update; circles
+# are the centroids before the chunk, stars after. The key least similar to
+# every centroid became a centroid of its own; the others pulled their
+# centroid towards themselves by $1/c'$ of the way per key. Centroids sit
+# *inside* the circle: means of unit keys are shorter than one (lesson 6
+# measured what that does to the read-out).
+#
+# ## 2. The vectorised reference equals the loop oracle
+#
+# `refimpl.ovq` does each chunk with matrix products, `argsort` and
+# `np.add.at`; `refimpl.ovq_oracle` is the same contract written as plain loops
+# over tokens and centroids. The state (dictionaries, counts, sizes) is
+# integer decisions plus the same arithmetic in the same order, so it must
+# agree **bit for bit**: `np.array_equal`, no tolerance. The outputs are dot
+# products summed in different orders, so they agree to rounding: logits of
+# size $\le\beta + \log t$ off by a few ulps, which (tilt bound of lesson 6)
+# moves an output by at most $4\varepsilon(\beta + \log t)\,\operatorname{range}(v)$,
+# plus the rounding of a sum of at most $N + C$ weighted values,
+# $(N + C)\,\varepsilon\max|v|$. We test every switch, with a length that is
+# not a multiple of the chunk size.
+
+# %%
+rng = np.random.default_rng(81)
+T_or, d_or, dv_or, N_or, C_or = (61, 4, 3, 12, 8) if SMALL else (301, 6, 3, 40, 16)
+q_or, k_or, v_or = rng.normal(size=(T_or, d_or)), rng.normal(size=(T_or, d_or)), rng.normal(size=(T_or, dv_or))
+tol_or = 4 * EPS * (np.sqrt(d_or) + np.log(T_or)) * np.max(np.ptp(v_or, axis=0)) + (N_or + C_or) * EPS * np.max(np.abs(v_or))
+switches = [{}, {"growth": "linear"}, {"init": "random", "seed": 3}, {"count_bias": False}, {"learning_rate": 0.05}]
+for kw in switches:
+    start = time.perf_counter()
+    out_loop, st_loop = ovq_attention_loop(q_or, k_or, v_or, max_size=N_or, chunk_size=C_or, **kw)
+    t_loop = time.perf_counter() - start
+    start = time.perf_counter()
+    out_vec, st_vec = ovq.ovq_attention(q_or, k_or, v_or, max_size=N_or, chunk_size=C_or, return_state=True, **kw)
+    t_vec = time.perf_counter() - start
+    bitwise = (np.array_equal(st_loop.keys, st_vec.keys) and np.array_equal(st_loop.values, st_vec.values)
+               and np.array_equal(st_loop.counts, st_vec.counts)
+               and (st_loop.size, st_loop.tokens_seen) == (st_vec.size, st_vec.tokens_seen))
+    err = np.max(np.abs(out_loop - out_vec))
+    print(f"{str(kw or 'defaults'):32s} state equal: {bitwise};  outputs {err:.1e} (tol {tol_or:.1e});  "
+          f"loop {1e3 * t_loop:6.1f} ms, vectorised {1e3 * t_vec:5.1f} ms")
+    assert bitwise and err <= tol_or
+
+# %% [markdown]
+# ## 3. How the dictionary grows
+#
+# The **plateau** rule allows $n(t) = \max(1, \lfloor f(t)\rfloor)$ centroids
+# after $t$ tokens, with
+#
+# $$
+# f(t) = \frac{tN}{t + N} = N\Big(1 - \frac{N}{N+t}\Big),\qquad f'(t) = \Big(\frac{N}{N+t}\Big)^2 :
+# $$
+#
+# about one new centroid per token at first, then ever fewer, and never $N$.
+# The **linear** rule, $\min(t, N)$, takes one centroid per token until the
+# dictionary is full.
+#
+# The paper calls the plateau "inspired by the Dirichlet process". In the
+# Chinese-restaurant process with concentration $N$, customer $i$
+# ($i = 0, 1, \dots$) opens a new table with probability $N/(N+i)$, so the
+# expected number of tables after $t$ customers is
+#
+# $$
+# E(t) = \sum_{i<t}\frac{N}{N+i} = N\big(\psi(N+t) - \psi(N)\big) \approx N\log(1 + t/N),
+# $$
+#
+# with $\psi$ the digamma function. Both curves start with slope one, but
+# $E$ grows without bound while $f$ saturates. The spec of this project says
+# that the plateau's increments, $C\,(N/(N+t))^2$ per chunk, approximate the
+# CRP's expected new tables; the CRP's expected new tables per chunk are in
+# fact about $C\,N/(N+t)$. The ratio of the two is $N/(N+t)$: within 10% only
+# for $t \le N/9$, one half at $t = N$, $1/17$ at $t = 16N$. What *is* true:
+# $C(N/(N+t))^2$ is the plateau curve's own slope, and it predicts the
+# increments of $n$ well (the floor moves them by less than one).
+#
+# Two exact statements to check. First, with $x = t/N$ and
+# $g(x) = \log(1+x) - x/(1+x)$, the sum $E(t)$ exceeds
+# $N\log(1 + t/N)$ by at most its first term, 1 (a decreasing summand against
+# its integral), and $|n - f| < 1$, so
+# $|(E(t) - n(t)) - N g(t/N)| < 2$ for every $t\ge1$: the plateau falls short
+# of the CRP by $Ng(t/N)$ tables, $\approx t^2/(2N)$ early on. Second, the
+# increment per chunk differs from $C f'(t)$ by less than
+# $1 + C f'(t)\,C/(N+t+C)$ (exact increment of $f$, plus the floors).
+
+# %%
+N_g, C_g = 1024, 64
+t = np.arange(1, 64 * N_g + 1)
+n_plateau = ovq.dictionary_size(t, N_g, "plateau")
+n_linear = ovq.dictionary_size(t, N_g, "linear")
+crp = N_g * (special.digamma(N_g + t) - special.digamma(N_g))
+
+# the defining formula, in exact Python integers, and n <= N, and monotone
+every = range(1, 64 * N_g + 1, 1 if not SMALL else 7)
+formula_ok = all(int(n_plateau[s - 1]) == max(1, (s * N_g) // (s + N_g)) for s in every)
+assert formula_ok and n_plateau.max() < N_g and np.all(np.diff(n_plateau) >= 0)
+assert np.array_equal(n_linear, np.minimum(t, N_g))
+# the CRP closed form is the sum it stands for
+assert np.allclose(crp[: 4 * N_g], np.cumsum(N_g / (N_g + np.arange(4 * N_g))), rtol=1e-12)
+
+x = t / N_g
+shortfall = N_g * (np.log1p(x) - x / (1 + x))
+worst_tables = np.max(np.abs((crp - n_plateau) - shortfall))
+print(f"|(E - n) - N g(t/N)| over t <= 64 N: at most {worst_tables:.2f} tables (bound 2)")
+assert worst_tables < 2
+
+# per chunk: the plateau's increments, its slope, and the CRP's expected new tables
+t0 = np.arange(0, 64 * N_g, C_g)
+dn = ovq.dictionary_size(t0 + C_g, N_g) - ovq.dictionary_size(t0, N_g)
+spec_increment = C_g * (N_g / (N_g + t0)) ** 2
+crp_new = N_g * (special.digamma(N_g + t0 + C_g) - special.digamma(N_g + t0))
+bound_inc = 1 + spec_increment * C_g / (N_g + t0 + C_g)
+print(f"|increment - C (N/(N+t))^2| / bound: at most {np.max(np.abs(dn - spec_increment) / bound_inc):.2f} (< 1)")
+assert np.all(np.abs(dn - spec_increment) < bound_inc)
+for frac in (1 / 9, 1.0, 16.0):
+    j = np.argmin(np.abs(t0 - frac * N_g))
+    print(f"t = {t0[j] / N_g:5.2f} N: plateau adds {dn[j]:3d}, C (N/(N+t))^2 = {spec_increment[j]:5.1f}, "
+          f"CRP expects {crp_new[j]:5.1f} new tables (ratio {spec_increment[j] / crp_new[j]:.2f})")
+
+fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
+ax0.plot(x, n_linear / N_g, label="linear $\\min(t, N)$")
+ax0.plot(x, n_plateau / N_g, label="plateau $\\lfloor tN/(t+N)\\rfloor$")
+ax0.plot(x, crp / N_g, "--", label="CRP $E(t) = N(\\psi(N+t) - \\psi(N))$")
+ax0.axhline(1, color="0.6", lw=0.8)
+ax0.set(xscale="log", xlabel="$t / N$", ylabel="centroids / $N$", title=f"dictionary size, $N = {N_g}$")
+ax0.legend(fontsize=8)
+ax1.loglog(t0[1:] / N_g, dn[1:], ".", ms=3, label="plateau: actual increment per chunk")
+ax1.loglog(t0[1:] / N_g, spec_increment[1:], label="$C(N/(N+t))^2$ (the slope)")
+ax1.loglog(t0[1:] / N_g, crp_new[1:], "--", label="CRP: expected new tables per chunk")
+ax1.axvline(1 / 9, color="0.6", lw=0.8, ls=":")
+ax1.set(xlabel="$t / N$", ylabel=f"new centroids per chunk ($C = {C_g}$)", title="increments: agree only for $t \\ll N$")
+ax1.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# Left: the plateau tracks the CRP while $t \ll N$ (it falls short by a
+# fraction of about $t/(2N)$) and then falls behind; from $t \approx 1.7N$
+# on, the CRP would need more tables than the dictionary has rows. Right: the dotted line is $t = N/9$, where the
+# spec's sentence stops being accurate to 10%; increments below one per
+# chunk show as zeros skipped on the log axis. The plateau is a *bounded*
+# curve with the CRP's initial behaviour, which is the honest reading of
+# "Dirichlet-inspired".
+#
+# ## 4. Spread-maximising initialisation
+#
+# When the dictionary may grow by $n' - n$, OVQ seeds the new centroids with
+# the chunk keys whose best similarity to the dictionary,
+# $s_i = \max_{m<n}\hat k_i\cdot D_k[m]$, is smallest: the keys the dictionary
+# represents worst, in the spirit of $k$-means++. The alternative draws them
+# at random. We check the rule on every chunk of a run (from the forward
+# cache, which records the dictionary each chunk read and the seeds it
+# chose), then measure what it buys on keys drawn around 96 directions in
+# $d = 16$ with $N = 128$: the quantisation error of each chunk's keys
+# against the dictionary it meets, $\|\hat k_i - D_k[a_i]\|^2$, and how
+# similar the final centroids are to each other.
+
+# %%
+def clustered_keys(T, n_clusters, d, seed, noise=0.3):
+    r = np.random.default_rng(seed)
+    centres = unit(r.normal(size=(n_clusters, d)))
+    return unit(centres[r.integers(0, n_clusters, T)] + noise * r.normal(size=(T, d)) / np.sqrt(d))
+
+
+def quantisation_error_per_chunk(cache, khat):
+    """Mean ||k^_i - D_k[a_i]||^2 of each chunk's keys against the dictionary the chunk read (n > 0)."""
+    errs = []
+    for rec in cache.records[1:]:
+        kc = khat[rec.start : rec.stop]
+        nearest = np.argmax(kc @ rec.dict_keys.T, axis=1)
+        errs.append(np.mean(np.sum((kc - rec.dict_keys[nearest]) ** 2, axis=1)))
+    return np.array(errs)
+
+
+T_init, d_init, N_init, C_init = (2048 if SMALL else 8192), 16, 128, 64
+n_seeds_init = 3
+results = {"spread": [], "random": []}
+curves = {"spread": [], "random": []}
+checked_chunks = 0
+for seed in range(n_seeds_init):
+    k_cl = clustered_keys(T_init, 96, d_init, seed)
+    v_cl = np.random.default_rng(seed).normal(size=(T_init, 4))
+    for init in ("spread", "random"):
+        _, cache = ovq.ovq_attention_forward(k_cl, k_cl, v_cl, max_size=N_init, chunk_size=C_init, init=init, seed=seed)
+        if init == "spread":
+            # the seeds are the keys with the smallest best-similarity, in ascending order
+            for rec in cache.records[1:]:
+                if rec.seeds.size:
+                    s = np.max(k_cl[rec.start : rec.stop] @ rec.dict_keys.T, axis=1)
+                    assert np.array_equal(rec.seeds, np.argsort(s, kind="stable")[: rec.seeds.size])
+                    others = np.setdiff1d(np.arange(s.size), rec.seeds)
+                    assert s[rec.seeds].max() <= s[others].min()
+                    checked_chunks += 1
+        st = cache.state
+        cent = unit(st.keys[: st.size])
+        cos = cent @ cent.T
+        np.fill_diagonal(cos, -np.inf)
+        errs = quantisation_error_per_chunk(cache, k_cl)
+        curves[init].append(errs)
+        results[init].append((np.mean(errs), np.mean(cos.max(axis=1))))
+print(f"spread rule verified on {checked_chunks} chunks that created centroids")
+print("init   | quantisation error (mean over chunks, per seed) | mean max cosine between centroids")
+for init in results:
+    r_ = np.array(results[init])
+    print(f"{init:6s} | {np.round(r_[:, 0], 4)}                      | {np.round(r_[:, 1], 3)}")
+spread_err, random_err = np.array(results["spread"])[:, 0], np.array(results["random"])[:, 0]
+assert np.all(spread_err < random_err)
+
+fig, ax = plt.subplots(figsize=(7, 3.5))
+t_axis = np.arange(1, len(curves["spread"][0]) + 1) * C_init
+for init, color in (("spread", "tab:blue"), ("random", "tab:red")):
+    ax.plot(t_axis, np.mean(curves[init], axis=0), color=color, label=f"init = {init} (mean of {n_seeds_init} seeds)")
+ax.set(xlabel="tokens seen $t$", ylabel="$\\|\\hat k - D_k[a]\\|^2$ of the next chunk", yscale="log",
+       title="how well the dictionary represents incoming keys")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# With random seeds the error stays higher. A random seed is often a key
+# from a direction that already has a centroid, so some directions are left
+# without one and their keys keep being merged into a neighbour's (the recall
+# ablations of section 7 count this directly: associations left without a
+# row of their own). The spread rule spends new rows where they are needed,
+# and the centroids it builds are less similar to each other (the last
+# column above).
+#
+# ## 5. Sparse updates
+#
+# Each key of a chunk changes exactly one row of the state: the centroid it
+# joins or the one it seeds. So a chunk of $L$ tokens touches at most $L$ rows
+# of the $N$, whatever $N$ is: a large dictionary costs no more per update.
+# Linear attention's state $S = \sum_j\phi(k_j)v_j^\top$ is the opposite: with
+# positive features and dense values, every token changes every entry. We
+# feed a stream chunk by chunk, diff the state before and after each chunk,
+# and compare the changed rows with the rows the chunk's plan (from the
+# forward cache) assigned.
+
+# %%
+rng = np.random.default_rng(85)
+N_sp, C_sp, d_sp, dv_sp = 256, 32, 16, 8
+n_chunks_sp = 40 if SMALL else 200
+k_sp = clustered_keys(C_sp * n_chunks_sp, 200, d_sp, seed=5)
+v_sp = rng.normal(size=(C_sp * n_chunks_sp, dv_sp))
+state = None
+touched = []
+for j in range(n_chunks_sp):
+    sl = slice(j * C_sp, (j + 1) * C_sp)
+    _, cache = ovq.ovq_attention_forward(k_sp[sl], k_sp[sl], v_sp[sl], max_size=N_sp, chunk_size=C_sp, state=state)
+    new = cache.state
+    if state is None:
+        changed = np.flatnonzero(new.counts > 0)
+    else:
+        changed = np.flatnonzero(np.any(new.keys != state.keys, axis=1) | np.any(new.values != state.values, axis=1)
+                                 | (new.counts != state.counts))
+    planned = np.unique(cache.records[0].rows)
+    assert np.array_equal(changed, planned) and changed.size <= C_sp
+    touched.append(changed.size)
+    state = new
+phi_k = elu_feature_map(k_sp[-C_sp:])
+dense_changed = np.count_nonzero(phi_k.T @ v_sp[-C_sp:])
+assert dense_changed == d_sp * dv_sp
+print(f"{n_chunks_sp} chunks of {C_sp} tokens, N = {N_sp}: rows changed per chunk between {min(touched)} and "
+      f"{max(touched)} (mean {np.mean(touched):.1f}), always exactly the rows the plan assigned")
+print(f"entries changed per chunk: OVQ at most {max(touched) * (d_sp + dv_sp + 1)} of {N_sp * (d_sp + dv_sp + 1)}; "
+      f"linear attention {dense_changed} of {d_sp * dv_sp} (all of them)")
+
+# %% [markdown]
+# Fewer rows than tokens change because several keys of a chunk usually join
+# the same centroid. What this does *not* show is speed: NumPy's `np.add.at`
+# is not fast; the point is the memory traffic a fused kernel would need.
+#
+# ## 6. Constant memory, and the state is all a stream needs
+#
+# The state is $N(d + d_v)$ floats and $N$ integer counts whatever $T$ is
+# (`OVQState.nbytes`). During a call, the working memory besides the output
+# is the per-chunk logits and the dictionaries, $O(C(n + C) + N(d + d_v))$,
+# also independent of $T$ (it grows with $n(t) \le N$ only). We measure the
+# peak with `tracemalloc` (NumPy reports its buffers to it). A buffer with one
+# float64 per token would add $8\,\Delta T$ bytes when $T$ grows by $\Delta T$:
+# the peak minus the output must grow by less than that.
+
+# %%
+d_m, N_m, C_m = 32, 256, 64
+lengths = [2048, 8192, 32768] if SMALL else [2048, 8192, 32768, 131072]
+rows = []
+for T_m in lengths:
+    r = np.random.default_rng(0)
+    q_m, k_m, v_m = r.normal(size=(T_m, d_m)), r.normal(size=(T_m, d_m)), r.normal(size=(T_m, d_m))
+    tracemalloc.start()
+    out_m, st_m = ovq.ovq_attention(q_m, k_m, v_m, max_size=N_m, chunk_size=C_m, return_state=True)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    rows.append((T_m, st_m.nbytes, peak, out_m.nbytes, st_m.size))
+    print(f"T = {T_m:6d}: state {st_m.nbytes / 2**10:6.1f} KiB (n = {st_m.size}), peak {peak / 2**20:7.2f} MiB, "
+          f"of which output {out_m.nbytes / 2**20:7.2f} MiB, rest {(peak - out_m.nbytes) / 2**10:6.1f} KiB")
+rows = np.array(rows, dtype=np.int64)
+rest = rows[:, 2] - rows[:, 3]
+assert np.all(rows[:, 1] == N_m * (d_m + d_m) * 8 + N_m * 8)  # N (d + d_v) float64 + N int64, for every T
+assert rest[-1] - rest[0] < 8 * (lengths[-1] - lengths[0])
+print(f"rest grew by {(rest[-1] - rest[0]) / 2**10:.1f} KiB while T grew {lengths[-1] // lengths[0]}-fold "
+      f"(one float64 per token would be {8 * (lengths[-1] - lengths[0]) / 2**10:.0f} KiB)")
+
+fig, ax = plt.subplots(figsize=(6, 4))
+Ts = rows[:, 0]
+ax.loglog(Ts, rows[:, 1], "o-", label="OVQ state (nbytes)")
+ax.loglog(Ts, rest, "o-", label="OVQ peak minus output (measured)")
+ax.loglog(Ts, rows[:, 3], "o--", label="the output itself, $T d_v$ floats")
+ax.loglog(Ts, 8.0 * Ts * (d_m + d_m), ":", label="softmax KV cache, $T(d + d_v)$ floats")
+ax.loglog(Ts, 8.0 * Ts.astype(float) ** 2, ":", label="softmax scores, $T^2$ floats")
+ax.set(xlabel="sequence length $T$", ylabel="bytes", title=f"memory, $N = {N_m}$, $d = d_v = {d_m}$")
+ax.set_xticks(Ts, [str(T_m) for T_m in Ts])
+ax.minorticks_off()
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# A state of constant size is only useful if nothing else is needed to go on.
+# One call over a sequence equals the same sequence fed in pieces (each a
+# multiple of $C$ but the last) through the state, **bit for bit**, and a state
+# saved to disk and loaded again continues identically.
+
+# %%
+rng = np.random.default_rng(86)
+T_st = 1000
+q_st, k_st, v_st = rng.normal(size=(T_st, 8)), rng.normal(size=(T_st, 8)), rng.normal(size=(T_st, 4))
+kw_st = dict(max_size=64, chunk_size=32, return_state=True)
+out_one, st_one = ovq.ovq_attention(q_st, k_st, v_st, **kw_st)
+pieces, outs, st_p = [0, 320, 352, 704, T_st], [], None
+for lo, hi in zip(pieces[:-1], pieces[1:]):
+    o, st_p = ovq.ovq_attention(q_st[lo:hi], k_st[lo:hi], v_st[lo:hi], state=st_p, **kw_st)
+    outs.append(o)
+    if hi == 352:  # save and reload in the middle of the stream
+        with tempfile.TemporaryDirectory() as tmp:
+            st_p.save(Path(tmp) / "state.npz")
+            st_p = ovq.OVQState.load(Path(tmp) / "state.npz")
+same = (np.array_equal(np.concatenate(outs), out_one) and np.array_equal(st_p.keys, st_one.keys)
+        and np.array_equal(st_p.values, st_one.values) and np.array_equal(st_p.counts, st_one.counts))
+print(f"one call == four pieces with a save/load in between, outputs and state bit for bit: {same}")
+assert same
+
+# %% [markdown]
+# ## 7. In-context recall without training
+#
+# The paper's headline experiment trains models on synthetic recall tasks.
+# Without training we can still ask the mechanism itself: given the right
+# queries and keys, can it retrieve what was stored? This isolates the memory
+# from the learning.
+#
+# **The task.** A sequence holds $P$ associations: random unit keys
+# $K_p\in\mathbb R^{d}$ with values the one-hot vectors $e_p$. Token $t$
+# *writes* a random association $z_t$: its key is a noisy copy of $K_{z_t}$
+# (noise of norm about $0.3$, as two occurrences of the same item would
+# differ), its value is $e_{z_t}$. It also *asks* about an earlier
+# association $y_t \ne z_t$ (one written before $t$, uniformly): its query is
+# a fresh noisy copy of $K_{y_t}$. The answer is correct if the output's
+# largest coordinate is $y_t$. We score the queries in the second half of
+# the sequence. Sizes: $d = 32$, $P = T/16$ associations (each written about
+# 16 times), chunks of $C = 64$.
+#
+# **The contestants**, all given the unit queries and keys OVQ uses:
+#
+# - full causal softmax attention with $\beta = \sqrt d$ (a KV cache of all
+#   $T$ tokens);
+# - linear attention ($\phi = \mathrm{elu} + 1$; its state is
+#   $d\times d_v$). It has no temperature, so we scale its inputs by
+#   $s\in\{0.5, 1, 2, 4\}$ and keep the best, in its favour;
+# - VQ attention with a static codebook of $S = T/8$ codes: random unit
+#   vectors, or $k$-means on held-out keys (keys of *another* sequence from
+#   the same generator: each sequence draws its own associations, so nothing
+#   learned offline can know them, which is the situation the paper blames
+#   for VQ's weakness);
+# - OVQ attention with $N = T/8$: a state one eighth the size of the KV
+#   cache, enough rows for the $P = T/16$ associations if it spends them well.
+
+# %%
+def recall_task(T, P, d, seed, noise=0.3):
+    """Queries, keys, one-hot values and the target association of every query (-1: nothing to ask yet)."""
+    r = np.random.default_rng(seed)
+    K = unit(r.normal(size=(P, d)))
+    z = r.integers(0, P, size=T)  # the association token t writes
+    first = np.full(P, T)
+    np.minimum.at(first, z, np.arange(T))  # first position that writes each association
+    target = np.full(T, -1)
+    for t in range(1, T):
+        asked = np.flatnonzero((first < t) & (np.arange(P) != z[t]))  # written before t, not z_t
+        if asked.size:
+            target[t] = asked[r.integers(asked.size)]
+    k = unit(K[z] + noise * r.normal(size=(T, d)) / np.sqrt(d))
+    q = unit(K[np.maximum(target, 0)] + noise * r.normal(size=(T, d)) / np.sqrt(d))
+    return q, k, np.eye(P)[z], target
+
+
+def accuracy(out, target):
+    scored = (target >= 0) & (np.arange(target.size) >= target.size // 2)
+    return float(np.mean(np.argmax(out[scored], axis=1) == target[scored]))
+
+
+def kmeans_codebook(S, d, seed, n_iter=10):
+    held_out = recall_task(8 * S, S // 2, d, seed)[1]  # the keys of another sequence
+    codes = held_out[:S].copy()
+    for _ in range(n_iter):
+        codes = unit(gmm.kmeans_step(held_out, codes))
+    return codes
+
+
+D_REC, C_REC = 32, 64
+BETA_REC = np.sqrt(D_REC)
+
+
+def contestants(T, seed, **ovq_switches):
+    P, N = T // 16, T // 8
+    q, k, v, target = recall_task(T, P, D_REC, seed)
+    acc = {}
+    acc["softmax"] = accuracy(softmax_attention(q, k, v, scale=BETA_REC, causal=True), target)
+    acc["linear"] = max(accuracy(linear_attention(s * q, s * k, v, causal=True), target) for s in (0.5, 1, 2, 4))
+    random_codes = unit(np.random.default_rng(seed + 1000).normal(size=(N, D_REC)))
+    acc["VQ (random codes)"] = accuracy(ovq.vq_attention(q, k, v, random_codes, chunk_size=C_REC), target)
+    acc["VQ (k-means codes)"] = accuracy(ovq.vq_attention(q, k, v, kmeans_codebook(N, D_REC, seed + 2000), chunk_size=C_REC), target)
+    acc["OVQ"] = accuracy(ovq.ovq_attention(q, k, v, max_size=N, chunk_size=C_REC, **ovq_switches), target)
+    return acc
+
+
+lengths_rec = [512, 1024, 2048] if SMALL else [512, 1024, 2048, 4096]
+start = time.perf_counter()
+table = {T_r: contestants(T_r, seed=0) for T_r in lengths_rec}
+names = list(table[lengths_rec[0]])
+print(f"recall accuracy (second half of the sequence), {time.perf_counter() - start:.1f} s")
+print("     T |  P  |  N  | " + " | ".join(f"{nm:>18s}" for nm in names))
+for T_r, acc in table.items():
+    print(f"{T_r:6d} | {T_r // 16:3d} | {T_r // 8:3d} | " + " | ".join(f"{acc[nm]:18.3f}" for nm in names))
+
+fig, ax = plt.subplots(figsize=(7, 4))
+for nm, style in zip(names, ["ks--", "o-", "o-", "o-", "o-"]):
+    ax.plot(lengths_rec, [table[T_r][nm] for T_r in lengths_rec], style, label=nm, ms=8 if nm == "softmax" else 6)
+ax.set(xscale="log", xlabel="sequence length $T$ ($P = T/16$ associations, $N = S = T/8$)", ylabel="recall accuracy",
+       ylim=(0, 1.05), title="in-context recall, no training")
+ax.set_xticks(lengths_rec, [str(T_r) for T_r in lengths_rec])
+ax.minorticks_off()
+ax.legend(fontsize=8)
+plt.show()
+
+for T_r, acc in table.items():
+    assert acc["softmax"] >= 0.99
+    baseline = max(acc["linear"], acc["VQ (random codes)"], acc["VQ (k-means codes)"])
+    assert acc["OVQ"] >= baseline + 0.2, (T_r, acc)
+assert table[lengths_rec[-1]]["OVQ"] >= 0.97
+
+# %% [markdown]
+# What the table shows, at these sizes and this seed:
+#
+# - **Full softmax attention** recalls essentially everything: the matching
+#   tokens have logits near $\beta$, the others near $0 \pm 1$.
+# - **Linear attention** fails, and more so as $P$ grows: a state with
+#   $d = 32$ feature rows cannot keep $P \ge 32$ associations apart, and the
+#   $\mathrm{elu}+1$ map has no temperature to sharpen a match, so the
+#   associations interfere. It is not a fair fight for linear attention,
+#   whose projections would be trained; it shows what the mechanism alone
+#   can hold.
+# - **VQ attention** recalls between a half and two thirds. Its codes were not fitted to
+#   this sequence's keys: in $d = 32$ a key's nearest of a few hundred codes
+#   has a cosine of only about $0.4$ to $0.5$ with it, the noisy copies of
+#   one key scatter over several codes, each code mixes several
+#   associations, and a query's weight spreads over many codes of similar
+#   score. The $k$-means codebook is no better, as expected: the held-out
+#   keys share no direction with this sequence's.
+# - **OVQ** is within a percent of full attention at every length: the
+#   plateau dictionary ends with $n(T) = \lfloor T/9\rfloor$ rows, more than
+#   the $P = T/16$ associations, and the spread rule gives each association a
+#   row of its own (the ablations below count them). Its state is
+#   $N(d + d_v)$ numbers against the KV cache's $T(d + d_v)$: 12.5%.
+#
+# This reproduces the *direction* of the paper's recall claim (OVQ far above
+# VQ and linear attention, close to full attention, with 10-25% of its
+# state) on a task without training, at $T \le 4096$. It says nothing about
+# $T = 65536$, about trained models, or about tasks whose keys do not repeat.
+#
+# **How big must the dictionary be?** At one length, vary $N$ from a quarter
+# of $P$ to four times $P$. With fewer rows than associations, distinct keys
+# must share a centroid, whose value mean then holds both answers.
+
+# %%
+T_n = 1024 if SMALL else 4096
+P_n = T_n // 16
+q_n, k_n, v_n, target_n = recall_task(T_n, P_n, D_REC, seed=0)
+ratios = [0.25, 0.5, 1, 2, 4]
+acc_vs_n = [accuracy(ovq.ovq_attention(q_n, k_n, v_n, max_size=int(r_ * P_n), chunk_size=C_REC), target_n) for r_ in ratios]
+n_final = [ovq.dictionary_size(T_n, int(r_ * P_n)) for r_ in ratios]
+for r_, a_, nf in zip(ratios, acc_vs_n, n_final):
+    print(f"N = {r_:4} x P = {int(r_ * P_n):4d} (n(T) = {nf:4d}, state {100 * r_ * P_n / T_n:5.1f}% of the KV cache): "
+          f"accuracy {a_:.3f}")
+fig, ax = plt.subplots(figsize=(6, 3.5))
+percent = np.array(ratios) * P_n / T_n * 100
+ax.plot(percent, acc_vs_n, "o-", label="OVQ")
+ax.axhline(table[T_n]["softmax"], color="k", ls=":", label="full softmax (same task)")
+ax.set(xscale="log", xlabel="OVQ state as % of the KV cache ($N/T$)", ylabel="recall accuracy", ylim=(0, 1.05),
+       title=f"$T = {T_n}$, $P = {P_n}$ associations")
+ax.set_xticks(percent, [f"{x:.3g}" for x in percent])
+ax.minorticks_off()
+ax.legend()
+plt.show()
+assert acc_vs_n[0] < 0.75 and acc_vs_n[-1] >= 0.97  # too few rows cannot hold P associations; enough rows can
+
+# %% [markdown]
+# Recall rises with the dictionary and saturates once $n(T)$ exceeds the
+# number of associations: the state must be large enough for what the
+# sequence asks, and beyond that OVQ gets most of full attention's recall.
+#
+# ### Ablations
+#
+# The paper reports that each of its design choices helps: spread
+# initialisation over random, the plateau over linear growth, the count bias,
+# and the adaptive rate $1/c$ over a constant one. We rerun the recall task
+# at the largest length of the sweep with each switch flipped, over four
+# seeds (the task and the random draws change with the seed). Two
+# diagnostics come with each run: how many of the $P$ associations own a row
+# (hold the majority of the keys assigned to it), and the largest centroid
+# norm (a mean of unit keys is never longer than one).
+#
+# One thing to know before reading the constant-rate rows. With a constant
+# rate, a centroid that receives $|S|$ keys moves to
+# $D' = (1 - \eta|S|)\,D + \eta\sum_{i\in S}x_i$: the part of $D$ that the
+# keys do not explain is multiplied by $1 - \eta|S|$. For $\eta|S| > 2$ that
+# factor exceeds one in magnitude, and a centroid that keeps receiving several
+# keys per chunk runs away. (The first chunk is such a chunk: the keys
+# that seed no centroid, 8 to 13 of the 64 at these sizes, all join
+# centroid 0.) The adaptive rate multiplies it by
+# $c/(c + |S|) < 1$, always.
+
+# %%
+T_ab = lengths_rec[-1]
+ablations = {
+    "default (spread, plateau, count bias, 1/c)": {},
+    "init = random": {"init": "random"},
+    "growth = linear": {"growth": "linear"},
+    "no count bias": {"count_bias": False},
+    "constant rate 0.05": {"learning_rate": 0.05},
+    "constant rate 0.5": {"learning_rate": 0.5},
+    "constant rate 1": {"learning_rate": 1.0},
+}
+ab_seeds = range(4)
+ab = {name: {"acc": [], "owners": [], "norm": []} for name in ablations}
+for seed in ab_seeds:
+    q_a, k_a, v_a, target_a = recall_task(T_ab, T_ab // 16, D_REC, seed)
+    written = np.argmax(v_a, axis=1)  # the association each token wrote
+    for name, kw in ablations.items():
+        out_a, cache_a = ovq.ovq_attention_forward(q_a, k_a, v_a, max_size=T_ab // 8, chunk_size=C_REC, seed=seed, **kw)
+        rows_a, n_a = np.concatenate([rec.rows for rec in cache_a.records]), cache_a.state.size
+        owner = [np.bincount(written[rows_a == m]).argmax() for m in range(n_a)]
+        ab[name]["acc"].append(accuracy(out_a, target_a))
+        ab[name]["owners"].append(len(set(owner)))
+        ab[name]["norm"].append(np.max(np.linalg.norm(cache_a.state.keys[:n_a], axis=1)))
+print(f"T = {T_ab}, P = {T_ab // 16} associations, N = {T_ab // 8}; per seed")
+print(f"{'':43s} | {'accuracy':29s} | associations owning a row | largest centroid norm")
+for name, r_ in ab.items():
+    print(f"{name:43s} | {str(np.round(r_['acc'], 3)):29s} | {str(r_['owners']):25s} | "
+          + " ".join(f"{x:.3g}" for x in r_["norm"]))
+acc_ab = {name: np.array(r_["acc"]) for name, r_ in ab.items()}
+default = acc_ab["default (spread, plateau, count bias, 1/c)"]
+assert np.all(default > acc_ab["init = random"])  # spread beats random on every seed
+assert np.all(default >= acc_ab["growth = linear"]) and default.mean() > acc_ab["growth = linear"].mean()
+assert ab["default (spread, plateau, count bias, 1/c)"]["owners"] == [T_ab // 16] * len(ab_seeds)
+assert max(ab["default (spread, plateau, count bias, 1/c)"]["norm"]) <= 1 + 4 * EPS  # means of unit keys
+assert min(ab["constant rate 1"]["norm"]) > 1e6  # a runaway centroid on every seed
+assert np.all(acc_ab["constant rate 1"] < default - 0.3)
+
+# %% [markdown]
+# What reproduces here, and what does not:
+#
+# - **Spread vs random initialisation: reproduces**, on every seed, by a few
+#   points. Random seeds spend rows on repeats of associations that already
+#   have one, and some associations are left to share a row (section 4).
+# - **Plateau vs linear growth: reproduces, by a small margin** (one to four
+#   points). The diagnostics say why: linear growth makes every token of the
+#   first $N$ a centroid, repeats included, so half of its rows are copies,
+#   and a few associations end up owning no row; the plateau's slower growth
+#   lets the spread rule pick *new* associations, and every one of the $P$
+#   gets its own row.
+# - **Count bias: no measurable effect** on this task, where each centroid
+#   holds one association and the right one wins by its dot product alone.
+#   Not reproduced.
+# - **Adaptive vs constant rate: depends on the constant.** With
+#   $\eta = 0.05$ recall is as good as with $1/c$: the repeats of one key are
+#   nearly equal, so any small rate keeps the centroid among them. With
+#   $\eta = 1$ some centroid receives more than two keys in a chunk, runs
+#   away to a norm of
+#   $10^{40}$ or more, and then wins every query on its side of the hyperplane
+#   $\hat q\cdot D_k[m] = 0$: about half of them, which is where recall
+#   settles. $\eta = 0.5$ does the same on some seeds and not others. So the
+#   adaptive rate is *safe* where a constant one needs $\eta|S_m| < 2$ for
+#   every update; that it is *better* than a well-chosen constant is not
+#   shown by this task.
+#
+# The paper's ablations are on trained models at far larger $T$; a synthetic
+# recall task without training can confirm a mechanism's behaviour, not the
+# size of a training-time effect.
+#
+# ## Summary
+#
+# | claim | check | measured |
+# |---|---|---|
+# | predict-then-update as in the spec | one chunk by hand vs `refimpl.ovq` | state bit for bit, outputs to rounding |
+# | vectorised $=$ loop oracle | five switch settings, $T$ not a multiple of $C$ | state bit for bit, outputs within $4\varepsilon(\beta + \log t)\mathrm{range}(v)$ |
+# | plateau growth $\max(1,\lfloor tN/(t+N)\rfloor) \le N$ | exact integers; against the CRP | short of the CRP by $Ng(t/N)$ within 2 tables; the spec's "CRP increments" only for $t \ll N$ |
+# | spread initialisation | seeds $=$ smallest best-similarity, every chunk; quantisation error | lower error than random seeds, every seed |
+# | sparse updates | diff of the state per chunk | changed rows $=$ assigned rows, $\le L$ |
+# | constant memory, streaming | `nbytes`, `tracemalloc`, pieces and save/load | constant state; no per-token buffer; bit for bit |
+# | recall: OVQ $\gg$ VQ, linear; $\approx$ full attention | synthetic task, $N = T/8$ | see the table above |
+# | ablations | four seeds | spread $>$ random and plateau $\ge$ linear on every seed; count bias: no effect; constant rate: safe only if $\eta\,\lvert S_m\rvert < 2$ |
