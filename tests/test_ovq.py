@@ -1,5 +1,9 @@
 """OVQ and VQ attention: loop oracle vs vectorised, streaming, save/load, ablation switches, edge sizes, validation."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -574,3 +578,12 @@ def test_diverging_constant_learning_rate_is_refused_naming_learning_rate():
     q, k, v = (rng.normal(size=(20000, 4)) for _ in range(3))
     with pytest.raises(ValueError, match=r"^learning_rate: the constant-rate update diverged.*eta \* \|S_m\| < 2"):
         ovq.ovq_attention(q, k, v, max_size=2, chunk_size=64, learning_rate=1.0)
+
+
+def test_benchmark_script_runs_in_quick_mode():
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_ovq.py"), "--quick"], capture_output=True, text=True, cwd=root, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "speed-up of OVQ over causal softmax attention" in proc.stdout and "state bytes ratio" in proc.stdout
