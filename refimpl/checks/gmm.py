@@ -122,7 +122,7 @@ def _em_newton():
         weights = rng.dirichlet(np.ones(5))
         em = gmm.isotropic_m_step(x, means, beta, weights)
         newton = gmm.newton_step(x, means, beta, weights)
-        worst = max(worst, float(np.max(np.abs(em - newton)) / np.max(np.abs(em))))
+        worst = max(worst, relative_error(newton, em))
     return worst
 
 
@@ -142,7 +142,7 @@ def _online_mean():
     batch = np.stack([x[assign == k].mean(axis=0) for k in range(K)])
     if not np.array_equal(counts, np.bincount(assign, minlength=K)):
         return float("inf")
-    return float(np.max(np.abs(means - batch)) / np.max(np.abs(batch)))
+    return relative_error(means, batch)
 
 
 @register(
