@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from refimpl import attention, gma  # noqa: E402
+from refimpl import attention, gma, scan  # noqa: E402
 
 
 def make_inputs(n, K, d_r, d_v, seed=0):
@@ -113,7 +113,7 @@ def main(argv=None):
     p.add_argument("--n", type=int, default=16384, help="sequence length for the timing and the memory comparison")
     p.add_argument("--k", type=int, default=64, help="number of Gaussian components K")
     p.add_argument("--d", type=int, default=64, help="d_r = d_v")
-    p.add_argument("--chunk-size", type=int, default=attention.DEFAULT_CHUNK_SIZE)
+    p.add_argument("--chunk-size", type=int, default=scan.DEFAULT_CHUNK_SIZE)
     p.add_argument("--repeats", type=int, default=5, help="calls per linear-time timing (best is kept)")
     p.add_argument("--softmax-repeats", type=int, default=1, help="calls per dense softmax timing")
     p.add_argument("--mem-small", type=int, default=8192, help="short N of the linear-memory ratio")

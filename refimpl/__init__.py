@@ -5,9 +5,16 @@ Modules
 gmm
     Diagonal Gaussian mixtures: log-densities, responsibilities, EM, and the
     isotropic EM = Newton identity.
+numerics
+    The shared numerical cores: log-sum-exp, softmax and softplus with the
+    per-row maximum subtracted.
+validation
+    Argument checks shared by the public functions (each makes one call).
+scan
+    Normalised feature-map attention: the linear-time scan, bidirectional and
+    causal, forward and backward, that linear attention and GMA share.
 attention
-    Baselines: softmax attention, linear attention, and the chunked causal
-    scan that linear attention and GMA share.
+    Baselines: softmax attention and linear attention.
 gma
     Gaussian Mixture Attention, bidirectional and causal, with its
     hand-derived backward.
@@ -22,12 +29,13 @@ gmr
 ovq
     Online Vector-Quantized attention and the static VQ baseline.
 ovq_oracle
-    The token-by-token loop oracle for OVQ, written straight from the spec.
+    The token-by-token loop oracles for OVQ and VQ, written straight from the
+    contract in ``docs/derivations/ovq_gmr.md``.
 verify
     The registry of numerical verifications run by ``python -m refimpl verify``.
 """
 
-from . import attention, gma, gmm, gmr, layers, ovq, ovq_oracle, theory
+from . import attention, gma, gmm, gmr, layers, numerics, ovq, ovq_oracle, scan, theory, validation
 
-__all__ = ["attention", "gma", "gmm", "gmr", "layers", "ovq", "ovq_oracle", "theory"]
+__all__ = ["attention", "gma", "gmm", "gmr", "layers", "numerics", "ovq", "ovq_oracle", "scan", "theory", "validation"]
 __version__ = "0.1.0"

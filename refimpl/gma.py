@@ -3,76 +3,46 @@ r"""Gaussian Mixture Attention (GMA): routing through a shared GMM, in linear ti
 Shapes: routing queries ``x_q`` are ``(N_q, d_r)``, routing keys ``x_k`` are
 ``(N_k, d_r)``, values ``v`` are ``(N_k, d_v)``; one GMM with ``K`` diagonal
 components (``means`` and ``variances`` ``(K, d_r)``, ``weights`` ``(K,)``)
-is shared by queries and keys.
+is shared by queries and keys.  The derivations are in
+``docs/derivations/gma.md``; this docstring states the results.
 
-Responsibilities
-----------------
-With :math:`\ell_k(x) = \log\pi_k + \log\mathcal N(x\mid\mu_k,\operatorname{diag}\sigma_k^2)`
-the posterior of component :math:`k` is
-:math:`\gamma_k(x) = \exp(\ell_k(x) - \operatorname{logsumexp}_m \ell_m(x))`,
-evaluated by :mod:`refimpl.gmm` (matrix-product quadratic form, per-row
-maximum subtracted).  :math:`\Gamma_Q = \gamma(X_Q)` and
-:math:`\Gamma_K = \gamma(X_K)` are ``N x K`` with rows on the simplex.
-
-Write, then read
-----------------
-.. math::
-
-    \tilde V = \Gamma_K^\top V\ (K\times d_v),\qquad
-    Z = \Gamma_K^\top\mathbf 1\ (K),\qquad
-    O = \frac{\Gamma_Q\tilde V}{\Gamma_Q Z + \epsilon}\ \text{(row-wise)}.
-
-By associativity this equals the quadratic form :math:`O = D^{-1}AV` with the
-implicit affinity :math:`A = \Gamma_Q\Gamma_K^\top` and
-:math:`D = \operatorname{diag}(A\mathbf 1+\epsilon)` (:func:`gma_dense`, the
-oracle).  Causal GMA replaces :math:`A` by its lower triangle, i.e. prefix
-sums :math:`S_t=\sum_{j\le t}\gamma^K_j v_j^\top`, :math:`z_t=\sum_{j\le t}\gamma^K_j`:
-it *is* causal linear attention with the feature maps :math:`\phi_Q=\gamma(X_Q)`,
-:math:`\phi_K=\gamma(X_K)` of dimension :math:`K`.  Both variants therefore
-call :func:`refimpl.attention.feature_attention_forward`, whose chunked scan
-never forms an ``N x K x d_v`` tensor or an ``N x N`` matrix (extra memory
-:math:`O(NK + K d_v + C^2)`, time :math:`O(NK(d_r+d_v))`).
-
-Backward through the responsibilities
--------------------------------------
-The mixing backward (:func:`refimpl.attention.feature_attention_backward`)
-gives :math:`g = \partial L/\partial\gamma(x)` for every query and key token.
-The softmax Jacobian :math:`\partial\gamma_m/\partial\ell_k = \gamma_m(\delta_{mk}-\gamma_k)`
-gives, with :math:`\bar g = \sum_m\gamma_m g_m`,
+Forward
+-------
+(``gma.md#bidirectional-mixing``, ``gma.md#causal-mixing``.)
+:math:`\Gamma_Q = \gamma(X_Q)` and :math:`\Gamma_K = \gamma(X_K)` are the
+GMM responsibilities (``N x K``, :func:`refimpl.gmm.log_posterior`).  Write,
+then read:
 
 .. math::
 
-    c_m := \frac{\partial L}{\partial\ell_m} = \gamma_m(g_m - \bar g).
+    \tilde V = \Gamma_K^\top V,\qquad Z = \Gamma_K^\top\mathbf 1,\qquad
+    O = \frac{\Gamma_Q\tilde V}{\Gamma_Q Z + \epsilon}\ \text{(row-wise)},
 
-Differentiating
-:math:`\ell_m = \log\pi_m - \tfrac12\sum_j\log\sigma^2_{mj} - \tfrac12\sum_j (x_j-\mu_{mj})^2/\sigma^2_{mj} + \text{const}`:
+which by associativity equals :math:`D^{-1}AV` with the implicit affinity
+:math:`A = \Gamma_Q\Gamma_K^\top` (:func:`gma_dense`, the oracle).  Causal GMA
+uses the lower triangle of :math:`A`: it is causal linear attention with the
+feature maps :math:`\gamma`, so both variants run the scan of
+:mod:`refimpl.scan` (time :math:`O(NK(d_r+d_v) + NC(K+d_v))`, extra memory
+:math:`O(NK + K d_v + C^2)`).
 
-.. math::
-
-    \frac{\partial L}{\partial x} = \sum_m c_m\frac{\mu_m - x}{\sigma_m^2},\qquad
-    \frac{\partial L}{\partial\mu_m} = c_m\frac{x-\mu_m}{\sigma_m^2},\qquad
-    \frac{\partial L}{\partial\sigma^2_{mj}} = c_m\frac{(x_j-\mu_{mj})^2-\sigma^2_{mj}}{2\sigma^4_{mj}} .
-
-With :math:`\pi = \operatorname{softmax}(a)`,
-:math:`\partial\log\pi_m/\partial a_k = \delta_{mk}-\pi_k` and
-:math:`\sum_m c_m = 0`, so :math:`\partial L/\partial a_k = c_k`; with
-:math:`\sigma^2 = \operatorname{softplus}(s)+\sigma^2_{\min}`,
-:math:`\partial L/\partial s = \partial L/\partial\sigma^2\cdot\operatorname{sigmoid}(s)`.
-Parameter gradients sum these over the tokens of both :math:`X_Q` and
-:math:`X_K`.  Over ``N`` tokens the sums are matrix products
-(``C`` is the ``N x K`` matrix of :math:`c`):
+Backward
+--------
+(``gma.md#backward-through-the-responsibilities``,
+``gma.md#parameter-gradients-as-matrix-products``.)  The scan's backward gives :math:`g = \partial L/\partial\gamma(x)` for every
+query and key token; with :math:`c_m = \gamma_m(g_m - \bar g)`,
+:math:`\bar g = \sum_m \gamma_m g_m`,
 
 .. math::
 
-    dX = C(\mu/\sigma^2) - X\odot\big(C(1/\sigma^2)\big),\qquad
-    d\mu = \frac{C^\top X - (C^\top\mathbf 1)\odot\mu}{\sigma^2},\qquad
-    d\sigma^2 = \frac{C^\top X^{\odot 2} - 2\mu\odot C^\top X
-    + (\mu^{\odot2} - \sigma^2)\odot C^\top\mathbf 1}{2\sigma^4},
+    \frac{\partial L}{\partial x} = \sum_m c_m\frac{\mu_m - x}{\sigma_m^2},\quad
+    \frac{\partial L}{\partial\mu_m} = c_m\frac{x-\mu_m}{\sigma_m^2},\quad
+    \frac{\partial L}{\partial\sigma^2_{mj}} = c_m\frac{(x_j-\mu_{mj})^2-\sigma^2_{mj}}{2\sigma^4_{mj}},\quad
+    \frac{\partial L}{\partial a_m} = c_m,
 
-evaluated on :math:`X` and :math:`\mu` shifted by the centre of the means
-(:math:`x - \mu` is unchanged by a common shift, and the expansions stay
-small where the responsibilities are sensitive), so no ``N x K x d_r``
-tensor is formed.
+and :math:`\partial L/\partial s = \partial L/\partial\sigma^2\cdot\operatorname{sigmoid}(s)`,
+summed over the tokens of both :math:`X_Q` and :math:`X_K` as matrix products
+on :math:`X` and :math:`\mu` centred on the mean of the means (no
+``N x K x d_r`` tensor).
 """
 
 from __future__ import annotations
@@ -82,18 +52,9 @@ from typing import NamedTuple
 import numpy as np
 from scipy.special import expit
 
-from . import _validation as V
-from . import gmm
-from .attention import (
-    DEFAULT_CHUNK_SIZE,
-    FeatureAttentionCache,
-    _check_causal_lengths,
-    _check_denominators,
-    _check_grad_out,
-    _check_options,
-    _feature_attention_backward,
-    _feature_attention_forward,
-)
+from . import numerics, validation
+from .gmm import log_posterior
+from .scan import DEFAULT_CHUNK_SIZE, FeatureAttentionCache, scan_backward, scan_forward
 
 __all__ = [
     "gma",
@@ -135,39 +96,84 @@ class GMACache(NamedTuple):
 
 
 def _check_tokens(x_q, x_k, v, causal):
-    x_q = V.as_float_array(x_q, "x_q", ndim=2)
-    x_k = V.as_float_array(x_k, "x_k", ndim=2)
-    v = V.as_float_array(v, "v", ndim=2)
-    V.check_shape(x_k, "x_k", (None, x_q.shape[1]), ("N_k", "d_r"))
-    V.check_shape(v, "v", (x_k.shape[0], None), ("N_k", "d_v"))
+    x_q = validation.as_float_array(x_q, "x_q", ndim=2)
+    x_k = validation.as_float_array(x_k, "x_k", ndim=2)
+    v = validation.as_float_array(v, "v", ndim=2)
+    validation.check_shape(x_k, "x_k", (None, x_q.shape[1]), ("N_k", "d_r"))
+    validation.check_shape(v, "v", (x_k.shape[0], None), ("N_k", "d_v"))
     if x_q.shape[0] < 1 or x_k.shape[0] < 1:
         raise ValueError(f"x_q, x_k: expected at least one token each, got shapes {x_q.shape} and {x_k.shape}")
-    _check_causal_lengths(x_q.shape[0], x_k.shape[0], causal, names=("x_q", "x_k"))
+    validation.check_causal_lengths(x_q.shape[0], x_k.shape[0], causal, names=("x_q", "x_k"))
     return x_q, x_k, v
 
 
 def _check_components(means, second, second_name, d_r):
-    means = V.as_float_array(means, "means", ndim=2)
-    V.check_shape(means, "means", (None, d_r), ("K", "d_r"))
-    if means.shape[0] < 1:
-        raise ValueError("means: expected at least one component (K >= 1), got K = 0")
-    second = V.as_float_array(second, second_name, ndim=2)
-    V.check_shape(second, second_name, means.shape, ("K", "d_r"))
+    means = validation.as_float_array(means, "means", ndim=2)
+    validation.check_shape(means, "means", (None, d_r), ("K", "d_r"))
+    validation.check_nonempty(means, "means")
+    second = validation.as_float_array(second, second_name, ndim=2)
+    validation.check_shape(second, second_name, means.shape, ("K", "d_r"))
     return means, second
 
 
-def _cast(dtype, *arrays):
+def _cast(*arrays):
+    dtype = validation.common_float_dtype(*arrays)
     return tuple(a.astype(dtype, copy=False) for a in arrays)
 
 
+def _check_gma(x_q, x_k, v, means, variances, weights, causal, eps, chunk_size):
+    causal, eps, chunk_size = validation.check_scan_options(causal, eps, chunk_size)
+    x_q, x_k, v = _check_tokens(x_q, x_k, v, causal)
+    means, variances = _check_components(means, variances, "variances", x_q.shape[1])
+    validation.check_positive(variances, "variances")
+    weights = validation.check_weights(weights, means.shape[0])
+    return _cast(x_q, x_k, v, means, variances, weights) + (causal, eps, chunk_size)
+
+
+def _check_gma_forward(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size):
+    causal, eps, chunk_size = validation.check_scan_options(causal, eps, chunk_size)
+    min_variance = validation.check_positive_float(min_variance, "min_variance")
+    x_q, x_k, v = _check_tokens(x_q, x_k, v, causal)
+    means, raw_variances = _check_components(means, raw_variances, "raw_variances", x_q.shape[1])
+    logits = validation.as_float_array(logits, "logits", ndim=1)
+    validation.check_shape(logits, "logits", (means.shape[0],), ("K",))
+    return _cast(x_q, x_k, v, means, raw_variances, logits) + (causal, eps, min_variance, chunk_size)
+
+
+def _check_results(min_quad_q, min_quad_k, den, eps):
+    validation.check_scaled_distances(min_quad_q, "x_q")
+    validation.check_scaled_distances(min_quad_k, "x_k")
+    validation.check_denominators(den, eps, ("x_q", "x_k"))
+
+
+def _check_gma_dense(gamma_q, gamma_k, v, causal, eps):
+    gamma_q = validation.as_float_array(gamma_q, "gamma_q", ndim=2)
+    gamma_k = validation.as_float_array(gamma_k, "gamma_k", ndim=2)
+    v = validation.as_float_array(v, "v", ndim=2)
+    validation.check_shape(gamma_k, "gamma_k", (None, gamma_q.shape[1]), ("N_k", "K"))
+    validation.check_shape(v, "v", (gamma_k.shape[0], None), ("N_k", "d_v"))
+    for arr, name in ((gamma_q, "gamma_q"), (gamma_k, "gamma_k")):
+        if arr.size and np.min(arr) < 0:
+            raise ValueError(f"{name}: expected nonnegative responsibilities, got minimum {np.min(arr)}")
+    causal = validation.check_bool(causal, "causal")
+    eps = validation.check_positive_float(eps, "eps", allow_zero=True)
+    validation.check_causal_lengths(gamma_q.shape[0], gamma_k.shape[0], causal, names=("gamma_q", "gamma_k"))
+    return _cast(gamma_q, gamma_k, v) + (causal, eps)
+
+
 # ---------------------------------------------------------------------------
-# Forward: responsibilities, then the shared linear-time mixing
+# Forward: responsibilities, then the shared linear-time scan
 # ---------------------------------------------------------------------------
 
 
-def _log_responsibilities(x, means, variances, log_weights, name):
-    # log gamma = log_softmax(log pi + log N(x | mu, sigma^2)), per-row max subtracted
-    return gmm._log_softmax(gmm._log_gaussian_diag(x, means, variances, name) + log_weights, axis=1)
+def _gma(x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size):
+    """Core: ``(out, gamma_q, gamma_k, mixing, min_quad_q, min_quad_k)``; the caller checks the last three."""
+    log_gamma_q, min_quad_q = log_posterior(x_q, means, variances, log_weights)
+    log_gamma_k, min_quad_k = log_posterior(x_k, means, variances, log_weights)
+    gamma_q, gamma_k = np.exp(log_gamma_q), np.exp(log_gamma_k)
+    # O = (Gamma_Q Gamma_K^T V) / (Gamma_Q Gamma_K^T 1 + eps), by the scan
+    out, mixing = scan_forward(gamma_q, gamma_k, v, causal, eps, chunk_size)
+    return out, gamma_q, gamma_k, mixing, min_quad_q, min_quad_k
 
 
 def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
@@ -201,22 +207,18 @@ def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: fl
     ndarray, shape (N_q, d_v)
         ``(Gamma_Q Gamma_K^T V) / (Gamma_Q Gamma_K^T 1 + eps)`` (lower
         triangle of the affinity when causal), computed in ``O(N K (d_r + d_v))``
-        time without an ``N x N`` matrix.  Dtype of the inputs.
+        time (plus ``O(N C (K + d_v))`` for the within-chunk blocks when
+        causal) without an ``N x N`` matrix.  Dtype of the inputs.
     """
-    causal, eps, chunk_size = _check_options(causal, eps, chunk_size)
-    x_q, x_k, v = _check_tokens(x_q, x_k, v, causal)
-    means, variances = _check_components(means, variances, "variances", x_q.shape[1])
-    V.check_positive(variances, "variances")
-    weights = V.as_float_array(weights, "weights", ndim=1)
-    V.check_shape(weights, "weights", (means.shape[0],), ("K",))
-    V.check_probability_vector(weights, "weights")
-    dtype = V.common_float_dtype(x_q, x_k, v, means, variances, weights)
-    x_q, x_k, v, means, variances, weights = _cast(dtype, x_q, x_k, v, means, variances, weights)
-    with np.errstate(divide="ignore"):  # a zero weight is a component that never wins: log 0 = -inf
+    x_q, x_k, v, means, variances, weights, causal, eps, chunk_size = _check_gma(
+        x_q, x_k, v, means, variances, weights, causal, eps, chunk_size
+    )
+    # a zero weight is a component that never wins: log 0 = -inf
+    with np.errstate(divide="ignore"):
         log_weights = np.log(weights)
-    gamma_q = np.exp(_log_responsibilities(x_q, means, variances, log_weights, "x_q"))
-    gamma_k = np.exp(_log_responsibilities(x_k, means, variances, log_weights, "x_k"))
-    return _feature_attention_forward(gamma_q, gamma_k, v, causal, eps, chunk_size, ("x_q", "x_k"))[0]
+    out, _, _, mixing, min_quad_q, min_quad_k = _gma(x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size)
+    _check_results(min_quad_q, min_quad_k, mixing.den, eps)
+    return out
 
 
 def gma_dense(gamma_q, gamma_k, v, *, causal: bool = False, eps: float = 1e-6):
@@ -242,26 +244,24 @@ def gma_dense(gamma_q, gamma_k, v, *, causal: bool = False, eps: float = 1e-6):
     -------
     ndarray, shape (N_q, d_v)
     """
-    gamma_q = V.as_float_array(gamma_q, "gamma_q", ndim=2)
-    gamma_k = V.as_float_array(gamma_k, "gamma_k", ndim=2)
-    v = V.as_float_array(v, "v", ndim=2)
-    V.check_shape(gamma_k, "gamma_k", (None, gamma_q.shape[1]), ("N_k", "K"))
-    V.check_shape(v, "v", (gamma_k.shape[0], None), ("N_k", "d_v"))
-    for arr, name in ((gamma_q, "gamma_q"), (gamma_k, "gamma_k")):
-        if arr.size and np.min(arr) < 0:
-            raise ValueError(f"{name}: expected nonnegative responsibilities, got minimum {np.min(arr)}")
-    causal = V.check_bool(causal, "causal")
-    eps = V.check_positive_float(eps, "eps", allow_zero=True)
-    _check_causal_lengths(gamma_q.shape[0], gamma_k.shape[0], causal, names=("gamma_q", "gamma_k"))
-    dtype = V.common_float_dtype(gamma_q, gamma_k, v)
-    gamma_q, gamma_k, v = _cast(dtype, gamma_q, gamma_k, v)
+    gamma_q, gamma_k, v, causal, eps = _check_gma_dense(gamma_q, gamma_k, v, causal, eps)
     # A_ij = gamma_q_i . gamma_k_j = P(z_i = z_j)
     affinity = gamma_q @ gamma_k.T
     if causal:
         affinity = np.tril(affinity)
-    den = affinity.sum(axis=1) + dtype.type(eps)
-    _check_denominators(den, eps, ("gamma_q", "gamma_k"))
+    den = affinity.sum(axis=1) + affinity.dtype.type(eps)
+    validation.check_denominators(den, eps, ("gamma_q", "gamma_k"))
     return (affinity @ v) / den[:, None]
+
+
+def _gma_forward(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size):
+    """Core of :func:`gma_forward`: ``(out, cache, min_quad_q, min_quad_k)``; the caller checks the last two and ``den``."""
+    # sigma^2 = softplus(s) + sigma2_min
+    variances = numerics.softplus(raw_variances) + raw_variances.dtype.type(min_variance)
+    # log pi = log_softmax(a), never log(softmax(a)): a weight of 1e-320 keeps its log
+    log_weights = numerics.log_softmax(logits)
+    out, gamma_q, gamma_k, mixing, min_quad_q, min_quad_k = _gma(x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size)
+    return out, GMACache(x_q, x_k, means, raw_variances, variances, gamma_q, gamma_k, mixing), min_quad_q, min_quad_k
 
 
 def gma_forward(
@@ -305,26 +305,10 @@ def gma_forward(
         Inputs, variances, both responsibility matrices (``N x K``) and the
         mixing cache.
     """
-    causal, eps, chunk_size = _check_options(causal, eps, chunk_size)
-    min_variance = V.check_positive_float(min_variance, "min_variance")
-    x_q, x_k, v = _check_tokens(x_q, x_k, v, causal)
-    means, raw_variances = _check_components(means, raw_variances, "raw_variances", x_q.shape[1])
-    logits = V.as_float_array(logits, "logits", ndim=1)
-    V.check_shape(logits, "logits", (means.shape[0],), ("K",))
-    dtype = V.common_float_dtype(x_q, x_k, v, means, raw_variances, logits)
-    x_q, x_k, v, means, raw_variances, logits = _cast(dtype, x_q, x_k, v, means, raw_variances, logits)
-    return _gma_forward(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size)
-
-
-def _gma_forward(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size):
-    """Unchecked core of :func:`gma_forward` (all inputs of one dtype)."""
-    variances = gmm._variances_from_raw(raw_variances, min_variance)
-    # log pi = log_softmax(a), never log(softmax(a)): a weight of 1e-320 keeps its log
-    log_weights = gmm._log_softmax(logits)
-    gamma_q = np.exp(_log_responsibilities(x_q, means, variances, log_weights, "x_q"))
-    gamma_k = np.exp(_log_responsibilities(x_k, means, variances, log_weights, "x_k"))
-    out, mixing = _feature_attention_forward(gamma_q, gamma_k, v, causal, eps, chunk_size, ("x_q", "x_k"))
-    return out, GMACache(x_q, x_k, means, raw_variances, variances, gamma_q, gamma_k, mixing)
+    args = _check_gma_forward(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size)
+    out, cache, min_quad_q, min_quad_k = _gma_forward(*args)
+    _check_results(min_quad_q, min_quad_k, cache.mixing.den, cache.mixing.eps)
+    return out, cache
 
 
 # ---------------------------------------------------------------------------
@@ -333,10 +317,7 @@ def _gma_forward(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_var
 
 
 def _responsibility_backward(x, gamma, grad_gamma, means, variances, centre):
-    """Push ``dL/dgamma`` (N, K) through ``gamma = softmax(l(x))``.
-
-    Returns ``(dx, dmeans, dvariances, dlogits)`` for this set of tokens.
-    """
+    """Push ``dL/dgamma`` (N, K) through ``gamma = softmax(l(x))``: ``(dx, dmeans, dvariances, dlogits)``."""
     # dL/dl_m = gamma_m (g_m - gbar) with gbar = sum_m gamma_m g_m (softmax Jacobian)
     c = gamma * (grad_gamma - np.sum(gamma * grad_gamma, axis=1, keepdims=True))
     # x - mu is invariant under the common shift by the centre of the means
@@ -357,8 +338,8 @@ def _responsibility_backward(x, gamma, grad_gamma, means, variances, centre):
 
 
 def _gma_backward(g, cache):
-    """Unchecked core of :func:`gma_backward` (``g`` of the cache's dtype)."""
-    dgamma = _feature_attention_backward(g, cache.mixing)
+    """Core of :func:`gma_backward` (``g`` of the cache's dtype)."""
+    dgamma = scan_backward(g, cache.mixing)
     means, variances = cache.means, cache.variances
     centre = means.mean(axis=0)
     dx_q, dmu_q, dvar_q, da_q = _responsibility_backward(cache.x_q, cache.gamma_q, dgamma.phi_q, means, variances, centre)
@@ -386,6 +367,6 @@ def gma_backward(grad_out, cache) -> GMAGrads:
         same array is passed as ``x_q`` and ``x_k`` its gradient is
         ``x_q + x_k``.
     """
-    V.check_instance(cache, "cache", GMACache, "the GMACache from gma_forward")
-    g = _check_grad_out(grad_out, cache.x_q.shape[0], cache.mixing.v.shape[1], cache.gamma_q.dtype)
+    validation.check_instance(cache, "cache", GMACache, "the GMACache from gma_forward")
+    g = validation.check_grad_out(grad_out, cache.mixing.out.shape, ("N_q", "d_v"), cache.gamma_q.dtype)
     return _gma_backward(g, cache)

@@ -2,88 +2,44 @@ r"""Diagonal-covariance Gaussian mixtures: posteriors, likelihood, EM, and EM = 
 
 Everything Gaussian-mixture attention needs from a GMM, written as plain
 functions on arrays.  Shapes: ``x`` is ``(N, d)``, ``means`` and ``variances``
-are ``(K, d)``, ``weights`` is ``(K,)``.
+are ``(K, d)``, ``weights`` is ``(K,)``.  The derivations are in
+``docs/derivations/gmm_posteriors.md``; this docstring states the results.
 
-Log-density by matrix products
-------------------------------
-For a diagonal Gaussian with mean :math:`\mu_k` and variances
-:math:`\sigma_k^2`,
+Responsibilities
+----------------
+With :math:`\ell_k(x) = \log\pi_k + \log\mathcal N(x\mid\mu_k,\operatorname{diag}\sigma_k^2)`,
+:math:`\gamma_k(x) = \exp(\ell_k - \operatorname{logsumexp}_m\ell_m)`, evaluated
+with the per-row maximum subtracted (:mod:`refimpl.numerics`).  The quadratic
+form :math:`q_k(x) = \sum_j (x_j-\mu_{kj})^2/\sigma_{kj}^2` of all ``N x K``
+pairs comes from two matrix products (the expansion of the square, on ``x``
+and ``mu`` centred on the mean of the means).  Its rounding error is at most
+about :math:`(4+\sqrt d)\,u\,s_{ik}` with :math:`u` the machine epsilon and
+:math:`s_{ik} = (\sqrt{a_{ik}} + \sqrt{c_k})^2` the size of its terms,
+:math:`a_{ik} = \sum_j \tilde x_{ij}^2/\sigma_{kj}^2`,
+:math:`c_k = \sum_j\tilde\mu_{kj}^2/\sigma_{kj}^2` (centred), where the
+definition evaluated directly has :math:`(4+\sqrt d)\,u\,q_{ik}`.  When the
+means are spread far apart, :math:`s \gg q` for the components near a point:
+cancellation.  :func:`log_joint` recomputes from the differences every entry
+that cancellation may have spoiled (:data:`CANCELLATION_RATIO`,
+:data:`EXACT_LOGIT_TOL`) and that could lie near its row maximum, where the
+posterior is decided.  So the responsibilities are as accurate as the
+definition itself for every input, however far apart the means are, and
+ordinary inputs pay only an ``O(N d)`` screen
+(``gmm_posteriors.md#exact-responsibilities-for-every-input``).
 
-.. math::
+EM and EM = Newton
+------------------
+:func:`em_step` is one EM iteration (scikit-learn's conventions).  For an
+isotropic mixture with covariance :math:`I/\beta` and fixed weights, the
+Newton step on the EM surrogate (Hessian :math:`H_n = \beta N_n I`, the
+responsibilities held fixed; not the Hessian of the NLL) is the M-step
+:math:`\mu_n = \sum_i r_{in}x_i / N_n` (:func:`newton_step`,
+:func:`isotropic_m_step`); hard assignments give k-means
+(:func:`kmeans_step`) and the exact running mean (:func:`running_mean_update`)
+(``gmm_posteriors.md#em-as-a-newton-step``).
 
-    \log \mathcal N(x \mid \mu_k, \operatorname{diag}\sigma_k^2)
-      = -\tfrac{d}{2}\log 2\pi - \tfrac12 \sum_j \log\sigma_{kj}^2
-        - \tfrac12 \sum_j \frac{(x_j-\mu_{kj})^2}{\sigma_{kj}^2}.
-
-Expanding the square turns the quadratic term for all ``N x K`` pairs into two
-matrix products and a row vector, so no ``N x K x d`` tensor is formed:
-
-.. math::
-
-    Q = (X \odot X)\,(1/\sigma^2)^\top - 2 X (\mu/\sigma^2)^\top
-        + \mathbf 1_N \big[\textstyle\sum_j \mu_{kj}^2/\sigma_{kj}^2\big]^\top .
-
-The expansion subtracts large numbers when :math:`|x|/\sigma` is large: its
-absolute error is about :math:`\epsilon\,\|x\|^2/\sigma^2`.  Because
-:math:`(x-\mu)^2` is invariant under a common shift of ``x`` and ``mu``, we
-first subtract the centre of the means, which makes both small exactly where
-the responsibilities are sensitive (points near the components).
-
-Responsibilities by log-sum-exp
--------------------------------
-With :math:`\ell_k(x) = \log\pi_k + \log\mathcal N(x\mid\mu_k,\sigma_k^2)`,
-Bayes' rule gives :math:`\gamma_k(x) = e^{\ell_k}/\sum_m e^{\ell_m}`.  Log-densities
-of -1e16 are ordinary (``|x| ~ 1e4``, ``sigma^2 ~ 1e-8``), so we never
-exponentiate them: subtracting the per-row maximum :math:`\ell^\star` leaves
-the ratio unchanged, puts the largest term at :math:`e^0 = 1` and bounds the
-sum in :math:`[1, K]`:
-
-.. math::
-
-    \log\sum_m e^{\ell_m} = \ell^\star + \log\sum_m e^{\ell_m-\ell^\star}.
-
-A component whose scaled distance :math:`\sum_j (x_j-\mu_{kj})^2/\sigma_{kj}^2`
-overflows the float type gets responsibility 0, which is right to rounding.  A
-row where it overflows for *every* component has no representable posterior
-(it would come out as NaN); it is refused with an error that says to rescale or
-use float64.
-
-EM
---
-E-step: :math:`r_{ik} = \gamma_k(x_i)`.  M-step with :math:`N_k = \sum_i r_{ik}`:
-:math:`\pi_k = N_k/N`, :math:`\mu_k = \sum_i r_{ik}x_i/N_k`,
-:math:`\sigma_k^2 = \sum_i r_{ik}(x_i-\mu_k)^2/N_k + \text{reg}`.  Each
-iteration does not increase the negative log-likelihood (Dempster, Laird and
-Rubin 1977).
-
-EM = Newton (isotropic, fixed covariance :math:`I/\beta`, fixed weights)
--------------------------------------------------------------------------
-:math:`\mathrm{NLL}(\mu) = -\sum_i \log\sum_n \pi_n \mathcal N(x_i;\mu_n, I/\beta)`.
-Its gradient is (differentiate the log-sum-exp; the softmax that appears is
-the responsibility):
-
-.. math::
-
-    \nabla_{\mu_n}\mathrm{NLL} = -\beta \sum_i r_{in}(x_i-\mu_n).
-
-Holding the responsibilities fixed (the EM surrogate
-:math:`\sum_i\sum_n r_{in}\,\tfrac\beta2\|x_i-\mu_n\|^2 + \text{const}`) the
-Hessian is block diagonal, :math:`H_n = \beta N_n I`, and the Newton step is
-
-.. math::
-
-    \mu_n - H_n^{-1}\nabla_{\mu_n} = \mu_n + \frac{\sum_i r_{in}(x_i-\mu_n)}{N_n}
-    = \frac{\sum_i r_{in} x_i}{N_n},
-
-the EM M-step.  With hard assignments (:math:`\beta\to\infty`) it is the batch
-k-means update, and carrying :math:`(\mu_n, c_n)` from batch to batch gives the
-exact running mean :math:`\mu_n \leftarrow \mu_n + \frac{1}{c_n+|S_n|}\sum_{i\in S_n}(x_i-\mu_n)`.
-
-Reparameterisation for learning
--------------------------------
-Unconstrained parameters map to valid ones by
-:math:`\sigma^2 = \operatorname{softplus}(s) + \sigma^2_{\min}` and
-:math:`\pi = \operatorname{softmax}(a)`.
+Parameterisation for learning: :math:`\sigma^2 = \operatorname{softplus}(s) +
+\sigma^2_{\min}`, :math:`\pi = \operatorname{softmax}(a)`.
 
 All functions accept float32 or float64 and return the dtype that NumPy's
 promotion rules give for their inputs (float32 in, float32 out).
@@ -94,7 +50,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import expit
 
-from . import _validation as V
+from . import numerics, validation
 
 __all__ = [
     "logsumexp",
@@ -119,81 +75,35 @@ __all__ = [
     "hard_assignments",
     "kmeans_step",
     "running_mean_update",
+    "log_joint",
+    "log_posterior",
+    "merge_running_means",
+    "EXACT_LOGIT_TOL",
+    "CANCELLATION_RATIO",
 ]
 
 LOG_2PI = float(np.log(2.0 * np.pi))
 
+#: Largest error, in units of the machine epsilon ``u``, that :func:`log_joint`
+#: lets a logit near the row maximum keep: ``2048 u`` is ``4.5e-13`` in float64
+#: and ``2.4e-4`` in float32.  A logit error ``delta`` moves a responsibility by
+#: at most ``2 delta`` relative to the largest one.
+EXACT_LOGIT_TOL = 2048
+
+#: :func:`log_joint` recomputes a logit from the differences ``x - mu`` where the
+#: terms of the expanded quadratic form exceed the form itself this many times
+#: (more than 4 bits lost to cancellation) and its error could exceed
+#: ``EXACT_LOGIT_TOL u``: elsewhere the expansion is within 16 times the
+#: rounding error of the definition evaluated directly.
+CANCELLATION_RATIO = 16
+
+# Pairs recomputed exactly per block: at most this many rows of d floats at a time.
+_EXACT_BLOCK = 1 << 14
+
 
 # ---------------------------------------------------------------------------
-# Primitives: log-sum-exp, softmax, softplus
+# Primitives: checked versions of refimpl.numerics
 # ---------------------------------------------------------------------------
-
-
-def _check_log_values(a, name: str):
-    """A float array in the log domain: ``-inf`` (the log of a zero weight) is allowed, NaN and ``+inf`` are not."""
-    a = V.as_float_array(a, name, finite=False)
-    bad = np.isnan(a) | np.isposinf(a)
-    if np.any(bad):
-        first = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"{name}: expected finite values or -inf (the log of a zero weight), "
-            f"got {int(np.sum(bad))} NaN or +inf entries (first at index {first}: {a[first]})"
-        )
-    return a
-
-
-def _logsumexp(a, axis, keepdims):
-    m = np.max(a, axis=axis, keepdims=True)
-    # a slice of all -inf has max -inf; shift it by 0 so that exp gives 0, not nan
-    m = np.where(np.isfinite(m), m, 0).astype(a.dtype, copy=False)
-    # log sum exp(a) = m + log sum exp(a - m): the largest term becomes exp(0) = 1.
-    # a - m may overflow to -inf (a = -1e308, m = 1e308): exp gives the right 0.
-    with np.errstate(divide="ignore", over="ignore"):
-        out = np.log(np.sum(np.exp(a - m), axis=axis, keepdims=True)) + m
-    return out if keepdims else np.squeeze(out, axis=axis)
-
-
-def _log_softmax(a, axis=-1):
-    m = np.max(a, axis=axis, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0).astype(a.dtype, copy=False)
-    # a - m may overflow to -inf (a = -1e308, m = 1e308): exp gives the right 0
-    with np.errstate(over="ignore", divide="ignore"):
-        shifted = a - m
-        return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
-
-
-def _softmax(a, axis=-1):
-    m = np.max(a, axis=axis, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0).astype(a.dtype, copy=False)
-    # softmax(a) = softmax(a - m): the largest term is exp(0) = 1, the sum is in [1, K]
-    with np.errstate(over="ignore"):
-        e = np.exp(a - m)
-    return e / np.sum(e, axis=axis, keepdims=True)
-
-
-def _check_logits(logits, names: str, fix: str):
-    """Refuse rows of a 2-D ``logits`` whose softmax is undefined because a product overflowed.
-
-    ``+inf`` (or NaN) in a row, or a row that is all ``-inf``, cannot come
-    from finite inputs except through overflow; :func:`_softmax` would turn
-    it into a row of NaN.  These are exactly the rows whose maximum is not
-    finite, so one reduction finds them.  ``names`` are the arguments to
-    blame, ``fix`` says what to change.
-    """
-    bad = ~np.isfinite(np.max(logits, axis=1))
-    if np.any(bad):
-        raise ValueError(
-            f"{names}: the logits of {int(np.sum(bad))} row(s) (first: row {int(np.argmax(bad))}) overflow "
-            f"{logits.dtype}, so their softmax is undefined; {fix}"
-        )
-
-
-def _softplus(s):
-    return np.logaddexp(np.zeros((), dtype=np.result_type(s, np.float32)), s)
-
-
-def _variances_from_raw(raw_variances, min_variance):
-    return _softplus(raw_variances) + np.asarray(min_variance, dtype=raw_variances.dtype)
 
 
 def logsumexp(a, axis: int = -1, keepdims: bool = False):
@@ -214,8 +124,8 @@ def logsumexp(a, axis: int = -1, keepdims: bool = False):
     ndarray
         Same dtype as ``a``.  A slice that is all ``-inf`` gives ``-inf``.
     """
-    a = _check_log_values(a, "a")
-    return _logsumexp(a, V.check_int(axis, "axis"), V.check_bool(keepdims, "keepdims"))
+    a = validation.check_log_values(a, "a")
+    return numerics.logsumexp(a, validation.check_int(axis, "axis"), validation.check_bool(keepdims, "keepdims"))
 
 
 def log_softmax(a, axis: int = -1):
@@ -227,7 +137,7 @@ def log_softmax(a, axis: int = -1):
     ``-1e16`` and lose it to rounding, so rows would stop normalising.
     ``a`` is checked as in :func:`logsumexp`.
     """
-    return _log_softmax(_check_log_values(a, "a"), V.check_int(axis, "axis"))
+    return numerics.log_softmax(validation.check_log_values(a, "a"), validation.check_int(axis, "axis"))
 
 
 def softmax(a, axis: int = -1):
@@ -235,12 +145,12 @@ def softmax(a, axis: int = -1):
 
     ``a`` is checked as in :func:`logsumexp` (``-inf`` gives a weight of 0).
     """
-    return _softmax(_check_log_values(a, "a"), V.check_int(axis, "axis"))
+    return numerics.softmax(validation.check_log_values(a, "a"), validation.check_int(axis, "axis"))
 
 
 def softplus(s):
     """``log(1 + exp(s))`` without overflow, as ``logaddexp(0, s)``; ``s`` finite floats, any shape."""
-    return _softplus(V.as_float_array(s, "s"))
+    return numerics.softplus(validation.as_float_array(s, "s"))
 
 
 def softplus_inverse(y):
@@ -249,122 +159,197 @@ def softplus_inverse(y):
     From ``exp(s) = exp(y) - 1 = exp(y) (1 - exp(-y))``; ``expm1`` keeps the
     accuracy for small ``y`` and the form never overflows for large ``y``.
     """
-    y = V.as_float_array(y, "y")
-    if np.any(y <= 0):
-        raise ValueError(f"y: softplus takes only positive values, got minimum {np.min(y)}")
+    y = _check_softplus_values(y)
     return y + np.log(-np.expm1(-y))
 
 
 def sigmoid(s):
     """``1 / (1 + exp(-s))``, the derivative of :func:`softplus` (``scipy.special.expit``); ``s`` finite floats."""
-    return expit(V.as_float_array(s, "s"))
+    return expit(validation.as_float_array(s, "s"))
 
 
 def variances_from_raw(raw_variances, min_variance: float = 1e-6):
     """``softplus(raw_variances) + min_variance``: always >= ``min_variance`` (> 0)."""
-    raw_variances = V.as_float_array(raw_variances, "raw_variances")
-    return _variances_from_raw(raw_variances, V.check_positive_float(min_variance, "min_variance"))
+    raw_variances = validation.as_float_array(raw_variances, "raw_variances")
+    min_variance = validation.check_positive_float(min_variance, "min_variance")
+    # sigma^2 = softplus(s) + sigma2_min
+    return numerics.softplus(raw_variances) + np.asarray(min_variance, dtype=raw_variances.dtype)
 
 
 def raw_from_variances(variances, min_variance: float = 1e-6):
     """Inverse of :func:`variances_from_raw`; needs ``variances > min_variance > 0``."""
-    variances = V.as_float_array(variances, "variances")
-    min_variance = V.check_positive_float(min_variance, "min_variance")
-    if np.any(variances <= min_variance):
-        raise ValueError(
-            f"variances: expected values > min_variance = {min_variance}, got minimum {np.min(variances)}"
-        )
+    variances, min_variance = _check_raw_from_variances(variances, min_variance)
     return softplus_inverse(variances - np.asarray(min_variance, dtype=variances.dtype))
 
 
 def weights_from_logits(logits):
     """Mixture weights ``softmax(logits)`` over the last axis (``-inf`` gives a weight of 0)."""
-    return _softmax(_check_log_values(logits, "logits"), axis=-1)
+    return numerics.softmax(validation.check_log_values(logits, "logits"), axis=-1)
 
 
-# ---------------------------------------------------------------------------
-# Validation of a GMM call
-# ---------------------------------------------------------------------------
+def _check_softplus_values(y):
+    y = validation.as_float_array(y, "y")
+    if np.any(y <= 0):
+        raise ValueError(f"y: softplus takes only positive values, got minimum {np.min(y)}")
+    return y
 
 
-def _check_points_and_components(x, means, variances):
-    x = V.as_float_array(x, "x", ndim=2)
-    means = V.as_float_array(means, "means", ndim=2)
-    variances = V.as_float_array(variances, "variances", ndim=2)
-    d = x.shape[1]
-    V.check_shape(means, "means", (None, d), ("K", "d"))
-    K = means.shape[0]
-    if K < 1:
-        raise ValueError("means: expected at least one component (K >= 1), got K = 0")
-    V.check_shape(variances, "variances", (K, d), ("K", "d"))
-    V.check_positive(variances, "variances")
-    return x, means, variances
-
-
-def _check_weights(weights, K: int):
-    weights = V.as_float_array(weights, "weights", ndim=1)
-    V.check_shape(weights, "weights", (K,), ("K",))
-    V.check_probability_vector(weights, "weights")
-    return weights
-
-
-def _check_gmm(x, means, variances, weights):
-    x, means, variances = _check_points_and_components(x, means, variances)
-    weights = _check_weights(weights, means.shape[0])
-    dtype = V.common_float_dtype(x, means, variances, weights)
-    return x.astype(dtype, copy=False), means.astype(dtype, copy=False), variances.astype(dtype, copy=False), weights.astype(dtype, copy=False)
-
-
-# ---------------------------------------------------------------------------
-# Log-densities, responsibilities, likelihood (unchecked cores + public API)
-# ---------------------------------------------------------------------------
-
-
-def _check_overflow(quad, name):
-    """Refuse rows of the quadratic form whose minimum is not finite.
-
-    A component at an infinite distance simply gets responsibility 0.  A row
-    whose every distance overflows (minimum ``+inf``) has no representable
-    posterior; NaN (``inf - inf``) or ``-inf`` in a row means the expansion
-    itself overflowed.  Either would give a NaN or a wrong row downstream, so
-    it is refused here, with the fix.
-    """
-    bad = ~np.isfinite(np.min(quad, axis=1))
-    if np.any(bad):
-        hint = ", or compute in float64" if quad.dtype == np.float32 else ""
+def _check_raw_from_variances(variances, min_variance):
+    variances = validation.as_float_array(variances, "variances")
+    min_variance = validation.check_positive_float(min_variance, "min_variance")
+    if np.any(variances <= min_variance):
         raise ValueError(
-            f"{name}: the scaled squared distance sum_j (x_j - mu_kj)^2 / sigma_kj^2 overflows {quad.dtype} "
-            f"in {int(np.sum(bad))} row(s) (first: row {int(np.argmax(bad))}), for every component or inside its "
-            f"expansion, so no posterior can be formed; rescale {name}, the means and the variances{hint}"
+            f"variances: expected values > min_variance = {min_variance}, got minimum {np.min(variances)}"
         )
+    return variances, min_variance
 
 
-def _log_gaussian_diag(x, means, variances, name="x"):
-    d = x.shape[1]
-    # (x - mu)^2 is invariant under a common shift c; centring on the means
-    # keeps the expanded terms below small where the posterior is sensitive.
+# ---------------------------------------------------------------------------
+# Cores: the log-joint, exact to rounding where the posterior is decided
+# ---------------------------------------------------------------------------
+
+
+def _expanded_quadratic_form(x, means, precisions):
+    """``q_ik = sum_j (x_ij - mu_kj)^2 p_kj`` by two matrix products, and the pieces of its error bound."""
+    # (x - mu)^2 is invariant under a common shift c: centre on the mean of the means
     centre = means.mean(axis=0)
     xc = x - centre
     mc = means - centre
+    xc2 = xc * xc
+    sq_x = xc2 @ precisions.T  # a_ik = sum_j xc_ij^2 p_kj
+    sq_mu = np.sum(mc * mc * precisions, axis=1)  # c_k = sum_j mc_kj^2 p_kj
+    # sum_j (x_j - mu_kj)^2 p_kj = (x*x) @ p^T - 2 x @ (mu*p)^T + sum_j mu_kj^2 p_kj
+    with np.errstate(invalid="ignore", over="ignore"):
+        quad = sq_x - 2.0 * (xc @ (mc * precisions).T) + sq_mu
+    return quad, xc2, sq_x, sq_mu
+
+
+def _exact_quadratic_form(x, means, precisions, rows, cols):
+    """``q_ik = sum_j (x_ij - mu_kj)^2 p_kj`` for the listed pairs, from the differences themselves."""
+    out = np.empty(rows.size, dtype=x.dtype)
+    for s in range(0, rows.size, _EXACT_BLOCK):
+        r, c = rows[s : s + _EXACT_BLOCK], cols[s : s + _EXACT_BLOCK]
+        # no cancellation: every term is a rounded square of a rounded difference, all >= 0
+        with np.errstate(over="ignore", invalid="ignore"):
+            diff = x[r] - means[c]
+            out[s : s + _EXACT_BLOCK] = np.sum(diff * diff * precisions[c], axis=1)
+    return out
+
+
+def _entries_to_recompute(logits, quad, min_quad, xc2, sq_x, sq_mu, precisions, window):
+    """``(rows, cols)`` of the logits that cancellation may have spoiled and that may lie near their row maximum."""
+    dtype = logits.dtype
+    u = float(np.finfo(dtype).eps)
+    tol = dtype.type(EXACT_LOGIT_TOL * u)
+    # the expanded q_ik carries an error <= (4 + sqrt(d)) u s_ik with s_ik = (sqrt(a_ik) + sqrt(c_k))^2
+    # (the size of its terms), the definition one <= (4 + sqrt(d)) u q_ik; a logit carries half of either
+    kappa = dtype.type(0.5 * (4.0 + np.sqrt(xc2.shape[1])) * u)
+    ratio = dtype.type(CANCELLATION_RATIO)
+    with np.errstate(over="ignore", invalid="ignore"):
+        # screen in O(N d): s_ik <= (sqrt(sum_j xc_ij^2 max_k p_kj) + sqrt(max_k c_k))^2 for every k
+        s_row = (np.sqrt(xc2 @ precisions.max(axis=0)) + np.sqrt(sq_mu.max())) ** 2
+        fine = (kappa * s_row <= tol) | (s_row <= ratio * min_quad)
+    suspect = np.flatnonzero(~fine)  # NaN counts as suspect
+    if suspect.size == 0:
+        return suspect, suspect
+    lg = logits[suspect]
+    with np.errstate(over="ignore", invalid="ignore"):
+        size = (np.sqrt(sq_x[suspect]) + np.sqrt(sq_mu)) ** 2
+        err = kappa * size
+        known = np.isfinite(lg) & np.isfinite(err)
+        # the row maximum is at least max_j (l_ij - err_ij) over the entries the bound vouches for
+        floor = np.max(np.where(known, lg - err, -np.inf), axis=1, keepdims=True)
+        # an entry below floor - window stays below it, exactly and as computed: its weight is < e^-window
+        near = lg + err >= floor - window
+        spoiled = (err > tol) & (size > ratio * quad[suspect])
+    redo = ~known | (spoiled & near)
+    r, c = np.nonzero(redo)
+    return suspect[r], c
+
+
+def log_joint(x, means, variances, log_weights, *, window=np.inf, refine=True):
+    """Core: ``l_ik = log pi_k + log N(x_i | mu_k, diag sigma_k^2)``, exact to rounding where it matters.
+
+    No validation (the caller checked the arrays, one float dtype) and no
+    raise: the caller checks the returned ``min_quad``
+    (:func:`refimpl.validation.check_scaled_distances`).
+
+    Parameters
+    ----------
+    x : ndarray, shape (N, d)
+    means, variances : ndarray, shape (K, d)
+    log_weights : ndarray, shape (K,)
+        ``log pi``; ``-inf`` for a component of weight 0.
+    window : float, default inf
+        A logit that cancellation may have spoiled (its error bound above
+        ``EXACT_LOGIT_TOL * u`` and the expansion's terms more than
+        ``CANCELLATION_RATIO`` times the result) is recomputed from the
+        differences ``x - mu`` if it may lie within ``window`` of its row
+        maximum.  ``inf`` makes every logit accurate (log-densities); a
+        posterior needs only those whose weight can exceed ``e^-window``
+        (:func:`log_posterior`).
+    refine : bool, default True
+        ``False`` returns the plain centred expansion, unchecked: for lessons
+        and benchmarks that show what the refinement repairs and what it costs.
+
+    Returns
+    -------
+    logits : ndarray, shape (N, K)
+    min_quad : ndarray, shape (N,)
+        ``min_k sum_j (x_ij - mu_kj)^2 / sigma_kj^2``: not finite for a row
+        without a representable posterior.
+    """
+    d = x.shape[1]
     precisions = 1.0 / variances
-    # sum_j (x_j - mu_kj)^2 / s_kj = (x*x) @ (1/s)^T - 2 x @ (mu/s)^T + sum_j mu_kj^2 / s_kj
-    quad = (xc * xc) @ precisions.T - 2.0 * (xc @ (mc * precisions).T) + np.sum(mc * mc * precisions, axis=1)
-    _check_overflow(quad, name)
-    # the exact value is >= 0; rounding in the expansion can dip below
+    quad, xc2, sq_x, sq_mu = _expanded_quadratic_form(x, means, precisions)
+    # the exact quadratic form is >= 0; rounding in the expansion can dip below
     quad = np.maximum(quad, 0)
-    log_det = np.sum(np.log(variances), axis=1)
-    return -0.5 * (d * LOG_2PI + log_det + quad)
+    # log N(x | mu, sigma^2) = -(d/2) log 2 pi - (1/2) sum_j log sigma_j^2 - q / 2
+    log_norm = log_weights - 0.5 * (d * LOG_2PI + np.sum(np.log(variances), axis=1))
+    logits = log_norm - 0.5 * quad
+    min_quad = np.min(quad, axis=1)
+    if not refine:
+        return logits, min_quad
+    rows, cols = _entries_to_recompute(logits, quad, min_quad, xc2, sq_x, sq_mu, precisions, window)
+    if rows.size:
+        exact = _exact_quadratic_form(x, means, precisions, rows, cols)
+        quad[rows, cols] = exact
+        logits[rows, cols] = log_norm[cols] - 0.5 * exact
+        redone = np.unique(rows)
+        min_quad[redone] = np.min(quad[redone], axis=1)
+    return logits, min_quad
 
 
-def _log_joint(x, means, variances, weights):
+def _posterior_window(K: int, dtype) -> float:
+    """Logits more than ``log(K / (EXACT_LOGIT_TOL u))`` below the row maximum carry total weight < ``EXACT_LOGIT_TOL u``."""
+    return float(np.log(K / (EXACT_LOGIT_TOL * np.finfo(dtype).eps)))
+
+
+def log_posterior(x, means, variances, log_weights):
+    """Core: ``log gamma_ik = l_ik - logsumexp_m l_im`` (per-row maximum subtracted), and ``min_quad``.
+
+    :func:`log_joint` with the window of a posterior: every logit that can
+    carry a weight above ``EXACT_LOGIT_TOL u`` is exact to rounding.  No
+    validation, no raise: the caller checks ``min_quad``.
+
+    Returns
+    -------
+    log_gamma : ndarray, shape (N, K)
+    min_quad : ndarray, shape (N,)
+    """
+    logits, min_quad = log_joint(x, means, variances, log_weights, window=_posterior_window(means.shape[0], x.dtype))
+    return numerics.log_softmax(logits, axis=1), min_quad
+
+
+def _log_weights(weights):
+    # a zero weight is a component that never wins: log 0 = -inf
     with np.errstate(divide="ignore"):
-        log_w = np.log(weights)
-    return _log_gaussian_diag(x, means, variances) + log_w
+        return np.log(weights)
 
 
-def _log_responsibilities(x, means, variances, weights):
-    # log gamma_k = l_k - logsumexp_m l_m, with the max of each row subtracted first
-    return _log_softmax(_log_joint(x, means, variances, weights), axis=1)
+# ---------------------------------------------------------------------------
+# Log-densities, responsibilities, likelihood
+# ---------------------------------------------------------------------------
 
 
 def log_gaussian_diag(x, means, variances):
@@ -383,11 +368,13 @@ def log_gaussian_diag(x, means, variances):
     -------
     ndarray, shape (N, K)
         ``log N(x_i | mu_k, diag variances_k)`` with the full normalising
-        constant, computed with matrix products (no ``N x K x d`` tensor).
+        constant, computed with matrix products (no ``N x K x d`` tensor) and
+        recomputed from the differences where the expansion could be off.
     """
-    x, means, variances = _check_points_and_components(x, means, variances)
-    dtype = V.common_float_dtype(x, means, variances)
-    return _log_gaussian_diag(x.astype(dtype, copy=False), means.astype(dtype, copy=False), variances.astype(dtype, copy=False))
+    x, means, variances, _ = validation.check_gmm(x, means, variances)
+    logits, min_quad = log_joint(x, means, variances, np.zeros(means.shape[0], dtype=x.dtype))
+    validation.check_scaled_distances(min_quad, "x")
+    return logits
 
 
 def log_responsibilities(x, means, variances, weights):
@@ -406,9 +393,13 @@ def log_responsibilities(x, means, variances, weights):
     -------
     ndarray, shape (N, K)
         ``l_k(x_i) - logsumexp_m l_m(x_i)`` with ``l_k = log pi_k + log N``;
-        every row's log-sum-exp is 0.
+        every row's log-sum-exp is 0.  Right to rounding for every input
+        (module docstring), not only for points near the origin.
     """
-    return _log_responsibilities(*_check_gmm(x, means, variances, weights))
+    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
+    log_gamma, min_quad = log_posterior(x, means, variances, _log_weights(weights))
+    validation.check_scaled_distances(min_quad, "x")
+    return log_gamma
 
 
 def responsibilities(x, means, variances, weights):
@@ -433,7 +424,10 @@ def log_likelihood(x, means, variances, weights):
     -------
     ndarray, shape (N,)
     """
-    return _logsumexp(_log_joint(*_check_gmm(x, means, variances, weights)), 1, False)
+    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
+    logits, min_quad = log_joint(x, means, variances, _log_weights(weights), window=_posterior_window(means.shape[0], x.dtype))
+    validation.check_scaled_distances(min_quad, "x")
+    return numerics.logsumexp(logits, axis=1)
 
 
 def em_step(x, means, variances, weights, *, reg_covar: float = 0.0):
@@ -457,27 +451,32 @@ def em_step(x, means, variances, weights, *, reg_covar: float = 0.0):
     Notes
     -----
     Follows scikit-learn's conventions so the two agree to rounding:
-    ``N_k = sum_i r_ik + 10 eps`` (an empty component keeps finite means) and
+    ``N_k = sum_i r_ik + 10 u`` (an empty component keeps finite means) and
     the new weights are renormalised to sum to one.  The variances are
     computed from the centred data ``x - mu_k`` one component at a time
     (memory ``O(N d)``), not by the expansion ``E[x^2] - mu^2``, which
     cancels catastrophically for tight components far from the origin.
     """
-    x, means, variances, weights = _check_gmm(x, means, variances, weights)
-    reg_covar = V.check_positive_float(reg_covar, "reg_covar", allow_zero=True)
-    dtype = x.dtype
+    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
+    reg_covar = validation.check_positive_float(reg_covar, "reg_covar", allow_zero=True)
     # E-step: r_ik = gamma_k(x_i)
-    resp = np.exp(_log_responsibilities(x, means, variances, weights))
+    log_resp, min_quad = log_posterior(x, means, variances, _log_weights(weights))
+    validation.check_scaled_distances(min_quad, "x")
+    return _m_step(x, np.exp(log_resp), reg_covar)
+
+
+def _m_step(x, resp, reg_covar):
+    dtype = x.dtype
     nk = resp.sum(axis=0) + 10 * np.finfo(dtype).eps
-    # M-step: mu_k = sum_i r_ik x_i / N_k
+    # mu_k = sum_i r_ik x_i / N_k
     new_means = (resp.T @ x) / nk[:, None]
-    # sigma_k^2 = sum_i r_ik (x_i - mu_k)^2 / N_k
+    # sigma_k^2 = sum_i r_ik (x_i - mu_k)^2 / N_k, from the centred data
     new_variances = np.empty_like(new_means)
-    for k in range(means.shape[0]):
+    for k in range(new_means.shape[0]):
         diff = x - new_means[k]
         new_variances[k] = (resp[:, k] @ (diff * diff)) / nk[k]
     new_variances += dtype.type(reg_covar)
-    # pi_k = N_k / N, renormalised after the 10 eps guard
+    # pi_k = N_k / N, renormalised after the 10 u guard
     new_weights = nk / x.shape[0]
     new_weights /= new_weights.sum()
     return new_means, new_variances, new_weights
@@ -489,21 +488,27 @@ def em_step(x, means, variances, weights, *, reg_covar: float = 0.0):
 
 
 def _check_isotropic(x, means, beta, weights):
-    x = V.as_float_array(x, "x", ndim=2)
-    means = V.as_float_array(means, "means", ndim=2)
-    V.check_shape(means, "means", (None, x.shape[1]), ("K", "d"))
+    x = validation.as_float_array(x, "x", ndim=2)
+    means = validation.as_float_array(means, "means", ndim=2)
+    validation.check_shape(means, "means", (None, x.shape[1]), ("K", "d"))
+    validation.check_nonempty(means, "means")
+    beta = validation.check_positive_float(beta, "beta")
     K = means.shape[0]
-    if K < 1:
-        raise ValueError("means: expected at least one component (K >= 1), got K = 0")
-    beta = V.check_positive_float(beta, "beta")
-    dtype = V.common_float_dtype(x, means)
     if weights is None:
+        dtype = validation.common_float_dtype(x, means)
         weights = np.full(K, 1.0 / K, dtype=dtype)
     else:
-        weights = _check_weights(weights, K)
-        dtype = V.common_float_dtype(x, means, weights)
+        weights = validation.check_weights(weights, K)
+        dtype = validation.common_float_dtype(x, means, weights)
     variances = np.full(means.shape, 1.0 / beta, dtype=dtype)
     return x.astype(dtype, copy=False), means.astype(dtype, copy=False), variances, weights.astype(dtype, copy=False)
+
+
+def _isotropic_resp(x, means, variances, weights):
+    # r_in = gamma_n(x_i), the responsibilities at the current means
+    log_resp, min_quad = log_posterior(x, means, variances, _log_weights(weights))
+    validation.check_scaled_distances(min_quad, "x")
+    return np.exp(log_resp)
 
 
 def isotropic_nll(x, means, beta, weights=None) -> float:
@@ -524,11 +529,9 @@ def isotropic_nll(x, means, beta, weights=None) -> float:
         ``-sum_i log sum_n pi_n N(x_i; mu_n, I / beta)``.
     """
     x, means, variances, weights = _check_isotropic(x, means, beta, weights)
-    return float(-np.sum(_logsumexp(_log_joint(x, means, variances, weights), 1, False)))
-
-
-def _isotropic_resp(x, means, variances, weights):
-    return np.exp(_log_responsibilities(x, means, variances, weights))
+    logits, min_quad = log_joint(x, means, variances, _log_weights(weights), window=_posterior_window(means.shape[0], x.dtype))
+    validation.check_scaled_distances(min_quad, "x")
+    return float(-np.sum(numerics.logsumexp(logits, axis=1)))
 
 
 def isotropic_nll_gradient(x, means, beta, weights=None):
@@ -552,6 +555,8 @@ def isotropic_surrogate_hessian(x, means, beta, weights=None):
     With the responsibilities ``r`` held at their current values, the
     surrogate ``sum_i sum_n r_in (beta / 2) ||x_i - mu_n||^2`` has the
     block-diagonal Hessian ``H_n = beta N_n I`` with ``N_n = sum_i r_in``.
+    It is not the Hessian of the NLL, which has extra terms from the
+    dependence of ``r`` on the means and can be indefinite.
 
     Returns
     -------
@@ -569,9 +574,9 @@ def newton_step(x, means, beta, weights=None):
     Returns
     -------
     ndarray, shape (K, d)
-        ``mu_n - H_n^{-1} grad_n``; equal to :func:`isotropic_m_step` (the
-        module docstring derives it).  Components with ``N_n = 0`` give
-        non-finite rows (the Hessian is singular there).
+        ``mu_n - H_n^{-1} grad_n``; equal to :func:`isotropic_m_step`
+        (``docs/derivations/gmm_posteriors.md``).  Components with ``N_n = 0``
+        give non-finite rows (the Hessian is singular there).
     """
     grad = isotropic_nll_gradient(x, means, beta, weights)
     hess = isotropic_surrogate_hessian(x, means, beta, weights)
@@ -592,6 +597,21 @@ def isotropic_m_step(x, means, beta, weights=None):
     return (resp.T @ x) / resp.sum(axis=0)[:, None]
 
 
+def _check_points_and_means(x, means):
+    x = validation.as_float_array(x, "x", ndim=2)
+    means = validation.as_float_array(means, "means", ndim=2)
+    validation.check_shape(means, "means", (None, x.shape[1]), ("K", "d"))
+    validation.check_nonempty(means, "means")
+    dtype = validation.common_float_dtype(x, means)
+    return x.astype(dtype, copy=False), means.astype(dtype, copy=False)
+
+
+def _nearest_means(x, means):
+    # argmin_n ||x - mu_n||^2 = argmin_n (||mu_n||^2 - 2 x . mu_n); ||x||^2 is common to the row
+    scores = np.sum(means * means, axis=1) - 2.0 * (x @ means.T)
+    return np.argmin(scores, axis=1).astype(np.int64)
+
+
 def hard_assignments(x, means):
     """Index of the nearest mean (Euclidean) for every point; ties go to the lowest index.
 
@@ -604,14 +624,7 @@ def hard_assignments(x, means):
     -------
     ndarray of int64, shape (N,)
     """
-    x = V.as_float_array(x, "x", ndim=2)
-    means = V.as_float_array(means, "means", ndim=2)
-    V.check_shape(means, "means", (None, x.shape[1]), ("K", "d"))
-    if means.shape[0] < 1:
-        raise ValueError("means: expected at least one component (K >= 1), got K = 0")
-    # argmin_n ||x - mu_n||^2 = argmin_n (||mu_n||^2 - 2 x . mu_n); ||x||^2 is common to the row
-    scores = np.sum(means * means, axis=1) - 2.0 * (x @ means.T)
-    return np.argmin(scores, axis=1).astype(np.int64)
+    return _nearest_means(*_check_points_and_means(x, means))
 
 
 def kmeans_step(x, means):
@@ -628,12 +641,42 @@ def kmeans_step(x, means):
         The mean of the points nearest to each centroid; a centroid that wins
         no point is kept where it was.
     """
-    assign = hard_assignments(x, means)
-    x = np.asarray(x)
-    dtype = V.common_float_dtype(x, np.asarray(means))
-    zeros = np.zeros(np.asarray(means).shape[0], dtype=dtype)
-    new_means, _ = running_mean_update(np.asarray(means, dtype=dtype), zeros, x.astype(dtype, copy=False), assign)
-    return new_means
+    x, means = _check_points_and_means(x, means)
+    zeros = np.zeros(means.shape[0], dtype=x.dtype)
+    return merge_running_means(means, zeros, x, _nearest_means(x, means))[0]
+
+
+def _check_running_mean(means, counts, x, assignments):
+    means = validation.as_float_array(means, "means", ndim=2)
+    x = validation.as_float_array(x, "x", ndim=2)
+    validation.check_shape(x, "x", (None, means.shape[1]), ("B", "d"))
+    counts = validation.check_counts(counts, "counts", (means.shape[0],), ("K",))
+    assignments = np.asarray(assignments)
+    if not np.issubdtype(assignments.dtype, np.integer):
+        raise TypeError(f"assignments: expected integers, got dtype {assignments.dtype}")
+    validation.check_shape(assignments, "assignments", (x.shape[0],), ("B",))
+    if assignments.size and (assignments.min() < 0 or assignments.max() >= means.shape[0]):
+        raise ValueError(
+            f"assignments: expected indices in [0, {means.shape[0]}), got range "
+            f"[{assignments.min()}, {assignments.max()}]"
+        )
+    dtype = validation.common_float_dtype(means, x)
+    return means.astype(dtype, copy=False), counts, x.astype(dtype, copy=False), assignments
+
+
+def merge_running_means(means, counts, x, assignments):
+    """Core of :func:`running_mean_update`: no validation, no raise (``means`` and ``x`` of one dtype)."""
+    sums = np.zeros(means.shape, dtype=means.dtype)
+    np.add.at(sums, assignments, x)  # sum_{i in S_n} x_i, accumulated in the order of x
+    added = np.bincount(assignments, minlength=means.shape[0]).astype(counts.dtype)
+    new_counts = counts + added
+    touched = added > 0
+    new_means = means.copy()
+    # mu' = (c mu + sum_S x) / (c + |S|): the exact running mean
+    c_old = counts[touched].astype(means.dtype)[:, None]
+    c_new = new_counts[touched].astype(means.dtype)[:, None]
+    new_means[touched] = (c_old * means[touched] + sums[touched]) / c_new
+    return new_means, new_counts
 
 
 def running_mean_update(means, counts, x, assignments):
@@ -656,7 +699,7 @@ def running_mean_update(means, counts, x, assignments):
         ``(c_n mu_n + sum_{i in S_n} x_i) / (c_n + |S_n|)`` for rows that
         received points, the old row otherwise.  This equals
         ``mu_n + (1 / (c_n + |S_n|)) sum_{i in S_n} (x_i - mu_n)``, the
-        Newton/EM step of the module docstring with hard assignments.
+        Newton/EM step with hard assignments.
     counts : ndarray, shape (K,)
         ``c_n + |S_n|``, same dtype as ``counts``.
 
@@ -666,35 +709,4 @@ def running_mean_update(means, counts, x, assignments):
     accumulated by ``np.add.at`` in the order of ``x``, so the result is
     reproducible bit for bit.
     """
-    means = V.as_float_array(means, "means", ndim=2)
-    x = V.as_float_array(x, "x", ndim=2)
-    V.check_shape(x, "x", (None, means.shape[1]), ("B", "d"))
-    counts = np.asarray(counts)
-    V.check_shape(counts, "counts", (means.shape[0],), ("K",))
-    if not (np.issubdtype(counts.dtype, np.integer) or np.issubdtype(counts.dtype, np.floating)):
-        raise TypeError(f"counts: expected an integer or float array, got dtype {counts.dtype}")
-    if np.issubdtype(counts.dtype, np.floating):
-        V.check_finite(counts, "counts")
-    if np.any(counts < 0):
-        raise ValueError(f"counts: expected nonnegative counts, got minimum {np.min(counts)}")
-    assignments = np.asarray(assignments)
-    if not np.issubdtype(assignments.dtype, np.integer):
-        raise TypeError(f"assignments: expected integers, got dtype {assignments.dtype}")
-    V.check_shape(assignments, "assignments", (x.shape[0],), ("B",))
-    if assignments.size and (assignments.min() < 0 or assignments.max() >= means.shape[0]):
-        raise ValueError(
-            f"assignments: expected indices in [0, {means.shape[0]}), got range "
-            f"[{assignments.min()}, {assignments.max()}]"
-        )
-    dtype = V.common_float_dtype(means, x)
-    sums = np.zeros(means.shape, dtype=dtype)
-    np.add.at(sums, assignments, x)
-    added = np.bincount(assignments, minlength=means.shape[0]).astype(counts.dtype)
-    new_counts = counts + added
-    touched = added > 0
-    new_means = means.astype(dtype, copy=True)
-    # mu' = (c mu + sum_S x) / (c + |S|): the exact running mean
-    c_old = counts[touched].astype(dtype)[:, None]
-    c_new = new_counts[touched].astype(dtype)[:, None]
-    new_means[touched] = (c_old * means[touched] + sums[touched]) / c_new
-    return new_means, new_counts
+    return merge_running_means(*_check_running_mean(means, counts, x, assignments))

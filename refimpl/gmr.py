@@ -2,72 +2,32 @@ r"""Gaussian kernel regression and Gaussian mixture regression (GMR): attention 
 
 Shapes: queries ``q`` are ``(N_q, d)``, keys ``k`` are ``(N_k, d)``, values
 ``v`` are ``(N_k, d_v)``; a mixture has ``M`` components with key means
-``(M, d)``, value means ``(M, d_v)`` and weights ``(M,)``.
+``(M, d)``, value means ``(M, d_v)`` and weights ``(M,)``.  The derivations
+are in ``docs/derivations/ovq_gmr.md``; this docstring states the results.
 
-Self-attention is Gaussian kernel regression (spec ovq.md section 1)
---------------------------------------------------------------------
-The Nadaraya-Watson estimator with a Gaussian kernel of variance
-:math:`1/\beta` predicts
-
-.. math::
-
-    m(q) = \frac{\sum_j \exp(-\tfrac\beta2\|q-k_j\|^2)\, v_j}
-                {\sum_j \exp(-\tfrac\beta2\|q-k_j\|^2)} .
-
-Expanding :math:`\|q-k_j\|^2 = \|q\|^2 - 2 q\cdot k_j + \|k_j\|^2` and taking
-unit vectors, the exponent is :math:`\beta\, q\cdot k_j - \beta`; the constant
-:math:`-\beta` cancels between numerator and denominator, so
-:math:`m(q) = \operatorname{softmax}(\beta\, q K^\top)\, V`: softmax attention
-with scale :math:`\beta` on unit queries and keys.  Every past token is its own
-mixture component.
-
-VQ/OVQ attention is Gaussian mixture regression (section 2)
------------------------------------------------------------
-Fit one GMM to the joint data :math:`(k, v)` with weights :math:`\pi_n`, key
-means :math:`\mu^k_n`, value means :math:`\mu^v_n`, block-diagonal covariance
-(no key-value cross-covariance) and key covariance :math:`I/\beta`.  The
-conditional mean of :math:`v` given a query is
-
-.. math::
-
-    E[v\mid q] = \sum_n h_n(q)\, \mu^v_n,\qquad
-    h_n(q) = \frac{\pi_n\,\mathcal N(q;\mu^k_n, I/\beta)}{\sum_m \pi_m\,\mathcal N(q;\mu^k_m, I/\beta)}.
-
-Expanding the Gaussian and dropping what is common to all components
-(:math:`-\tfrac\beta2\|q\|^2` and the normalising constant),
-
-.. math::
-
-    h(q) = \operatorname{softmax}_n\big(\beta\, q\cdot\mu^k_n - \tfrac\beta2\|\mu^k_n\|^2 + \log\pi_n\big).
-
-When every :math:`\|\mu^k_n\|` is the same the middle term is a constant and
-cancels; with :math:`\pi_n = c_n/\sum c` the :math:`-\log\sum c` cancels too,
-leaving the OVQ read-out
-
-.. math::
-
-    E[v\mid q] = \operatorname{softmax}(\beta\, q D_k^\top + \log c)\, D_v .
-
-Centroids that are means of unit keys have norm below one.  OVQ drops the term
-:math:`\delta_n = -\tfrac\beta2\|\mu^k_n\|^2` anyway; :func:`readout_gap`
-measures what that costs.  The two weight vectors differ by the tilt
-:math:`e^{\delta_n}`, so the log-ratio of the two has range
-:math:`r = \max_n\delta_n - \min_n\delta_n \le \beta/2`, and for two
-distributions whose log-ratio has range :math:`r` the total variation is at
-most :math:`\tanh(r/4)`.  Since both weight vectors sum to one, every output
-coordinate moves by at most that total variation times the spread of the
-value means in that coordinate (:func:`readout_gap_bound`).  With a
-key-value cross-covariance the exact prediction would add
-:math:`\Sigma^{vk}_n(\Sigma^{kk}_n)^{-1}(q-\mu^k_n)` per component; OVQ drops
-that too (the isotropic model here has none).
-
-Fitting the joint GMM
----------------------
-:func:`fit_joint_gmm` runs :func:`refimpl.gmm.em_step` on the concatenated
-rows :math:`[k, v]` with diagonal covariances.  A diagonal joint covariance has
-no cross-covariance, so its exact conditional mean is the weighted sum of value
-means above, with responsibilities from the key marginals
-(:func:`joint_gmm_predict`).
+* Self-attention is Gaussian kernel regression
+  (``ovq_gmr.md#self-attention-is-gaussian-kernel-regression``): on unit
+  vectors the Nadaraya-Watson estimator with kernel
+  :math:`\exp(-\tfrac\beta2\|q-k_j\|^2)` is
+  :math:`\operatorname{softmax}(\beta\,qK^\top)V` (:func:`kernel_regression`).
+* VQ/OVQ attention is GMR
+  (``ovq_gmr.md#vq-and-ovq-attention-are-gaussian-mixture-regression``): with key
+  covariance :math:`I/\beta` and no key-value cross-covariance,
+  :math:`E[v\mid q] = \sum_n h_n(q)\mu^v_n`,
+  :math:`h(q) = \operatorname{softmax}_n(\beta\,q\cdot\mu^k_n - \tfrac\beta2\|\mu^k_n\|^2 + \log\pi_n)`
+  (:func:`gmr_predict`); dropping the norm term and taking
+  :math:`\pi \propto c` gives the OVQ read-out
+  :math:`\operatorname{softmax}(\beta\,qD_k^\top + \log c)D_v` (:func:`ovq_readout`).
+* The cost of the dropped term (``ovq_gmr.md#the-cost-of-the-dropped-norm-term``):
+  the two weight vectors differ by the tilt :math:`e^{\delta_n}`,
+  :math:`\delta_n = -\tfrac\beta2\|\mu^k_n\|^2`, so OVQ gives more weight to
+  long centroids than GMR does; with :math:`r = \max\delta - \min\delta`
+  every output coordinate moves by at most :math:`\tanh(r/4)` times the range
+  of the value means in that coordinate (:func:`readout_gap_bound`, attained).
+* Fitting the joint GMM (``ovq_gmr.md#fitting-the-joint-mixture``):
+  :func:`fit_joint_gmm` runs EM on the rows :math:`[k, v]` with diagonal
+  covariances, whose conditional mean is the weighted sum of value means with
+  responsibilities from the key marginals (:func:`joint_gmm_predict`).
 
 All functions accept float32 or float64; the result has the dtype NumPy's
 promotion gives for the floating inputs (float32 in, float32 out).
@@ -79,8 +39,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _validation as V
-from .gmm import _check_logits, _log_gaussian_diag, _softmax, em_step, log_likelihood
+from . import numerics, validation
+from .gmm import em_step, log_likelihood, log_posterior
 
 __all__ = [
     "kernel_regression",
@@ -97,27 +57,14 @@ __all__ = [
 _BLOCK_ELEMENTS = 1 << 22
 
 
-def _check_q_k_v(q, k, v):
-    q = V.as_float_array(q, "q", ndim=2)
-    k = V.as_float_array(k, "k", ndim=2)
-    v = V.as_float_array(v, "v", ndim=2)
-    V.check_shape(k, "k", (None, q.shape[1]), ("N_k", "d"))
-    V.check_shape(v, "v", (k.shape[0], None), ("N_k", "d_v"))
-    if q.shape[0] < 1 or k.shape[0] < 1:
-        raise ValueError(f"q, k: expected at least one row each, got shapes {q.shape} and {k.shape}")
-    dtype = V.common_float_dtype(q, k, v)
-    return q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False)
-
-
-def _check_mixture(q, key_means, value_means, names=("key_means", "value_means")):
-    q = V.as_float_array(q, "q", ndim=2)
-    key_means = V.as_float_array(key_means, names[0], ndim=2)
-    value_means = V.as_float_array(value_means, names[1], ndim=2)
-    V.check_shape(key_means, names[0], (None, q.shape[1]), ("M", "d"))
+def _check_key_value_means(q, key_means, value_means, names=("key_means", "value_means")):
+    q = validation.as_float_array(q, "q", ndim=2)
+    key_means = validation.as_float_array(key_means, names[0], ndim=2)
+    value_means = validation.as_float_array(value_means, names[1], ndim=2)
+    validation.check_shape(key_means, names[0], (None, q.shape[1]), ("M", "d"))
     M = key_means.shape[0]
-    if M < 1:
-        raise ValueError(f"{names[0]}: expected at least one component (M >= 1), got M = 0")
-    V.check_shape(value_means, names[1], (M, None), ("M", "d_v"))
+    validation.check_nonempty(key_means, names[0], symbol="M")
+    validation.check_shape(value_means, names[1], (M, None), ("M", "d_v"))
     return q, key_means, value_means
 
 
@@ -147,8 +94,8 @@ def kernel_regression(q, k, v, *, beta):
     independent of :func:`refimpl.attention.softmax_attention`.  On unit
     vectors the two agree: ``softmax_attention(q, k, v, scale=beta)``.
     """
-    q, k, v = _check_q_k_v(q, k, v)
-    beta = V.check_positive_float(beta, "beta")
+    q, k, v = validation.check_qkv(q, k, v)
+    beta = validation.check_positive_float(beta, "beta")
     n_q, n_k = q.shape[0], k.shape[0]
     half_beta = q.dtype.type(0.5 * beta)
     logits = np.empty((n_q, n_k), dtype=q.dtype)
@@ -157,9 +104,9 @@ def kernel_regression(q, k, v, *, beta):
         diff = q[r : r + rows, None, :] - k[None, :, :]
         # log kernel: -(beta/2) ||q_i - k_j||^2
         logits[r : r + rows] = -half_beta * np.sum(diff * diff, axis=2)
-    _check_logits(logits, "beta, q, k", "lower beta or rescale q and k")
+    validation.check_softmax_logits(logits, "beta, q, k", "lower beta or rescale q and k")
     # w_ij = exp(l_ij) / sum_j exp(l_ij), per-row max subtracted inside softmax
-    return _softmax(logits, axis=1) @ v
+    return numerics.softmax(logits, axis=1) @ v
 
 
 def gmr_predict(q, key_means, value_means, weights, *, beta):
@@ -188,30 +135,20 @@ def gmr_predict(q, key_means, value_means, weights, *, beta):
     (:func:`refimpl.gmm.log_gaussian_diag` with variances ``1/beta``) plus
     ``log pi``, normalised by a per-row log-sum-exp; no cross-covariance.
     """
-    q, key_means, value_means = _check_mixture(q, key_means, value_means)
-    beta = V.check_positive_float(beta, "beta")
-    weights = V.as_float_array(weights, "weights", ndim=1)
-    V.check_shape(weights, "weights", (key_means.shape[0],), ("M",))
-    V.check_probability_vector(weights, "weights")
-    dtype = V.common_float_dtype(q, key_means, value_means, weights)
+    q, key_means, value_means = _check_key_value_means(q, key_means, value_means)
+    beta = validation.check_positive_float(beta, "beta")
+    weights = validation.as_float_array(weights, "weights", ndim=1)
+    validation.check_shape(weights, "weights", (key_means.shape[0],), ("M",))
+    validation.check_probability_vector(weights, "weights")
+    dtype = validation.common_float_dtype(q, key_means, value_means, weights)
     q, key_means, value_means, weights = (a.astype(dtype, copy=False) for a in (q, key_means, value_means, weights))
     variances = np.full(key_means.shape, 1.0 / beta, dtype=dtype)
     with np.errstate(divide="ignore"):
         log_w = np.log(weights)
     # log h_n(q) = log pi_n + log N(q; mu_n, I/beta) - logsumexp_m(...)
-    h = _softmax(_log_gaussian_diag(q, key_means, variances, "q") + log_w, axis=1)
-    return h @ value_means
-
-
-def _check_counts(counts, M: int):
-    counts = np.asarray(counts)
-    if not (np.issubdtype(counts.dtype, np.integer) or np.issubdtype(counts.dtype, np.floating)) or counts.dtype == bool:
-        raise TypeError(f"counts: expected an integer or float array, got dtype {counts.dtype}")
-    V.check_shape(counts, "counts", (M,), ("M",))
-    if np.issubdtype(counts.dtype, np.floating):
-        V.check_finite(counts, "counts")
-    V.check_positive(counts, "counts")
-    return counts
+    log_h, min_quad = log_posterior(q, key_means, variances, log_w)
+    validation.check_scaled_distances(min_quad, "q")
+    return np.exp(log_h) @ value_means
 
 
 def ovq_readout(q, key_means, value_means, counts, *, beta, count_bias: bool = True):
@@ -236,19 +173,19 @@ def ovq_readout(q, key_means, value_means, counts, *, beta, count_bias: bool = T
     -------
     ndarray, shape (N_q, d_v)
     """
-    q, key_means, value_means = _check_mixture(q, key_means, value_means)
-    beta = V.check_positive_float(beta, "beta")
-    counts = _check_counts(counts, key_means.shape[0])
-    count_bias = V.check_bool(count_bias, "count_bias")
-    dtype = V.common_float_dtype(q, key_means, value_means)
+    q, key_means, value_means = _check_key_value_means(q, key_means, value_means)
+    beta = validation.check_positive_float(beta, "beta")
+    counts = validation.check_counts(counts, "counts", (key_means.shape[0],), ("M",), positive=True)
+    count_bias = validation.check_bool(count_bias, "count_bias")
+    dtype = validation.common_float_dtype(q, key_means, value_means)
     q, key_means, value_means = (a.astype(dtype, copy=False) for a in (q, key_means, value_means))
     logits = q @ key_means.T
     logits *= dtype.type(beta)
     if count_bias:
         # pi_n = c_n / sum c; the -log sum c is common to the row and cancels
         logits += np.log(counts.astype(dtype))
-    _check_logits(logits, "beta, q, key_means", "lower beta or rescale q and key_means")
-    return _softmax(logits, axis=1) @ value_means
+    validation.check_softmax_logits(logits, "beta, q, key_means", "lower beta or rescale q and key_means")
+    return numerics.softmax(logits, axis=1) @ value_means
 
 
 def readout_gap(q, key_means, value_means, counts, *, beta):
@@ -261,8 +198,8 @@ def readout_gap(q, key_means, value_means, counts, *, beta):
     ndarray, shape (N_q, d_v)
         Zero up to rounding when all ``||key_means[n]||`` are equal.
     """
-    q, key_means, value_means = _check_mixture(q, key_means, value_means)
-    counts = _check_counts(counts, key_means.shape[0])
+    q, key_means, value_means = _check_key_value_means(q, key_means, value_means)
+    counts = validation.check_counts(counts, "counts", (key_means.shape[0],), ("M",), positive=True)
     weights = counts.astype(np.float64) / np.sum(counts, dtype=np.float64)
     ovq = ovq_readout(q, key_means, value_means, counts, beta=beta)
     exact = gmr_predict(q, key_means, value_means, weights.astype(ovq.dtype), beta=beta)
@@ -288,12 +225,11 @@ def readout_gap_bound(key_means, value_means, *, beta):
         ``1e-15`` times the range of the value means, e.g. when the bound is 0
         for centroids of equal norm).
     """
-    key_means = V.as_float_array(key_means, "key_means", ndim=2)
-    value_means = V.as_float_array(value_means, "value_means", ndim=2)
-    if key_means.shape[0] < 1:
-        raise ValueError("key_means: expected at least one component (M >= 1), got M = 0")
-    V.check_shape(value_means, "value_means", (key_means.shape[0], None), ("M", "d_v"))
-    beta = V.check_positive_float(beta, "beta")
+    key_means = validation.as_float_array(key_means, "key_means", ndim=2)
+    value_means = validation.as_float_array(value_means, "value_means", ndim=2)
+    validation.check_nonempty(key_means, "key_means", symbol="M")
+    validation.check_shape(value_means, "value_means", (key_means.shape[0], None), ("M", "d_v"))
+    beta = validation.check_positive_float(beta, "beta")
     sq = np.sum(key_means * key_means, axis=1)
     r = 0.5 * beta * (np.max(sq) - np.min(sq))
     # TV(p, p') <= tanh(r/4) when log(p'/p) has range r; sum_n (p_n - p'_n) = 0
@@ -335,17 +271,17 @@ def fit_joint_gmm(k, v, n_components, *, n_iter: int = 50, reg_covar: float = 1e
         Means, variances and weights split at column ``d``, and the mean
         log-likelihood trace (non-decreasing: EM never increases the NLL).
     """
-    k = V.as_float_array(k, "k", ndim=2)
-    v = V.as_float_array(v, "v", ndim=2)
-    V.check_shape(v, "v", (k.shape[0], None), ("T", "d_v"))
+    k = validation.as_float_array(k, "k", ndim=2)
+    v = validation.as_float_array(v, "v", ndim=2)
+    validation.check_shape(v, "v", (k.shape[0], None), ("T", "d_v"))
     T, d = k.shape
-    M = V.check_int(n_components, "n_components", minimum=1)
+    M = validation.check_int(n_components, "n_components", minimum=1)
     if M > T:
         raise ValueError(f"n_components: expected at most T = {T} components (one per row), got {M}")
-    n_iter = V.check_int(n_iter, "n_iter", minimum=0)
-    reg_covar = V.check_positive_float(reg_covar, "reg_covar", allow_zero=True)
-    seed = V.check_int(seed, "seed", minimum=0)
-    dtype = V.common_float_dtype(k, v)
+    n_iter = validation.check_int(n_iter, "n_iter", minimum=0)
+    reg_covar = validation.check_positive_float(reg_covar, "reg_covar", allow_zero=True)
+    seed = validation.check_int(seed, "seed", minimum=0)
+    dtype = validation.common_float_dtype(k, v)
     x = np.concatenate([k, v], axis=1).astype(dtype, copy=False)
     rng = np.random.default_rng(seed)
     means = x[rng.choice(T, size=M, replace=False)].copy()
@@ -390,18 +326,19 @@ def joint_gmm_predict(q, fit: JointGMM):
     """
     if not isinstance(fit, JointGMM):
         raise TypeError(f"fit: expected a JointGMM from fit_joint_gmm, got {type(fit).__name__}")
-    q, key_means, value_means = _check_mixture(q, fit.key_means, fit.value_means, ("fit.key_means", "fit.value_means"))
-    key_variances = V.as_float_array(fit.key_variances, "fit.key_variances", ndim=2)
-    V.check_shape(key_variances, "fit.key_variances", key_means.shape, ("M", "d"))
-    V.check_positive(key_variances, "fit.key_variances")
-    weights = V.as_float_array(fit.weights, "fit.weights", ndim=1)
-    V.check_shape(weights, "fit.weights", (key_means.shape[0],), ("M",))
-    V.check_probability_vector(weights, "fit.weights")
-    dtype = V.common_float_dtype(q, key_means, value_means, key_variances, weights)
+    q, key_means, value_means = _check_key_value_means(q, fit.key_means, fit.value_means, ("fit.key_means", "fit.value_means"))
+    key_variances = validation.as_float_array(fit.key_variances, "fit.key_variances", ndim=2)
+    validation.check_shape(key_variances, "fit.key_variances", key_means.shape, ("M", "d"))
+    validation.check_positive(key_variances, "fit.key_variances")
+    weights = validation.as_float_array(fit.weights, "fit.weights", ndim=1)
+    validation.check_shape(weights, "fit.weights", (key_means.shape[0],), ("M",))
+    validation.check_probability_vector(weights, "fit.weights")
+    dtype = validation.common_float_dtype(q, key_means, value_means, key_variances, weights)
     q, key_means, value_means, key_variances, weights = (
         a.astype(dtype, copy=False) for a in (q, key_means, value_means, key_variances, weights)
     )
     with np.errstate(divide="ignore"):
         log_w = np.log(weights)
-    h = _softmax(_log_gaussian_diag(q, key_means, key_variances, "q") + log_w, axis=1)
-    return h @ value_means
+    log_h, min_quad = log_posterior(q, key_means, key_variances, log_w)
+    validation.check_scaled_distances(min_quad, "q")
+    return np.exp(log_h) @ value_means

@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import _validation as V
+from . import validation
 
 __all__ = ["numerical_gradient", "relative_error"]
 
@@ -43,8 +43,8 @@ def numerical_gradient(loss: Callable[[np.ndarray], float], x, *, h: float = 1e-
     ndarray, same shape and dtype as ``x``
         ``(loss(x + h e_i) - loss(x - h e_i)) / (2 h)`` for every entry ``i``.
     """
-    x = V.as_float_array(x, "x")
-    h = V.check_positive_float(h, "h")
+    x = validation.as_float_array(x, "x")
+    h = validation.check_positive_float(h, "h")
     grad = np.zeros_like(x)
     for idx in np.ndindex(x.shape):
         plus, minus = x.copy(), x.copy()

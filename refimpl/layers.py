@@ -2,7 +2,8 @@ r"""A multi-head Gaussian Mixture Attention layer with its hand-derived backward
 
 Shapes: the input ``x`` is ``(B, N, d_model)``; there are ``H`` heads, each
 with routing dimension ``d_r``, value dimension ``d_v`` and its own GMM of
-``K`` diagonal components.
+``K`` diagonal components.  The derivation is in ``docs/derivations/layers.md``
+(``#forward``, ``#backward``, ``#cost``); this docstring states the results.
 
 Forward
 -------
@@ -40,8 +41,9 @@ projections give
     dW_V = \sum_b X_b^\top dV_b,\quad
     dX = dX_Q W_Q^\top + dX_K W_K^\top + dV W_V^\top .
 
-GMM gradients are summed over the batch.  Time and memory are linear in
-``N``: :math:`O(B H N K (d_r + d_v) + B N d_{\text{model}} H (d_r + d_v))`.
+GMM gradients are summed over the batch.  Time is linear in ``N``:
+:math:`O(B H N K (d_r + d_v) + B N d_{\text{model}} H (d_r + d_v))`, plus
+:math:`O(B H N C (K + d_v))` for the within-chunk blocks when causal.
 """
 
 from __future__ import annotations
@@ -51,10 +53,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _validation as V
-from . import gmm
-from .attention import DEFAULT_CHUNK_SIZE, _check_options
-from .gma import _gma_backward, _gma_forward
+from . import gmm, validation
+from .gma import gma_backward, gma_forward
+from .scan import DEFAULT_CHUNK_SIZE
 
 __all__ = [
     "MultiheadGMAParams",
@@ -138,17 +139,9 @@ def init_multihead_gma(
     -------
     MultiheadGMAParams
     """
-    d_model = V.check_int(d_model, "d_model", minimum=1)
-    H = V.check_int(n_heads, "n_heads", minimum=1)
-    d_r = V.check_int(d_route, "d_route", minimum=1)
-    d_v = V.check_int(d_value, "d_value", minimum=1)
-    K = V.check_int(n_components, "n_components", minimum=1)
-    init_variance = V.check_positive_float(init_variance, "init_variance")
-    min_variance = V.check_positive_float(min_variance, "min_variance")
-    if init_variance <= min_variance:
-        raise ValueError(f"init_variance: expected a value > min_variance = {min_variance}, got {init_variance}")
-    dtype = V.check_float_dtype(dtype, "dtype")
-    seed = V.check_seed(seed, "seed")
+    d_model, H, d_r, d_v, K, init_variance, min_variance, dtype, seed = _check_init(
+        d_model, n_heads, d_route, d_value, n_components, seed, init_variance, min_variance, dtype
+    )
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     raw = float(gmm.raw_from_variances(np.array(init_variance), min_variance))
     params = MultiheadGMAParams(
@@ -163,6 +156,20 @@ def init_multihead_gma(
     return MultiheadGMAParams(*(p.astype(dtype) for p in params))
 
 
+def _check_init(d_model, n_heads, d_route, d_value, n_components, seed, init_variance, min_variance, dtype):
+    sizes = [
+        validation.check_int(value, name, minimum=1)
+        for value, name in zip((d_model, n_heads, d_route, d_value, n_components), ("d_model", "n_heads", "d_route", "d_value", "n_components"))
+    ]
+    init_variance = validation.check_positive_float(init_variance, "init_variance")
+    min_variance = validation.check_positive_float(min_variance, "min_variance")
+    if init_variance <= min_variance:
+        raise ValueError(f"init_variance: expected a value > min_variance = {min_variance}, got {init_variance}")
+    dtype = validation.check_float_dtype(dtype, "dtype")
+    seed = validation.check_seed(seed, "seed")
+    return (*sizes, init_variance, min_variance, dtype, seed)
+
+
 def _check_params(params, d_model):
     if isinstance(params, Mapping):
         missing = set(MultiheadGMAParams._fields) - set(params)
@@ -172,22 +179,34 @@ def _check_params(params, d_model):
     elif not isinstance(params, MultiheadGMAParams):
         raise TypeError(f"params: expected a MultiheadGMAParams or a mapping with its fields, got {type(params).__name__}")
     ndims = dict(W_q=2, W_k=2, W_v=2, W_o=2, means=3, raw_variances=3, logits=2)
-    p = {f: V.as_float_array(getattr(params, f), f"params.{f}", ndim=ndims[f]) for f in MultiheadGMAParams._fields}
+    p = {f: validation.as_float_array(getattr(params, f), f"params.{f}", ndim=ndims[f]) for f in MultiheadGMAParams._fields}
     H, K, d_r = p["means"].shape
     if H < 1 or K < 1 or d_r < 1:
         raise ValueError(f"params.means: expected shape (H, K, d_r) with every size >= 1, got {p['means'].shape}")
-    V.check_shape(p["raw_variances"], "params.raw_variances", (H, K, d_r), ("H", "K", "d_r"))
-    V.check_shape(p["logits"], "params.logits", (H, K), ("H", "K"))
-    V.check_shape(p["W_q"], "params.W_q", (d_model, H * d_r), ("d_model", "H * d_r"))
-    V.check_shape(p["W_k"], "params.W_k", (d_model, H * d_r), ("d_model", "H * d_r"))
-    V.check_ndim(p["W_v"], "params.W_v", 2)
+    validation.check_shape(p["raw_variances"], "params.raw_variances", (H, K, d_r), ("H", "K", "d_r"))
+    validation.check_shape(p["logits"], "params.logits", (H, K), ("H", "K"))
+    validation.check_shape(p["W_q"], "params.W_q", (d_model, H * d_r), ("d_model", "H * d_r"))
+    validation.check_shape(p["W_k"], "params.W_k", (d_model, H * d_r), ("d_model", "H * d_r"))
+    validation.check_ndim(p["W_v"], "params.W_v", 2)
     if p["W_v"].shape[0] != d_model or p["W_v"].shape[1] % H or p["W_v"].shape[1] == 0:
         raise ValueError(
             f"params.W_v: expected shape (d_model, H * d_v) with d_model = {d_model}, H = {H}, got {p['W_v'].shape}"
         )
     d_v = p["W_v"].shape[1] // H
-    V.check_shape(p["W_o"], "params.W_o", (H * d_v, d_model), ("H * d_v", "d_model"))
+    validation.check_shape(p["W_o"], "params.W_o", (H * d_v, d_model), ("H * d_v", "d_model"))
     return MultiheadGMAParams(**p), H, d_r, d_v
+
+
+def _check_forward(x, params, causal, eps, min_variance, chunk_size):
+    x = validation.as_float_array(x, "x", ndim=3)
+    if min(x.shape) < 1:
+        raise ValueError(f"x: expected shape (B, N, d_model) with every size >= 1, got {x.shape}")
+    params, H, d_r, d_v = _check_params(params, x.shape[2])
+    causal, eps, chunk_size = validation.check_scan_options(causal, eps, chunk_size)
+    min_variance = validation.check_positive_float(min_variance, "min_variance")
+    dtype = validation.common_float_dtype(x, *params)
+    params = MultiheadGMAParams(*(p.astype(dtype, copy=False) for p in params))
+    return x.astype(dtype, copy=False), params, H, d_r, d_v, causal, eps, min_variance, chunk_size
 
 
 def multihead_gma_forward(
@@ -221,16 +240,9 @@ def multihead_gma_forward(
         Dtype of ``x`` and the parameters (float32 only if all are float32).
     cache : MultiheadGMACache
     """
-    x = V.as_float_array(x, "x", ndim=3)
-    B, N, d_model = x.shape
-    if B < 1 or N < 1 or d_model < 1:
-        raise ValueError(f"x: expected shape (B, N, d_model) with every size >= 1, got {x.shape}")
-    params, H, d_r, d_v = _check_params(params, d_model)
-    causal, eps, chunk_size = _check_options(causal, eps, chunk_size)
-    min_variance = V.check_positive_float(min_variance, "min_variance")
-    dtype = V.common_float_dtype(x, *params)
-    x = x.astype(dtype, copy=False)
-    params = MultiheadGMAParams(*(p.astype(dtype, copy=False) for p in params))
+    x, params, H, d_r, d_v, causal, eps, min_variance, chunk_size = _check_forward(x, params, causal, eps, min_variance, chunk_size)
+    B, N, _ = x.shape
+    dtype = x.dtype
 
     # the projections of all B N tokens at once: (B, N, d_model) @ (d_model, H d)
     xq = (x @ params.W_q).reshape(B, N, H, d_r)
@@ -241,17 +253,17 @@ def multihead_gma_forward(
     for b in range(B):
         row = []
         for h in range(H):
-            heads[b, :, h], c = _gma_forward(
+            heads[b, :, h], c = gma_forward(
                 xq[b, :, h],
                 xk[b, :, h],
                 vv[b, :, h],
                 params.means[h],
                 params.raw_variances[h],
                 params.logits[h],
-                causal,
-                eps,
-                min_variance,
-                chunk_size,
+                causal=causal,
+                eps=eps,
+                min_variance=min_variance,
+                chunk_size=chunk_size,
             )
             row.append(c)
         caches.append(tuple(row))
@@ -276,14 +288,12 @@ def multihead_gma_backward(grad_out, cache) -> MultiheadGMAGrads:
         parameter's shape; GMM and projection gradients are summed over the
         batch.
     """
-    V.check_instance(cache, "cache", MultiheadGMACache, "the MultiheadGMACache from multihead_gma_forward")
+    validation.check_instance(cache, "cache", MultiheadGMACache, "the MultiheadGMACache from multihead_gma_forward")
     x, p, heads = cache.x, cache.params, cache.heads
     B, N, d_model = x.shape
     H, K, d_r = p.means.shape
     d_v = p.W_v.shape[1] // H
-    g = V.as_float_array(grad_out, "grad_out", ndim=3)
-    V.check_shape(g, "grad_out", (B, N, d_model), ("B", "N", "d_model"))
-    g = g.astype(x.dtype, copy=False)
+    g = validation.check_grad_out(grad_out, (B, N, d_model), ("B", "N", "d_model"), x.dtype)
 
     # Y = O W_o: dW_o = sum_b O_b^T G_b, dO = G W_o^T
     dW_o = heads.reshape(B * N, H * d_v).T @ g.reshape(B * N, d_model)
@@ -296,7 +306,7 @@ def multihead_gma_backward(grad_out, cache) -> MultiheadGMAGrads:
     dlogits = np.zeros_like(p.logits)
     for b in range(B):
         for h in range(H):
-            gr = _gma_backward(np.ascontiguousarray(dheads[b, :, h]), cache.gma[b][h])
+            gr = gma_backward(dheads[b, :, h], cache.gma[b][h])
             dxq[b, :, h], dxk[b, :, h], dvv[b, :, h] = gr.x_q, gr.x_k, gr.v
             # the GMM of head h is shared by every sequence of the batch: sum over b
             dmeans[h] += gr.means

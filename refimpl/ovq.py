@@ -1,124 +1,89 @@
 r"""Online vector-quantized (OVQ) attention and the static-dictionary VQ baseline.
 
-The contract is ``spec/ovq.md``; section numbers below refer to it.  One head,
-one sequence: ``q, k`` are ``(T, d)``, ``v`` is ``(T, d_v)``.  The state is a
-key dictionary :math:`D_k` ``(N, d)``, a value dictionary :math:`D_v`
-``(N, d_v)``, integer counts :math:`c` ``(N,)``, the active size :math:`n` and
-the number of tokens seen :math:`t`; only rows below :math:`n` are read.
+One head, one sequence: ``q, k`` are ``(T, d)``, ``v`` is ``(T, d_v)``.  The
+state is a key dictionary :math:`D_k` ``(N, d)``, a value dictionary
+:math:`D_v` ``(N, d_v)``, integer counts :math:`c` ``(N,)``, the active size
+:math:`n` and the number of tokens seen :math:`t`; only rows below :math:`n`
+are read.  The contract and its derivations are in
+``docs/derivations/ovq_gmr.md``; this docstring states the results and the
+conventions that make the reference reproducible bit for bit.
 
-Read-out (section 4, Predict)
------------------------------
-Queries and keys are unit-normalised, :math:`\hat q = q/\max(\|q\|, 10^{-12})`;
-values are not.  Chunks are rows :math:`[s, e)`, :math:`e = \min(s+C, T)`,
-:math:`L = e - s`.  Before the chunk touches the state, position :math:`a` of
-the chunk attends, in one softmax, to the :math:`n` centroids and to the
-chunk's own keys :math:`b \le a`:
+Predict, then update, chunk by chunk
+------------------------------------
+(``ovq_gmr.md#read-out``, ``#growth``, ``#assignment``, ``#update``.)  Queries and keys are unit-normalised, :math:`\hat q = q/\max(\|q\|, 10^{-12})`;
+values are not.  Chunks are rows :math:`[s, e)`, :math:`e = \min(s+C, T)`.
+Before the chunk touches the state, position :math:`a` attends, in one
+softmax, to the :math:`n` centroids and to the chunk's own keys :math:`b \le a`:
 
 .. math::
 
     \ell_{a,m} = \beta\,\hat q_a\cdot D_k[m] + \log c_m \;(m < n),\qquad
     \ell_{a,b} = \beta\,\hat q_a\cdot\hat k_b \;(b \le a),\qquad
-    o_a = \operatorname{softmax}(\ell_a)\,[D_v[{:}n];\, v_0..v_a].
+    o_a = \operatorname{softmax}(\ell_a)\,[D_v[{:}n];\, v_0..v_a],
 
-A raw key is a centroid of count one (:math:`\log 1 = 0`).  This is the exact
-conditional mean of a Gaussian mixture with key covariance :math:`I/\beta` and
-weights :math:`\propto c` *once the term* :math:`-\tfrac\beta2\|D_k[m]\|^2`
-*is dropped* (:mod:`refimpl.gmr` measures the gap): every component of unit
-norm makes it exact.
+the conditional mean of a Gaussian mixture with key covariance
+:math:`I/\beta` once the term :math:`-\tfrac\beta2\|D_k[m]\|^2` is dropped
+(:mod:`refimpl.gmr` measures the gap).  Then the dictionary grows to
+:math:`n' = \max(n, g(t + L))`, :math:`g(t) = \max(1, \lfloor tN/(t+N)\rfloor)`
+(plateau, at most :math:`N - 1`) or :math:`\min(t, N)` (linear); :math:`n' - n`
+keys seed new centroids (the least similar to the dictionary with
+``init="spread"``, drawn at random with ``init="random"``) and every other key
+joins the centroid of largest dot product (ties to the lowest index).  That is
+the Euclidean nearest centroid only when the centroids have equal norms, which
+means of unit keys do not (``ovq_gmr.md#dot-product-and-nearest-centroid``).
+Each centroid :math:`m` with members
+:math:`S_m` (in token order) is updated by
 
-Grow, assign, update (section 4)
---------------------------------
-After the chunk, :math:`t' = t + L` and :math:`n' = \max(n, g(t'))` with
-:math:`g(t) = \max(1, \lfloor tN/(t+N)\rfloor)` (plateau) or
-:math:`\min(t, N)` (linear); :math:`n' - n` keys of the chunk seed new
-centroids, the others join their nearest centroid by dot product (ties to the
-lowest index).  The new centroids are the keys least similar to the
-dictionary, in ascending order of similarity (``init="spread"``), or keys drawn
-without replacement (``init="random"``).  Each existing centroid :math:`m` with
-assigned set :math:`S_m` takes the exact running mean
+* the exact running mean (adaptive rate :math:`1/c`):
+  :math:`c'_m = c_m + |S_m|`, :math:`D[m] \leftarrow (c_m D[m] + \sum_{i\in S_m} x_i)/c'_m`,
+  the Newton step on the isotropic NLL of all data seen with the assignments
+  fixed;
+* or, with a constant learning rate :math:`\eta \in (0, 1]`, the classic
+  constant-step online k-means, token by token in token order:
+  :math:`D[m] \leftarrow D[m] + \eta(x_i - D[m])` for each :math:`i \in S_m`,
+  i.e. :math:`D[m] \leftarrow (1-\eta)^{|S_m|}D[m] + \eta\sum_j (1-\eta)^{|S_m|-j}x_{(j)}`,
+  an exponential moving average (stable for every :math:`\eta \in (0, 1]`;
+  ``ovq_gmr.md#the-constant-learning-rate``); the counts still accumulate.
 
-.. math::
-
-    c'_m = c_m + |S_m|,\qquad D[m] \leftarrow \frac{c_m D[m] + \sum_{i\in S_m} x_i}{c'_m},
-
-which is the Newton step :math:`\mu - H^{-1}\nabla` on the isotropic NLL of all
-data seen with the assignments fixed (section 3; :math:`H_m = \beta c'_m I`).
-With a constant learning rate :math:`\eta`,
-:math:`D[m] \leftarrow D[m] + \eta\sum_{i\in S_m}(x_i - D[m])`.
-
-Conventions this module fixes beyond the spec text (bit-for-bit reproducible):
+Conventions this module fixes (bit-for-bit reproducible):
 
 * ``init="random"`` draws the new seeds with
   ``np.random.default_rng([seed, t]).choice(L, n' - n, replace=False)``, ``t``
   the tokens seen before the chunk; the draw order is the centroid order.  So
   a stream fed in pieces draws what one call draws.
-* The first chunk of a stream (:math:`n = 0`) follows the spec's :math:`n = 0`
-  rule, which has no ``init`` branch: seeds are the keys least similar to key 0
-  for both ``init`` values.
-* With a constant learning rate, the keys that join centroid 0 in the first
-  chunk are merged by the constant-rate rule too: centroid 0 is seeded with
-  :math:`\hat k_0`, count 1, then updated like any existing centroid.
-* Within a chunk the sums :math:`\sum_{S_m} x_i` are accumulated in token order
-  (:func:`refimpl.gmm.running_mean_update`, ``np.add.at``), then combined as
-  written above; :mod:`refimpl.ovq_oracle` does the same arithmetic in loops.
+* The first chunk of a stream (:math:`n = 0`) seeds centroid 0 with
+  :math:`\hat k_0` and further centroids with the keys least similar to it,
+  for both ``init`` values; the other keys join centroid 0 and are merged by
+  the chosen rule, like the members of any existing centroid.
+* Within a chunk the sums :math:`\sum_{S_m} x_i` of the running mean are
+  accumulated in token order (:func:`refimpl.gmm.merge_running_means`), and
+  the constant-rate steps are applied in token order;
+  :mod:`refimpl.ovq_oracle` does the same arithmetic in loops.
 
 Streaming: the chunk grid starts at each call.  A stream fed in pieces equals
 one call bit for bit when every piece but the last has a length that is a
-multiple of ``chunk_size`` (the spec's "chunk by chunk"); a shorter piece
-closes its chunk, exactly as the last chunk of one call does.
+multiple of ``chunk_size``; a shorter piece closes its chunk, exactly as the
+last chunk of one call does.
 
-Cost: time :math:`O(T(N + C)d)`, state :math:`O(N(d + d_v))` whatever
+Cost: time :math:`O(T(N + C)(d + d_v))`, state :math:`O(N(d + d_v))` whatever
 :math:`T` is, working memory :math:`O(C(N + C) + N(d + d_v))` besides the
 ``(T, d_v)`` output.
 
 Backward with the assignments held fixed
 ----------------------------------------
-The discrete choices (who seeds, who joins whom, the counts) are held at
-their forward values; the output is then a smooth function of
-:math:`\hat q, \hat k, v`, and the gradient runs back through three pieces.
+(``ovq_gmr.md#backward-with-the-assignments-held-fixed``.)  The discrete choices (who seeds, who joins whom, the counts) are held at
+their forward values.  Chunks are visited last to first, each in three named
+phases: the update in reverse (:func:`_update_backward`: for the running mean
+:math:`\bar x_i \mathrel{+}= \bar D'[m]/c'_m`, :math:`\bar D[m] = (c_m/c'_m)\bar D'[m]`;
+for constant :math:`\eta`, :math:`\bar x_{(j)} \mathrel{+}= \eta(1-\eta)^{|S_m|-j}\bar D'[m]`,
+:math:`\bar D[m] = (1-\eta)^{|S_m|}\bar D'[m]`; a seeded row passes its
+gradient to its seed), the read-out softmax (:func:`_readout_backward`), and
+the unit normalisation (:func:`_unit_rows_backward`,
+:math:`\bar x = (\bar{\hat x} - \hat x(\hat x\cdot\bar{\hat x}))/\|x\|`).
 
-*Read-out*, per chunk, with :math:`G = \partial L/\partial O` and
-:math:`P = \operatorname{softmax}(\ell)` over keys :math:`K = [D_k; \hat k]`
-and values :math:`W = [D_v; v]`:
-
-.. math::
-
-    dW = P^\top G,\quad dP = G W^\top,\quad
-    d\ell = P\odot(dP - \operatorname{rowsum}(P\odot dP)),\quad
-    d\hat q = \beta\, d\ell\, K,\quad dK = \beta\, d\ell^\top \hat q .
-
-Masked entries have :math:`P = 0` and get nothing; :math:`\log c` is a
-constant.  The rows of :math:`dK, dW` that belong to :math:`D_k, D_v` add to
-the gradient of the state *before* the chunk.
-
-*Update*, read in reverse from the state after the chunk
-(:math:`\bar D'`) to the state before it and the chunk's keys and values:
-
-.. math::
-
-    \text{adaptive:}\quad \bar x_i \mathrel{+}= \bar D'[m]/c'_m\ (i\in S_m),\qquad
-    \bar D[m] = \tfrac{c_m}{c'_m}\,\bar D'[m];
-
-    \text{constant } \eta:\quad \bar x_i \mathrel{+}= \eta\,\bar D'[m],\qquad
-    \bar D[m] = (1-\eta|S_m|)\,\bar D'[m].
-
-A seeded row was set to its seed's key (or value) just before the merge, so
-the seed receives that row's gradient and the row gets none from earlier
-chunks (it was unused).  Chunks are visited last to first, and the
-gradient of the final state is zero (the loss sees only the outputs).
-
-*Normalisation*: :math:`\partial(x/\|x\|)/\partial x = (I - \hat x\hat x^\top)/\|x\|`,
-so :math:`\bar x = (\bar{\hat x} - \hat x(\hat x\cdot\bar{\hat x}))/\|x\|`; below
-the :math:`10^{-12}` floor the map is :math:`x/10^{-12}`, linear.
-
-The forward keeps, per chunk, the dictionary it read (views of arrays that
-are never written afterwards) and the assignment plan, so the backward costs
-:math:`O((T/C)\,N(d+d_v))` memory; the read-out softmax is recomputed.
-Gradients are returned as new arrays; nothing accumulates.
-
-VQ attention (section 5)
-------------------------
-A fixed codebook :math:`D_k` replaces every key by its nearest code
+VQ attention
+------------
+(``ovq_gmr.md#vq-attention-the-baseline``.)  A fixed codebook :math:`D_k` replaces every key by its nearest code
 :math:`z_j = \arg\max_m \hat k_j\cdot D_k[m]`; earlier chunks are summarised per
 code by the count :math:`L_m` and the running mean of values, read with
 :math:`\beta\hat q\cdot D_k[m] + \log L_m`; the current chunk is read causally
@@ -127,13 +92,14 @@ through its codes, :math:`\beta\hat q_a\cdot D_k[z_b]`, :math:`b\le a`.
 
 from __future__ import annotations
 
+import inspect
 import zipfile
 from typing import NamedTuple
 
 import numpy as np
 
-from . import _validation as V
-from .gmm import _check_logits, _softmax, running_mean_update
+from . import numerics, validation
+from .gmm import merge_running_means
 
 __all__ = [
     "NORM_EPS",
@@ -166,8 +132,34 @@ _FORMAT_VERSION = 1
 # ---------------------------------------------------------------------------
 
 
+def _check_dictionary_size(t, max_size, growth):
+    N = validation.check_int(max_size, "max_size", minimum=1)
+    growth = validation.check_option(growth, "growth", GROWTHS)
+    if not isinstance(t, (np.ndarray, list, tuple)):
+        return validation.check_int(t, "t", minimum=0), N, growth
+    t = np.asarray(t)
+    if not np.issubdtype(t.dtype, np.integer) or t.dtype == bool:
+        raise TypeError(f"t: expected integers, got dtype {t.dtype}")
+    if t.size and np.min(t) < 0:
+        raise ValueError(f"t: expected token counts >= 0, got minimum {np.min(t)}")
+    t = t.astype(np.int64)
+    if t.size and np.max(t) > (np.iinfo(np.int64).max - N) // N:
+        raise ValueError(f"t: t * max_size overflows int64 (max t = {np.max(t)}, max_size = {N})")
+    return t, N, growth
+
+
+def _growth(t, N, growth):
+    # plateau: max(1, floor(t N / (t + N))) <= N - 1, in exact integer arithmetic; linear: min(t, N); 0 before any token
+    if isinstance(t, int):
+        if t == 0:
+            return 0
+        return min(t, N) if growth == "linear" else max(1, (t * N) // (t + N))
+    size = np.minimum(t, N) if growth == "linear" else np.maximum(1, (t * N) // (t + N))
+    return np.where(t == 0, 0, size)
+
+
 def dictionary_size(t, max_size, growth: str = "plateau"):
-    """Number of centroids after ``t`` tokens: ``growth(t, N)`` of spec section 4.
+    """Number of centroids after ``t`` tokens: ``growth(t, N)``.
 
     Parameters
     ----------
@@ -177,8 +169,9 @@ def dictionary_size(t, max_size, growth: str = "plateau"):
         ``N`` (>= 1).
     growth : {"plateau", "linear"}, default "plateau"
         ``plateau``: ``max(1, floor(t N / (t + N)))``, which rises like ``t``
-        and saturates below ``N`` (its slope is ``(N / (N + t))**2``);
-        ``linear``: ``min(t, N)``.
+        and approaches ``N`` from below without reaching it (at most
+        ``N - 1``: the last row of the state is never used); its slope is
+        ``(N / (N + t))**2``.  ``linear``: ``min(t, N)``.
 
     Returns
     -------
@@ -186,29 +179,7 @@ def dictionary_size(t, max_size, growth: str = "plateau"):
         0 for ``t = 0`` (an empty stream), otherwise at least 1.  Computed in
         integers, so the floor is exact.
     """
-    N = V.check_int(max_size, "max_size", minimum=1)
-    growth = V.check_option(growth, "growth", GROWTHS)
-    if not isinstance(t, (np.ndarray, list, tuple)):
-        t = V.check_int(t, "t", minimum=0)
-        if t == 0:
-            return 0
-        if growth == "linear":
-            return min(t, N)
-        # floor(t N / (t + N)) in exact integer arithmetic
-        return max(1, (t * N) // (t + N))
-    t = np.asarray(t)
-    if not np.issubdtype(t.dtype, np.integer) or t.dtype == bool:
-        raise TypeError(f"t: expected integers, got dtype {t.dtype}")
-    if t.size and np.min(t) < 0:
-        raise ValueError(f"t: expected token counts >= 0, got minimum {np.min(t)}")
-    t = t.astype(np.int64)
-    if t.size and np.max(t) > (np.iinfo(np.int64).max - N) // N:
-        raise ValueError(f"t: t * max_size overflows int64 (max t = {np.max(t)}, max_size = {N})")
-    if growth == "linear":
-        size = np.minimum(t, N)
-    else:
-        size = np.maximum(1, (t * N) // (t + N))
-    return np.where(t == 0, 0, size)
+    return _growth(*_check_dictionary_size(t, max_size, growth))
 
 
 def _unit_rows(x):
@@ -227,7 +198,7 @@ def _unit_rows_backward(g, xhat, norms):
 
 
 def unit_rows(x):
-    """Rows scaled to unit norm: ``x / max(||x||, 1e-12)`` (spec section 4).
+    """Rows scaled to unit norm: ``x / max(||x||, 1e-12)``.
 
     Parameters
     ----------
@@ -238,10 +209,7 @@ def unit_rows(x):
     ndarray, shape (T, d)
         Same dtype as ``x``; a zero row stays zero.
     """
-    x = V.as_float_array(x, "x", ndim=2)
-    return _unit_rows(x)[0]
-
-
+    return _unit_rows(validation.as_float_array(x, "x", ndim=2))[0]
 # ---------------------------------------------------------------------------
 # The state
 # ---------------------------------------------------------------------------
@@ -250,6 +218,35 @@ def unit_rows(x):
 def _readonly(a):
     a.flags.writeable = False
     return a
+
+
+def _check_state(keys, values, counts, size, tokens_seen):
+    keys = validation.as_float_array(keys, "keys", ndim=2)
+    values = validation.as_float_array(values, "values", ndim=2)
+    N = keys.shape[0]
+    if N < 1 or keys.shape[1] < 1:
+        raise ValueError(f"keys: expected shape (N, d) with N >= 1 and d >= 1, got {keys.shape}")
+    validation.check_shape(values, "values", (N, None), ("N", "d_v"))
+    if keys.dtype != values.dtype:
+        raise TypeError(f"values: expected the dtype of keys ({keys.dtype}), got {values.dtype}")
+    counts = np.asarray(counts)
+    if counts.dtype == bool or not np.issubdtype(counts.dtype, np.integer):
+        raise TypeError(f"counts: expected integers (int64), got dtype {counts.dtype}")
+    validation.check_shape(counts, "counts", (N,), ("N",))
+    size = validation.check_int(size, "size", minimum=0)
+    if size > N:
+        raise ValueError(f"size: expected at most N = {N} (the rows of keys), got {size}")
+    tokens_seen = validation.check_int(tokens_seen, "tokens_seen", minimum=0)
+    if np.any(counts < 0):
+        raise ValueError(f"counts: expected nonnegative counts, got minimum {np.min(counts)}")
+    if np.any(counts[:size] < 1):
+        raise ValueError(f"counts: every active row (< size = {size}) needs a count >= 1, got minimum {np.min(counts[:size])}")
+    if np.any(counts[size:] != 0):
+        raise ValueError(f"counts: rows >= size = {size} are unused and must have count 0, got {int(np.sum(counts[size:] != 0))} nonzero")
+    total = int(np.sum(counts, dtype=np.int64))
+    if total != tokens_seen:
+        raise ValueError(f"counts: expected sum(counts) == tokens_seen = {tokens_seen}, got {total}")
+    return keys, values, counts, size, tokens_seen
 
 
 class OVQState:
@@ -279,31 +276,7 @@ class OVQState:
     __slots__ = ("_keys", "_values", "_counts", "_size", "_tokens_seen")
 
     def __init__(self, keys, values, counts, size, tokens_seen):
-        keys = V.as_float_array(keys, "keys", ndim=2)
-        values = V.as_float_array(values, "values", ndim=2)
-        N = keys.shape[0]
-        if N < 1 or keys.shape[1] < 1:
-            raise ValueError(f"keys: expected shape (N, d) with N >= 1 and d >= 1, got {keys.shape}")
-        V.check_shape(values, "values", (N, None), ("N", "d_v"))
-        if keys.dtype != values.dtype:
-            raise TypeError(f"values: expected the dtype of keys ({keys.dtype}), got {values.dtype}")
-        counts = np.asarray(counts)
-        if counts.dtype == bool or not np.issubdtype(counts.dtype, np.integer):
-            raise TypeError(f"counts: expected integers (int64), got dtype {counts.dtype}")
-        V.check_shape(counts, "counts", (N,), ("N",))
-        size = V.check_int(size, "size", minimum=0)
-        if size > N:
-            raise ValueError(f"size: expected at most N = {N} (the rows of keys), got {size}")
-        tokens_seen = V.check_int(tokens_seen, "tokens_seen", minimum=0)
-        if np.any(counts < 0):
-            raise ValueError(f"counts: expected nonnegative counts, got minimum {np.min(counts)}")
-        if np.any(counts[:size] < 1):
-            raise ValueError(f"counts: every active row (< size = {size}) needs a count >= 1, got minimum {np.min(counts[:size])}")
-        if np.any(counts[size:] != 0):
-            raise ValueError(f"counts: rows >= size = {size} are unused and must have count 0, got {int(np.sum(counts[size:] != 0))} nonzero")
-        total = int(np.sum(counts, dtype=np.int64))
-        if total != tokens_seen:
-            raise ValueError(f"counts: expected sum(counts) == tokens_seen = {tokens_seen}, got {total}")
+        keys, values, counts, size, tokens_seen = _check_state(keys, values, counts, size, tokens_seen)
         self._keys = _readonly(np.array(keys, copy=True))
         self._values = _readonly(np.array(values, copy=True))
         self._counts = _readonly(counts.astype(np.int64, copy=True))
@@ -328,10 +301,10 @@ class OVQState:
     @classmethod
     def empty(cls, max_size, d, d_v, dtype=np.float64) -> "OVQState":
         """The state before any token: zeros, ``size = tokens_seen = 0``."""
-        N = V.check_int(max_size, "max_size", minimum=1)
-        d = V.check_int(d, "d", minimum=1)
-        d_v = V.check_int(d_v, "d_v", minimum=1)
-        dtype = V.check_float_dtype(dtype, "dtype")
+        N = validation.check_int(max_size, "max_size", minimum=1)
+        d = validation.check_int(d, "d", minimum=1)
+        d_v = validation.check_int(d_v, "d_v", minimum=1)
+        dtype = validation.check_float_dtype(dtype, "dtype")
         return cls(np.zeros((N, d), dtype), np.zeros((N, d_v), dtype), np.zeros(N, np.int64), 0, 0)
 
     def __repr__(self) -> str:
@@ -413,54 +386,108 @@ class _Params(NamedTuple):
     seed: int
 
 
-def _check_call(q, k, v, *, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state):
-    q = V.as_float_array(q, "q", ndim=2)
-    k = V.as_float_array(k, "k", ndim=2)
-    v = V.as_float_array(v, "v", ndim=2)
+def _check_learning_rate(learning_rate):
+    if learning_rate is None:
+        return None
+    eta = validation.check_positive_float(learning_rate, "learning_rate")
+    if eta > 1:
+        raise ValueError(
+            f"learning_rate: expected a constant step in (0, 1] (D += eta (x - D) token by token), or None for "
+            f"the adaptive 1/c running mean, got {eta!r}"
+        )
+    return eta
+
+
+def _check_stream_state(state, N, C, T, d, d_v, growth):
+    if not isinstance(state, OVQState):
+        raise TypeError(f"state: expected an OVQState (or None), got {type(state).__name__}")
+    if state.max_size != N:
+        raise ValueError(f"state: has N = {state.max_size} rows but max_size = {N}; pass max_size={state.max_size}")
+    if state.d != d:
+        raise ValueError(f"state: holds keys of dimension d = {state.d}, but q and k have d = {d}")
+    if state.d_v != d_v:
+        raise ValueError(f"state: holds values of dimension d_v = {state.d_v}, but v has d_v = {d_v}")
+    # n_new = n' - n <= L: the first chunk must be able to seed the rows growth asks for
+    # (after it, n >= growth(t) and growth rises by at most one per token)
+    L = min(C, T)
+    needed = _growth(state.tokens_seen + L, N, growth)
+    if needed - state.size > L:
+        raise ValueError(
+            f"state: size = {state.size} after tokens_seen = {state.tokens_seen} is too small for growth={growth!r}: "
+            f"the first chunk of {L} tokens would need {needed - state.size} new centroids; a state that "
+            f"ovq_attention returned with this growth has size >= dictionary_size(tokens_seen, max_size, growth) "
+            f"= {_growth(state.tokens_seen, N, growth)}"
+        )
+
+
+def _ovq_arguments(
+    q,
+    k,
+    v,
+    *,
+    max_size,
+    chunk_size,
+    beta=None,
+    growth: str = "plateau",
+    init: str = "spread",
+    count_bias: bool = True,
+    learning_rate=None,
+    seed: int = 0,
+    state: OVQState | None = None,
+):
+    """The arguments of :func:`ovq_attention` and :func:`ovq_attention_forward`, declared once: their signature."""
+
+
+def _check_call(caller, q, k, v, options):
+    """Bind ``options`` to :func:`_ovq_arguments` (Python's own errors, naming ``caller``), then check every value."""
+    try:
+        bound = inspect.signature(_ovq_arguments).bind(q, k, v, **options)
+    except TypeError as e:
+        raise TypeError(f"{caller}() {e}") from None
+    bound.apply_defaults()
+    a = bound.arguments
+    max_size, chunk_size, beta, growth, init = a["max_size"], a["chunk_size"], a["beta"], a["growth"], a["init"]
+    count_bias, learning_rate, seed, state = a["count_bias"], a["learning_rate"], a["seed"], a["state"]
+    q = validation.as_float_array(q, "q", ndim=2)
+    k = validation.as_float_array(k, "k", ndim=2)
+    v = validation.as_float_array(v, "v", ndim=2)
     T, d = q.shape
     if T < 1 or d < 1:
         raise ValueError(f"q: expected shape (T, d) with T >= 1 and d >= 1, got {q.shape}")
-    V.check_shape(k, "k", (T, d), ("T", "d"))
-    V.check_shape(v, "v", (T, None), ("T", "d_v"))
+    validation.check_shape(k, "k", (T, d), ("T", "d"))
+    validation.check_shape(v, "v", (T, None), ("T", "d_v"))
     if v.shape[1] < 1:
         raise ValueError(f"v: expected shape (T, d_v) with d_v >= 1, got {v.shape}")
-    N = V.check_int(max_size, "max_size", minimum=1)
-    C = V.check_int(chunk_size, "chunk_size", minimum=1)
-    beta = float(np.sqrt(d)) if beta is None else V.check_positive_float(beta, "beta")
-    growth = V.check_option(growth, "growth", GROWTHS)
-    init = V.check_option(init, "init", INITS)
-    count_bias = V.check_bool(count_bias, "count_bias")
-    eta = None if learning_rate is None else V.check_positive_float(learning_rate, "learning_rate")
-    seed = V.check_int(seed, "seed", minimum=0)
+    p = _Params(
+        max_size=validation.check_int(max_size, "max_size", minimum=1),
+        chunk_size=validation.check_int(chunk_size, "chunk_size", minimum=1),
+        beta=float(np.sqrt(d)) if beta is None else validation.check_positive_float(beta, "beta"),
+        growth=validation.check_option(growth, "growth", GROWTHS),
+        init=validation.check_option(init, "init", INITS),
+        count_bias=validation.check_bool(count_bias, "count_bias"),
+        eta=_check_learning_rate(learning_rate),
+        seed=validation.check_int(seed, "seed", minimum=0),
+    )
     arrays = [q, k, v]
     if state is not None:
-        if not isinstance(state, OVQState):
-            raise TypeError(f"state: expected an OVQState (or None), got {type(state).__name__}")
-        if state.max_size != N:
-            raise ValueError(f"state: has N = {state.max_size} rows but max_size = {N}; pass max_size={state.max_size}")
-        if state.d != d:
-            raise ValueError(f"state: holds keys of dimension d = {state.d}, but q and k have d = {d}")
-        if state.d_v != v.shape[1]:
-            raise ValueError(f"state: holds values of dimension d_v = {state.d_v}, but v has d_v = {v.shape[1]}")
-        # the spec's n_new = n' - n <= L: the first chunk must be able to seed the rows growth asks for
-        # (after it, n >= growth(t) and growth rises by at most one per token)
-        L = min(C, T)
-        needed = dictionary_size(state.tokens_seen + L, N, growth)
-        if needed - state.size > L:
-            raise ValueError(
-                f"state: size = {state.size} after tokens_seen = {state.tokens_seen} is too small for growth={growth!r}: "
-                f"the first chunk of {L} tokens would need {needed - state.size} new centroids; a state that "
-                f"ovq_attention returned with this growth has size >= dictionary_size(tokens_seen, max_size, growth) "
-                f"= {dictionary_size(state.tokens_seen, N, growth)}"
-            )
+        _check_stream_state(state, p.max_size, p.chunk_size, T, d, v.shape[1], p.growth)
         arrays.append(state.keys)
-    dtype = V.common_float_dtype(*arrays)
+    dtype = validation.common_float_dtype(*arrays)
     q, k, v = (a.astype(dtype, copy=False) for a in (q, k, v))
-    return q, k, v, _Params(N, C, beta, growth, init, count_bias, eta, seed), dtype
+    return q, k, v, p, state, dtype
+
+
+def _check_overflow(overflow, state, dtype):
+    # who can make beta q.D_k overflow: beta itself, or a passed-in state with huge keys
+    names, fixes = ["beta"], ["lower beta"]
+    if state is not None:
+        names.append("state")
+        fixes.append("pass a state whose keys have norms about 1")
+    validation.check_overflowed_rows(*overflow, dtype, ", ".join(names), " or ".join(fixes))
 
 
 # ---------------------------------------------------------------------------
-# One chunk: read-out, plan (grow + assign), update
+# Cores: one chunk is a read-out, a plan (grow + assign), an update
 # ---------------------------------------------------------------------------
 
 
@@ -506,14 +533,26 @@ def _plan_chunk(khat, dict_keys, n, n_add, init, seed, t):
     return rows, seeded, seeds
 
 
+def _member_ranks(rows):
+    """Position of each key among the keys of its centroid, in token order (0 for the first)."""
+    order = np.argsort(rows, kind="stable")
+    sorted_rows = rows[order]
+    ranks = np.empty(rows.size, dtype=np.int64)
+    ranks[order] = np.arange(rows.size) - np.searchsorted(sorted_rows, sorted_rows, side="left")
+    return ranks
+
+
 def _constant_rate_update(D, x, rows, eta):
-    # D[m] <- D[m] + eta sum_{i in S_m} (x_i - D[m]); the sum accumulated in token order
-    delta = np.zeros_like(D)
-    np.add.at(delta, rows, x - D[rows])
-    touched = np.bincount(rows, minlength=D.shape[0]) > 0
-    out = D.copy()
-    out[touched] = D[touched] + D.dtype.type(eta) * delta[touched]
-    return out
+    # D[m] <- D[m] + eta (x_i - D[m]) for each i in S_m, token by token in token order;
+    # round r applies the r-th member of every centroid at once (one key per centroid per round)
+    D = D.copy()
+    eta = D.dtype.type(eta)
+    ranks = _member_ranks(rows)
+    for r in range(int(ranks.max()) + 1 if ranks.size else 0):
+        sel = ranks == r
+        m = rows[sel]
+        D[m] = D[m] + eta * (x[sel] - D[m])
+    return D
 
 
 def _update_chunk(Dk, Dv, counts, khat, vc, rows, seeded, seeds, n, eta):
@@ -529,20 +568,12 @@ def _update_chunk(Dk, Dv, counts, khat, vc, rows, seeded, seeds, n, eta):
     added = np.bincount(a, minlength=counts.shape[0]).astype(np.int64)
     if eta is None:
         # exact running mean: (c D + sum_S x) / (c + |S|), sums in token order
-        new_k, new_counts = running_mean_update(Dk, counts, khat[keep], a)
-        new_v, _ = running_mean_update(Dv, counts, vc[keep], a)
+        new_k, new_counts = merge_running_means(Dk, counts, khat[keep], a)
+        new_v, _ = merge_running_means(Dv, counts, vc[keep], a)
     else:
-        # D' - x* = (1 - eta |S|)(D - x*) for a fixed set S: the rule diverges when eta |S| > 2
-        with np.errstate(over="ignore", invalid="ignore"):
-            new_k = _constant_rate_update(Dk, khat[keep], a, eta)
-            new_v = _constant_rate_update(Dv, vc[keep], a, eta)
-        if not (np.all(np.isfinite(new_k)) and np.all(np.isfinite(new_v))):
-            worst = int(added.max()) if added.size else 0
-            raise ValueError(
-                f"learning_rate: the constant-rate update diverged (eta = {eta}, up to {worst} keys "
-                f"joined one centroid in a chunk; the rule is stable only while eta * |S_m| < 2); "
-                f"use a smaller learning_rate or learning_rate=None (the adaptive 1/c running mean)"
-            )
+        # constant step: an exponential moving average of the members, in token order
+        new_k = _constant_rate_update(Dk, khat[keep], a, eta)
+        new_v = _constant_rate_update(Dv, vc[keep], a, eta)
         new_counts = counts + added
     return new_k, new_v, new_counts, counts, added
 
@@ -561,30 +592,29 @@ class _ChunkRecord(NamedTuple):
     added: np.ndarray  # (N,) |S_m|
 
 
-def _logit_blame(state, eta):
-    # who can make beta q.D_k overflow: beta itself, a passed-in state, or a constant-rate dictionary
-    names, fixes = ["beta"], ["lower beta"]
-    if state is not None:
-        names.append("state")
-        fixes.append("pass a state whose keys have norms about 1")
-    if eta is not None:
-        names.append("learning_rate")
-        fixes.append("use a smaller learning_rate")
-    return ", ".join(names), " or ".join(fixes)
-
-
 def _initial_state(state, N, d, d_v, dtype):
     if state is None:
         return np.zeros((N, d), dtype), np.zeros((N, d_v), dtype), np.zeros(N, np.int64), 0, 0
     return state.keys.astype(dtype), state.values.astype(dtype), state.counts.copy(), state.size, state.tokens_seen
 
 
+def _count_overflow(overflow, logits, start):
+    # (rows so far whose logits have no finite maximum, the first of them): O(1) memory, checked by the caller
+    bad = ~np.isfinite(np.max(logits, axis=1))
+    n_bad, first = overflow
+    if np.any(bad) and n_bad == 0:
+        first = start + int(np.argmax(bad))
+    return n_bad + int(np.sum(bad)), first
+
+
 def _run(q, k, v, p: _Params, state, dtype, record: bool):
+    """Core: ``(out, (D_k, D_v, c, n, t), records, overflow)``; the caller checks ``overflow = (rows, first row)``."""
     T, d = q.shape
     d_v = v.shape[1]
     N, C = p.max_size, p.chunk_size
     Dk, Dv, counts, n, t = _initial_state(state, N, d, d_v, dtype)
     out = np.empty((T, d_v), dtype=dtype)
+    overflow = (0, -1)
     records = [] if record else None
     masks = {}
     for s in range(0, T, C):
@@ -598,21 +628,20 @@ def _run(q, k, v, p: _Params, state, dtype, record: bool):
         log_c = np.log(counts[:n].astype(dtype)) if p.count_bias else None
         # predict, before the chunk touches the state
         logits, _ = _chunk_logits(qhat, khat, Dk[:n], log_c, p.beta, masks[L])
-        _check_logits(logits, *_logit_blame(state, p.eta))
+        overflow = _count_overflow(overflow, logits, s)
         values = np.concatenate([Dv[:n], vc]) if n else vc
-        out[s:e] = _softmax(logits, axis=1) @ values
+        with np.errstate(invalid="ignore"):  # an overflowed row (refused by the caller) gives NaN, not a warning
+            out[s:e] = numerics.softmax(logits, axis=1) @ values
         # grow: n' = max(n, growth(t + L, N))
         t_next = t + L
-        n_next = max(n, dictionary_size(t_next, N, p.growth))
-        n_add = n_next - n
-        assert 0 <= n_add <= L
+        n_next = max(n, _growth(t_next, N, p.growth))
         # assign and update
-        rows, seeded, seeds = _plan_chunk(khat, Dk, n, n_add, p.init, p.seed, t)
+        rows, seeded, seeds = _plan_chunk(khat, Dk, n, n_next - n, p.init, p.seed, t)
         new_k, new_v, new_counts, counts_mid, added = _update_chunk(Dk, Dv, counts, khat, vc, rows, seeded, seeds, n, p.eta)
         if record:
             records.append(_ChunkRecord(s, e, n, Dk[:n], Dv[:n], log_c, rows, seeded, seeds, counts_mid, added))
         Dk, Dv, counts, n, t = new_k, new_v, new_counts, n_next, t_next
-    return out, OVQState(Dk, Dv, counts, n, t), records
+    return out, (Dk, Dv, counts, n, t), records, overflow
 
 
 # ---------------------------------------------------------------------------
@@ -620,23 +649,14 @@ def _run(q, k, v, p: _Params, state, dtype, record: bool):
 # ---------------------------------------------------------------------------
 
 
-def ovq_attention(
-    q,
-    k,
-    v,
-    *,
-    max_size,
-    chunk_size,
-    beta=None,
-    growth: str = "plateau",
-    init: str = "spread",
-    count_bias: bool = True,
-    learning_rate=None,
-    seed: int = 0,
-    state: OVQState | None = None,
-    return_state: bool = False,
-):
-    """Online vector-quantized attention, causal, chunk by chunk (spec section 4).
+def _options_signature(func, *extra):
+    """``func``'s signature as users see it: those of :func:`_ovq_arguments`, then ``extra``."""
+    params = list(inspect.signature(_ovq_arguments).parameters.values())
+    return inspect.Signature(params + list(extra), return_annotation=inspect.signature(func).return_annotation)
+
+
+def ovq_attention(q, k, v, *, return_state: bool = False, **options):
+    """Online vector-quantized attention, causal, chunk by chunk.
 
     Parameters
     ----------
@@ -658,12 +678,10 @@ def ovq_attention(
     count_bias : bool, default True
         Add ``log c`` to the centroid logits.
     learning_rate : float, optional
-        ``None``: the adaptive ``1/c`` running mean; a number ``eta > 0``: the
-        constant-rate rule ``D += eta sum_S (x - D)`` (counts still add up).
-        For a fixed set ``S`` the error to its mean is multiplied by
-        ``1 - eta |S|`` each chunk, so the rule is stable only while
-        ``eta |S_m| < 2``; the first chunk already sends most of its keys to
-        centroid 0.  A dictionary that overflows is refused with an error.
+        ``None``: the adaptive ``1/c`` running mean; a number ``eta`` in
+        ``(0, 1]``: the classic constant-step online k-means
+        ``D += eta (x - D)``, token by token in token order (an exponential
+        moving average; the counts still add up).
     seed : int, default 0
         Seed of ``init="random"`` (>= 0); ignored by ``init="spread"``.
     state : OVQState, optional
@@ -689,13 +707,16 @@ def ovq_attention(
     equals one call bit for bit; :mod:`refimpl.ovq_oracle` is the
     token-by-token version of the same contract.
     """
-    q, k, v, p, dtype = _check_call(
-        q, k, v, max_size=max_size, chunk_size=chunk_size, beta=beta, growth=growth, init=init,
-        count_bias=count_bias, learning_rate=learning_rate, seed=seed, state=state,
-    )
-    return_state = V.check_bool(return_state, "return_state")
-    out, new_state, _ = _run(q, k, v, p, state, dtype, record=False)
-    return (out, new_state) if return_state else out
+    q, k, v, p, state, dtype = _check_call("ovq_attention", q, k, v, options)
+    return_state = validation.check_bool(return_state, "return_state")
+    out, new_state, _, overflow = _run(q, k, v, p, state, dtype, record=False)
+    _check_overflow(overflow, state, dtype)
+    return (out, OVQState(*new_state)) if return_state else out
+
+
+ovq_attention.__signature__ = _options_signature(
+    ovq_attention, inspect.Parameter("return_state", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool)
+)
 
 
 class OVQCache(NamedTuple):
@@ -717,24 +738,10 @@ class OVQGrads(NamedTuple):
     v: np.ndarray
 
 
-def ovq_attention_forward(
-    q,
-    k,
-    v,
-    *,
-    max_size,
-    chunk_size,
-    beta=None,
-    growth: str = "plateau",
-    init: str = "spread",
-    count_bias: bool = True,
-    learning_rate=None,
-    seed: int = 0,
-    state: OVQState | None = None,
-):
+def ovq_attention_forward(q, k, v, **options):
     """:func:`ovq_attention`, keeping what the backward needs.
 
-    Parameters are those of :func:`ovq_attention`.
+    Parameters are those of :func:`ovq_attention`, without ``return_state``.
 
     Returns
     -------
@@ -743,14 +750,93 @@ def ovq_attention_forward(
         Inputs, parameters, per-chunk dictionaries read and assignment plans,
         and ``cache.state``, the state after the call.  ``cache.records[j].rows``
         is the row each key of chunk ``j`` went to (the assignments that the
-        backward holds fixed).
+        backward holds fixed) and ``cache.records[j].dict_keys`` the
+        dictionary it was assigned against.
     """
-    q, k, v, p, dtype = _check_call(
-        q, k, v, max_size=max_size, chunk_size=chunk_size, beta=beta, growth=growth, init=init,
-        count_bias=count_bias, learning_rate=learning_rate, seed=seed, state=state,
-    )
-    out, new_state, records = _run(q, k, v, p, state, dtype, record=True)
-    return out, OVQCache(q, k, v, p, records, new_state)
+    q, k, v, p, state, dtype = _check_call("ovq_attention_forward", q, k, v, options)
+    out, new_state, records, overflow = _run(q, k, v, p, state, dtype, record=True)
+    _check_overflow(overflow, state, dtype)
+    return out, OVQCache(q, k, v, p, records, OVQState(*new_state))
+
+
+ovq_attention_forward.__signature__ = _options_signature(ovq_attention_forward)
+
+
+def _update_backward(rec, gDk, gDv, khat, eta, L, d_v):
+    """The update of one chunk in reverse: state after -> (state before, chunk keys, chunk values)."""
+    dtype = gDk.dtype
+    g_khat = np.zeros_like(khat)
+    g_vc = np.zeros((L, d_v), dtype=dtype)
+    keep = np.flatnonzero(~rec.seeded)
+    a = rec.rows[keep]
+    if eta is None:
+        c_mid = rec.counts_mid.astype(dtype)
+        c_new = c_mid + rec.added.astype(dtype)
+        # D'[m] = (c_m D[m] + sum_S x_i) / c'_m: dD'/dx_i = 1/c'_m, dD'/dD[m] = c_m/c'_m
+        inv = (1.0 / c_new[a])[:, None]
+        g_khat[keep] = gDk[a] * inv
+        g_vc[keep] = gDv[a] * inv
+        through = np.ones(gDk.shape[0], dtype=dtype)
+        touched = rec.added > 0
+        through[touched] = c_mid[touched] / c_new[touched]
+    else:
+        # D'[m] = (1-eta)^|S_m| D[m] + eta sum_j (1-eta)^(|S_m|-j) x_(j): the j-th member's weight
+        eta = dtype.type(eta)
+        weight = (eta * (1 - eta) ** (rec.added[a] - 1 - _member_ranks(a)).astype(dtype))[:, None]
+        g_khat[keep] = weight * gDk[a]
+        g_vc[keep] = weight * gDv[a]
+        through = ((1 - eta) ** rec.added).astype(dtype)
+    gDk = gDk * through[:, None]
+    gDv = gDv * through[:, None]
+    # a seeded row was set to its seed's key/value just before the merge: the seed takes its gradient
+    new_rows = rec.n + np.arange(rec.seeds.size)
+    g_khat[rec.seeds] += gDk[new_rows]
+    g_vc[rec.seeds] += gDv[new_rows]
+    gDk[new_rows] = 0
+    gDv[new_rows] = 0
+    return gDk, gDv, g_khat, g_vc
+
+
+def _readout_backward(rec, G, qhat, khat, vc, beta):
+    """The read-out of one chunk in reverse: ``(g_qhat, g_keys, g_values)`` over ``[D_k; k^]`` and ``[D_v; v]``."""
+    L = qhat.shape[0]
+    mask = np.triu(np.ones((L, L), dtype=bool), k=1)
+    logits, keys = _chunk_logits(qhat, khat, rec.dict_keys, rec.log_c, beta, mask)
+    P = numerics.softmax(logits, axis=1)
+    values = np.concatenate([rec.dict_values, vc]) if rec.n else vc
+    dP = G @ values.T
+    # softmax Jacobian row by row: dl = P * (dP - rowsum(P * dP)); masked entries have P = 0
+    dl = P * (dP - np.sum(P * dP, axis=1, keepdims=True))
+    dl *= qhat.dtype.type(beta)
+    # l = beta q^ keys^T: dq^ = beta dl keys, dkeys = beta dl^T q^; out = P values: dvalues = P^T G
+    return dl @ keys, dl.T @ qhat, P.T @ G
+
+
+def _ovq_backward(g_out, cache):
+    """Core of :func:`ovq_attention_backward` (``g_out`` checked, of the forward's dtype)."""
+    q, k, v, p = cache.q, cache.k, cache.v, cache.params
+    dtype = q.dtype
+    gq, gk, gv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    # adjoint of the state after the chunk being visited; the loss does not read the final state
+    gDk = np.zeros((p.max_size, q.shape[1]), dtype=dtype)
+    gDv = np.zeros((p.max_size, v.shape[1]), dtype=dtype)
+    for rec in reversed(cache.records):
+        s, e, n = rec.start, rec.stop, rec.n
+        qhat, q_norms = _unit_rows(q[s:e])
+        khat, k_norms = _unit_rows(k[s:e])
+        # (1) the update, in reverse
+        gDk, gDv, g_khat, g_vc = _update_backward(rec, gDk, gDv, khat, p.eta, e - s, v.shape[1])
+        # (2) the read-out against the dictionary the chunk saw
+        g_qhat, g_keys, g_values = _readout_backward(rec, g_out[s:e], qhat, khat, v[s:e], p.beta)
+        gDk[:n] += g_keys[:n]
+        gDv[:n] += g_values[:n]
+        g_khat += g_keys[n:]
+        g_vc += g_values[n:]
+        # (3) the unit normalisation
+        gq[s:e] = _unit_rows_backward(g_qhat, qhat, q_norms)
+        gk[s:e] = _unit_rows_backward(g_khat, khat, k_norms)
+        gv[s:e] = g_vc
+    return OVQGrads(q=gq, k=gk, v=gv)
 
 
 def ovq_attention_backward(grad_out, cache: OVQCache) -> OVQGrads:
@@ -767,104 +853,71 @@ def ovq_attention_backward(grad_out, cache: OVQCache) -> OVQGrads:
     -------
     OVQGrads
         Fields ``q`` (T, d), ``k`` (T, d), ``v`` (T, d_v), new arrays in the
-        dtype of the forward.  The module docstring derives each line; the
+        dtype of the forward.  The module docstring states each phase; the
         incoming ``state``, if any, is a constant.
     """
-    if not isinstance(cache, OVQCache):
-        raise TypeError(f"cache: expected the OVQCache from ovq_attention_forward, got {type(cache).__name__}")
-    q, k, v, p = cache.q, cache.k, cache.v, cache.params
-    dtype = q.dtype
-    g_out = V.as_float_array(grad_out, "grad_out", ndim=2)
-    V.check_shape(g_out, "grad_out", v.shape, ("T", "d_v"))
-    g_out = g_out.astype(dtype, copy=False)
-    N, beta = p.max_size, dtype.type(p.beta)
-    gq, gk, gv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
-    # adjoint of the state after the chunk being visited; the loss does not read the final state
-    gDk = np.zeros((N, q.shape[1]), dtype=dtype)
-    gDv = np.zeros((N, v.shape[1]), dtype=dtype)
-    for rec in reversed(cache.records):
-        s, e, n = rec.start, rec.stop, rec.n
-        L = e - s
-        qhat, q_norms = _unit_rows(q[s:e])
-        khat, k_norms = _unit_rows(k[s:e])
-        g_khat = np.zeros_like(khat)
-        g_vc = np.zeros((L, v.shape[1]), dtype=dtype)
+    validation.check_instance(cache, "cache", OVQCache, "the OVQCache from ovq_attention_forward")
+    g_out = validation.check_grad_out(grad_out, cache.v.shape, ("T", "d_v"), cache.q.dtype)
+    return _ovq_backward(g_out, cache)
 
-        # (1) update, in reverse: state after -> state before (after seeding) + chunk keys/values
-        keep = np.flatnonzero(~rec.seeded)
-        a = rec.rows[keep]
-        if p.eta is None:
-            c_mid = rec.counts_mid.astype(dtype)
-            c_new = c_mid + rec.added.astype(dtype)
-            # D'[m] = (c_m D[m] + sum_S x_i) / c'_m: dD'/dx_i = 1/c'_m, dD'/dD[m] = c_m/c'_m
-            inv = (1.0 / c_new[a])[:, None]
-            g_khat[keep] = gDk[a] * inv
-            g_vc[keep] = gDv[a] * inv
-            through = np.ones(N, dtype=dtype)
-            touched = rec.added > 0
-            through[touched] = c_mid[touched] / c_new[touched]
-        else:
-            # D'[m] = (1 - eta |S_m|) D[m] + eta sum_S x_i
-            eta = dtype.type(p.eta)
-            g_khat[keep] = eta * gDk[a]
-            g_vc[keep] = eta * gDv[a]
-            through = (1 - eta * rec.added.astype(dtype)).astype(dtype)
-        gDk = gDk * through[:, None]
-        gDv = gDv * through[:, None]
-        # a seeded row was set to its seed's key/value just before the merge
-        new_rows = n + np.arange(rec.seeds.size)
-        g_khat[rec.seeds] += gDk[new_rows]
-        g_vc[rec.seeds] += gDv[new_rows]
-        gDk[new_rows] = 0
-        gDv[new_rows] = 0
 
-        # (2) read-out of the chunk against the dictionary it saw
-        mask = np.triu(np.ones((L, L), dtype=bool), k=1)
-        logits, keys = _chunk_logits(qhat, khat, rec.dict_keys, rec.log_c, p.beta, mask)
-        P = _softmax(logits, axis=1)
-        values = np.concatenate([rec.dict_values, v[s:e]]) if n else v[s:e]
-        G = g_out[s:e]
-        dP = G @ values.T
-        # softmax Jacobian row by row: dl = P * (dP - rowsum(P * dP)); masked entries have P = 0
-        dl = P * (dP - np.sum(P * dP, axis=1, keepdims=True))
-        dl *= beta
-        g_qhat = dl @ keys
-        g_keys = dl.T @ qhat
-        g_values = P.T @ G
-        gDk[:n] += g_keys[:n]
-        gDv[:n] += g_values[:n]
-        g_khat += g_keys[n:]
-        g_vc += g_values[n:]
-
-        # (3) unit normalisation
-        gq[s:e] = _unit_rows_backward(g_qhat, qhat, q_norms)
-        gk[s:e] = _unit_rows_backward(g_khat, khat, k_norms)
-        gv[s:e] = g_vc
-    return OVQGrads(q=gq, k=gk, v=gv)
+# ---------------------------------------------------------------------------
+# VQ attention
+# ---------------------------------------------------------------------------
 
 
 def _check_vq_call(q, k, v, codebook, chunk_size, beta):
-    q = V.as_float_array(q, "q", ndim=2)
-    k = V.as_float_array(k, "k", ndim=2)
-    v = V.as_float_array(v, "v", ndim=2)
-    codebook = V.as_float_array(codebook, "codebook", ndim=2)
+    q = validation.as_float_array(q, "q", ndim=2)
+    k = validation.as_float_array(k, "k", ndim=2)
+    v = validation.as_float_array(v, "v", ndim=2)
+    codebook = validation.as_float_array(codebook, "codebook", ndim=2)
     T, d = q.shape
     if T < 1 or d < 1:
         raise ValueError(f"q: expected shape (T, d) with T >= 1 and d >= 1, got {q.shape}")
-    V.check_shape(k, "k", (T, d), ("T", "d"))
-    V.check_shape(v, "v", (T, None), ("T", "d_v"))
-    V.check_shape(codebook, "codebook", (None, d), ("S", "d"))
-    if codebook.shape[0] < 1:
-        raise ValueError("codebook: expected at least one code (S >= 1), got S = 0")
-    C = V.check_int(chunk_size, "chunk_size", minimum=1)
-    beta = float(np.sqrt(d)) if beta is None else V.check_positive_float(beta, "beta")
-    dtype = V.common_float_dtype(q, k, v, codebook)
+    validation.check_shape(k, "k", (T, d), ("T", "d"))
+    validation.check_shape(v, "v", (T, None), ("T", "d_v"))
+    validation.check_shape(codebook, "codebook", (None, d), ("S", "d"))
+    validation.check_nonempty(codebook, "codebook", what="code", symbol="S")
+    C = validation.check_int(chunk_size, "chunk_size", minimum=1)
+    beta = float(np.sqrt(d)) if beta is None else validation.check_positive_float(beta, "beta")
+    dtype = validation.common_float_dtype(q, k, v, codebook)
     q, k, v, codebook = (a.astype(dtype, copy=False) for a in (q, k, v, codebook))
     return q, k, v, codebook, C, beta
 
 
+def _vq(q, k, v, codebook, C, beta):
+    """Core of :func:`vq_attention`: ``(out, overflow)``; the caller checks ``overflow = (rows, first row)``."""
+    T, S, dtype = q.shape[0], codebook.shape[0], q.dtype
+    b = dtype.type(beta)
+    value_means = np.zeros((S, v.shape[1]), dtype=dtype)
+    counts = np.zeros(S, dtype=np.int64)
+    out = np.empty((T, v.shape[1]), dtype=dtype)
+    overflow = (0, -1)
+    for s in range(0, T, C):
+        e = min(s + C, T)
+        L = e - s
+        qhat, _ = _unit_rows(q[s:e])
+        khat, _ = _unit_rows(k[s:e])
+        # nearest code by dot product; argmax takes the lowest index on ties
+        z = np.argmax(khat @ codebook.T, axis=1)
+        with np.errstate(divide="ignore"):
+            # log L_m: -inf for codes no earlier chunk used
+            log_counts = np.log(counts.astype(dtype))
+        past = b * (qhat @ codebook.T) + log_counts
+        current = b * (qhat @ codebook[z].T)
+        current[np.triu_indices(L, k=1)] = -np.inf
+        logits = np.concatenate([past, current], axis=1)
+        overflow = _count_overflow(overflow, logits, s)
+        with np.errstate(invalid="ignore"):  # an overflowed row (refused by the caller) gives NaN, not a warning
+            P = numerics.softmax(logits, axis=1)
+        out[s:e] = P[:, :S] @ value_means + P[:, S:] @ v[s:e]
+        # U_m / L_m: running mean of the values each code summarises
+        value_means, counts = merge_running_means(value_means, counts, v[s:e], z)
+    return out, overflow
+
+
 def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
-    """VQ attention with a fixed key codebook (Lingle 2023, simplified; spec section 5).
+    """VQ attention with a fixed key codebook (Lingle 2023, simplified).
 
     Parameters
     ----------
@@ -891,28 +944,6 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
     current chunk is read causally with ``beta q^_a . D_k[z_b]``, ``b <= a``.
     """
     q, k, v, codebook, C, beta = _check_vq_call(q, k, v, codebook, chunk_size, beta)
-    T, S, dtype = q.shape[0], codebook.shape[0], q.dtype
-    b = dtype.type(beta)
-    value_means = np.zeros((S, v.shape[1]), dtype=dtype)
-    counts = np.zeros(S, dtype=np.int64)
-    out = np.empty((T, v.shape[1]), dtype=dtype)
-    for s in range(0, T, C):
-        e = min(s + C, T)
-        L = e - s
-        qhat, _ = _unit_rows(q[s:e])
-        khat, _ = _unit_rows(k[s:e])
-        # nearest code by dot product; argmax takes the lowest index on ties
-        z = np.argmax(khat @ codebook.T, axis=1)
-        with np.errstate(divide="ignore"):
-            # log L_m: -inf for codes no earlier chunk used
-            log_counts = np.log(counts.astype(dtype))
-        past = b * (qhat @ codebook.T) + log_counts
-        current = b * (qhat @ codebook[z].T)
-        current[np.triu_indices(L, k=1)] = -np.inf
-        logits = np.concatenate([past, current], axis=1)
-        _check_logits(logits, "beta, codebook", "lower beta or rescale the codebook")
-        P = _softmax(logits, axis=1)
-        out[s:e] = P[:, :S] @ value_means + P[:, S:] @ v[s:e]
-        # U_m / L_m: running mean of the values each code summarises
-        value_means, counts = running_mean_update(value_means, counts, v[s:e], z)
+    out, overflow = _vq(q, k, v, codebook, C, beta)
+    validation.check_overflowed_rows(*overflow, q.dtype, "beta, codebook", "lower beta or rescale the codebook")
     return out

@@ -1,13 +1,19 @@
-"""Token-by-token loop oracles for OVQ and VQ attention, written straight from ``spec/ovq.md``.
+"""Token-by-token loop oracles for OVQ and VQ attention, written straight from the contract.
 
-Plain Python loops over tokens, centroids and chunk keys; NumPy only for the
-arithmetic on one row at a time.  No matrix products, no sorting by
-``argsort``, no ``np.add.at``: each step is the sentence of the spec it
-implements, so that :mod:`refimpl.ovq` (vectorised within a chunk) can be
-checked against it.  The state arithmetic follows the conventions that make
-the two agree bit for bit in float64 (listed in :mod:`refimpl.ovq`): unit
-rows as ``x / max(sqrt(sum(x * x)), 1e-12)``, per-centroid sums accumulated
-in token order and combined as ``(c * D + sum) / c'``, the random draw from
+The contract is ``docs/derivations/ovq_gmr.md``.  Plain Python loops over
+tokens, centroids and chunk keys; NumPy only for the arithmetic on one row at
+a time.  No matrix products, no sorting by ``argsort``, no ``np.add.at``: each
+step is the sentence of the contract it implements, so that
+:mod:`refimpl.ovq` (vectorised within a chunk) can be checked against it.
+Nothing here comes from :mod:`refimpl.ovq` or :mod:`refimpl.gmm`: the
+oracle has its own softmax, its own state and its own few lines of argument
+checking (with the shared :mod:`refimpl.validation` messages).
+
+The state arithmetic follows the conventions that make the two agree bit for
+bit in float64 (listed in :mod:`refimpl.ovq`): unit rows as
+``x / max(sqrt(sum(x * x)), 1e-12)``, per-centroid sums accumulated in token
+order and combined as ``(c * D + sum) / c'``, constant-rate steps
+``D + eta * (x - D)`` in token order, the random draw from
 ``np.random.default_rng([seed, t])``.  The outputs agree to rounding only (a
 dot product here is summed in another order than in a matrix product).
 
@@ -17,13 +23,51 @@ Slow by design: use small sizes.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
-from .gmm import _softmax
-from .ovq import OVQState, _check_call, _check_vq_call
+from . import validation
 
-__all__ = ["ovq_attention_loop", "vq_attention_loop"]
+__all__ = ["LoopState", "ovq_attention_loop", "vq_attention_loop"]
+
+
+class LoopState(NamedTuple):
+    """The oracle's state after the last chunk: ``D_k``, ``D_v``, ``c``, ``n``, ``t``."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    counts: np.ndarray
+    size: int
+    tokens_seen: int
+
+
+def _softmax(logits):
+    # softmax(l) = exp(l - max l) / sum exp(l - max l): the largest term is exp(0) = 1
+    e = np.exp(logits - np.max(logits))
+    return e / np.sum(e)
+
+
+def _check_qkv(q, k, v):
+    q = validation.as_float_array(q, "q", ndim=2)
+    k = validation.as_float_array(k, "k", ndim=2)
+    v = validation.as_float_array(v, "v", ndim=2)
+    validation.check_shape(k, "k", q.shape, ("T", "d"))
+    validation.check_shape(v, "v", (q.shape[0], None), ("T", "d_v"))
+    dtype = np.result_type(q, k, v)
+    return q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False), dtype
+
+
+def _check_options(max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, d):
+    validation.check_int(max_size, "max_size", minimum=1)
+    validation.check_int(chunk_size, "chunk_size", minimum=1)
+    validation.check_option(growth, "growth", ("plateau", "linear"))
+    validation.check_option(init, "init", ("spread", "random"))
+    validation.check_bool(count_bias, "count_bias")
+    validation.check_int(seed, "seed", minimum=0)
+    if learning_rate is not None and not 0 < validation.check_positive_float(learning_rate, "learning_rate") <= 1:
+        raise ValueError(f"learning_rate: expected a constant step in (0, 1], got {learning_rate!r}")
+    return math.sqrt(d) if beta is None else validation.check_positive_float(beta, "beta")
 
 
 def _unit(x):
@@ -39,25 +83,21 @@ def _growth(t, N, growth):
 
 def ovq_attention_loop(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread",
                        count_bias=True, learning_rate=None, seed=0):
-    """OVQ attention of spec section 4, one token at a time.
+    """OVQ attention, one token at a time.
 
-    Parameters are those of :func:`refimpl.ovq.ovq_attention` (no ``state``),
-    checked by the same validation (which is not what this oracle is for).
+    Parameters are those of :func:`refimpl.ovq.ovq_attention` (no ``state``).
 
     Returns
     -------
     out : ndarray, shape (T, d_v)
-    state : OVQState
+    state : LoopState
         ``D_k``, ``D_v``, ``c``, ``n``, ``t`` after the last chunk.
     """
-    q, k, v, _, dtype = _check_call(
-        q, k, v, max_size=max_size, chunk_size=chunk_size, beta=beta, growth=growth, init=init,
-        count_bias=count_bias, learning_rate=learning_rate, seed=seed, state=None,
-    )
+    q, k, v, dtype = _check_qkv(q, k, v)
+    beta = _check_options(max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, q.shape[1])
     T, d = q.shape
     d_v = v.shape[1]
     N, C = max_size, chunk_size
-    beta = math.sqrt(d) if beta is None else beta
     Dk = np.zeros((N, d), dtype=dtype)
     Dv = np.zeros((N, d_v), dtype=dtype)
     c = [0] * N
@@ -145,36 +185,37 @@ def ovq_attention_loop(q, k, v, *, max_size, chunk_size, beta=None, growth="plat
                 Dk[m] = (dtype.type(c_old) * Dk[m] + sum_k) / dtype.type(c_new)
                 Dv[m] = (dtype.type(c_old) * Dv[m] + sum_v) / dtype.type(c_new)
             else:
-                delta_k = np.zeros(d, dtype=dtype)
-                delta_v = np.zeros(d_v, dtype=dtype)
+                # constant step, token by token in token order: D <- D + eta (x_i - D)
+                eta = dtype.type(learning_rate)
                 for i in members:
-                    delta_k += kh[i] - Dk[m]
-                    delta_v += vc[i] - Dv[m]
-                Dk[m] = Dk[m] + dtype.type(learning_rate) * delta_k
-                Dv[m] = Dv[m] + dtype.type(learning_rate) * delta_v
+                    Dk[m] = Dk[m] + eta * (kh[i] - Dk[m])
+                    Dv[m] = Dv[m] + eta * (vc[i] - Dv[m])
                 c_new = c[m] + len(members)
             c[m] = c_new
         n, t = n_next, t_next
 
-    return out, OVQState(Dk, Dv, np.array(c, dtype=np.int64), n, t)
+    return out, LoopState(Dk, Dv, np.array(c, dtype=np.int64), n, t)
 
 
 def vq_attention_loop(q, k, v, codebook, *, chunk_size, beta=None):
-    """VQ attention of spec section 5, one token at a time.
+    """VQ attention, one token at a time.
 
-    Parameters are those of :func:`refimpl.ovq.vq_attention`, checked by the
-    same validation.
+    Parameters are those of :func:`refimpl.ovq.vq_attention`.
 
     Returns
     -------
     ndarray, shape (T, d_v)
     """
-    q, k, v, codebook, chunk_size, _ = _check_vq_call(q, k, v, codebook, chunk_size, beta)
-    dtype = q.dtype
+    q, k, v, dtype = _check_qkv(q, k, v)
+    codebook = validation.as_float_array(codebook, "codebook", ndim=2)
+    validation.check_shape(codebook, "codebook", (None, q.shape[1]), ("S", "d"))
+    validation.check_int(chunk_size, "chunk_size", minimum=1)
+    beta = math.sqrt(q.shape[1]) if beta is None else validation.check_positive_float(beta, "beta")
+    dtype = np.result_type(dtype, codebook)
+    q, k, v, codebook = (a.astype(dtype, copy=False) for a in (q, k, v, codebook))
     T, d = q.shape
     d_v = v.shape[1]
     S = codebook.shape[0]
-    beta = math.sqrt(d) if beta is None else beta
     L_count = [0] * S
     U = [np.zeros(d_v, dtype=dtype) for _ in range(S)]  # sum of values per code
     out = np.zeros((T, d_v), dtype=dtype)

@@ -4,104 +4,38 @@ Shapes follow :mod:`refimpl.gma`: points ``x`` are ``(N, d)``, ``means`` and
 ``variances`` ``(K, d)``, ``weights`` ``(K,)``, responsibilities ``(N, K)``.
 These functions serve analysis on small problems: some form ``N x K x d``
 tensors or ``N x N`` matrices on purpose; the mechanism itself lives in
-:mod:`refimpl.gma`.
+:mod:`refimpl.gma`.  The derivations are in ``docs/derivations/gma.md``; this
+docstring states the results.
 
-The responsibility Jacobian
----------------------------
-With :math:`\ell_m(x) = \log\pi_m + \log\mathcal N(x\mid\mu_m,\sigma_m^2)`,
-:math:`\partial\ell_m/\partial x = (\mu_m - x)/\sigma_m^2 =: u_m` (division
-elementwise), and the softmax Jacobian
-:math:`\partial\gamma/\partial\ell = \operatorname{diag}\gamma - \gamma\gamma^\top`
-gives the ``K x d`` matrix
-
-.. math::
-
-    J(x) = (\operatorname{diag}\gamma - \gamma\gamma^\top)\,U,\qquad
-    J_{m\cdot} = \gamma_m\,(u_m - \bar u),\quad \bar u = \textstyle\sum_k\gamma_k u_k .
-
-Two Lipschitz bounds
---------------------
-On the ball :math:`\|x\|\le B_x`, with :math:`B_\mu = \max_m\|\mu_m\|`,
-:math:`\sigma^2 \ge \sigma^2_{\min}` and :math:`R = (B_x + B_\mu)/\sigma^2_{\min}`,
-every row of :math:`U` has :math:`\|u_m\| \le R`.
-
-*Crude.*  :math:`\operatorname{diag}\gamma-\gamma\gamma^\top` is the covariance
-of a one-hot vector, so it is positive semidefinite, and by Gershgorin (row
-:math:`m` has centre :math:`\gamma_m(1-\gamma_m)` and radius
-:math:`\gamma_m\sum_{k\ne m}\gamma_k = \gamma_m(1-\gamma_m)`) its eigenvalues
-lie in :math:`[0, \max_m 2\gamma_m(1-\gamma_m)] \subset [0, 1/2]`; with
-:math:`\|U\|_2\le\|U\|_F\le\sqrt K R`, so :math:`\|J\|_2\le\tfrac12\sqrt K R`.
-
-*K-free.*  For a unit vector :math:`v`, put :math:`w_m = u_m\cdot v`
-(:math:`|w_m|\le R`).  Then :math:`(Jv)_m = \gamma_m(w_m-\bar w)` and
-
-.. math::
-
-    \|Jv\|_2 \le \|Jv\|_1 = \textstyle\sum_m\gamma_m|w_m-\bar w|
-    \le \big(\sum_m\gamma_m(w_m-\bar w)^2\big)^{1/2} = \operatorname{SD}_\gamma(w)
-    \le \tfrac12\operatorname{range}(w) \le R,
-
-by Cauchy-Schwarz (Jensen) and Popoviciu's inequality on the variance.
-Remark: the entries of :math:`Jv` sum to zero, so its positive and negative
-parts each carry half of :math:`\|Jv\|_1` and
-:math:`\|Jv\|_2 \le \|Jv\|_1/\sqrt2`; the constant sharpens to :math:`R/\sqrt2`,
-which is attained in the limit :math:`B_x \to 0` by two components
-:math:`\mu = \pm B e_1` of variance :math:`\sigma^2_{\min}` and equal weights
-(at :math:`x = 0`, :math:`\gamma = (\tfrac12,\tfrac12)` and
-:math:`u = \pm B e_1/\sigma^2_{\min} = \pm R e_1`).  The
-:func:`lipschitz_bounds` report the spec's :math:`R`; the tests also check
-:math:`R/\sqrt2`.  The
-ball is convex, so integrating :math:`J` along the segment gives
-:math:`\|\gamma(x)-\gamma(x')\|_2 \le R\,\|x-x'\|_2`.  :func:`empirical_lipschitz`
-estimates both sides from samples: the largest :math:`\|J\|_2` at sampled
-points and the largest difference quotient over sampled pairs.
-
-Responsibility-modulated gradients
-----------------------------------
-For one token with upstream :math:`g = \partial L/\partial\gamma(x)` the
-gradient of every logit is :math:`c_m = \gamma_m(g_m-\bar g)`, and
-:math:`g_m - \bar g = \sum_{k\ne m}\gamma_k(g_m-g_k)` gives
-:math:`|g_m-\bar g|\le(1-\gamma_m)\operatorname{range}(g)`, hence
-
-.. math::
-
-    |c_m| \le \gamma_m(1-\gamma_m)\operatorname{range}(g) \le \tfrac14\operatorname{range}(g),\qquad
-    \Big\|\frac{\partial L}{\partial\mu_m}\Big\| = |c_m|\,\Big\|\frac{x-\mu_m}{\sigma_m^2}\Big\|
-    \le \tfrac14\operatorname{range}(g)\,R .
-
-For the input, :math:`\sum_m c_m = 0` lets us write
-:math:`\partial L/\partial x = \sum_m c_m u_m` and bound it by
-:math:`R\sum_m\gamma_m|g_m-\bar g| \le R\,\operatorname{SD}_\gamma(g) \le \tfrac12\operatorname{range}(g)R`.
-A sequence's parameter gradient is the sum of these per-token terms over the
-query and key tokens, so it is bounded by the sum of the per-token bounds.
-
-The affinity
-------------
-:math:`A = \Gamma_Q\Gamma_K^\top` has :math:`A_{ij} = \sum_k\gamma^Q_{ik}\gamma^K_{jk}
-= P(z_i = z_j)` for independent :math:`z_i\sim\gamma^Q_i`, :math:`z_j\sim\gamma^K_j`,
-so :math:`0\le A_{ij}\le 1`; it is a product of ``N x K`` and ``K x N``
-nonnegative factors, so its rank and its nonnegative rank are at most
-:math:`K`; with :math:`X_Q = X_K` it is a Gram matrix, hence positive
-semidefinite.  Writing :math:`m_k = \tilde V_k/Z_k` (the slot means: each a
-convex combination of values, with weights :math:`\gamma^K_{jk}/Z_k`),
-
-.. math::
-
-    o_i = \sum_k w_{ik} m_k,\qquad w_{ik} = \frac{\gamma^Q_{ik}Z_k}{\gamma^Q_i\cdot Z + \epsilon},
-    \qquad w_{ik}\ge 0,\quad \textstyle\sum_k w_{ik} = 1 - \frac{\epsilon}{\gamma^Q_i\cdot Z+\epsilon},
-
-so with :math:`\epsilon = 0` every output lies in the convex hull of the
-values (with :math:`\epsilon > 0`, in the hull of the values and the origin).
-
-The isotropic collapse
-----------------------
-If every component has the same isotropic variance :math:`\sigma^2`, the
-terms :math:`-\|x\|^2/(2\sigma^2)` and the log-determinant are common to all
-components and cancel in the softmax:
-:math:`\gamma(x) = \operatorname{softmax}(x\mu^\top/\sigma^2 + b)` with
-:math:`b_k = \log\pi_k - \|\mu_k\|^2/(2\sigma^2)`: the router is linear in
-:math:`x`, and it is the diagonal, per-component variances that make GMA's
-router quadratic.
+* The responsibility Jacobian (``gma.md#the-responsibility-jacobian``):
+  :math:`J(x) = (\operatorname{diag}\gamma - \gamma\gamma^\top)U` with rows
+  :math:`u_m = (\mu_m - x)/\sigma_m^2` (:func:`responsibility_jacobian`).
+* Lipschitz bounds (``gma.md#lipschitz-bounds``): on the ball
+  :math:`\|x\| \le B_x`, with :math:`R = (B_x + B_\mu)/\sigma^2_{\min}`,
+  :math:`\|J\|_2 \le \tfrac12\sqrt K R` (crude) and :math:`\|J\|_2 \le R`
+  (K-free); the K-free constant sharpens to :math:`R/\sqrt2`, approached as
+  :math:`B_x \to 0` by two components :math:`\pm B e_1` at :math:`x = 0`, and
+  since :math:`\tfrac12\sqrt K R \ge R/\sqrt2` for every :math:`K \ge 2`
+  (equality at :math:`K = 2`) the crude bound never beats it.
+  :func:`lipschitz_bounds` reports :math:`R` as ``k_free``;
+  :func:`empirical_lipschitz` estimates the constant from below.
+* Responsibility-modulated gradients (``gma.md#gradient-bounds``): per token,
+  :math:`|c_m| \le \gamma_m(1-\gamma_m)\operatorname{range}(g) \le \tfrac14\operatorname{range}(g)`,
+  :math:`\|\partial L/\partial\mu_m\| \le \tfrac14\operatorname{range}(g)R`,
+  :math:`\|\partial L/\partial x\| \le \tfrac12\operatorname{range}(g)R`
+  (:func:`gradient_bounds`, attained by a symmetric pair at :math:`x = 0`).
+* The affinity (``gma.md#the-affinity``): :math:`A = \Gamma_Q\Gamma_K^\top`,
+  :math:`A_{ij} = P(z_i = z_j) \in [0, 1]`, rank and nonnegative rank at most
+  :math:`K`, PSD when :math:`X_Q = X_K`.  Outputs
+  (``gma.md#the-outputs-and-the-slot-means``): :math:`o_i = \sum_k w_{ik} m_k`
+  with slot means :math:`m_k = \tilde V_k/Z_k` and weights summing to
+  :math:`1 - \epsilon/(\gamma^Q_i\cdot Z+\epsilon)`: a convex combination of
+  the slot means, hence in the convex hull of the values, only for
+  :math:`\epsilon = 0`; for :math:`\epsilon > 0`, in the hull of the values and
+  the origin.
+* The isotropic collapse (``gma.md#the-isotropic-collapse``): with one shared
+  isotropic variance the router is
+  :math:`\operatorname{softmax}(x\mu^\top/\sigma^2 + b)`, linear in :math:`x`.
 """
 
 from __future__ import annotations
@@ -110,9 +44,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _validation as V
-from . import gmm
-from .attention import _check_denominators
+from . import gmm, validation
 
 __all__ = [
     "LipschitzBounds",
@@ -173,26 +105,10 @@ class GradientBounds(NamedTuple):
 # ---------------------------------------------------------------------------
 
 
-def _check_mixture(x, means, variances, weights):
-    x = V.as_float_array(x, "x", ndim=2)
-    means = V.as_float_array(means, "means", ndim=2)
-    variances = V.as_float_array(variances, "variances", ndim=2)
-    weights = V.as_float_array(weights, "weights", ndim=1)
-    V.check_shape(means, "means", (None, x.shape[1]), ("K", "d"))
-    if means.shape[0] < 1:
-        raise ValueError("means: expected at least one component (K >= 1), got K = 0")
-    V.check_shape(variances, "variances", means.shape, ("K", "d"))
-    V.check_positive(variances, "variances")
-    V.check_shape(weights, "weights", (means.shape[0],), ("K",))
-    V.check_probability_vector(weights, "weights")
-    dtype = V.common_float_dtype(x, means, variances, weights)
-    return tuple(a.astype(dtype, copy=False) for a in (x, means, variances, weights))
-
-
 def _check_responsibilities(gamma, name, K=None):
-    gamma = V.as_float_array(gamma, name, ndim=2)
+    gamma = validation.as_float_array(gamma, name, ndim=2)
     if K is not None:
-        V.check_shape(gamma, name, (None, K), ("N", "K"))
+        validation.check_shape(gamma, name, (None, K), ("N", "K"))
     if gamma.size and np.min(gamma) < 0:
         raise ValueError(f"{name}: expected nonnegative responsibilities, got minimum {np.min(gamma)}")
     tol = float(np.sqrt(np.finfo(gamma.dtype).eps)) * max(1, gamma.shape[1])
@@ -200,12 +116,6 @@ def _check_responsibilities(gamma, name, K=None):
     if worst > tol:
         raise ValueError(f"{name}: expected rows that sum to 1 (within {tol:.1e}), got a row off by {worst:.2e}")
     return gamma
-
-
-def _responsibilities(x, means, variances, weights):
-    with np.errstate(divide="ignore"):
-        log_w = np.log(weights)
-    return np.exp(gmm._log_softmax(gmm._log_gaussian_diag(x, means, variances) + log_w, axis=1))
 
 
 # ---------------------------------------------------------------------------
@@ -231,14 +141,14 @@ def bound_radius(means, variances, bound_x, *, min_variance=None) -> float:
     -------
     float
     """
-    means = V.as_float_array(means, "means", ndim=2)
-    variances = V.as_float_array(variances, "variances", ndim=2)
-    V.check_shape(variances, "variances", means.shape, ("K", "d"))
-    V.check_positive(variances, "variances")
-    bound_x = V.check_positive_float(bound_x, "bound_x", allow_zero=True)
+    means = validation.as_float_array(means, "means", ndim=2)
+    variances = validation.as_float_array(variances, "variances", ndim=2)
+    validation.check_shape(variances, "variances", means.shape, ("K", "d"))
+    validation.check_positive(variances, "variances")
+    bound_x = validation.check_positive_float(bound_x, "bound_x", allow_zero=True)
     floor = float(np.min(variances))
     if min_variance is not None:
-        min_variance = V.check_positive_float(min_variance, "min_variance")
+        min_variance = validation.check_positive_float(min_variance, "min_variance")
         if min_variance > floor:
             raise ValueError(
                 f"min_variance: expected a floor <= the smallest variance {floor!r}, got {min_variance!r}"
@@ -279,8 +189,8 @@ def responsibility_jacobian(x, means, variances, weights):
     ndarray, shape (N, K, d)
         Dtype of the inputs.  Forms ``N x K x d`` numbers: for analysis, not for the mechanism.
     """
-    x, means, variances, weights = _check_mixture(x, means, variances, weights)
-    gamma = _responsibilities(x, means, variances, weights)
+    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
+    gamma = gmm.responsibilities(x, means, variances, weights)
     # u_m = d l_m / dx = (mu_m - x) / sigma_m^2
     u = (means[None, :, :] - x[:, None, :]) / variances[None, :, :]
     ubar = np.einsum("nk,nkd->nd", gamma, u)
@@ -316,9 +226,9 @@ def sample_ball(n, d, radius, rng):
     -------
     ndarray, shape (n, d)
     """
-    n = V.check_int(n, "n", minimum=0)
-    d = V.check_int(d, "d", minimum=1)
-    radius = V.check_positive_float(radius, "radius", allow_zero=True)
+    n = validation.check_int(n, "n", minimum=0)
+    d = validation.check_int(d, "d", minimum=1)
+    radius = validation.check_positive_float(radius, "radius", allow_zero=True)
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng: expected a numpy.random.Generator, got {type(rng).__name__}")
     direction = rng.normal(size=(n, d))
@@ -373,13 +283,13 @@ def empirical_lipschitz(means, variances, weights, bound_x, *, n_points: int = 1
         Both are lower bounds on the true constant, to compare with
         :func:`lipschitz_bounds`.
     """
-    means = V.as_float_array(means, "means", ndim=2)
-    bound_x = V.check_positive_float(bound_x, "bound_x", allow_zero=True)
-    n_points = V.check_int(n_points, "n_points", minimum=1)
-    n_pairs = V.check_int(n_pairs, "n_pairs", minimum=1)
-    seed = V.check_seed(seed, "seed")
+    means = validation.as_float_array(means, "means", ndim=2)
+    bound_x = validation.check_positive_float(bound_x, "bound_x", allow_zero=True)
+    n_points = validation.check_int(n_points, "n_points", minimum=1)
+    n_pairs = validation.check_int(n_pairs, "n_pairs", minimum=1)
+    seed = validation.check_seed(seed, "seed")
     # analysis in float64: the points are drawn in float64 whatever the dtype of the mixture
-    _, means, variances, weights = _check_mixture(np.zeros((1, means.shape[1])), means, variances, weights)
+    _, means, variances, weights = validation.check_gmm(np.zeros((1, means.shape[1])), means, variances, weights)
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     pts = _probe_points(means, variances, bound_x, n_points, rng)
     jac_max = float(np.max(jacobian_spectral_norms(pts, means, variances, weights)))
@@ -395,7 +305,7 @@ def empirical_lipschitz(means, variances, weights, bound_x, *, n_points: int = 1
     # gamma (~1e-16) divided by such a gap is no lower bound on anything
     keep = gap >= 1e-6 * scale
     diff = np.linalg.norm(
-        _responsibilities(x[keep], means, variances, weights) - _responsibilities(x2[keep], means, variances, weights), axis=1
+        gmm.responsibilities(x[keep], means, variances, weights) - gmm.responsibilities(x2[keep], means, variances, weights), axis=1
     )
     quotient = float(np.max(diff / gap[keep])) if np.any(keep) else 0.0
     return EmpiricalLipschitz(jacobian_norm=jac_max, difference_quotient=quotient)
@@ -425,12 +335,12 @@ def per_token_gradients(x, means, variances, weights, grad_resp) -> PerTokenGrad
         ``logits`` (N, K): ``c_im = gamma_im (g_im - gbar_i)``.  Summed over
         tokens these are the gradients :func:`refimpl.gma.gma_backward` returns.
     """
-    x, means, variances, weights = _check_mixture(x, means, variances, weights)
-    g = V.as_float_array(grad_resp, "grad_resp", ndim=2)
-    V.check_shape(g, "grad_resp", (x.shape[0], means.shape[0]), ("N", "K"))
-    dtype = V.common_float_dtype(x, g)
+    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
+    g = validation.as_float_array(grad_resp, "grad_resp", ndim=2)
+    validation.check_shape(g, "grad_resp", (x.shape[0], means.shape[0]), ("N", "K"))
+    dtype = validation.common_float_dtype(x, g)
     x, means, variances, weights, g = (a.astype(dtype, copy=False) for a in (x, means, variances, weights, g))
-    gamma = _responsibilities(x, means, variances, weights)
+    gamma = gmm.responsibilities(x, means, variances, weights)
     # dL/dl_m = gamma_m (g_m - gbar): the softmax Jacobian
     c = gamma * (g - np.sum(gamma * g, axis=1, keepdims=True))
     u = (means[None, :, :] - x[:, None, :]) / variances[None, :, :]
@@ -461,9 +371,9 @@ def gradient_bounds(gamma, grad_resp, radius) -> GradientBounds:
         ``gamma_im (1 - gamma_im) range(g_i)``.
     """
     gamma = _check_responsibilities(gamma, "gamma")
-    g = V.as_float_array(grad_resp, "grad_resp", ndim=2)
-    V.check_shape(g, "grad_resp", gamma.shape, ("N", "K"))
-    radius = V.check_positive_float(radius, "radius", allow_zero=True)
+    g = validation.as_float_array(grad_resp, "grad_resp", ndim=2)
+    validation.check_shape(g, "grad_resp", gamma.shape, ("N", "K"))
+    radius = validation.check_positive_float(radius, "radius", allow_zero=True)
     rng_g = np.ptp(g, axis=1)
     return GradientBounds(
         x=0.5 * rng_g * radius,
@@ -494,7 +404,7 @@ def affinity(gamma_q, gamma_k, *, causal: bool = False):
     """
     gamma_q = _check_responsibilities(gamma_q, "gamma_q")
     gamma_k = _check_responsibilities(gamma_k, "gamma_k", K=gamma_q.shape[1])
-    causal = V.check_bool(causal, "causal")
+    causal = validation.check_bool(causal, "causal")
     if causal and gamma_q.shape[0] != gamma_k.shape[0]:
         raise ValueError(f"causal=True needs N_q == N_k, got {gamma_q.shape[0]} and {gamma_k.shape[0]}")
     a = gamma_q @ gamma_k.T
@@ -515,7 +425,7 @@ def affinity_by_enumeration(gamma_q, gamma_k):
     gamma_q = _check_responsibilities(gamma_q, "gamma_q")
     gamma_k = _check_responsibilities(gamma_k, "gamma_k", K=gamma_q.shape[1])
     K = gamma_q.shape[1]
-    out = np.zeros((gamma_q.shape[0], gamma_k.shape[0]), dtype=V.common_float_dtype(gamma_q, gamma_k))
+    out = np.zeros((gamma_q.shape[0], gamma_k.shape[0]), dtype=validation.common_float_dtype(gamma_q, gamma_k))
     same = np.eye(K, dtype=bool)
     for i in range(gamma_q.shape[0]):
         for j in range(gamma_k.shape[0]):
@@ -542,8 +452,8 @@ def affinity_by_sampling(gamma_q, gamma_k, n_samples: int, seed=0):
     """
     gamma_q = _check_responsibilities(gamma_q, "gamma_q")
     gamma_k = _check_responsibilities(gamma_k, "gamma_k", K=gamma_q.shape[1])
-    n_samples = V.check_int(n_samples, "n_samples", minimum=1)
-    seed = V.check_seed(seed, "seed")
+    n_samples = validation.check_int(n_samples, "n_samples", minimum=1)
+    seed = validation.check_seed(seed, "seed")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     K = gamma_q.shape[1]
 
@@ -555,7 +465,7 @@ def affinity_by_sampling(gamma_q, gamma_k, n_samples: int, seed=0):
         return np.minimum(z, K - 1)
 
     zq, zk = draw(gamma_q), draw(gamma_k)
-    return np.mean(zq[:, None, :] == zk[None, :, :], axis=2).astype(V.common_float_dtype(gamma_q, gamma_k), copy=False)
+    return np.mean(zq[:, None, :] == zk[None, :, :], axis=2).astype(validation.common_float_dtype(gamma_q, gamma_k), copy=False)
 
 
 def slot_means(gamma_k, v):
@@ -573,8 +483,8 @@ def slot_means(gamma_k, v):
         Each row is a convex combination of the rows of ``v``.
     """
     gamma_k = _check_responsibilities(gamma_k, "gamma_k")
-    v = V.as_float_array(v, "v", ndim=2)
-    V.check_shape(v, "v", (gamma_k.shape[0], None), ("N_k", "d_v"))
+    v = validation.as_float_array(v, "v", ndim=2)
+    validation.check_shape(v, "v", (gamma_k.shape[0], None), ("N_k", "d_v"))
     z = gamma_k.sum(axis=0)
     if np.any(z <= 0):
         raise ValueError(f"gamma_k: every slot needs a positive mass, got column sums with minimum {np.min(z)}")
@@ -597,11 +507,11 @@ def mixing_weights(gamma_q, gamma_k, *, eps: float = 1e-6):
     """
     gamma_q = _check_responsibilities(gamma_q, "gamma_q")
     gamma_k = _check_responsibilities(gamma_k, "gamma_k", K=gamma_q.shape[1])
-    eps = V.check_positive_float(eps, "eps", allow_zero=True)
+    eps = validation.check_positive_float(eps, "eps", allow_zero=True)
     z = gamma_k.sum(axis=0)
     weighted = gamma_q * z[None, :]
     den = weighted.sum(axis=1, keepdims=True) + weighted.dtype.type(eps)
-    _check_denominators(den[:, 0], eps, ("gamma_q", "gamma_k"))
+    validation.check_denominators(den[:, 0], eps, ("gamma_q", "gamma_k"))
     return weighted / den
 
 
@@ -622,9 +532,9 @@ def isotropic_router_logits(x, means, variance, weights):
         ``softmax`` of these rows equals the responsibilities of the GMM with
         ``variances = variance`` everywhere (module docstring).
     """
-    variance = V.check_positive_float(variance, "variance")
-    means = V.as_float_array(means, "means", ndim=2)
-    x, means, _, weights = _check_mixture(x, means, np.full(means.shape, variance, dtype=means.dtype), weights)
+    variance = validation.check_positive_float(variance, "variance")
+    means = validation.as_float_array(means, "means", ndim=2)
+    x, means, _, weights = validation.check_gmm(x, means, np.full(means.shape, variance, dtype=means.dtype), weights)
     with np.errstate(divide="ignore"):
         log_w = np.log(weights)
     # -||x - mu||^2 / (2 s) = x . mu / s - ||mu||^2 / (2 s) - ||x||^2 / (2 s); the last is common to the row

@@ -4,22 +4,13 @@ import warnings
 
 import numpy as np
 import pytest
-from scipy import special, stats
+from scipy import special
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.mixture import GaussianMixture
 
 from refimpl import gmm
+from refimpl.testing import TOL, direct_log_joint, random_gmm
 
-TOL = {np.float64: dict(rtol=1e-12, atol=1e-12), np.float32: dict(rtol=1e-4, atol=5e-4)}
-
-
-def random_gmm(seed, N=50, K=4, d=3, dtype=np.float64):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(N, d))
-    means = rng.normal(size=(K, d))
-    variances = rng.uniform(0.3, 2.0, size=(K, d))
-    weights = rng.dirichlet(np.ones(K))
-    return [a.astype(dtype) for a in (x, means, variances, weights)]
 
 
 def sklearn_gmm(means, variances, weights):
@@ -29,13 +20,6 @@ def sklearn_gmm(means, variances, weights):
     g.means_, g.covariances_, g.weights_ = means, variances, weights
     g.precisions_cholesky_ = 1.0 / np.sqrt(variances)
     return g
-
-
-def direct_log_joint(x, means, variances, weights):
-    return np.stack(
-        [stats.norm.logpdf(x, means[k], np.sqrt(variances[k])).sum(1) + np.log(weights[k]) for k in range(len(weights))],
-        axis=1,
-    )
 
 
 # --- independent implementations -------------------------------------------------
@@ -166,7 +150,33 @@ def test_em_step_with_an_empty_component_stays_finite():
     means = np.array([[0.0, 0.0], [1e3, 1e3]])  # second component owns no point
     m, v, w = gmm.em_step(x, means, np.ones((2, 2)), np.array([0.5, 0.5]), reg_covar=1e-6)
     assert np.all(np.isfinite(m)) and np.all(np.isfinite(v)) and np.all(np.isfinite(w))
-    np.testing.assert_allclose(w.sum(), 1.0)
+    np.testing.assert_allclose(w.sum(), 1.0, rtol=0, atol=2 * np.finfo(float).eps)
+    # every point belongs to the first component (the second is 1e3 away: responsibility exactly 0),
+    # so the first becomes the sample mean and variance, the second sits at 0 / (10 eps) = 0 with
+    # variance reg_covar, and its weight is the guard 10 eps / (N + 20 eps)
+    eps = np.finfo(float).eps
+    np.testing.assert_allclose(m[0], x.mean(0), rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(v[0], x.var(0) + 1e-6, rtol=1e-12)
+    np.testing.assert_array_equal(m[1], 0.0)
+    np.testing.assert_array_equal(v[1], 1e-6)
+    np.testing.assert_allclose(w, [1 - 10 * eps / 30, 10 * eps / 30], rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("N,K", [(1, 8), (3, 5), (2000, 8), (500, 1)])
+def test_em_step_weights_sum_to_one_within_a_few_ulps(dtype, N, K):
+    """sum_k pi_k = 1 up to the rounding of the normalising sum and of the K divisions, below K eps.
+
+    Without the renormalisation the 10 eps guard on N_k alone leaves 10 K eps / N
+    (80 eps at N = 1, K = 8).
+    """
+    rng = np.random.default_rng(N + K)
+    x = rng.normal(size=(N, 3)) * 3
+    means, variances, weights = rng.normal(size=(K, 3)) * 3, rng.uniform(0.1, 2.0, (K, 3)), rng.dirichlet(np.ones(K))
+    _, _, w = gmm.em_step(*(a.astype(dtype) for a in (x, means, variances, weights)))
+    assert w.dtype == dtype and np.all(w > 0)
+    # the float32 weights are summed in float64, where the sum of K <= 8 of them is exact to 1e-16
+    assert abs(np.sum(w, dtype=np.float64) - 1.0) <= K * np.finfo(dtype).eps
 
 
 def test_em_variances_accurate_for_tight_cluster_far_from_origin():
@@ -304,6 +314,32 @@ def test_bad_scalar_arguments():
         gmm.newton_step(x, means, 0.0)
     with pytest.raises(ValueError, match="assignments: expected indices"):
         gmm.running_mean_update(means, np.zeros(4), x, np.full(len(x), 7))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x, m: gmm.isotropic_nll(x, m, 2.0),
+        lambda x, m: gmm.isotropic_nll_gradient(x, m, 2.0),
+        lambda x, m: gmm.isotropic_surrogate_hessian(x, m, 2.0),
+        lambda x, m: gmm.isotropic_m_step(x, m, 2.0),
+        lambda x, m: gmm.newton_step(x, m, 2.0),
+        lambda x, m: gmm.isotropic_nll(x, m, 2.0, np.zeros(0)),
+        lambda x, m: gmm.newton_step(x, m, 2.0, np.zeros(0)),
+        lambda x, m: gmm.hard_assignments(x, m),
+        lambda x, m: gmm.kmeans_step(x, m),
+        lambda x, m: gmm.responsibilities(x, m, np.ones((0, 3)), np.zeros(0)),
+        lambda x, m: gmm.log_likelihood(x, m, np.ones((0, 3)), np.zeros(0)),
+        lambda x, m: gmm.em_step(x, m, np.ones((0, 3)), np.zeros(0)),
+    ],
+    ids=["nll", "nll_gradient", "surrogate_hessian", "m_step", "newton_step", "nll_weights", "newton_weights",
+         "hard_assignments", "kmeans_step", "responsibilities", "log_likelihood", "em_step"],
+)
+def test_no_components_is_refused_naming_the_means(call):
+    """K = 0 is a ValueError about ``means``, never a ZeroDivisionError or an empty-argmin error."""
+    x = np.random.default_rng(0).normal(size=(5, 3))
+    with pytest.raises(ValueError, match=r"^means: expected at least one component"):
+        call(x, np.zeros((0, 3)))
 
 
 def test_rows_normalise_when_log_densities_are_huge():

@@ -6,8 +6,8 @@ from scipy import stats
 
 from refimpl import gmr
 from refimpl.attention import softmax_attention
+from refimpl.testing import TOL
 
-TOL = {np.float64: dict(rtol=1e-12, atol=1e-13), np.float32: dict(rtol=1e-4, atol=5e-4)}
 
 
 def unit(x):
@@ -103,6 +103,29 @@ def test_gmr_keeps_the_norm_term_and_the_gap_respects_its_bound():
         # restoring the term in the weights makes GMR equal the read-out again
         w = counts * np.exp(0.5 * beta * np.sum(mk * mk, axis=1))
         np.testing.assert_allclose(gmr.ovq_readout(q, mk, mv, counts, beta=beta), gmr.gmr_predict(q, mk, mv, w / w.sum(), beta=beta), **TOL[np.float64])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_gap_bound_is_attained(dtype):
+    """mu^k = [[1, 0], [0, 0]], beta = 2, c = [e^(1/2), 1], q = 0, mu^v = [[1], [0]].
+
+    The dropped term is delta = -(beta/2)||mu^k||^2 = [-1, 0], so r = 1.  At q = 0 the
+    OVQ logits are log c = [1/2, 0] and the GMR logits log c + delta = [-1/2, 0]: the
+    weights of component 0 are sigmoid(1/2) and sigmoid(-1/2), and the gap
+    sigmoid(1/2) - sigmoid(-1/2) = tanh(1/4) = tanh(r / 4) times the value range 1.
+    """
+    key_means, value_means = np.array([[1.0, 0.0], [0.0, 0.0]], dtype), np.array([[1.0], [0.0]], dtype)
+    counts, q = np.array([np.exp(0.5), 1.0], dtype), np.zeros((1, 2), dtype)
+    bound = gmr.readout_gap_bound(key_means, value_means, beta=2.0)
+    gap = gmr.readout_gap(q, key_means, value_means, counts, beta=2.0)
+    rtol = 1e-14 if dtype == np.float64 else 1e-6  # a few ulps of sigmoid(1/2) differenced to 0.245
+    np.testing.assert_allclose(bound, [np.tanh(0.25)], rtol=rtol)
+    np.testing.assert_allclose(gap[0], bound, rtol=rtol)
+    np.testing.assert_allclose(gap[0], [1 / (1 + np.exp(-0.5)) - 1 / (1 + np.exp(0.5))], rtol=rtol)
+    # the bound scales with the value range and is attained coordinate by coordinate
+    wide = np.array([[3.0, -2.0], [1.0, 5.0]], dtype)
+    gap_wide = gmr.readout_gap(q, key_means, wide, counts, beta=2.0)[0]
+    np.testing.assert_allclose(np.abs(gap_wide), gmr.readout_gap_bound(key_means, wide, beta=2.0), rtol=rtol)
 
 
 def test_count_bias_switch_of_the_readout():

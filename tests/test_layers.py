@@ -5,6 +5,7 @@ import pytest
 
 from refimpl import gma, gmm, layers
 from refimpl.gradcheck import numerical_gradient
+from refimpl.testing import TOL, assert_close_f32
 
 FIELDS = ("x", "W_q", "W_k", "W_v", "W_o", "means", "raw_variances", "logits")
 
@@ -46,6 +47,40 @@ def test_init_shapes_dtype_and_starting_gmm():
     q = layers.init_multihead_gma(8, 3, 4, 5, 6, seed=1, init_variance=2.0, min_variance=1e-3, dtype=np.float32)
     for a, b in zip(p, q):
         np.testing.assert_array_equal(a, b)
+
+
+def _assert_standard_normal(a, std, name):
+    """Entries i.i.d. N(0, std^2): sample mean and variance within 5 standard errors.
+
+    For n normal draws the sample mean has standard error std / sqrt(n), the
+    sample variance std^2 sqrt(2 / n) and the sample kurtosis (3 for a normal law,
+    1.8 for a uniform one) about sqrt(24 / n); an entry beyond 6 std has probability 2e-9.
+    """
+    a = np.asarray(a, dtype=np.float64).ravel()
+    n = a.size
+    assert abs(a.mean()) <= 5 * std / np.sqrt(n), name
+    assert abs(a.var() / std**2 - 1) <= 5 * np.sqrt(2 / n), name
+    assert abs(np.mean((a - a.mean()) ** 4) / a.var() ** 2 - 3) <= 5 * np.sqrt(24 / n), name
+    assert np.max(np.abs(a)) <= 6 * std, name
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_init_scales_every_projection_by_its_fan_in(dtype):
+    """W_q, W_k, W_v: variance 1 / d_model; W_o: variance 1 / (H d_v); means standard normal."""
+    d_model, H, d_r, d_v, K = 96, 4, 16, 8, 48  # fan-ins 96 and 32 differ, so a swapped one is visible
+    p = layers.init_multihead_gma(d_model, H, d_r, d_v, K, seed=3, init_variance=0.7, min_variance=1e-2, dtype=dtype)
+    for name in ("W_q", "W_k", "W_v"):
+        _assert_standard_normal(getattr(p, name), 1 / np.sqrt(d_model), name)
+    _assert_standard_normal(p.W_o, 1 / np.sqrt(H * d_v), "W_o")
+    _assert_standard_normal(p.means, 1.0, "means")
+    # independent draws: W_q and W_k are uncorrelated (sample correlation within 5 standard errors)
+    corr = np.corrcoef(p.W_q.ravel().astype(np.float64), p.W_k.ravel().astype(np.float64))[0, 1]
+    assert abs(corr) <= 5 / np.sqrt(p.W_q.size)
+    # every variance starts at init_variance through the layer's reparameterisation, weights uniform
+    tol = dict(rtol=1e-6) if dtype == np.float32 else dict(rtol=1e-14)  # raw rounded to the dtype
+    np.testing.assert_allclose(gmm.variances_from_raw(p.raw_variances.astype(np.float64), 1e-2), 0.7, **tol)
+    np.testing.assert_array_equal(p.logits, 0.0)
+    np.testing.assert_allclose(gmm.softmax(p.logits.astype(np.float64), axis=1), 1 / K, rtol=1e-15)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -126,11 +161,10 @@ def test_float32(causal):
     out32, c32 = layers.multihead_gma_forward(x32, p32, causal=causal, chunk_size=8)
     out64, c64 = layers.multihead_gma_forward(x64, p64, causal=causal, chunk_size=8)
     assert out32.dtype == np.float32
-    np.testing.assert_allclose(out32, out64, rtol=1e-4, atol=5e-4)
+    np.testing.assert_allclose(out32, out64, **TOL[np.float32])
     g = np.random.default_rng(11).normal(size=out64.shape)
     for name, a, b in zip(FIELDS, layers.multihead_gma_backward(g.astype(np.float32), c32), layers.multihead_gma_backward(g, c64)):
-        assert a.dtype == np.float32, name
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-4 * max(1.0, float(np.max(np.abs(b)))), err_msg=name)
+        assert_close_f32(a, b, err_msg=name)
 
 
 def test_params_as_a_mapping_and_inputs_not_mutated():

@@ -1,8 +1,5 @@
 """OVQ and VQ attention: loop oracle vs vectorised, streaming, save/load, ablation switches, edge sizes, validation."""
 
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,26 +9,12 @@ from hypothesis import strategies as st
 from refimpl import gmr, ovq
 from refimpl.attention import softmax_attention
 from refimpl.ovq_oracle import ovq_attention_loop, vq_attention_loop
-
-TOL = {np.float64: dict(rtol=1e-12, atol=1e-13), np.float32: dict(rtol=1e-4, atol=5e-4)}
+from refimpl.testing import TOL, assert_same_state, assignment_plan
 
 
 def qkv(seed, T, d=4, d_v=3, dtype=np.float64):
     rng = np.random.default_rng(seed)
     return [rng.normal(size=(T, n)).astype(dtype) for n in (d, d, d_v)]
-
-
-def assert_same_state(a, b):
-    """Every state array equal bit for bit, and the two integers."""
-    assert np.array_equal(a.keys, b.keys)
-    assert np.array_equal(a.values, b.values)
-    assert np.array_equal(a.counts, b.counts)
-    assert (a.size, a.tokens_seen) == (b.size, b.tokens_seen)
-    assert a.keys.dtype == b.keys.dtype
-
-
-def plan(cache):
-    return np.concatenate([r.rows for r in cache.records])
 
 
 SWITCHES = [
@@ -95,7 +78,7 @@ def test_float32_meets_its_tolerance_against_float64():
     q, k, v = qkv(4, 90, d=6, d_v=5)
     out64, c64 = ovq.ovq_attention_forward(q, k, v, max_size=16, chunk_size=9)
     out32, c32 = ovq.ovq_attention_forward(*(a.astype(np.float32) for a in (q, k, v)), max_size=16, chunk_size=9)
-    assert np.array_equal(plan(c64), plan(c32))  # same assignments, so the comparison is like for like
+    assert np.array_equal(assignment_plan(c64), assignment_plan(c32))  # same assignments, so the comparison is like for like
     assert out32.dtype == np.float32
     np.testing.assert_allclose(out32, out64, **TOL[np.float32])
     np.testing.assert_allclose(c32.state.keys, c64.state.keys, **TOL[np.float32])
@@ -312,7 +295,7 @@ def test_size_counts_and_tokens_follow_the_growth_function(growth):
     expected = max(ovq.dictionary_size(min(s + C, T), N, growth) for s in range(0, T, C))
     assert st.size == expected and st.tokens_seen == T
     assert st.counts.sum() == T and np.all(st.counts[: st.size] >= 1) and np.all(st.counts[st.size :] == 0)
-    assert np.array_equal(st.counts, np.bincount(plan(cache), minlength=N))
+    assert np.array_equal(st.counts, np.bincount(assignment_plan(cache), minlength=N))
     # every token updates exactly one row: the rows of its chunk's plan
     for rec in cache.records:
         assert rec.rows.shape == (rec.stop - rec.start,)
@@ -373,7 +356,7 @@ def test_random_init_is_deterministic_for_a_seed_and_differs_across_seeds():
     assert_same_state(a, b)
     assert not np.array_equal(a.keys, c.keys)
     assert not np.array_equal(a.keys, s.keys)
-    # the first chunk has no init branch in the spec: identical centroids after it
+    # the first chunk has no init branch in the contract: identical centroids after it
     _, a1 = ovq.ovq_attention(q[:10], k[:10], v[:10], max_size=20, chunk_size=10, init="random", seed=1, return_state=True)
     _, s1 = ovq.ovq_attention(q[:10], k[:10], v[:10], max_size=20, chunk_size=10, return_state=True)
     assert_same_state(a1, s1)
@@ -409,20 +392,63 @@ def test_count_bias_matters_only_when_counts_differ():
     assert np.max(np.abs(merged - merged_nb)) > 1e-3
 
 
+def _ema(start, members, eta):
+    """(1 - eta)^s D + eta sum_j (1 - eta)^(s - j) x_(j): the closed form of s constant steps in token order."""
+    s = len(members)
+    return (1 - eta) ** s * start + eta * sum((1 - eta) ** (s - j) * x for j, x in enumerate(members, start=1))
+
+
 def test_constant_learning_rate_rule():
+    """Each centroid is an exponential moving average of its members, in token order."""
     eta = 0.15
     state = _state_with_counts([4, 2, 9])
     q, k, v = qkv(23, 6)
     _, cache = ovq.ovq_attention_forward(q, k, v, max_size=3, chunk_size=6, learning_rate=eta, state=state)
     rows, new = cache.records[0].rows, cache.state
     kh = ovq.unit_rows(k)
+    assert min(np.bincount(rows, minlength=3)) >= 1 and max(np.bincount(rows)) >= 2
     for m in range(3):
-        S = rows == m
-        np.testing.assert_allclose(new.keys[m], state.keys[m] + eta * np.sum(kh[S] - state.keys[m], axis=0), rtol=1e-14)
-        np.testing.assert_allclose(new.values[m], state.values[m] + eta * np.sum(v[S] - state.values[m], axis=0), rtol=1e-14)
+        S = np.flatnonzero(rows == m)
+        np.testing.assert_allclose(new.keys[m], _ema(state.keys[m], list(kh[S]), eta), rtol=1e-13)
+        np.testing.assert_allclose(new.values[m], _ema(state.values[m], list(v[S]), eta), rtol=1e-13)
+        # the summed form D + eta sum (x - D) differs as soon as a centroid takes two keys
+        if S.size >= 2:
+            assert not np.allclose(new.keys[m], state.keys[m] + eta * np.sum(kh[S] - state.keys[m], axis=0), rtol=1e-6)
     assert np.array_equal(new.counts, state.counts + np.bincount(rows, minlength=3))
     _, adaptive = ovq.ovq_attention(q, k, v, max_size=3, chunk_size=6, state=state, return_state=True)
     assert not np.allclose(adaptive.keys, new.keys)
+
+
+def test_constant_learning_rate_merges_the_first_chunk_into_centroid_0_by_the_same_rule():
+    """Centroid 0 is seeded by key 0, then the other keys that join it are stepped in token order."""
+    eta = 0.3
+    q, k, v = qkv(26, 8)
+    _, cache = ovq.ovq_attention_forward(q, k, v, max_size=1, chunk_size=8, learning_rate=eta)
+    kh = ovq.unit_rows(k)
+    np.testing.assert_allclose(cache.state.keys[0], _ema(kh[0], list(kh[1:]), eta), rtol=1e-13)
+    np.testing.assert_allclose(cache.state.values[0], _ema(v[0], list(v[1:]), eta), rtol=1e-13)
+    assert cache.state.counts.tolist() == [8]
+
+
+def test_learning_rate_one_keeps_the_last_member_and_stays_bounded():
+    """eta = 1 replaces a centroid by its last member; the old summed rule ran away to 1e94 here."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(20000, 4)) for _ in range(3))
+    _, st = ovq.ovq_attention(q, k, v, max_size=2, chunk_size=64, learning_rate=1.0, return_state=True)
+    assert np.all(np.linalg.norm(st.keys, axis=1) <= 1 + 1e-12)  # convex combinations of unit keys
+    _, cache = ovq.ovq_attention_forward(q[:64], k[:64], v[:64], max_size=2, chunk_size=64, learning_rate=1.0)
+    rows = cache.records[0].rows
+    last = max(i for i in range(64) if rows[i] == 0)
+    np.testing.assert_array_equal(cache.state.keys[0], ovq.unit_rows(k)[last])
+
+
+@pytest.mark.parametrize("bad", [1.0 + 1e-9, 2.0, 1e3])
+def test_learning_rate_above_one_is_refused_naming_learning_rate(bad):
+    q, k, v = qkv(27, 5)
+    with pytest.raises(ValueError, match=r"^learning_rate: expected a constant step in \(0, 1\]"):
+        ovq.ovq_attention(q, k, v, max_size=2, chunk_size=2, learning_rate=bad)
+    with pytest.raises(ValueError, match=r"^learning_rate: expected a constant step in \(0, 1\]"):
+        ovq_attention_loop(q, k, v, max_size=2, chunk_size=2, learning_rate=bad)
 
 
 def test_max_size_one_keeps_the_mean_of_all_unit_keys():
@@ -571,19 +597,14 @@ def test_unit_rows():
     assert np.array_equal(out[1], [0.0, 0.0]) and np.all(np.isfinite(out))
 
 
-def test_diverging_constant_learning_rate_is_refused_naming_learning_rate():
-    """Regression: eta = 1 with many keys per centroid ran a centroid to 1e94 and then blamed
-    'beta, state' although no state was passed."""
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.normal(size=(20000, 4)) for _ in range(3))
-    with pytest.raises(ValueError, match=r"^learning_rate: the constant-rate update diverged.*eta \* \|S_m\| < 2"):
-        ovq.ovq_attention(q, k, v, max_size=2, chunk_size=64, learning_rate=1.0)
+def test_both_entry_points_share_one_signature_and_name_themselves_in_errors():
+    import inspect
 
-
-def test_benchmark_script_runs_in_quick_mode():
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "bench_ovq.py"), "--quick"], capture_output=True, text=True, cwd=root, timeout=120
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "speed-up of OVQ over causal softmax attention" in proc.stdout and "state bytes ratio" in proc.stdout
+    q, k, v = qkv(28, 5)
+    fwd, att = inspect.signature(ovq.ovq_attention_forward), inspect.signature(ovq.ovq_attention)
+    assert list(att.parameters) == list(fwd.parameters) + ["return_state"]
+    assert fwd.parameters["growth"].default == "plateau" and att.parameters["learning_rate"].default is None
+    with pytest.raises(TypeError, match=r"^ovq_attention\(\) got an unexpected keyword argument 'learnig_rate'"):
+        ovq.ovq_attention(q, k, v, max_size=2, chunk_size=2, learnig_rate=0.1)
+    with pytest.raises(TypeError, match=r"^ovq_attention_forward\(\) missing a required argument: 'max_size'"):
+        ovq.ovq_attention_forward(q, k, v, chunk_size=2)

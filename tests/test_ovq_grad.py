@@ -5,6 +5,7 @@ import pytest
 
 from refimpl import ovq
 from refimpl.gradcheck import numerical_gradient
+from refimpl.testing import TOL, assignment_plan
 
 H = 1e-6
 
@@ -15,19 +16,15 @@ def setup(seed, T, d, d_v):
     return inputs, rng.normal(size=(T, d_v))
 
 
-def plan(cache):
-    return np.concatenate([r.rows for r in cache.records])
-
-
 def finite_differences(inputs, G, name, kw):
     """Central differences of sum(G * out) in every entry of inputs[name], with the assignment plan checked unchanged."""
     _, cache = ovq.ovq_attention_forward(**inputs, **kw)
-    base = plan(cache)
+    base = assignment_plan(cache)
 
     def loss(a):
         out, c2 = ovq.ovq_attention_forward(**{**inputs, name: a}, **kw)
         # the gradient is defined with the assignments held fixed: the test point must not flip one
-        assert np.array_equal(plan(c2), base), f"perturbing {name} changed an assignment"
+        assert np.array_equal(assignment_plan(c2), base), f"perturbing {name} changed an assignment"
         return np.sum(G * out)
 
     return numerical_gradient(loss, inputs[name], h=H)
@@ -93,12 +90,12 @@ def test_float32_backward_against_float64():
     _, c64 = ovq.ovq_attention_forward(**inputs, max_size=8, chunk_size=6)
     inputs32 = {n: a.astype(np.float32) for n, a in inputs.items()}
     _, c32 = ovq.ovq_attention_forward(**inputs32, max_size=8, chunk_size=6)
-    assert np.array_equal(plan(c64), plan(c32))
+    assert np.array_equal(assignment_plan(c64), assignment_plan(c32))
     g64 = ovq.ovq_attention_backward(G, c64)
     g32 = ovq.ovq_attention_backward(G.astype(np.float32), c32)
     for x, y in zip(g32, g64):
         assert x.dtype == np.float32
-        np.testing.assert_allclose(x, y, rtol=1e-4, atol=5e-4 * np.max(np.abs(y)))
+        np.testing.assert_allclose(x, y, rtol=TOL[np.float32]["rtol"], atol=TOL[np.float32]["atol"] * np.max(np.abs(y)))
 
 
 def test_backward_validates_its_inputs():

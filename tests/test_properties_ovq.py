@@ -1,4 +1,4 @@
-"""Property-based tests (hypothesis) of OVQ attention: the invariants of spec/ovq.md section 4.
+"""Property-based tests (hypothesis) of OVQ attention: the invariants of docs/derivations/ovq_gmr.md.
 
 Over shapes (T, d, d_v, max_size N, chunk_size C), options (growth, init,
 count_bias, learning rate), seeds and values:
@@ -27,12 +27,7 @@ from hypothesis.extra import numpy as hnp
 
 from refimpl import ovq
 from refimpl.ovq_oracle import ovq_attention_loop
-
-
-def assert_same_state(a, b):
-    assert np.array_equal(a.keys, b.keys) and np.array_equal(a.values, b.values)
-    assert np.array_equal(a.counts, b.counts)
-    assert (a.size, a.tokens_seen) == (b.size, b.tokens_seen)
+from refimpl.testing import assert_same_state
 
 
 @st.composite

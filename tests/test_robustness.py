@@ -17,17 +17,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from refimpl import attention, gma, gmm, gmr, layers, ovq
+from refimpl import attention, gma, gmm, gmr, layers, ovq, scan
+from refimpl.testing import assert_close_f32
 
 EPS64 = np.finfo(np.float64).eps
-F32_TOL = dict(rtol=1e-4, atol=5e-4)
-
-
-def assert_close_f32(out32, ref64):
-    """float32 result against the float64 result of the same inputs: rtol 1e-4, atol 5e-4 of the scale."""
-    assert out32.dtype == np.float32
-    scale = max(1.0, float(np.max(np.abs(ref64))))
-    np.testing.assert_allclose(out32, ref64, rtol=F32_TOL["rtol"], atol=F32_TOL["atol"] * scale)
+def assert_euler(dv, v, g, out, rtol):
+    """out is linear in v, so <dL/dv, v> = <g, out> exactly: a check of the gradient's values, not only finiteness."""
+    lhs, rhs = float(np.sum(dv.astype(np.float64) * v)), float(np.sum(g.astype(np.float64) * out))
+    scale = float(np.sum(np.abs(dv.astype(np.float64) * v))) + float(np.sum(np.abs(g.astype(np.float64) * out)))
+    assert abs(lhs - rhs) <= rtol * scale, (lhs, rhs, scale)
 
 
 def assert_in_hull(out, v, n_terms, with_origin=False):
@@ -92,8 +90,19 @@ def test_gma_stays_finite_normalised_and_in_the_hull(case, causal):
     exact = gma.gma(x, x, v, means, variances, weights, causal=causal, chunk_size=16, eps=0.0)
     assert np.all(np.isfinite(exact))
     assert_in_hull(exact, v, N + K)
-    grads = gma.gma_backward(np.random.default_rng(1).normal(size=out.shape), cache)
-    assert all(np.all(np.isfinite(g)) for g in grads)
+    g = np.random.default_rng(1).normal(size=out.shape)
+    grads = gma.gma_backward(g, cache)
+    assert all(np.all(np.isfinite(a)) for a in grads)
+    # the values: out is linear in v; the prior is a softmax (shift-invariant logits); a common shift of
+    # tokens and means changes nothing, so the gradients of x_q, x_k and the means cancel
+    assert_euler(grads.v, v, g, out, rtol=1e-12)
+    # sum_m c_m = sum_m gamma_m (g_m - gbar) = 0 up to the rounding of the terms gamma_m g_m
+    dgamma = scan.feature_attention_backward(g, cache.mixing)
+    terms = np.sum(cache.gamma_q * np.abs(dgamma.phi_q)) + np.sum(cache.gamma_k * np.abs(dgamma.phi_k))
+    assert abs(grads.logits.sum()) <= 4 * K * EPS64 * terms + 1e-300
+    shift = grads.x_q.sum(axis=0) + grads.x_k.sum(axis=0) + grads.means.sum(axis=0)
+    size = np.abs(grads.x_q).sum(axis=0) + np.abs(grads.x_k).sum(axis=0) + np.abs(grads.means).sum(axis=0)
+    assert np.all(np.abs(shift) <= 1e-9 * size + 1e-300)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -110,6 +119,7 @@ def test_gma_float32_stays_float32_finite_and_normalised(case, causal):
     assert_in_hull(out, v, N + K, with_origin=True)
     grads = gma.gma_backward(np.ones_like(out), cache)
     assert all(g.dtype == np.float32 and np.all(np.isfinite(g)) for g in grads)
+    assert_euler(grads.v, v, np.ones_like(out), out, rtol=1e-5)
 
 
 @pytest.mark.parametrize("scale", [1.0, 1e3, 1e6])
@@ -167,6 +177,8 @@ def test_multihead_layer_at_extremes(shape, causal):
                 np.testing.assert_allclose(c.gamma_q.sum(axis=1), 1.0, rtol=0, atol=4 * K * np.finfo(dtype).eps)
         grads = layers.multihead_gma_backward(np.ones_like(out), cache)
         assert all(g.dtype == dtype and np.all(np.isfinite(g)) for g in grads)
+        # out = heads @ W_o is linear in W_o: <dW_o, W_o> = <g, out>
+        assert_euler(grads.W_o, p.W_o, np.ones_like(out), out, rtol=1e-12 if dtype == np.float64 else 1e-5)
 
 
 def test_multihead_layer_float32_meets_its_tolerance_at_scale():
@@ -200,12 +212,19 @@ def test_softmax_and_linear_attention_at_extremes(N, scale, causal, dtype):
     assert out.dtype == dtype and np.all(np.isfinite(out))
     np.testing.assert_allclose(cache.p.sum(axis=1), 1.0, rtol=0, atol=4 * N * np.finfo(dtype).eps)
     assert_in_hull(out, v, N)
-    assert all(np.all(np.isfinite(g)) for g in attention.softmax_attention_backward(np.ones_like(out), cache))
+    grads = attention.softmax_attention_backward(np.ones_like(out), cache)
+    assert all(np.all(np.isfinite(g)) for g in grads)
+    rtol = 1e-12 if dtype == np.float64 else 1e-5
+    assert_euler(grads.v, v, np.ones_like(out), out, rtol)
+    # a common shift of the keys adds the same q . c to a whole row of scores: sum_j dk_j = 0
+    assert np.all(np.abs(grads.k.sum(axis=0)) <= 8 * N * np.finfo(dtype).eps * np.abs(grads.k).sum(axis=0) + 1e-300)
     out, cache = attention.linear_attention_forward(q, k, v, causal=causal, chunk_size=4)
     assert out.dtype == dtype and np.all(np.isfinite(out))
     # elu + 1 features are >= 0, so outputs are shrunk convex combinations: in the hull of v and 0
     assert_in_hull(out, v, N + 3, with_origin=True)
-    assert all(np.all(np.isfinite(g)) for g in attention.linear_attention_backward(np.ones_like(out), cache))
+    grads = attention.linear_attention_backward(np.ones_like(out), cache)
+    assert all(np.all(np.isfinite(g)) for g in grads)
+    assert_euler(grads.v, v, np.ones_like(out), out, rtol)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -281,6 +300,13 @@ def test_ovq_at_extremes(T, C, N, dtype):
     assert st.tokens_seen == T and int(st.counts.sum()) == T and st.size == ovq.dictionary_size(T, N)
     grads = ovq.ovq_attention_backward(np.ones_like(out), ovq.ovq_attention_forward(q, k, v, max_size=N, chunk_size=C)[1])
     assert all(g.dtype == dtype and np.all(np.isfinite(g)) for g in grads)
+    # out is linear in v (the assignments depend on the keys only), and of degree 0 in every query row
+    # above the norm floor: <dL/dv, v> = <g, out> and q_i . dL/dq_i = 0
+    rtol = 1e-12 if dtype == np.float64 else 1e-5
+    assert_euler(grads.v, v, np.ones_like(out), out, rtol)
+    big = np.linalg.norm(q.astype(np.float64), axis=1) > 1e-6
+    radial = np.abs(np.sum(q[big].astype(np.float64) * grads.q[big], axis=1))
+    assert np.all(radial <= 1e3 * np.finfo(dtype).eps * np.linalg.norm(q[big], axis=1) * np.linalg.norm(grads.q[big].astype(np.float64), axis=1) + 1e-300)
 
 
 def test_ovq_float32_meets_its_tolerance_with_large_values():

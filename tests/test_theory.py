@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linprog, minimize
 
-from refimpl import attention, gma, gmm, theory
+from refimpl import gma, gmm, scan, theory
 
 SQRT2 = np.sqrt(2.0)
 # The bound holds for the exact values; the computed ones carry rounding of a few ulps.
@@ -136,6 +136,8 @@ def test_sharpened_k_free_constant_is_attained_by_a_symmetric_pair():
     b = theory.lipschitz_bounds(means, variances, 0.0)
     at_zero = theory.jacobian_spectral_norms(np.zeros((1, 2)), means, variances, weights)[0]
     np.testing.assert_allclose(at_zero, b.k_free / SQRT2, rtol=1e-13)
+    # at K = 2 the crude bound sqrt(K) R / 2 is the same number: it is attained too
+    np.testing.assert_allclose(at_zero, b.crude, rtol=1e-13)
     # the estimator finds it too
     emp = theory.empirical_lipschitz(means, variances, weights, 1e-6, n_points=50, n_pairs=50)
     assert emp.jacobian_norm > 0.99 * b.k_free / SQRT2
@@ -146,9 +148,42 @@ def test_crude_bound_is_the_tighter_one_for_small_k():
     means, variances, _ = random_mixture(3, 2, 2)
     b = theory.lipschitz_bounds(means, variances, 1.0)
     assert b.crude < b.k_free  # sqrt(2) / 2 < 1
+    # at K = 2 it equals the sharpened K-free constant R / sqrt(2), which a symmetric pair attains
+    assert b.crude == pytest.approx(b.k_free / SQRT2, rel=1e-15)
+    assert b.k_free == pytest.approx(theory.bound_radius(means, variances, 1.0), rel=1e-15)
+    means, variances, _ = random_mixture(3, 4, 2)
+    b = theory.lipschitz_bounds(means, variances, 1.0)
+    assert b.crude == pytest.approx(b.k_free, rel=1e-15)  # sqrt(4) / 2 = 1: the two bounds cross at K = 4
     means, variances, _ = random_mixture(3, 9, 2)
     b = theory.lipschitz_bounds(means, variances, 1.0)
     assert b.crude == pytest.approx(1.5 * b.k_free)
+
+
+# --- sampling the ball ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 5])
+def test_sample_ball_is_uniform_in_the_ball(d):
+    """Uniform in the ball: P(||x|| <= t r) = t^d, and the direction is uniform (mean 0, covariance I/d of it)."""
+    n, radius = 20000, 2.5
+    x = theory.sample_ball(n, d, radius, np.random.default_rng(d))
+    assert x.shape == (n, d)
+    norms = np.linalg.norm(x, axis=1)
+    assert np.all(norms <= radius * (1 + 1e-15))
+    for t in (0.5, 0.9):
+        p = t**d
+        # a binomial frequency: within 5 standard errors sqrt(p (1 - p) / n)
+        assert abs(np.mean(norms <= t * radius) - p) <= 5 * np.sqrt(p * (1 - p) / n), t
+    # E||x||^2 = d r^2 / (d + 2); E x = 0 and E x x^T = r^2 / (d + 2) I by symmetry.  Per coordinate,
+    # Var(x_j) = r^2 / (d + 2) and Var(x_j^2) <= r^4 / (d + 2), so 5 standard errors of the means below
+    second = radius**2 / (d + 2)
+    np.testing.assert_allclose(x.mean(axis=0), 0.0, atol=5 * np.sqrt(second / n))
+    np.testing.assert_allclose(np.mean(x**2, axis=0), second, atol=5 * radius**2 / np.sqrt((d + 2) * n))
+    if d == 2:  # the angle is uniform: half of the points lie within pi/8 of a diagonal
+        angle = np.mod(np.arctan2(x[:, 1], x[:, 0]), np.pi / 2)
+        assert abs(np.mean(np.abs(angle - np.pi / 4) < np.pi / 8) - 0.5) <= 5 * 0.5 / np.sqrt(n)
+    assert theory.sample_ball(0, d, radius, np.random.default_rng(0)).shape == (0, d)
+    np.testing.assert_array_equal(theory.sample_ball(5, d, 0.0, np.random.default_rng(0)), 0.0)
 
 
 # --- gradient bounds ---------------------------------------------------------------------
@@ -194,6 +229,44 @@ def _assert_gradient_bounds(x, means, variances, weights, g, bound_x):
     assert np.all(b.logits_modulated <= 0.25 * spread[:, None] * ROUNDING)
 
 
+def test_gradient_bound_formulas_on_a_hand_computed_example():
+    gamma = np.array([[0.2, 0.3, 0.5], [1.0, 0.0, 0.0]])
+    g = np.array([[1.0, -2.0, 4.0], [3.0, 3.0, 3.0]])  # ranges 6 and 0
+    b = theory.gradient_bounds(gamma, g, 3.0)
+    # range(g) R / 2, range(g) R / 4, range(g) / 4, gamma (1 - gamma) range(g); products of exact binary
+    # fractions except 0.2 and 0.3, so equality to an ulp
+    np.testing.assert_allclose(b.x, [9.0, 0.0], rtol=1e-15, atol=0)
+    np.testing.assert_allclose(b.means, [4.5, 0.0], rtol=1e-15, atol=0)
+    np.testing.assert_allclose(b.logits, [1.5, 0.0], rtol=1e-15, atol=0)
+    np.testing.assert_allclose(b.logits_modulated, [[0.96, 1.26, 1.5], [0.0, 0.0, 0.0]], rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("B,s", [(2.0, 0.1), (0.5, 1.0)])
+@pytest.mark.parametrize("g", [[1.0, -3.0], [0.0, 2.5], [-7.0, 1.0]])
+def test_gradient_bounds_are_attained_by_a_symmetric_pair_at_the_origin(B, s, g):
+    """mu = +-B e_1, equal variances s and weights, x = 0, bound_x = 0 (R = B / s).
+
+    gamma = (1/2, 1/2) and u_m = (mu_m - x) / s = +-R e_1, so c = +-(g_1 - g_2) / 4:
+    |c_m| = range(g) / 4 = gamma_m (1 - gamma_m) range(g), ||dL/dmu_m|| = |c_m| R = range(g) R / 4
+    and dL/dx = c_1 u_1 + c_2 u_2 = (g_1 - g_2) R / 2 e_1: all four bounds hold with equality.
+    """
+    means, variances, weights = np.array([[B, 0.0], [-B, 0.0]]), np.full((2, 2), s), np.array([0.5, 0.5])
+    x, g = np.zeros((1, 2)), np.array([g])
+    radius = theory.bound_radius(means, variances, 0.0)
+    assert radius == pytest.approx(B / s, rel=1e-15)
+    grads = theory.per_token_gradients(x, means, variances, weights, g)
+    gamma = gmm.responsibilities(x, means, variances, weights)
+    np.testing.assert_allclose(gamma, 0.5, rtol=1e-15)
+    b = theory.gradient_bounds(gamma, g, radius)
+    # equalities to rounding (a few ulps of each side)
+    np.testing.assert_allclose(np.linalg.norm(grads.x, axis=1), b.x, rtol=1e-14)
+    np.testing.assert_allclose(grads.x[:, 1], 0.0, atol=1e-15 * b.x[0])
+    np.testing.assert_allclose(grads.means_norm, b.means[:, None] * np.ones((1, 2)), rtol=1e-14)
+    np.testing.assert_allclose(np.abs(grads.logits), b.logits[:, None] * np.ones((1, 2)), rtol=1e-14)
+    np.testing.assert_allclose(np.abs(grads.logits), b.logits_modulated, rtol=1e-14)
+    np.testing.assert_allclose(grads.logits[0], [(g[0, 0] - g[0, 1]) / 4, (g[0, 1] - g[0, 0]) / 4], rtol=1e-14)
+
+
 def test_saturated_and_unused_components_get_almost_no_gradient():
     means = np.array([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
     variances = np.full((3, 2), 0.5)
@@ -218,7 +291,7 @@ def test_per_token_gradients_sum_to_gma_backward(causal):
     out, cache = gma.gma_forward(x_q, x_k, v, means, raw, logits, causal=causal, chunk_size=5)
     g = rng.normal(size=out.shape)
     grads = gma.gma_backward(g, cache)
-    dgamma = attention.feature_attention_backward(g, cache.mixing)
+    dgamma = scan.feature_attention_backward(g, cache.mixing)
     weights = gmm.softmax(logits)
     pq = theory.per_token_gradients(x_q, means, cache.variances, weights, dgamma.phi_q)
     pk = theory.per_token_gradients(x_k, means, cache.variances, weights, dgamma.phi_k)
@@ -227,6 +300,14 @@ def test_per_token_gradients_sum_to_gma_backward(causal):
     np.testing.assert_allclose(pq.logits.sum(0) + pk.logits.sum(0), grads.logits, rtol=1e-10, atol=1e-12)
     # the summed mean gradient is bounded by the summed per-token norms (triangle inequality)
     assert np.all(np.linalg.norm(grads.means, axis=1) <= (pq.means_norm.sum(0) + pk.means_norm.sum(0)) * ROUNDING)
+    # the per-token terms themselves: c_im (x_i - mu_m) / sigma_m^2, whose norms are means_norm and whose sum is dL/dmu
+    terms = [
+        p.logits[:, :, None] * (x[:, None, :] - means[None]) / cache.variances[None]
+        for p, x in ((pq, x_q), (pk, x_k))
+    ]
+    for p, t in zip((pq, pk), terms):
+        np.testing.assert_allclose(p.means_norm, np.linalg.norm(t, axis=2), rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(terms[0].sum(0) + terms[1].sum(0), grads.means, rtol=1e-10, atol=1e-12)
 
 
 # --- the affinity ---------------------------------------------------------------------
@@ -249,6 +330,31 @@ def test_affinity_rank_and_entries(K, saturate):
         a = theory.affinity(gq, gk, causal=causal)
         assert np.min(a) >= 0 and np.max(a) <= 1
     assert np.linalg.matrix_rank(theory.affinity(gq, gk)) <= K
+
+
+@pytest.mark.parametrize("n_q,n_k", [(7, 7), (1, 1)])
+def test_affinity_is_the_product_of_responsibilities_and_causal_keeps_its_lower_triangle(n_q, n_k):
+    gq, gk = _gammas(13, n_q, n_k, 4)
+    full = theory.affinity(gq, gk)
+    # A_ij = sum_k gamma_q_ik gamma_k_jk, entry by entry (no matrix product), to rounding
+    explicit = np.array([[np.sum(gq[i] * gk[j]) for j in range(n_k)] for i in range(n_q)])
+    np.testing.assert_allclose(full, explicit, rtol=1e-14, atol=0)
+    causal = theory.affinity(gq, gk, causal=True)
+    # the mask keeps j <= i (the diagonal included) and zeroes j > i exactly
+    i, j = np.indices(causal.shape)
+    np.testing.assert_array_equal(causal[j <= i], full[j <= i])
+    np.testing.assert_array_equal(causal[j > i], 0.0)
+    assert np.all(np.diag(causal) > 0)  # a mask shifted below the diagonal would zero these
+    np.testing.assert_array_equal(causal, np.tril(gq @ gk.T))
+
+
+def test_affinity_bounds_zero_and_one_are_attained_by_one_hot_rows():
+    """Identical one-hot rows agree surely (A = 1), disjoint ones never (A = 0)."""
+    gq = np.array([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0], [1 / 3, 1 / 3, 1 / 3]])
+    gk = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    a = theory.affinity(gq, gk)
+    np.testing.assert_array_equal(a[:2], [[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    np.testing.assert_allclose(a[2], 1 / 3, rtol=1e-15)  # a uniform row agrees with anything with probability 1/K
 
 
 def test_affinity_rank_reaches_k_for_generic_inputs():
@@ -307,6 +413,9 @@ def test_outputs_are_mixtures_of_slot_means():
     w, m = theory.mixing_weights(gq, gk, eps=1e-6), theory.slot_means(gk, v)
     np.testing.assert_allclose(w @ m, gma.gma_dense(gq, gk, v), rtol=1e-12, atol=1e-14)
     assert np.all(w >= 0) and np.all(w.sum(1) <= 1)
+    # the deficit is exactly the share of eps in the denominator: 1 - sum_k w_ik = eps / (gamma_q_i . Z + eps);
+    # it is ~1e-7 and 1 - sum cancels to an absolute error of a few 1e-16, hence rtol 1e-6
+    np.testing.assert_allclose(1 - w.sum(1), 1e-6 / (gq @ gk.sum(0) + 1e-6), rtol=1e-6)
     w0 = theory.mixing_weights(gq, gk, eps=0.0)
     np.testing.assert_allclose(w0.sum(1), 1.0, rtol=1e-14)
     assert np.all(m.min(0) >= v.min(0)) and np.all(m.max(0) <= v.max(0))
@@ -360,3 +469,6 @@ def test_difference_quotient_ignores_pairs_an_ulp_apart():
     sup = float(np.max(theory.jacobian_spectral_norms(grid, means, variances, weights)))
     assert est.difference_quotient <= sup * (1 + 1e-6)
     assert est.jacobian_norm <= sup * (1 + 1e-12)
+    # and both estimates come close to it from below (measured: within 2e-7 and 1.2e-5)
+    assert est.jacobian_norm >= sup * (1 - 1e-5)
+    assert est.difference_quotient >= sup * (1 - 1e-3)

@@ -53,7 +53,7 @@ class _ThisInterpreterKernel(KernelManager):
 
     @default("kernel_spec_manager")
     def _kernel_spec_manager_default(self):
-        # no kernel directories: only ipykernel's built-in "python3" spec, whose argv is sys.executable
+        # no kernel directories: only ipykernel's built-in "python3" kernel, whose argv is sys.executable
         return KernelSpecManager(kernel_dirs=[])
 
 

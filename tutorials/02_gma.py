@@ -28,18 +28,31 @@
 # O = \frac{\Gamma_Q \tilde V}{\Gamma_Q Z + \epsilon} \quad\text{(row by row)} .
 # $$
 #
+# **Notation.** $\epsilon$ is the guard that keeps the denominators positive
+# (the `eps=1e-6` argument of `refimpl`); it is part of the definition of
+# GMA. Machine epsilon $u = 2^{-52} \approx 2.2\times10^{-16}$
+# (`np.finfo(np.float64).eps`) is the size of a relative rounding error in
+# float64; it appears only in the tolerances of the checks. The two have
+# nothing to do with each other, and $10^{-6}$ is ten orders of magnitude
+# above $u$.
+#
 # **The claims of this lesson.**
 #
 # 1. This is the normalised quadratic form $O = D^{-1} A V$ with the
 #    *implicit affinity* $A = \Gamma_Q \Gamma_K^\top$ and
 #    $D = \operatorname{diag}(A\mathbf 1 + \epsilon)$; associativity of the
-#    matrix product computes it without ever forming $A$, in memory that grows
-#    like $NK$, not $N^2$.
+#    matrix product computes it without ever forming $A$, in
+#    $O(NK(d_r + d_v))$ time and memory that grows like $NK$, not $N^2$.
 # 2. $A$ is a very particular $N\times N$ matrix: nonnegative, entries in
 #    $[0, 1]$, $A_{ij}$ is the probability that query $i$ and key $j$ land
 #    in the same component, and its rank is at most $K$.
-# 3. Every output row is a convex combination of $K$ *slot means*
-#    $\tilde V_k / Z_k$.
+# 3. Every output row is a nonnegative combination of $K$ *slot means*
+#    $\tilde V_k / Z_k$ whose weights sum to
+#    $1 - \epsilon/(\gamma^Q_i\cdot Z + \epsilon)$: a *convex* combination
+#    only for $\epsilon = 0$. With $\epsilon > 0$ the weights sum to less than
+#    one, and the outputs lie in the convex hull of the values *and the
+#    origin*; a query whose components received almost no key mass is pulled
+#    to $0$.
 # 4. With one shared isotropic variance the router collapses to a softmax of a
 #    linear function of $x$; per-component diagonal variances are what make it
 #    quadratic.
@@ -61,7 +74,7 @@ from scipy.spatial import ConvexHull
 from refimpl import gma, gmm, theory
 
 SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
-EPS = np.finfo(np.float64).eps  # 2.2e-16
+U_MACH = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16 (not the guard eps = 1e-6)
 print(f"small sizes: {SMALL}")
 
 # %% [markdown]
@@ -94,18 +107,29 @@ gamma_k = gmm.responsibilities(x_k, means, variances, weights)
 print(f"Gamma_Q, Gamma_K: {gamma_q.shape}; rows sum to 1 within {np.max(np.abs(gamma_q.sum(1) - 1)):.1e}")
 
 colors = plt.cm.tab10(np.arange(K))
-fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1, 1.6]})
-ax0.scatter(*x_q.T, c=segment, cmap="Greys", vmin=-2, vmax=3, s=10, label="queries (shade = segment)")
+fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 5.2), gridspec_kw={"width_ratios": [1, 1.6]})
+segment_starts = np.flatnonzero(np.diff(segment, prepend=-1))  # first token of each segment
+segment_style = [("0.7", "o"), ("0.5", "s"), ("0.25", "^"), ("0.0", "x")]  # grey shade and marker per segment
+for s_idx, (shade, marker) in enumerate(segment_style):
+    sel = segment == s_idx
+    first, last = np.flatnonzero(sel)[[0, -1]]
+    ax0.scatter(*x_q[sel].T, color=shade, marker=marker, s=12, lw=0.8, label=f"queries of segment {s_idx + 1} (tokens {first}-{last})")
 for k in range(K):
     for n_sd in (1, 2):
         ax0.add_patch(Ellipse(means[k], 2 * n_sd * np.sqrt(variances[k, 0]), 2 * n_sd * np.sqrt(variances[k, 1]),
                               fill=False, color=colors[k], lw=1.5 if n_sd == 1 else 0.6))
     ax0.annotate(str(k), means[k], color=colors[k], fontsize=13, weight="bold", ha="center", va="center")
 ax0.set(title="routing queries and the K = 6 components (1 and 2 sd)", xlabel="$x_1$", ylabel="$x_2$")
-ax0.legend(loc="lower left", fontsize=8)
+ax0.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=7)
 im = ax1.imshow(gamma_q.T, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
-ax1.set(title=r"$\Gamma_Q^\top$: responsibility of component $k$ for query $i$", xlabel="token $i$", ylabel="component $k$")
-fig.colorbar(im, ax=ax1)
+for s_idx, start in enumerate(segment_starts):
+    if s_idx > 0:
+        ax1.axvline(start - 0.5, color="white", ls="--", lw=1)
+    ax1.text(start + 2, -0.6, f"segment {s_idx + 1}", fontsize=8, va="bottom")
+ax1.set(xlabel="token $i$ (dashed lines: segment boundaries)", ylabel="component $k$")
+ax1.set_title(r"$\Gamma_Q^\top$: responsibility of component $k$ for query $i$", pad=20)
+fig.colorbar(im, ax=ax1, label="$\\gamma^Q_{ik}$")
+plt.tight_layout()
 plt.show()
 
 # %% [markdown]
@@ -135,7 +159,9 @@ plt.show()
 # In matrix form, $(\Gamma_Q\Gamma_K^\top)V = \Gamma_Q(\Gamma_K^\top V)$ and
 # $(\Gamma_Q\Gamma_K^\top)\mathbf 1 = \Gamma_Q(\Gamma_K^\top \mathbf 1)$.
 # The left sides cost $O(N^2(K + d_v))$ time and an $N\times N$ array; the
-# right sides cost $O(NK d_v)$ time and a $K \times d_v$ array. The keys *write* into
+# right sides cost $O(NK d_v)$ time and a $K \times d_v$ array. The
+# responsibilities themselves cost $O(NKd_r)$ in both, so GMA takes
+# $O(NK(d_r + d_v))$ time in all. The keys *write* into
 # $K$ memory slots $\tilde V_k$ with masses $Z_k$, and the queries *read* from
 # them. Here is the mechanism in three lines, against the explicit form and
 # against `refimpl.gma`.
@@ -159,8 +185,8 @@ out_explicit = gma_explicit(gamma_q, gamma_k, v_toy)
 out_refimpl = gma.gma(x_q, x_k, v_toy, means, variances, weights)
 out_oracle = gma.gma_dense(gamma_q, gamma_k, v_toy)
 
-# rounding model (see the text below): |difference| <= 4 (N + K + 1) eps max|v|
-tol_assoc = 4 * (N_toy + K + 1) * EPS * np.max(np.abs(v_toy))
+# rounding model (see the text below): |difference| <= 4 (N + K + 1) u max|v|, u = machine epsilon
+tol_assoc = 4 * (N_toy + K + 1) * U_MACH * np.max(np.abs(v_toy))
 errs = {
     "write/read vs explicit D^-1 A V": np.max(np.abs(out_write_read - out_explicit)),
     "refimpl gma vs explicit": np.max(np.abs(out_refimpl - out_explicit)),
@@ -174,16 +200,17 @@ assert max(errs.values()) <= tol_assoc
 # **Why this tolerance.** The two orders of summation round differently, so
 # they agree only to rounding; the question is how much. For a sum of
 # products, the classical bound (Higham, *Accuracy and Stability of Numerical
-# Algorithms*, §3.1) is $|\mathrm{fl}(\sum_l a_l b_l) - \sum_l a_l b_l| \le n\varepsilon
-# \sum_l |a_l b_l|$ to first order, for $n$ terms. Every term here is a
-# nonnegative weight times a value, so both the numerator and the denominator
-# of $o_i$ carry an error of at most $(N + K)\varepsilon \sum_j A_{ij}|v_j|
-# \le (N+K)\varepsilon\,\mathrm{den}_i \max|v|$ (the explicit form sums $K$
+# Algorithms*, §3.1) is $|\mathrm{fl}(\sum_l a_l b_l) - \sum_l a_l b_l| \le n\,u
+# \sum_l |a_l b_l|$ to first order, for $n$ terms, with machine epsilon $u$.
+# Every term here is a nonnegative weight times a value, so both the
+# numerator and the denominator of $o_i$ carry an error of at most
+# $(N + K)\,u \sum_j A_{ij}|v_j|
+# \le (N+K)\,u\,\mathrm{den}_i \max|v|$ (the explicit form sums $K$
 # terms into $A_{ij}$, then $N$ terms; the factored one $N$, then $K$). After
-# the division each computed $o_i$ is within about $2(N+K+1)\varepsilon\max|v|$
+# the division each computed $o_i$ is within about $2(N+K+1)\,u\max|v|$
 # of the exact one, so two computations are within twice that. The measured
 # errors sit far below this worst case, as rounding errors of random sign
-# usually do (they add like a random walk, $\sim\sqrt n\,\varepsilon$).
+# usually do (they add like a random walk, $\sim\sqrt n\,u$).
 #
 # Both refimpl functions also agree with the three-line version: `gma.gma`
 # computes the responsibilities itself from $(X_Q, X_K)$ and the GMM, and
@@ -192,8 +219,10 @@ assert max(errs.values()) <= tol_assoc
 # ## 3. The implicit affinity
 #
 # $A$ is never formed by GMA, but it is what GMA *does*: row $i$ of $D^{-1}A$
-# is the attention distribution of query $i$ over the keys. Picture it for
-# the toy sequence next to the responsibilities it is made of.
+# is the attention distribution of query $i$ over the keys (its entries sum
+# to $\sum_j A_{ij}/(\sum_j A_{ij} + \epsilon)$, just below one; section 4
+# says where the rest goes). Picture it for the toy sequence next to the
+# responsibilities it is made of.
 
 # %%
 A = theory.affinity(gamma_q, gamma_k)
@@ -205,7 +234,7 @@ axes[1].set(title=r"$A = \Gamma_Q\Gamma_K^\top$", xlabel="key $j$", ylabel="quer
 fig.colorbar(im, ax=axes[1])
 attn = A / (A.sum(axis=1, keepdims=True) + 1e-6)
 im = axes[2].imshow(attn, cmap="magma", interpolation="nearest")
-axes[2].set(title=r"attention weights $D^{-1}A$ (rows sum to 1)", xlabel="key $j$", ylabel="query $i$")
+axes[2].set(title=r"attention weights $D^{-1}A$ (rows sum to just below 1)", xlabel="key $j$", ylabel="query $i$")
 fig.colorbar(im, ax=axes[2])
 plt.tight_layout()
 plt.show()
@@ -240,8 +269,8 @@ err_mc = np.max(np.abs(theory.affinity(sub_q, sub_k) - theory.affinity_by_sampli
 print(f"entries of A in [{A.min():.2e}, {A.max():.4f}]")
 print(f"A vs enumeration of the joint law: {err_enum:.1e}")
 print(f"A vs Monte Carlo, {n_mc} draws:    {err_mc:.1e}   (6 standard errors: {6 * 0.5 / np.sqrt(n_mc):.1e})")
-assert A.min() >= 0 and A.max() <= 1 + 4 * K * EPS  # rows of Gamma sum to 1 within a few eps
-assert err_enum <= 4 * K * EPS  # two sums of K products of numbers in [0, 1], added in different orders
+assert A.min() >= 0 and A.max() <= 1 + 4 * K * U_MACH  # rows of Gamma sum to 1 within a few u
+assert err_enum <= 4 * K * U_MACH  # two sums of K products of numbers in [0, 1], added in different orders
 assert err_mc <= 6 * 0.5 / np.sqrt(n_mc)
 
 # %% [markdown]
@@ -253,12 +282,12 @@ assert err_mc <= 6 * 0.5 / np.sqrt(n_mc)
 # projection) does not give. The singular values show it: $K$ of them are
 # well above rounding level (the smallest of them is $10^{-2}$ to $10^{-4}$ of
 # the largest here), the remaining $N - K$ are rounding noise near
-# $10^{-16}$, below the threshold $\sigma_{\max} N \varepsilon$ that
+# $10^{-16}$, below the threshold $\sigma_{\max} N u$ that
 # `numpy.linalg.matrix_rank` uses.
 #
 # **Positive semidefinite when queries are keys.** With $X_Q = X_K$,
-# $A = \Gamma\Gamma^\top$ is a Gram matrix: $u^\top A u = \|\Gamma^\top u\|^2 \ge 0$.
-# Its eigenvalues are $\ge 0$ up to rounding of order $N\varepsilon\lambda_{\max}$.
+# $A = \Gamma\Gamma^\top$ is a Gram matrix: $y^\top A y = \|\Gamma^\top y\|^2 \ge 0$ for every $y$.
+# Its eigenvalues are $\ge 0$ up to rounding of order $N u\,\lambda_{\max}$.
 #
 # We check both on larger random problems ($K = 8$ and $K = 20$, $d_r = 3$).
 
@@ -279,9 +308,9 @@ for K_r, seed in ((8, 2), (20, 3)):
           f"sigma_(K+1) / sigma_1 = {sv[K_r] / sv[0]:.1e}; min eigenvalue of Gamma Gamma^T / max = {eig[0] / eig[-1]:.1e}")
     assert rank <= K_r
     assert rank == K_r  # and not lower: the threshold does not hide real singular values
-    assert sv[K_r] / sv[0] < N_r * EPS  # everything beyond K is below matrix_rank's threshold
-    assert eig[0] >= -N_r * EPS * eig[-1]
-ax.axhline(N_r * EPS, color="gray", ls=":", label=r"threshold $N\varepsilon$")
+    assert sv[K_r] / sv[0] < N_r * U_MACH  # everything beyond K is below matrix_rank's threshold
+    assert eig[0] >= -N_r * U_MACH * eig[-1]
+ax.axhline(N_r * U_MACH, color="gray", ls=":", label=r"threshold $N u$ ($u$ = machine epsilon)")
 ax.set(xscale="log", xlabel="index", ylabel=r"$\sigma_i / \sigma_1$", title="singular values of $A$: at most K are not rounding noise")
 ax.legend()
 plt.show()
@@ -292,7 +321,7 @@ plt.show()
 # columns of $\Gamma$ are linearly independent. A component that no token uses
 # would lower it.
 #
-# ## 4. Outputs are convex combinations of slot means
+# ## 4. Outputs are mixtures of slot means, convex only for $\epsilon = 0$
 #
 # Divide each slot by its mass: $m_k = \tilde V_k / Z_k = \sum_j
 # \frac{\gamma^K_{jk}}{Z_k} v_j$, a weighted average of the values, the
@@ -307,11 +336,22 @@ plt.show()
 #
 # With $\epsilon = 0$ the weights sum to one: every output is a convex
 # combination of the $K$ slot means, which are convex combinations of the
-# values, so **every output lies in the convex hull of the values**. (With
-# $\epsilon > 0$ the missing mass goes to the origin: the hull of the values
-# and $0$.) Below, $d_v = 2$ so that we can draw it, and the values depend on
-# the segment (each segment has its own centre in value space, with noise);
-# `theory.slot_means` and `theory.mixing_weights` give $M$ and $W$.
+# values, so **with $\epsilon = 0$ every output lies in the convex hull of the
+# values**. With the guard $\epsilon > 0$ the weights sum to *less* than one:
+# $o_i = \sum_k w_{ik} m_k + (1 - \sum_k w_{ik})\cdot 0$ is a convex
+# combination of the slot means *and the origin*, so the outputs lie in the
+# hull of the values and $0$, and not in general in the hull of the values.
+# The missing weight $\epsilon/(\gamma^Q_i\cdot Z + \epsilon)$ is tiny when the
+# query's components hold a lot of key mass, and close to one when they hold
+# almost none.
+#
+# Below, $d_v = 2$ so that we can draw it, and the values depend on the
+# segment (each segment has its own centre in value space, with noise);
+# `theory.slot_means` and `theory.mixing_weights` give $M$ and $W$. Then a
+# case where the guard shows: keys from the first segment only (as early in a
+# causal sequence, lesson 3), read by the queries of the third segment, which
+# are routed to components 3 and 4, where the first segment's keys put almost
+# no mass.
 
 # %%
 value_centres = np.array([[-2.0, 2.0], [2.0, 2.0], [0.0, -2.0], [-2.0, -1.0]])  # one per segment
@@ -322,35 +362,85 @@ w_mix = theory.mixing_weights(gamma_q, gamma_k, eps=0.0)
 w_mix_eps = theory.mixing_weights(gamma_q, gamma_k, eps=1e-6)
 den = gamma_q @ gamma_k.sum(axis=0)
 
+
+def signed_distance(points, hull):
+    """Largest n . y + c over the facets (n, c) of a scipy ConvexHull: <= 0 inside, > 0 outside."""
+    return np.max(points @ hull.equations[:, :2].T + hull.equations[:, 2], axis=1)
+
+
 hull = ConvexHull(v2)
-# hull.equations: rows (n, c) with unit normal n and n . y + c <= 0 inside the hull
-outside = np.max(out0 @ hull.equations[:, :2].T + hull.equations[:, 2])
-tol_hull = 4 * (N_toy + K + 1) * EPS * np.max(np.abs(v2))  # the rounding model of section 2
+outside = np.max(signed_distance(out0, hull))
+tol_hull = 4 * (N_toy + K + 1) * U_MACH * np.max(np.abs(v2))  # the rounding model of section 2
 err_slots = np.max(np.abs(w_mix @ slots - out0))
-err_sum = np.max(np.abs(w_mix_eps.sum(axis=1) - (1 - 1e-6 / (den + 1e-6))))
+deficit = 1 - w_mix_eps.sum(axis=1)  # the weight that goes to the origin when eps = 1e-6
+err_sum = np.max(np.abs(deficit - 1e-6 / (den + 1e-6)))
 print(f"W M vs gma output:                   {err_slots:.1e}")
-print(f"row sums of W vs 1 - eps / (den + eps): {err_sum:.1e}")
-print(f"largest signed distance of an output outside the hull: {outside:.1e} (negative = inside; tolerance {tol_hull:.1e})")
+print(f"eps = 1e-6: 1 - row sums of W from {deficit.min():.1e} to {deficit.max():.1e}; "
+      f"vs eps / (den + eps): {err_sum:.1e}")
+print(f"eps = 0: largest signed distance of an output outside the hull: {outside:.1e} "
+      f"(negative = inside; tolerance {tol_hull:.1e})")
 assert np.all(w_mix >= 0)
-assert err_slots <= tol_hull and err_sum <= 4 * EPS
+assert err_slots <= tol_hull and err_sum <= 4 * U_MACH
+assert np.all(deficit > 4 * U_MACH)  # with eps > 0 every row of W sums to less than one, beyond rounding
 assert outside <= tol_hull
 
-fig, ax = plt.subplots(figsize=(6.5, 5))
+# keys of the first segment only, queries of the third: components 3 and 4 hold almost no key mass
+first, third = segment == 0, segment == 2
+hull_first = ConvexHull(v2[first])
+hull_first_and_0 = ConvexHull(np.vstack([v2[first], np.zeros((1, 2))]))
+out_far0 = gma.gma(x_q[third], x_k[first], v2[first], means, variances, weights, eps=0.0)
+out_far = gma.gma(x_q[third], x_k[first], v2[first], means, variances, weights, eps=1e-6)
+den_far = gamma_q[third] @ gamma_k[first].sum(axis=0)
+tol_far = 4 * (int(first.sum()) + K + 1) * U_MACH * np.max(np.abs(v2[first]))
+dist_far0 = signed_distance(out_far0, hull_first)  # eps = 0: inside the hull of the values
+dist_far = signed_distance(out_far, hull_first)  # eps > 0: ...
+dist_far_with_0 = signed_distance(out_far, hull_first_and_0)  # ... inside the hull of the values and the origin
+err_shrink = np.max(np.abs(out_far - (den_far / (den_far + 1e-6))[:, None] * out_far0))
+print(f"third-segment queries on first-segment keys: gamma_q . Z from {den_far.min():.1e} to {den_far.max():.1e}")
+print(f"  eps = 0:    largest distance outside the hull of the values {dist_far0.max():+.1e}")
+print(f"  eps = 1e-6: largest distance outside the hull of the values {dist_far.max():+.2f}; "
+      f"outside the hull of the values and 0 {dist_far_with_0.max():+.1e}  (tolerance {tol_far:.1e})")
+print(f"  eps = 1e-6 output vs (den / (den + eps)) x eps = 0 output: {err_shrink:.1e}")
+assert dist_far0.max() <= tol_far
+assert dist_far.max() > 0.1 * np.max(np.ptp(v2[first], axis=0))  # clearly outside: not a convex combination
+assert dist_far_with_0.max() <= tol_far and err_shrink <= tol_far
+
+fig, (ax, ax_far) = plt.subplots(1, 2, figsize=(13, 5))
 ax.scatter(*v2.T, s=8, color="lightgray", label="values $v_j$")
 for simplex in hull.simplices:
     ax.plot(*v2[simplex].T, color="gray", lw=0.8)
 ax.scatter(*slots.T, s=300, marker="*", c=colors, edgecolors="black", label=r"slot means $\tilde V_k / Z_k$")
-ax.scatter(*out0.T, s=12, c="black", marker="x", lw=0.8, label="outputs $o_i$")
+ax.scatter(*out0.T, s=12, c="black", marker="x", lw=0.8, label="outputs $o_i$ ($\\epsilon = 0$)")
 ax.set(title="outputs are mixtures of K slot means", xlabel="value coordinate 1", ylabel="value coordinate 2")
 ax.legend(fontsize=8)
+ax_far.scatter(*v2[first].T, s=8, color="lightgray", label="values of the first segment")
+for simplex in hull_first.simplices:
+    ax_far.plot(*v2[first][simplex].T, color="gray", lw=0.8)
+ax_far.plot(*np.stack([out_far0, out_far]).transpose(2, 0, 1), color="tab:blue", lw=0.4, alpha=0.5)
+ax_far.scatter(*out_far0.T, s=14, c="black", marker="x", lw=0.8, label="outputs, $\\epsilon = 0$")
+sc = ax_far.scatter(*out_far.T, s=14, c=np.log10(den_far), cmap="viridis", label="outputs, $\\epsilon = 10^{-6}$")
+ax_far.scatter(0, 0, s=60, marker="+", color="red", label="origin")
+fig.colorbar(sc, ax=ax_far, label=r"$\log_{10}\,\gamma^Q_i\cdot Z$")
+ax_far.set(title="third-segment queries, first-segment keys", xlabel="value coordinate 1", ylabel="value coordinate 2")
+ax_far.legend(fontsize=8, loc="upper right")
 plt.show()
 
 # %% [markdown]
-# The outputs (crosses) sit on or between the few slot means that their
-# query mixes, most of them hidden under the stars, well inside the hull of
-# the values. The first and the last segment had different values but were
-# routed to the same components (0 and 1): those two slot means average the
-# two segments' values, and the outputs of both segments land there. GMA
+# Left: the outputs (crosses) sit on or between the few slot means that
+# their query mixes, most of them hidden under the stars, well inside the hull
+# of the values; on the whole sequence every denominator is large and the
+# guard changes the outputs by a factor within $10^{-7}$ of one (printed
+# above). Right: the third segment's queries reading the first segment's
+# keys, with $\epsilon = 0$ (crosses) and with $\epsilon = 10^{-6}$ (dots,
+# joined to their crosses). Where the denominator $\gamma^Q_i\cdot Z$ is
+# comparable to $\epsilon$ or below it, the output is its $\epsilon = 0$
+# version times $\gamma^Q_i\cdot Z/(\gamma^Q_i\cdot Z + \epsilon)$: it slides along
+# the segment towards the origin, out of the hull of the values.
+#
+# Back to the left panel. The first and the last segment had different
+# values but were routed to the same components (0 and 1): those two slot
+# means average the two segments' values, and the outputs of both segments
+# land there. GMA
 # averages over everything routed to the same components, wherever it sits in
 # the sequence. That is its inductive bias (smooth, low-rank mixing) and its
 # limit: it cannot copy one particular value the way a sharp softmax row can,
@@ -413,7 +503,7 @@ time_gma = [best_time(lambda: run_gma(*args), 5) for args in inputs]
 peak_dense = [traced_peak(lambda: run_dense(*args)) for args in inputs]
 time_dense = [best_time(lambda: run_dense(*args), 3 if n <= 2048 else 1) for n, args in zip(Ns, inputs)]
 for n, args in zip(Ns, inputs):
-    assert np.max(np.abs(run_gma(*args) - run_dense(*args))) <= 4 * (n + K_c + 1) * EPS * np.max(np.abs(args[2]))
+    assert np.max(np.abs(run_gma(*args) - run_dense(*args))) <= 4 * (n + K_c + 1) * U_MACH * np.max(np.abs(args[2]))
 peak_gma, peak_dense = np.array(peak_gma, float), np.array(peak_dense, float)
 time_gma, time_dense = np.array(time_gma), np.array(time_dense)
 
@@ -427,6 +517,9 @@ ax1.loglog(Ns, time_dense, "o-", label="explicit $D^{-1}AV$")
 ax1.loglog(Ns, time_gma, "s-", label="GMA (write, read)")
 ax1.set(xlabel="sequence length $N$", ylabel="seconds (best of several)", title="time")
 ax1.legend()
+for a in (ax0, ax1):  # one labelled tick per measured N, no minor-tick labels to collide with them
+    a.set_xticks(Ns, [str(n) for n in Ns])
+    a.xaxis.set_minor_locator(plt.NullLocator())
 plt.show()
 
 print("     N   GMA peak (MiB)  explicit peak (MiB)   GMA time (s)  explicit time (s)")
@@ -516,8 +609,8 @@ assert peak_dense[-1] >= 8.0 * Ns[-1] ** 2 > 10 * peak_gma[-1]
 # difference: $f(t+h) - 2f(t) + f(t-h) = h^2 f''$, so we can measure the
 # curvature from three evaluations of `gmm.log_responsibilities`
 # ($\log\gamma_k - \log\gamma_m = \ell_k - \ell_m$). The only error is the
-# rounding of the log-responsibilities, a few $\varepsilon$ times their size
-# each; we allow $16\varepsilon\max|\ell|$.
+# rounding of the log-responsibilities, a few $u$ times their size
+# each; we allow $16\,u\max|\ell|$.
 
 # %%
 def log_odds_curvature(x0, d, means, variances, weights, k, m, h=1.0):
@@ -535,14 +628,14 @@ for _ in range(20):
     k, m = r6.choice(K, size=2, replace=False)
     curv, size = log_odds_curvature(x0, d, means, variances, weights, k, m)
     predicted = -np.sum(d**2 * (1 / variances[k] - 1 / variances[m]))
-    worst_diag = max(worst_diag, abs(curv - predicted) / (16 * EPS * size))
+    worst_diag = max(worst_diag, abs(curv - predicted) / (16 * U_MACH * size))
     curv_iso, size_iso = log_odds_curvature(x0, d, means, iso_var, weights, k, m)
-    worst_iso = max(worst_iso, abs(curv_iso) / (16 * EPS * size_iso))
+    worst_iso = max(worst_iso, abs(curv_iso) / (16 * U_MACH * size_iso))
 # the linear router against the GMM posterior, on a grid
 grid = np.stack(np.meshgrid(np.linspace(-5, 5, 60), np.linspace(-5, 5, 60)), -1).reshape(-1, 2)
 logits_iso = theory.isotropic_router_logits(grid, means, 0.5, weights)
 err_router = np.max(np.abs(gmm.softmax(logits_iso, axis=1) - gmm.responsibilities(grid, means, iso_var, weights)))
-tol_router = 16 * EPS * np.max(np.abs(logits_iso))
+tol_router = 16 * U_MACH * np.max(np.abs(logits_iso))
 print(f"diagonal: curvature of the log-odds vs formula, worst / tolerance = {worst_diag:.3f}")
 print(f"isotropic: curvature of the log-odds, worst / tolerance          = {worst_iso:.3f}")
 print(f"softmax(x mu^T / s^2 + b) vs GMM posterior: {err_router:.1e} (tolerance {tol_router:.1e})")
@@ -574,12 +667,13 @@ plt.show()
 #
 # | claim | measured | allowed |
 # |---|---|---|
-# | write/read $=$ explicit $D^{-1}AV$ (and `gma.gma`, `gma.gma_dense`) | $\sim 10^{-16}$ | $4(N+K+1)\varepsilon\max\lvert v\rvert$ |
-# | $A_{ij} = P(z_i = z_j)$: enumeration, Monte Carlo | $\sim 10^{-17}$; within 6 s.e. | $4K\varepsilon$; $3/\sqrt n$ |
-# | $0 \le A_{ij} \le 1$, $\operatorname{rank} A \le K$, PSD if $X_Q = X_K$ | exact rank $K$; $\sigma_{K+1}/\sigma_1 \sim 10^{-17}$ | $N\varepsilon$ |
+# | write/read $=$ explicit $D^{-1}AV$ (and `gma.gma`, `gma.gma_dense`) | $\sim 10^{-16}$ | $4(N+K+1)\,u\max\lvert v\rvert$ |
+# | $A_{ij} = P(z_i = z_j)$: enumeration, Monte Carlo | $\sim 10^{-17}$; within 6 s.e. | $4K u$; $3/\sqrt n$ |
+# | $0 \le A_{ij} \le 1$, $\operatorname{rank} A \le K$, PSD if $X_Q = X_K$ | exact rank $K$; $\sigma_{K+1}/\sigma_1 \sim 10^{-17}$ | $N u$ |
 # | outputs $=$ $W M$, inside the hull of the values ($\epsilon = 0$) | $\sim 10^{-16}$ | rounding model |
+# | with $\epsilon = 10^{-6}$: rows of $W$ sum to $1 - \epsilon/(\gamma^Q_i\cdot Z + \epsilon) < 1$; outputs in the hull of the values and $0$, not of the values alone | $\sim 10^{-16}$; outside the values' hull by up to $0.8$ ($2$ at small sizes) | $4u$; rounding model; $> 0.1\,\mathrm{range}(v)$ |
 # | memory: slope GMA, slope explicit; $a$ of the explicit form | $0.98$–$0.99$; $1.96$–$1.98$; $8.000$ bytes | $[0.9, 1.02]$; $[1.9, 2.02]$; $\pm 1\%$ |
-# | isotropic router $=$ linear softmax; diagonal log-odds curvature | $\sim 10^{-16}$; formula to rounding | $16\varepsilon\max\lvert\ell\rvert$ |
+# | isotropic router $=$ linear softmax; diagonal log-odds curvature | $\sim 10^{-16}$; formula to rounding | $16\,u\max\lvert\ell\rvert$ |
 #
 # What is *not* shown here: the time ratio between the two forms (printed,
 # machine-dependent), and causality. Lesson 3 makes GMA causal with prefix

@@ -51,7 +51,7 @@ import os
 import matplotlib.pyplot as plt
 import numpy as np
 
-from refimpl import attention, gma, gmm, theory
+from refimpl import attention, gma, gmm, scan, theory
 
 SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
 EPS = np.finfo(np.float64).eps  # 2.2e-16
@@ -147,9 +147,9 @@ def mixing_backward(G, gq, gk, v, eps=EPS_DEN):
 
 
 d_gq, d_gk, dv_mix = mixing_backward(G, gamma_q, gamma_k, params["v"])
-mix_ref = attention.feature_attention_backward(G, cache.mixing)  # refimpl's mixing backward
+mix_ref = scan.feature_attention_backward(G, cache.mixing)  # refimpl's mixing backward
 err_mix = max(np.max(np.abs(d_gq - mix_ref.phi_q)), np.max(np.abs(d_gk - mix_ref.phi_k)), np.max(np.abs(dv_mix - mix_ref.v)))
-print(f"mixing backward vs refimpl.attention.feature_attention_backward: {err_mix:.1e}")
+print(f"mixing backward vs refimpl.scan.feature_attention_backward: {err_mix:.1e}")
 assert err_mix <= 1e-13  # the same few products in the same order: agreement to a few eps of O(1) numbers
 
 # %% [markdown]
@@ -372,7 +372,7 @@ xs_q, xs_k, vs = 1.5 * r.normal(size=(N_s, d_s)), 1.5 * r.normal(size=(N_s, d_s)
 means_s, raw_s, logits_s = 1.5 * r.normal(size=(K_s, d_s)), r.normal(size=(K_s, d_s)) - 1.5, r.normal(size=K_s)
 out_s, cache_s = gma.gma_forward(xs_q, xs_k, vs, means_s, raw_s, logits_s)
 G_s = r.normal(size=out_s.shape)
-g_resp = attention.feature_attention_backward(G_s, cache_s.mixing)  # dL/dGamma_Q, dL/dGamma_K
+g_resp = scan.feature_attention_backward(G_s, cache_s.mixing)  # dL/dGamma_Q, dL/dGamma_K
 gam = np.concatenate([cache_s.gamma_q, cache_s.gamma_k])
 g_all = np.concatenate([g_resp.phi_q, g_resp.phi_k])
 c_all = gam * (g_all - np.sum(gam * g_all, axis=1, keepdims=True))
@@ -497,7 +497,7 @@ plt.show()
 def bound_ratios(x_q, x_k, v, means, raw, logits, G_up, seed_label):
     out_b, cache_b = gma.gma_forward(x_q, x_k, v, means, raw, logits)
     grads_b = gma.gma_backward(G_up, cache_b)
-    g_b = attention.feature_attention_backward(G_up, cache_b.mixing)
+    g_b = scan.feature_attention_backward(G_up, cache_b.mixing)
     var_b, w_b = cache_b.variances, gmm.weights_from_logits(logits)
     b_x = max(np.linalg.norm(x_q, axis=1).max(), np.linalg.norm(x_k, axis=1).max())
     R = theory.bound_radius(means, var_b, b_x)

@@ -29,9 +29,11 @@
 # \mathrm{NLL}(\mu) = -\sum_{i=1}^N \log \sum_{n=1}^K \pi_n\,\mathcal N(x_i;\ \mu_n,\ I/\beta).
 # $$
 #
-# 1. The EM update of the means is *exactly* one Newton step on the NLL, where
-#    the Hessian is that of the EM surrogate (the responsibilities held fixed),
-#    $H_n = \beta N_n I$ with $N_n = \sum_i r_{in}$.
+# 1. The EM update of the means is *exactly* one Newton step on the EM
+#    surrogate $U$ (the responsibilities held fixed): $\mu - H^{-1}\nabla$
+#    with $\nabla$ the gradient of the NLL (equal to that of $U$ at the
+#    current point) and $H_n = \beta N_n I$, $N_n = \sum_i r_{in}$, the
+#    Hessian of the surrogate.
 # 2. That Hessian is **not** the Hessian of the NLL. The two differ by a term
 #    that vanishes as the responsibilities become hard; the true Hessian can be
 #    indefinite, the surrogate one never is. "EM = Newton" means Newton on the
@@ -54,7 +56,7 @@ import numpy as np
 from refimpl import gmm
 
 SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
-EPS = np.finfo(np.float64).eps
+U_MACH = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16
 print(f"small sizes: {SMALL}")
 
 # %% [markdown]
@@ -93,38 +95,102 @@ def resp_isotropic(x, means, beta, weights):
 # $$
 #
 # `gmm.isotropic_nll_gradient` implements the right-hand side. We check it by
-# central differences of `gmm.isotropic_nll` for a range of steps $h$. The
-# error of a central difference is a truncation part $\sim h^2$ and a rounding
-# part $\sim \varepsilon\,|\mathrm{NLL}|/h$, so the plot is a V with its
-# bottom near $h \approx (\varepsilon|\mathrm{NLL}|)^{1/3}$.
+# central differences of `gmm.isotropic_nll`, one coordinate of the means at
+# a time, for a range of steps $h$. Along a coordinate direction $e$, with
+# $f(t) = \mathrm{NLL}(\mu + t e)$, Taylor's theorem gives
+#
+# $$
+# \frac{f(h) - f(-h)}{2h} = f'(0) + \frac{h^2}{6} f'''(0) + O(h^4),
+# $$
+#
+# and each evaluation of $f$ is rounded to about $u|f|$, with machine epsilon
+# $u$ ($2.2\times10^{-16}$ in float64), an error the difference divides
+# by $2h$: up to $u|f|/h$. The total error $E(h) = h^2|f'''|/6 + u|f|/h$ is a V
+# on log-log axes whose bottom is where $E'(h) = h|f'''|/3 - u|f|/h^2$ vanishes:
+#
+# $$
+# h^\star = \Big(\frac{3u|f|}{|f'''|}\Big)^{1/3}, \qquad E(h^\star) = \frac32\,\frac{u|f|}{h^\star} .
+# $$
+#
+# The third derivative sets where truncation takes over, and it is not of
+# order one here. We estimate it along each probed coordinate with a wide
+# stencil, $f'''(0) \approx [f(2H) - 2f(H) + 2f(-H) - f(-2H)]/(2H^3)$, whose
+# truncation error is $O(H^2)$ and rounding error $3u|f|/H^3$; at
+# $H = 10^{-2}$ and $5\times10^{-3}$ both are small, and the two estimates
+# must agree to $1\%$. The plotted error is the maximum over the coordinates,
+# so at large $h$ the coordinate with the largest $|f'''|$ dominates it, and
+# the prediction uses that one.
+#
+# Two checks. (i) At $h = 10^{-2}$ rounding is negligible ($u|f|/h$ is below
+# $10^{-5}$ of the truncation part), and the next Taylor term is $O(h^2)$
+# relative, so the measured error must equal $h^2\max|f'''|/6$ to within
+# $5\%$. (ii) The best measured step must be within a factor $10$ of
+# $h^\star$. The factor: the steps are half a decade apart, so the best
+# *sampled* step can sit $10^{1/4} \approx 1.8$ from the minimum of the
+# measured curve; and the rounding part is $\kappa u|f|/h$ with a constant
+# $\kappa$ that is not exactly one (the rounding errors of $f(h)$ and
+# $f(-h)$ partly cancel; $\kappa$ is measured below at the smallest steps),
+# which moves the minimum by $\kappa^{1/3}$: at most a factor $2.2$ for
+# $\kappa$ anywhere in $[0.1, 10]$. Together about $4$; $10$ leaves a margin
+# and still rejects a prediction a decade off.
 
 # %%
+def nll_along(idx, t):
+    """f(t) = NLL(mu_0 + t e_idx): the NLL along one coordinate of the means."""
+    e = np.zeros_like(means0)
+    e[idx] = t
+    return gmm.isotropic_nll(x, means0 + e, beta, weights)
+
+
+def third_derivative(idx, H):
+    """f'''(0) along coordinate idx, from the wide stencil at +-H, +-2H."""
+    return (nll_along(idx, 2 * H) - 2 * nll_along(idx, H) + 2 * nll_along(idx, -H) - nll_along(idx, -2 * H)) / (2 * H**3)
+
+
 grad = gmm.isotropic_nll_gradient(x, means0, beta, weights)
 nll0 = gmm.isotropic_nll(x, means0, beta, weights)
+g_max = np.max(np.abs(grad))
 steps = 10.0 ** np.arange(-1, -10.5, -0.5)
 fd_errors = []
 for h in steps:
     fd = np.empty_like(means0)
     for idx in np.ndindex(means0.shape):
-        e = np.zeros_like(means0)
-        e[idx] = h
-        fd[idx] = (gmm.isotropic_nll(x, means0 + e, beta, weights) - gmm.isotropic_nll(x, means0 - e, beta, weights)) / (2 * h)
-    fd_errors.append(np.max(np.abs(fd - grad)) / np.max(np.abs(grad)))
+        fd[idx] = (nll_along(idx, h) - nll_along(idx, -h)) / (2 * h)
+    fd_errors.append(np.max(np.abs(fd - grad)) / g_max)
 fd_errors = np.array(fd_errors)
 
-fig, ax = plt.subplots(figsize=(6, 4))
+f3 = np.array([third_derivative(idx, 1e-2) for idx in np.ndindex(means0.shape)])
+f3_half = np.array([third_derivative(idx, 5e-3) for idx in np.ndindex(means0.shape)])
+f3_max = np.max(np.abs(f3))
+h_star = (3 * U_MACH * abs(nll0) / f3_max) ** (1 / 3)
+err_star = 1.5 * U_MACH * abs(nll0) / h_star / g_max  # E(h*), relative to max |grad|
+h_best, best = steps[fd_errors.argmin()], fd_errors.min()
+model = (steps**2 * f3_max / 6 + U_MACH * abs(nll0) / steps) / g_max
+at_1e2 = np.isclose(steps, 1e-2)
+truncation_ratio = fd_errors[at_1e2][0] / model[at_1e2][0]
+small_steps = steps <= 1e-8
+kappa = fd_errors[small_steps] * g_max * steps[small_steps] / (U_MACH * abs(nll0))
+
+fig, ax = plt.subplots(figsize=(6.5, 4.2))
 ax.loglog(steps, fd_errors, "o-", label="central differences vs formula")
-ax.axvline((EPS * abs(nll0)) ** (1 / 3), color="gray", ls=":", label=r"$h = (\varepsilon\,|\mathrm{NLL}|)^{1/3}$")
+ax.loglog(steps, model, "k--", lw=0.8, label=r"model $(h^2\max|f'''|/6 + u|f|/h)\,/\max|\nabla|$")
+ax.axvline(h_star, color="tab:red", ls=":", label=r"$h^\star = (3u|f|/\max|f'''|)^{1/3}$")
 ax.set(xlabel="step $h$", ylabel="max relative error", title="gradient check: truncation vs rounding")
 ax.invert_xaxis()
-ax.legend()
+ax.legend(fontsize=8)
 plt.show()
 
-best = fd_errors.min()
-print(f"NLL = {nll0:.1f}; best relative error {best:.1e} at h = {steps[fd_errors.argmin()]:.0e}")
-# at the best h both parts are ~ (eps |NLL|)^(2/3) / |grad|; allow 100 times that
-tol_grad = 100 * (EPS * abs(nll0)) ** (2 / 3) / np.max(np.abs(grad))
-assert best < tol_grad, (best, tol_grad)
+print(f"NLL = {nll0:.1f}; f''' along the coordinates: {np.round(f3, 1)}")
+print(f"  H = 1e-2 vs 5e-3: the f''' estimates agree to {np.max(np.abs(f3 - f3_half) / np.abs(f3_half)):.1e} relative")
+print(f"predicted best step h* = {h_star:.1e} (error {err_star:.1e}); measured best h = {h_best:.0e} "
+      f"(error {best:.1e}): a factor {max(h_best / h_star, h_star / h_best):.1f} apart")
+print(f"truncation branch at h = 1e-2: measured / (h^2 max|f'''| / 6) = {truncation_ratio:.4f}")
+print(f"rounding constant kappa at the steps <= 1e-8: {np.round(kappa, 2)}")
+assert np.max(np.abs(f3 - f3_half) / np.abs(f3_half)) < 0.01  # the stencil has converged
+assert abs(truncation_ratio - 1) < 0.05  # the truncation branch is h^2 max|f'''| / 6
+assert 0.1 <= h_best / h_star <= 10  # the bottom of the V is where h* puts it
+# the grid has a step within 10^(1/4) of h*, where E <= 1.45 E(h*); a factor 2 more allows kappa up to 2
+assert best < 3 * err_star, (best, err_star)
 
 # %% [markdown]
 # ## 2. The EM surrogate and its Hessian
@@ -180,7 +246,7 @@ scale = np.max(np.abs(nll_line))
 gap_at_0 = abs(sur_line[mid] - nll_line[mid]) / scale
 worst_violation = np.max(nll_line - sur_line) / scale  # must be <= 0 up to rounding
 print(f"|U - NLL| / |NLL| at t = 0: {gap_at_0:.1e};  max (NLL - U) / |NLL| on the line: {worst_violation:.1e}")
-# both are sums of N terms of size |NLL| / N: a few eps relative
+# both are sums of N terms of size |NLL| / N: a few u relative
 assert gap_at_0 < 1e-13 and worst_violation < 1e-13
 
 # %% [markdown]
@@ -188,6 +254,12 @@ assert gap_at_0 < 1e-13 and worst_violation < 1e-13
 # gradient at $\mu^{\text{old}}$, and the surrogate Hessian from
 # `gmm.isotropic_surrogate_hessian` is $\beta N_n$ (we also check it by central
 # differences of $U$ itself, which is exact for a quadratic up to rounding).
+# The same second differences taken on the NLL do **not** give $\beta N_n$:
+# the two functions share their value and gradient at $\mu^{\text{old}}$, not
+# their curvature. $H_n = \beta N_n I$ is the Hessian of the EM surrogate, not
+# of the NLL (section 4 derives the difference). For the NLL the second
+# difference has a truncation error $h^2|f''''|/12$ and a rounding error
+# about $4u|f|/h^2$; both are far below the gap we assert, $1\%$ of $\beta N_n$.
 
 # %%
 grad_U = -beta * (r0.T @ x - r0.sum(axis=0)[:, None] * means0)
@@ -201,11 +273,15 @@ for n in range(K):
     second_diff[n] = (surrogate(x, means0 + e, beta, weights, r0) - 2 * surrogate(x, means0, beta, weights, r0)
                       + surrogate(x, means0 - e, beta, weights, r0)) / h**2
 err_hess = np.max(np.abs(second_diff - hess_sur) / hess_sur)
+second_diff_nll = np.array([(nll_along((n, 0), h) - 2 * nll0 + nll_along((n, 0), -h)) / h**2 for n in range(K)])
+gap_nll = np.abs(second_diff_nll - hess_sur) / hess_sur
 print(f"grad U vs grad NLL at mu_old: {err_tangent:.1e}")
 print(f"beta N_n = {np.round(hess_sur, 3)};  second differences of U agree to {err_hess:.1e}")
+print(f"second differences of the NLL: {np.round(second_diff_nll, 3)}, off from beta N_n by {np.round(gap_nll, 3)} relative")
 assert err_tangent < 1e-13
-# second difference of a quadratic: no truncation; rounding ~ eps |U| / h^2
-assert err_hess < 10 * EPS * abs(nll0) / h**2 / hess_sur.min()
+# second difference of a quadratic: no truncation; rounding ~ u |U| / h^2
+assert err_hess < 10 * U_MACH * abs(nll0) / h**2 / hess_sur.min()
+assert np.max(gap_nll) > 0.01  # beta N_n is the surrogate's curvature, not the NLL's
 
 # %% [markdown]
 # ## 3. One Newton step on the surrogate is the M-step
@@ -220,9 +296,9 @@ assert err_hess < 10 * EPS * abs(nll0) / h**2 / hess_sur.min()
 # $$
 #
 # the responsibility-weighted mean: the EM M-step. Both routes are in
-# `refimpl.gmm` (`newton_step` builds $\mu - H^{-1}\nabla$ from the gradient and
-# the Hessian; `isotropic_m_step` forms the weighted mean) and they must agree
-# to rounding for any $\beta$.
+# `refimpl.gmm` (`newton_step` builds $\mu - H^{-1}\nabla$ from the NLL
+# gradient and the surrogate Hessian; `isotropic_m_step` forms the weighted
+# mean) and they must agree to rounding for any $\beta$.
 
 # %%
 worst_em_newton = 0.0
@@ -285,7 +361,7 @@ err_H = np.max(np.abs(H_fd - H_true)) / np.max(np.abs(H_true))
 gap_beta1 = np.linalg.norm(H_true - surrogate_hessian_matrix(x, means0, beta, weights), 2) / np.linalg.norm(H_true, 2)
 print(f"NLL Hessian formula vs central differences of the gradient: {err_H:.1e}")
 print(f"relative gap between the true and the surrogate Hessian at beta = {beta}: {gap_beta1:.2f}")
-assert err_H < 1e-8  # truncation ~h^2, rounding ~eps |grad| / h: both < 1e-9 relative here
+assert err_H < 1e-8  # truncation ~h^2, rounding ~u |grad| / h: both < 1e-9 relative here
 assert gap_beta1 > 0.01  # at this beta they are different matrices
 
 # %% [markdown]
@@ -413,8 +489,8 @@ print(f"{n_chunks} batches of sizes {np.min(np.diff(np.r_[0, cuts, N]))} to {np.
 print(f"counts {counts} == cluster sizes {np.bincount(assign, minlength=K)}")
 print(f"running mean vs batch mean: {err_running:.1e}")
 assert np.array_equal(counts, np.bincount(assign, minlength=K))
-# each fold rounds a few times, relative eps each: errors add up over the batches
-assert err_running <= 4 * n_chunks * EPS
+# each fold rounds a few times, relative u each: errors add up over the batches
+assert err_running <= 4 * n_chunks * U_MACH
 
 # %% [markdown]
 # ## 7. EM never increases the NLL
@@ -430,7 +506,7 @@ assert err_running <= 4 * n_chunks * EPS
 # (`isotropic_m_step`), and full diagonal EM that also updates the variances
 # and weights (`em_step`, the same argument with a surrogate in all
 # parameters). Every step is checked; rounding of a sum of $N$ terms allows
-# increases of at most a few $\varepsilon$ relative, and we allow $10^{-12}$.
+# increases of at most a few $u$ (machine epsilon) relative, and we allow $10^{-12}$.
 #
 # Monotone does not mean global or fast. Different starts end at different
 # values (stationary points that are not the global minimum), and the right
@@ -483,7 +559,7 @@ plt.show()
 worst_rise = max(np.max(np.diff(t) / np.abs(t[:-1])) for ts_ in traces.values() for t in ts_)
 for model, ts_ in traces.items():
     print(f"{model:9s}: final NLL / N per start: {np.round([t[-1] / N for t in ts_], 4)}")
-# once EM has converged the NLL stops changing, and rounding alone moves it by ~eps either way
+# once EM has converged the NLL stops changing, and rounding alone moves it by ~u either way
 print(f"largest relative NLL increase over all steps: {worst_rise:.1e}  (rounding level: monotone)")
 print(f"largest violation of the sandwich inequalities: {worst_chain:.1e}")
 assert worst_rise <= 1e-12
@@ -494,12 +570,14 @@ assert worst_chain <= 1e-12
 #
 # | claim | check | measured |
 # |---|---|---|
-# | $\nabla\mathrm{NLL} = -\beta\sum_i r_{in}(x_i - \mu_n)$ | central differences, best $h$ | $\sim 10^{-10}$ relative |
+# | $\nabla\mathrm{NLL} = -\beta\sum_i r_{in}(x_i - \mu_n)$ | central differences, best $h$ | $2$–$6\times10^{-11}$ relative ($< 3E(h^\star)$) |
+# | best step $h^\star = (3u\lvert f\rvert/\lvert f'''\rvert)^{1/3}$, truncation $h^2\lvert f'''\rvert/6$ | $f'''$ by a wide stencil; steps $10^{-1}$ to $10^{-10}$ | measured best within $1.6\times$ of $h^\star$ (limit $10\times$); truncation to $0.1\%$ (limit $5\%$) |
 # | $U \ge \mathrm{NLL}$, equal with equal gradients at $\mu^{\text{old}}$ | along a line; gradient formula | $< 10^{-13}$ |
-# | M-step $=$ Newton step with $H_n = \beta N_n I$ | five values of $\beta$ | $< 10^{-12}$ |
+# | $H_n = \beta N_n I$ is the Hessian of the surrogate $U$, not of the NLL | second differences of $U$ and of the NLL | $U$: rounding; NLL: off by $9$–$127\%$ |
+# | M-step $=$ Newton step on $U$ (NLL gradient, $H_n = \beta N_n I$) | five values of $\beta$ | $< 10^{-12}$ |
 # | true Hessian $\ne$ surrogate; can be indefinite | formula vs differences; eigenvalues; NLL after one step | gap $\to 0$ as $\beta\to\infty$ |
 # | $\beta \to \infty$: EM step $\to$ $k$-means step | gap vs $\beta$ | $\le 10^{-12}$ at $\beta = 100/\Delta_{\min}$ |
-# | running mean $=$ batch mean (same assignments) | uneven batches | a few $\varepsilon$ |
+# | running mean $=$ batch mean (same assignments) | uneven batches | a few $u$ |
 # | EM never increases the NLL | every step, 4 starts, two models | no increase beyond rounding |
 #
 # In OVQ attention (lesson 8) the centroids are updated with exactly the

@@ -23,19 +23,21 @@
 # Lesson 7 showed that the running mean is the right way to update a centroid.
 # Online Vector-Quantized (OVQ) attention puts the two together: it reads the
 # dictionary, then folds each chunk of tokens into it, so its memory stays at
-# $N$ centroids however long the sequence.
+# $N$ centroids however long the sequence. The contract that `refimpl.ovq`
+# implements, with its derivations, is
+# `docs/derivations/ovq_gmr.md` (the "OVQ attention and Gaussian Mixture Regression" page of the documentation).
 #
 # **The claims of this lesson.**
 #
 # 1. The algorithm, chunk by chunk: *predict* with one softmax over the
 #    centroids and the chunk's own raw keys, then *grow*, *assign* and
-#    *update*. We write one chunk out by hand and get `refimpl.ovq`'s state
-#    bit for bit.
+#    *update*. We write one chunk out by hand, with the adaptive and with a
+#    constant learning rate, and get `refimpl.ovq`'s state bit for bit.
 # 2. The vectorised reference equals a token-by-token loop oracle, state bit
 #    for bit.
-# 3. The dictionary grows along the plateau curve $\lfloor tN/(t+N)\rfloor$.
-#    It is *inspired* by the Chinese-restaurant process but is not its
-#    expectation: the two agree only while $t \ll N$.
+# 3. The dictionary grows along the plateau curve $\lfloor tN/(t+N)\rfloor$,
+#    which never exceeds $N - 1$. It is *inspired* by the Chinese-restaurant
+#    process but is not its expectation: the two agree only while $t \ll N$.
 # 4. Spread-maximising initialisation picks the keys least similar to the
 #    dictionary, and represents the keys better than random seeds do.
 # 5. Updates are sparse: a chunk of $L$ tokens changes at most $L$ rows.
@@ -44,6 +46,9 @@
 #    than linear attention and VQ attention with a static codebook, and close
 #    to full softmax attention, with a state of 1/8 of its size. Which of the
 #    paper's ablations reproduce at this scale is reported as measured.
+# 8. Keys join the centroid of largest dot product, which is not always the
+#    nearest one: OVQ's update is online $k$-means only up to a measured
+#    fraction of its assignments.
 #
 # `TUTORIAL_SMALL=1` (set by CI) runs on small arrays; the default is full size.
 
@@ -93,18 +98,25 @@ print(f"small sizes: {SMALL}")
 # $n' = \max\big(n, \max(1, \lfloor t'N/(t'+N)\rfloor)\big)$; $n' - n$ keys of
 # the chunk will seed new centroids.
 #
-# **Assign.** Each key's candidate is its nearest centroid by dot product,
+# **Assign.** Each key's candidate is the centroid of largest dot product,
 # $a_i = \arg\max_{m<n}\hat k_i\cdot D_k[m]$, with score $s_i$ the maximum.
-# The $n' - n$ keys with the *smallest* scores, the ones the dictionary
-# represents worst, seed the new centroids (in ascending order of score); all
-# other keys join $a_i$. (The very first chunk, with $n = 0$, uses key 0 as
-# the first seed and scores against it.)
+# (That is the Euclidean nearest centroid only when all centroids have the
+# same norm; section 7 measures how often the two differ.) The $n' - n$ keys
+# with the *smallest* scores, the ones the dictionary represents worst, seed
+# the new centroids (in ascending order of score); all other keys join $a_i$.
+# The very first chunk, with $n = 0$, seeds centroid 0 with key 0 and scores
+# the others against it; the keys that seed nothing join centroid 0.
 #
 # **Update.** A seed starts its centroid: $D_k = \hat k_i$, $D_v = v_i$,
-# $c = 1$. An existing centroid with assigned set $S_m$ takes the running mean
-# of lesson 7,
+# $c = 1$. A centroid with assigned set $S_m$ (centroid 0 of the first chunk
+# included) takes the running mean of lesson 7,
 # $D[m] \leftarrow (c_m D[m] + \sum_{i\in S_m} x_i)/(c_m + |S_m|)$, and
-# $c_m \leftarrow c_m + |S_m|$.
+# $c_m \leftarrow c_m + |S_m|$; $x$ stands for $\hat k$ (into $D_k$) and for
+# $v$ (into $D_v$). With a constant learning rate $\eta\in(0, 1]$
+# (`learning_rate=eta`, an ablation) the members are merged one at a time in
+# token order, $D[m]\leftarrow D[m] + \eta\,(x_i - D[m])$: the classic
+# constant-step online $k$-means, an exponential moving average. The counts
+# add up under both rules.
 #
 # A tiny example: $d = d_v = 2$, $N = 5$, $C = 4$, $\beta = 2$. The first
 # chunk (4 tokens) leaves $n = \lfloor 4\cdot5/9\rfloor = 2$ centroids; we take
@@ -210,6 +222,73 @@ plt.show()
 # *inside* the circle: means of unit keys are shorter than one (lesson 6
 # measured what that does to the read-out).
 #
+# **A constant learning rate.** With `learning_rate=eta` the same two chunks
+# merge their keys one at a time, in token order, by
+# $D[m]\leftarrow D[m] + \eta\,(x_i - D[m])$. Over a chunk a centroid with
+# members $x_{(1)},\dots,x_{(|S_m|)}$ becomes
+#
+# $$
+# D[m]\leftarrow(1-\eta)^{|S_m|}D[m] + \eta\sum_{j=1}^{|S_m|}(1-\eta)^{|S_m|-j}x_{(j)},
+# $$
+#
+# a convex combination of its old row and its members (the weights add up to
+# one), so no centroid of unit keys ever gets longer than one, for any
+# $\eta\in(0, 1]$: an exponential moving average, in which a member's weight
+# shrinks by $1-\eta$ with every later member. The adaptive rate $1/c$ instead
+# keeps the mean of all members. Rates outside $(0, 1]$ are refused. We redo
+# both chunks by hand from the empty state with $\eta = 1/2$: chunk 0 seeds
+# centroid 0 with $\hat k_0$ and centroid 1 with the key least similar to it,
+# then merges the other two keys into centroid 0 by the same rule; chunk 1 is
+# planned as above.
+
+# %%
+def plan_chunk(kh_chunk, Dk, n, n_add):
+    """Row each key of the chunk goes to, and the seeds in centroid order (spread initialisation)."""
+    rows = np.empty(len(kh_chunk), dtype=np.int64)
+    if n == 0:  # first chunk: key 0 seeds centroid 0, then the keys least similar to it
+        seeds = np.concatenate([[0], 1 + np.argsort(kh_chunk[1:] @ kh_chunk[0], kind="stable")[: n_add - 1]])
+        rows[:] = 0
+    else:  # largest dot product; the worst-represented keys seed
+        sims = kh_chunk @ Dk[:n].T
+        rows[:] = np.argmax(sims, axis=1)
+        seeds = np.argsort(sims.max(axis=1), kind="stable")[:n_add]
+    rows[seeds] = n + np.arange(len(seeds))
+    return rows, seeds
+
+
+eta = 0.5
+Dk_c, Dv_c, c_c, n_c, t_c = np.zeros((N_toy, 2)), np.zeros((N_toy, 2)), np.zeros(N_toy, dtype=np.int64), 0, 0
+for lo in (0, 4):
+    kh_c, v_c = unit(k_toy[lo : lo + C_toy]), v_toy[lo : lo + C_toy]
+    n_next_c = max(n_c, ovq.dictionary_size(t_c + C_toy, N_toy))
+    rows_c, seeds_c = plan_chunk(kh_c, Dk_c, n_c, n_next_c - n_c)
+    for j, i in enumerate(seeds_c):  # seeds first: a centroid starts at its key, count 1
+        Dk_c[n_c + j], Dv_c[n_c + j], c_c[n_c + j] = kh_c[i], v_c[i], 1
+    for i in range(C_toy):  # then every other key, in token order
+        if i not in seeds_c:
+            m = rows_c[i]
+            Dk_c[m] = Dk_c[m] + eta * (kh_c[i] - Dk_c[m])
+            Dv_c[m] = Dv_c[m] + eta * (v_c[i] - Dv_c[m])
+            c_c[m] += 1
+    n_c, t_c = n_next_c, t_c + C_toy
+_, st_c = ovq.ovq_attention(q_toy, k_toy, v_toy, learning_rate=eta, **toy)
+same_c = (np.array_equal(Dk_c, st_c.keys) and np.array_equal(Dv_c, st_c.values)
+          and np.array_equal(c_c, st_c.counts) and n_c == st_c.size)
+print(f"constant rate eta = {eta}: state by hand == refimpl state, bit for bit: {same_c}")
+print(f"centroid norms {np.linalg.norm(st_c.keys[: st_c.size], axis=1)}, counts {st_c.counts[: st_c.size]}")
+assert same_c
+assert np.all(np.linalg.norm(st_c.keys, axis=1) <= 1 + 4 * EPS)  # convex combinations of unit keys
+for bad in (0.0, -0.1, 1.5, 2.0):
+    try:
+        ovq.ovq_attention(q_toy, k_toy, v_toy, learning_rate=bad, **toy)
+    except ValueError as err:
+        message = str(err)
+        assert "learning_rate" in message
+    else:
+        raise AssertionError(f"learning_rate={bad} was accepted")
+print(f"learning_rate={bad} is refused: {message}")
+
+# %% [markdown]
 # ## 2. The vectorised reference equals the loop oracle
 #
 # `refimpl.ovq` does each chunk with matrix products, `argsort` and
@@ -255,12 +334,17 @@ for kw in switches:
 # f(t) = \frac{tN}{t + N} = N\Big(1 - \frac{N}{N+t}\Big),\qquad f'(t) = \Big(\frac{N}{N+t}\Big)^2 :
 # $$
 #
-# about one new centroid per token at first, then ever fewer, and never $N$.
+# about one new centroid per token at first, then ever fewer. Since
+# $f(t) < N$ for every $t$, $\lfloor f(t)\rfloor\le N-1$: the plateau
+# approaches $N$ from below and never reaches it. The floor first equals
+# $N - 1$ at exactly $t = N(N-1)$ tokens ($f(t)\ge N-1 \iff t\ge N(N-1)$) and
+# stays there, so with plateau growth **row $N-1$ of the state is never
+# used** (for $N\ge2$; with $N = 1$ the $\max(1,\cdot)$ gives the single row).
 # The **linear** rule, $\min(t, N)$, takes one centroid per token until the
-# dictionary is full.
+# dictionary is full, at $t = N$.
 #
 # The paper calls the plateau "inspired by the Dirichlet process". In the
-# Chinese-restaurant process with concentration $N$, customer $i$
+# Chinese-restaurant process (CRP) with concentration $N$, customer $i$
 # ($i = 0, 1, \dots$) opens a new table with probability $N/(N+i)$, so the
 # expected number of tables after $t$ customers is
 #
@@ -269,34 +353,69 @@ for kw in switches:
 # $$
 #
 # with $\psi$ the digamma function. Both curves start with slope one, but
-# $E$ grows without bound while $f$ saturates. The spec of this project says
-# that the plateau's increments, $C\,(N/(N+t))^2$ per chunk, approximate the
-# CRP's expected new tables; the CRP's expected new tables per chunk are in
-# fact about $C\,N/(N+t)$. The ratio of the two is $N/(N+t)$: within 10% only
-# for $t \le N/9$, one half at $t = N$, $1/17$ at $t = 16N$. What *is* true:
-# $C(N/(N+t))^2$ is the plateau curve's own slope, and it predicts the
-# increments of $n$ well (the floor moves them by less than one).
+# $E$ grows without bound while $f$ stays below $N$.
 #
-# Two exact statements to check. First, with $x = t/N$ and
-# $g(x) = \log(1+x) - x/(1+x)$, the sum $E(t)$ exceeds
-# $N\log(1 + t/N)$ by at most its first term, 1 (a decreasing summand against
-# its integral), and $|n - f| < 1$, so
-# $|(E(t) - n(t)) - N g(t/N)| < 2$ for every $t\ge1$: the plateau falls short
-# of the CRP by $Ng(t/N)$ tables, $\approx t^2/(2N)$ early on. Second, the
-# increment per chunk differs from $C f'(t)$ by less than
-# $1 + C f'(t)\,C/(N+t+C)$ (exact increment of $f$, plus the floors).
+# **Per chunk.** Over a chunk of $C$ tokens from $t$ on, the plateau curve
+# rises by exactly
+#
+# $$
+# f(t+C) - f(t) = \frac{CN^2}{(N+t)(N+t+C)} \approx C\Big(\frac{N}{N+t}\Big)^2
+# $$
+#
+# (its slope times $C$; the floors change the increment of $n$ by less than
+# one), while the CRP opens, in expectation,
+#
+# $$
+# E(t+C) - E(t) = \sum_{i=t}^{t+C-1}\frac{N}{N+i} \approx \frac{CN}{N+t}
+# $$
+#
+# new tables per $C$ customers. Each of those $C$ terms lies between
+# $N/(N+t+C-1)$ and $N/(N+t)$, so the ratio of the two increments,
+# $r(t) = \big(f(t+C) - f(t)\big)/\big(E(t+C) - E(t)\big)$, satisfies
+#
+# $$
+# \frac{N}{N+t+C}\;\le\; r(t)\;\le\;\frac{N}{N+t} :
+# $$
+#
+# the plateau's rate is the CRP's multiplied by about $N/(N+t)$. The two
+# agree only while $t\ll N$: to within 10% only for $t < N/9$ (and certainly
+# for $t\le N/9 - C$); at $t = N$ the plateau adds about half as many
+# centroids as the CRP opens tables, at $t = 16N$ about $1/17$.
+#
+# Exact statements to check: $n\le N-1$, first reached at $t = N(N-1)$ (in
+# exact integers, and on a stream: the last row stays empty); the bounds on
+# $r(t)$ and the range where it is within 10% of one; the increments of $n$
+# against $f(t+C) - f(t)$ (within one) and against $C f'(t)$ (within
+# $1 + Cf'(t)\,C/(N+t+C)$). And for the totals: with $x = t/N$ and
+# $g(x) = \log(1+x) - x/(1+x)$, the sum $E(t)$ exceeds $N\log(1 + t/N)$ by
+# at most its first term, 1 (a decreasing summand against its integral), and
+# $|n - f| < 1$, so $|(E(t) - n(t)) - N g(t/N)| < 2$ for every $t\ge1$: the
+# plateau falls short of the CRP by $Ng(t/N)$ tables, $\approx t^2/(2N)$
+# early on.
 
 # %%
+# n <= N - 1, reached first at t = N (N - 1), in exact integers
+for N_ in range(2, 65):
+    assert ovq.dictionary_size(N_ * (N_ - 1), N_) == N_ - 1 == ovq.dictionary_size(10**15, N_)
+    assert N_ == 2 or ovq.dictionary_size(N_ * (N_ - 1) - 1, N_) == N_ - 2
+# on a stream: with N = 8 the plateau stops at 7 rows after 56 tokens, and row 7 stays empty
+rng = np.random.default_rng(83)
+q_pl, k_pl, v_pl = rng.normal(size=(400, 4)), rng.normal(size=(400, 4)), rng.normal(size=(400, 2))
+_, st_pl = ovq.ovq_attention(q_pl, k_pl, v_pl, max_size=8, chunk_size=4, return_state=True)
+_, st_lin = ovq.ovq_attention(q_pl, k_pl, v_pl, max_size=8, chunk_size=4, growth="linear", return_state=True)
+print(f"N = 8, T = 400: plateau uses {st_pl.size} rows (count of row 7: {st_pl.counts[7]}), linear {st_lin.size}")
+assert st_pl.size == 7 and st_pl.counts[7] == 0 and not np.any(st_pl.keys[7]) and st_lin.size == 8
+
 N_g, C_g = 1024, 64
 t = np.arange(1, 64 * N_g + 1)
 n_plateau = ovq.dictionary_size(t, N_g, "plateau")
 n_linear = ovq.dictionary_size(t, N_g, "linear")
 crp = N_g * (special.digamma(N_g + t) - special.digamma(N_g))
 
-# the defining formula, in exact Python integers, and n <= N, and monotone
+# the defining formula, in exact Python integers, and n <= N - 1, and monotone
 every = range(1, 64 * N_g + 1, 1 if not SMALL else 7)
 formula_ok = all(int(n_plateau[s - 1]) == max(1, (s * N_g) // (s + N_g)) for s in every)
-assert formula_ok and n_plateau.max() < N_g and np.all(np.diff(n_plateau) >= 0)
+assert formula_ok and n_plateau.max() <= N_g - 1 and np.all(np.diff(n_plateau) >= 0)
 assert np.array_equal(n_linear, np.minimum(t, N_g))
 # the CRP closed form is the sum it stands for
 assert np.allclose(crp[: 4 * N_g], np.cumsum(N_g / (N_g + np.arange(4 * N_g))), rtol=1e-12)
@@ -307,42 +426,58 @@ worst_tables = np.max(np.abs((crp - n_plateau) - shortfall))
 print(f"|(E - n) - N g(t/N)| over t <= 64 N: at most {worst_tables:.2f} tables (bound 2)")
 assert worst_tables < 2
 
-# per chunk: the plateau's increments, its slope, and the CRP's expected new tables
+# per chunk: the plateau's increments, the curve's exact increment and slope, the CRP's expected new tables
 t0 = np.arange(0, 64 * N_g, C_g)
 dn = ovq.dictionary_size(t0 + C_g, N_g) - ovq.dictionary_size(t0, N_g)
-spec_increment = C_g * (N_g / (N_g + t0)) ** 2
-crp_new = N_g * (special.digamma(N_g + t0 + C_g) - special.digamma(N_g + t0))
-bound_inc = 1 + spec_increment * C_g / (N_g + t0 + C_g)
-print(f"|increment - C (N/(N+t))^2| / bound: at most {np.max(np.abs(dn - spec_increment) / bound_inc):.2f} (< 1)")
-assert np.all(np.abs(dn - spec_increment) < bound_inc)
+f_increment = C_g * N_g**2 / ((N_g + t0) * (N_g + t0 + C_g))  # f(t + C) - f(t)
+slope_increment = C_g * (N_g / (N_g + t0)) ** 2  # C f'(t)
+crp_new = np.sum(N_g / (N_g + np.arange(64 * N_g)).reshape(-1, C_g), axis=1)  # sum_{i=t}^{t+C-1} N / (N + i)
+ratio = f_increment / crp_new
+bound_inc = 1 + slope_increment * C_g / (N_g + t0 + C_g)
+print(f"|increment - (f(t+C) - f(t))| for t >= 2: at most {np.max(np.abs(dn - f_increment)[t0 >= 2]):.2f} (< 1)")
+print(f"|increment - C (N/(N+t))^2| / bound: at most {np.max(np.abs(dn - slope_increment) / bound_inc):.2f} (< 1)")
+assert np.all(np.abs(dn - f_increment)[t0 >= 2] < 1)
+assert np.all(np.abs(dn - slope_increment) < bound_inc)
+assert np.all((N_g / (N_g + t0 + C_g) <= ratio) & (ratio <= N_g / (N_g + t0)))
+assert np.all(ratio[t0 <= N_g / 9 - C_g] >= 0.9) and np.all(ratio[t0 >= N_g / 9] < 0.9)  # agree only for t << N
 for frac in (1 / 9, 1.0, 16.0):
     j = np.argmin(np.abs(t0 - frac * N_g))
-    print(f"t = {t0[j] / N_g:5.2f} N: plateau adds {dn[j]:3d}, C (N/(N+t))^2 = {spec_increment[j]:5.1f}, "
-          f"CRP expects {crp_new[j]:5.1f} new tables (ratio {spec_increment[j] / crp_new[j]:.2f})")
+    print(f"t = {t0[j] / N_g:5.2f} N: plateau adds {dn[j]:3d}, f(t+C) - f(t) = {f_increment[j]:5.1f}, "
+          f"C (N/(N+t))^2 = {slope_increment[j]:5.1f}, CRP expects {crp_new[j]:5.1f} new tables "
+          f"(ratio {ratio[j]:.3f}, N/(N+t) = {N_g / (N_g + t0[j]):.3f})")
 
-fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
+fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(15, 4))
 ax0.plot(x, n_linear / N_g, label="linear $\\min(t, N)$")
-ax0.plot(x, n_plateau / N_g, label="plateau $\\lfloor tN/(t+N)\\rfloor$")
+ax0.plot(x, n_plateau / N_g, label="plateau $\\lfloor tN/(t+N)\\rfloor \\leq N-1$")
 ax0.plot(x, crp / N_g, "--", label="CRP $E(t) = N(\\psi(N+t) - \\psi(N))$")
 ax0.axhline(1, color="0.6", lw=0.8)
 ax0.set(xscale="log", xlabel="$t / N$", ylabel="centroids / $N$", title=f"dictionary size, $N = {N_g}$")
 ax0.legend(fontsize=8)
 ax1.loglog(t0[1:] / N_g, dn[1:], ".", ms=3, label="plateau: actual increment per chunk")
-ax1.loglog(t0[1:] / N_g, spec_increment[1:], label="$C(N/(N+t))^2$ (the slope)")
+ax1.loglog(t0[1:] / N_g, slope_increment[1:], label="$C(N/(N+t))^2$ (the slope)")
 ax1.loglog(t0[1:] / N_g, crp_new[1:], "--", label="CRP: expected new tables per chunk")
 ax1.axvline(1 / 9, color="0.6", lw=0.8, ls=":")
 ax1.set(xlabel="$t / N$", ylabel=f"new centroids per chunk ($C = {C_g}$)", title="increments: agree only for $t \\ll N$")
 ax1.legend(fontsize=8)
+ax2.loglog(t0[1:] / N_g, ratio[1:], label="$r(t)$: plateau / CRP increments")
+ax2.loglog(t0[1:] / N_g, N_g / (N_g + t0[1:]), "k--", lw=0.8, label="$N/(N+t)$ and $N/(N+t+C)$")
+ax2.loglog(t0[1:] / N_g, N_g / (N_g + t0[1:] + C_g), "k--", lw=0.8)
+ax2.axhline(0.9, color="tab:red", lw=0.8, ls=":", label="0.9")
+ax2.axvline(1 / 9, color="0.6", lw=0.8, ls=":")
+ax2.set(xlabel="$t / N$", ylabel="ratio", title="the plateau's rate relative to the CRP's")
+ax2.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
 # Left: the plateau tracks the CRP while $t \ll N$ (it falls short by a
 # fraction of about $t/(2N)$) and then falls behind; from $t \approx 1.7N$
-# on, the CRP would need more tables than the dictionary has rows. Right: the dotted line is $t = N/9$, where the
-# spec's sentence stops being accurate to 10%; increments below one per
-# chunk show as zeros skipped on the log axis. The plateau is a *bounded*
-# curve with the CRP's initial behaviour, which is the honest reading of
-# "Dirichlet-inspired".
+# on, the CRP would need more tables than the dictionary has rows, while
+# the plateau stays at most $N - 1$. Middle: the dotted line is $t = N/9$,
+# from where the plateau's increments fall below 90% of the CRP's; increments
+# below one per chunk show as zeros skipped on the log axis. Right: the ratio
+# of the increments between its two bounds, falling like $N/(N+t)$. The
+# plateau is a *bounded* curve with the CRP's initial behaviour, which is
+# the honest reading of "Dirichlet-inspired".
 #
 # ## 4. Spread-maximising initialisation
 #
@@ -576,7 +711,7 @@ assert same
 
 # %%
 def recall_task(T, P, d, seed, noise=0.3):
-    """Queries, keys, one-hot values and the target association of every query (-1: nothing to ask yet)."""
+    """Queries, keys, one-hot values, the target association of every query (-1: nothing to ask yet), and K."""
     r = np.random.default_rng(seed)
     K = unit(r.normal(size=(P, d)))
     z = r.integers(0, P, size=T)  # the association token t writes
@@ -589,7 +724,7 @@ def recall_task(T, P, d, seed, noise=0.3):
             target[t] = asked[r.integers(asked.size)]
     k = unit(K[z] + noise * r.normal(size=(T, d)) / np.sqrt(d))
     q = unit(K[np.maximum(target, 0)] + noise * r.normal(size=(T, d)) / np.sqrt(d))
-    return q, k, np.eye(P)[z], target
+    return q, k, np.eye(P)[z], target, K
 
 
 def accuracy(out, target):
@@ -611,7 +746,7 @@ BETA_REC = np.sqrt(D_REC)
 
 def contestants(T, seed, **ovq_switches):
     P, N = T // 16, T // 8
-    q, k, v, target = recall_task(T, P, D_REC, seed)
+    q, k, v, target, _ = recall_task(T, P, D_REC, seed)
     acc = {}
     acc["softmax"] = accuracy(softmax_attention(q, k, v, scale=BETA_REC, causal=True), target)
     acc["linear"] = max(accuracy(linear_attention(s * q, s * k, v, causal=True), target) for s in (0.5, 1, 2, 4))
@@ -683,7 +818,7 @@ assert table[lengths_rec[-1]]["OVQ"] >= 0.97
 # %%
 T_n = 1024 if SMALL else 4096
 P_n = T_n // 16
-q_n, k_n, v_n, target_n = recall_task(T_n, P_n, D_REC, seed=0)
+q_n, k_n, v_n, target_n, _ = recall_task(T_n, P_n, D_REC, seed=0)
 ratios = [0.25, 0.5, 1, 2, 4]
 acc_vs_n = [accuracy(ovq.ovq_attention(q_n, k_n, v_n, max_size=int(r_ * P_n), chunk_size=C_REC), target_n) for r_ in ratios]
 n_final = [ovq.dictionary_size(T_n, int(r_ * P_n)) for r_ in ratios]
@@ -707,26 +842,123 @@ assert acc_vs_n[0] < 0.75 and acc_vs_n[-1] >= 0.97  # too few rows cannot hold P
 # number of associations: the state must be large enough for what the
 # sequence asks, and beyond that OVQ gets most of full attention's recall.
 #
+# ### Largest dot product or nearest centroid?
+#
+# OVQ's update is the online $k$-means step of lesson 7, but its assignment
+# is not $k$-means' E-step. The Euclidean nearest centroid is
+#
+# $$
+# \arg\min_m\|\hat k - D_k[m]\|^2 = \arg\max_m\Big(\hat k\cdot D_k[m] - \tfrac12\|D_k[m]\|^2\Big),
+# $$
+#
+# which equals OVQ's choice $\arg\max_m\hat k\cdot D_k[m]$ for every key only
+# when all centroids have the same norm. They do not: a centroid is a mean
+# (with a constant rate, another convex combination) of unit keys, shorter
+# than one unless its keys coincide, and the tighter its keys, the longer it
+# is. Where the two choices differ, the dot product picks the *longer*
+# centroid: if $\hat k\cdot D_a\ge\hat k\cdot D_b$ while $D_b$ is nearer, then
+# $\tfrac12\|D_a\|^2 - \tfrac12\|D_b\|^2 \ge \hat k\cdot(D_a - D_b)\ge 0$.
+#
+# How often does it happen on a realistic stream? On the recall task with
+# $T = 4096$, $N = 512$, $C = 64$, $d = 32$, $\beta = \sqrt d$ (the same
+# setting at both sizes of the lesson), seeds 0 to 3, we take for every chunk
+# the dictionary it was assigned against, `cache.records[j].dict_keys`, and
+# for the keys that joined an existing centroid (`cache.records[j].rows`
+# below the chunk's $n$) compare OVQ's row with the nearest centroid. We also
+# note whether the two rows were seeded by the same association.
+
+# %%
+T_da, N_da = 4096, 512
+da_seeds = range(4)
+da = {"joined": [], "differ": [], "same association": []}
+per_chunk = []  # (tokens seen before the chunk, keys that joined, of which assigned to a farther centroid)
+for seed in da_seeds:
+    q_d, k_d, v_d, _, _ = recall_task(T_da, T_da // 16, D_REC, seed)
+    written = np.argmax(v_d, axis=1)
+    _, cache_d = ovq.ovq_attention_forward(q_d, k_d, v_d, max_size=N_da, chunk_size=C_REC)
+    kh_d = unit(k_d)
+    seeded_by = np.full(N_da, -1)  # the association of the key that seeded each row
+    joined_s = differ_s = same_s = 0
+    for rec in cache_d.records:
+        kc = kh_d[rec.start : rec.stop]
+        if rec.n > 0:
+            joined = rec.rows < rec.n  # keys that joined an existing centroid
+            by_dot = np.argmax(kc @ rec.dict_keys.T, axis=1)
+            by_distance = np.argmin(np.sum((kc[:, None, :] - rec.dict_keys[None, :, :]) ** 2, axis=2), axis=1)
+            assert np.array_equal(by_dot[joined], rec.rows[joined])  # OVQ's rule, as recorded
+            differ = joined & (by_dot != by_distance)
+            norms = np.linalg.norm(rec.dict_keys, axis=1)
+            # the dot product picks the longer centroid (up to rounding of unit-size dot products in d = 32)
+            assert np.all(norms[by_dot[differ]] >= norms[by_distance[differ]] - 1e-12)
+            joined_s += joined.sum()
+            differ_s += differ.sum()
+            same_s += np.sum(seeded_by[by_dot[differ]] == seeded_by[by_distance[differ]])
+            per_chunk.append((rec.start, joined.sum(), differ.sum()))
+        seeded_by[rec.n + np.arange(rec.seeds.size)] = written[rec.start + rec.seeds]
+    da["joined"].append(joined_s)
+    da["differ"].append(differ_s)
+    da["same association"].append(same_s)
+da = {key: np.array(val) for key, val in da.items()}
+rate_seed = da["differ"] / da["joined"]
+rate_da = da["differ"].sum() / da["joined"].sum()
+same_da = da["same association"].sum() / da["differ"].sum()
+print(f"T = {T_da}, N = {N_da}, C = {C_REC}, d = {D_REC}: keys that joined an existing centroid per seed {da['joined']}")
+print(f"assigned by dot product to a centroid that is not the nearest: {da['differ']} "
+      f"({np.round(100 * rate_seed, 2)} %); all seeds {100 * rate_da:.2f} %")
+print(f"of these, both rows seeded by the same association: {100 * same_da:.1f} %")
+assert np.all((0.05 <= rate_seed) & (rate_seed <= 0.10))  # the range the text states
+assert same_da >= 0.95
+
+chunk_start, chunk_joined, chunk_differ = np.array(per_chunk).T
+starts = np.unique(chunk_start)
+fig, ax = plt.subplots(figsize=(7, 3.5))
+ax.plot(starts, [100 * chunk_differ[chunk_start == s_].sum() / chunk_joined[chunk_start == s_].sum() for s_ in starts],
+        ".-", ms=4, label="per chunk (all seeds)")
+ax.axhline(100 * rate_da, color="k", ls="--", lw=0.8, label=f"whole stream: {100 * rate_da:.1f}%")
+ax.set(xlabel="tokens seen before the chunk", ylabel="% of joining keys",
+       title="keys whose largest dot product is not their nearest centroid", ylim=(0, None))
+ax.legend(loc="lower right")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Between 5% and 10% of the keys that join a centroid (7.8% over the four
+# seeds) join one that is not the nearest: OVQ's update is online $k$-means
+# only up to that fraction of its assignments, which follow the GMR
+# read-out's own hard choice (its weights without the norm term, lesson 6)
+# rather than the $k$-means E-step. Nearly all of these are choices between
+# two rows seeded by the same association: the plateau ends with more rows
+# ($\lfloor 4096\cdot512/4608\rfloor = 455$) than there are associations
+# (256), so many associations own two rows or more, and the dot product
+# sends a key to the longer, tighter one where $k$-means would pick the
+# nearer. The rate is low over the first thousand tokens and then settles
+# around 9% per chunk (the picture). On this task it costs no
+# recall, since both rows hold the same value; on keys that do not cluster
+# this cleanly the two rules would build different dictionaries. What the
+# measurement does not show is how the rate depends on $d$, the noise or
+# $N/P$.
+#
 # ### Ablations
 #
 # The paper reports that each of its design choices helps: spread
 # initialisation over random, the plateau over linear growth, the count bias,
 # and the adaptive rate $1/c$ over a constant one. We rerun the recall task
 # at the largest length of the sweep with each switch flipped, over four
-# seeds (the task and the random draws change with the seed). Two
+# seeds (the task and the random draws change with the seed). Three
 # diagnostics come with each run: how many of the $P$ associations own a row
-# (hold the majority of the keys assigned to it), and the largest centroid
-# norm (a mean of unit keys is never longer than one).
+# (hold the majority of the keys assigned to it); the largest and smallest
+# centroid norms (a convex combination of unit keys is never longer than
+# one); and how far the centroids are from the keys $K_p$ of the
+# associations they own, $1 - \cos(D_k[m], K_p)$, averaged over the rows with
+# the counts as weights.
 #
-# One thing to know before reading the constant-rate rows. With a constant
-# rate, a centroid that receives $|S|$ keys moves to
-# $D' = (1 - \eta|S|)\,D + \eta\sum_{i\in S}x_i$: the part of $D$ that the
-# keys do not explain is multiplied by $1 - \eta|S|$. For $\eta|S| > 2$ that
-# factor exceeds one in magnitude, and a centroid that keeps receiving several
-# keys per chunk runs away. (The first chunk is such a chunk: the keys
-# that seed no centroid, 8 to 13 of the 64 at these sizes, all join
-# centroid 0.) The adaptive rate multiplies it by
-# $c/(c + |S|) < 1$, always.
+# With a constant rate $\eta\in(0, 1]$ a centroid is an exponential moving
+# average of its members (section 1): every update is a convex combination,
+# so the state stays bounded for every such $\eta$, and $\eta = 1$ simply
+# keeps the last member. The adaptive rate keeps the mean of all members.
+# For keys that are noisy copies of one direction $K_p$, the mean of $c$ of
+# them has noise of about $1/\sqrt c$ of one copy's; an average that weights
+# recent members more has more.
 
 # %%
 T_ab = lengths_rec[-1]
@@ -736,34 +968,47 @@ ablations = {
     "growth = linear": {"growth": "linear"},
     "no count bias": {"count_bias": False},
     "constant rate 0.05": {"learning_rate": 0.05},
+    "constant rate 0.2": {"learning_rate": 0.2},
     "constant rate 0.5": {"learning_rate": 0.5},
     "constant rate 1": {"learning_rate": 1.0},
 }
 ab_seeds = range(4)
-ab = {name: {"acc": [], "owners": [], "norm": []} for name in ablations}
+ab = {name: {"acc": [], "owners": [], "norm": [], "min norm": [], "1 - cos": []} for name in ablations}
 for seed in ab_seeds:
-    q_a, k_a, v_a, target_a = recall_task(T_ab, T_ab // 16, D_REC, seed)
+    q_a, k_a, v_a, target_a, K_a = recall_task(T_ab, T_ab // 16, D_REC, seed)
     written = np.argmax(v_a, axis=1)  # the association each token wrote
     for name, kw in ablations.items():
         out_a, cache_a = ovq.ovq_attention_forward(q_a, k_a, v_a, max_size=T_ab // 8, chunk_size=C_REC, seed=seed, **kw)
-        rows_a, n_a = np.concatenate([rec.rows for rec in cache_a.records]), cache_a.state.size
-        owner = [np.bincount(written[rows_a == m]).argmax() for m in range(n_a)]
+        rows_a, st_a = np.concatenate([rec.rows for rec in cache_a.records]), cache_a.state
+        n_a = st_a.size
+        owner = np.array([np.bincount(written[rows_a == m]).argmax() for m in range(n_a)])
+        norms_a = np.linalg.norm(st_a.keys[:n_a], axis=1)
         ab[name]["acc"].append(accuracy(out_a, target_a))
         ab[name]["owners"].append(len(set(owner)))
-        ab[name]["norm"].append(np.max(np.linalg.norm(cache_a.state.keys[:n_a], axis=1)))
+        ab[name]["norm"].append(norms_a.max())
+        ab[name]["min norm"].append(norms_a.min())
+        ab[name]["1 - cos"].append(np.average(1 - np.sum(unit(st_a.keys[:n_a]) * K_a[owner], axis=1),
+                                              weights=st_a.counts[:n_a]))
 print(f"T = {T_ab}, P = {T_ab // 16} associations, N = {T_ab // 8}; per seed")
-print(f"{'':43s} | {'accuracy':29s} | associations owning a row | largest centroid norm")
+print(f"{'':43s} | {'accuracy':29s} | associations owning a row | centroid norms | 1 - cos(D_k, K_p)")
 for name, r_ in ab.items():
     print(f"{name:43s} | {str(np.round(r_['acc'], 3)):29s} | {str(r_['owners']):25s} | "
-          + " ".join(f"{x:.3g}" for x in r_["norm"]))
+          f"[{min(r_['min norm']):.3f}, {max(r_['norm']):.3f}] | {np.round(r_['1 - cos'], 4)}")
 acc_ab = {name: np.array(r_["acc"]) for name, r_ in ab.items()}
-default = acc_ab["default (spread, plateau, count bias, 1/c)"]
+cos_ab = {name: np.array(r_["1 - cos"]) for name, r_ in ab.items()}
+default_name = "default (spread, plateau, count bias, 1/c)"
+default = acc_ab[default_name]
+constant = [name for name in ablations if name.startswith("constant rate")]
 assert np.all(default > acc_ab["init = random"])  # spread beats random on every seed
 assert np.all(default >= acc_ab["growth = linear"]) and default.mean() > acc_ab["growth = linear"].mean()
-assert ab["default (spread, plateau, count bias, 1/c)"]["owners"] == [T_ab // 16] * len(ab_seeds)
-assert max(ab["default (spread, plateau, count bias, 1/c)"]["norm"]) <= 1 + 4 * EPS  # means of unit keys
-assert min(ab["constant rate 1"]["norm"]) > 1e6  # a runaway centroid on every seed
-assert np.all(acc_ab["constant rate 1"] < default - 0.3)
+assert ab[default_name]["owners"] == [T_ab // 16] * len(ab_seeds)
+for name in ablations:  # every rule keeps convex combinations of unit keys: bounded, for every eta
+    assert max(ab[name]["norm"]) <= 1 + 4 * EPS, name
+assert min(ab["constant rate 1"]["min norm"]) >= 1 - 4 * EPS  # eta = 1 keeps the last member, a unit key
+for name in constant:  # recall: the constant rates match the adaptive rate on every seed
+    assert np.all(acc_ab[name] >= 0.99) and np.all(np.abs(acc_ab[name] - default) <= 0.01), name
+    assert cos_ab[name].mean() > cos_ab[default_name].mean(), name  # but the mean of all members is closest to K_p
+assert np.all(cos_ab["constant rate 1"] > 3 * cos_ab[default_name])
 
 # %% [markdown]
 # What reproduces here, and what does not:
@@ -771,7 +1016,7 @@ assert np.all(acc_ab["constant rate 1"] < default - 0.3)
 # - **Spread vs random initialisation: reproduces**, on every seed, by a few
 #   points. Random seeds spend rows on repeats of associations that already
 #   have one, and some associations are left to share a row (section 4).
-# - **Plateau vs linear growth: reproduces, by a small margin** (one to four
+# - **Plateau vs linear growth: reproduces, by a small margin** (up to four
 #   points). The diagnostics say why: linear growth makes every token of the
 #   first $N$ a centroid, repeats included, so half of its rows are copies,
 #   and a few associations end up owning no row; the plateau's slower growth
@@ -780,17 +1025,20 @@ assert np.all(acc_ab["constant rate 1"] < default - 0.3)
 # - **Count bias: no measurable effect** on this task, where each centroid
 #   holds one association and the right one wins by its dot product alone.
 #   Not reproduced.
-# - **Adaptive vs constant rate: depends on the constant.** With
-#   $\eta = 0.05$ recall is as good as with $1/c$: the repeats of one key are
-#   nearly equal, so any small rate keeps the centroid among them. With
-#   $\eta = 1$ some centroid receives more than two keys in a chunk, runs
-#   away to a norm of
-#   $10^{40}$ or more, and then wins every query on its side of the hyperplane
-#   $\hat q\cdot D_k[m] = 0$: about half of them, which is where recall
-#   settles. $\eta = 0.5$ does the same on some seeds and not others. So the
-#   adaptive rate is *safe* where a constant one needs $\eta|S_m| < 2$ for
-#   every update; that it is *better* than a well-chosen constant is not
-#   shown by this task.
+# - **Adaptive vs constant rate: stable either way, and no difference in
+#   recall.** Every constant rate from $0.05$ to $1$ keeps every centroid
+#   inside the unit ball, and recalls within a percent of the adaptive rate
+#   on every seed (all at least 0.99). The centroids do differ: averaged over
+#   the seeds, the adaptive rule's are the closest to the associations' keys,
+#   and $\eta = 1$, which keeps only the last member, is four to six times
+#   farther. ($\eta = 0.2$ comes close, and on single seeds can be closer.)
+#   The read-out
+#   does not need that precision here: a noisy copy of $K_p$ still has a far
+#   larger dot product with a query about $p$ than any other association's
+#   key. So the paper's claim that the adaptive rate helps is not
+#   reproduced by this task, which cannot tell the two rules apart; its
+#   advantage, if any, would show on keys whose clusters are not separated
+#   by a wide margin, or in training.
 #
 # The paper's ablations are on trained models at far larger $T$; a synthetic
 # recall task without training can confirm a mechanism's behaviour, not the
@@ -800,11 +1048,12 @@ assert np.all(acc_ab["constant rate 1"] < default - 0.3)
 #
 # | claim | check | measured |
 # |---|---|---|
-# | predict-then-update as in the spec | one chunk by hand vs `refimpl.ovq` | state bit for bit, outputs to rounding |
+# | predict-then-update as in `docs/derivations/ovq_gmr.md` | one chunk by hand vs `refimpl.ovq`, adaptive and constant rate | state bit for bit, outputs to rounding |
 # | vectorised $=$ loop oracle | five switch settings, $T$ not a multiple of $C$ | state bit for bit, outputs within $4\varepsilon(\beta + \log t)\mathrm{range}(v)$ |
-# | plateau growth $\max(1,\lfloor tN/(t+N)\rfloor) \le N$ | exact integers; against the CRP | short of the CRP by $Ng(t/N)$ within 2 tables; the spec's "CRP increments" only for $t \ll N$ |
+# | plateau growth $\max(1,\lfloor tN/(t+N)\rfloor) \le N - 1$ | exact integers; a stream; against the CRP | first $N-1$ at $t = N(N-1)$, row $N-1$ never used; increments $N/(N+t+C)$ to $N/(N+t)$ of the CRP's: agree only for $t \ll N$ |
 # | spread initialisation | seeds $=$ smallest best-similarity, every chunk; quantisation error | lower error than random seeds, every seed |
 # | sparse updates | diff of the state per chunk | changed rows $=$ assigned rows, $\le L$ |
 # | constant memory, streaming | `nbytes`, `tracemalloc`, pieces and save/load | constant state; no per-token buffer; bit for bit |
 # | recall: OVQ $\gg$ VQ, linear; $\approx$ full attention | synthetic task, $N = T/8$ | see the table above |
-# | ablations | four seeds | spread $>$ random and plateau $\ge$ linear on every seed; count bias: no effect; constant rate: safe only if $\eta\,\lvert S_m\rvert < 2$ |
+# | assignment by dot product vs nearest centroid | every chunk of the recall task, $T = 4096$, $N = 512$, $C = 64$, $d = 32$ | differ for 5–10% of the joining keys (7.8%); online $k$-means only up to that |
+# | ablations | four seeds | spread $>$ random and plateau $\ge$ linear on every seed; count bias: no effect; constant rate: stable for every $\eta\in(0,1]$, same recall as $1/c$, centroids farther from the keys |

@@ -1,4 +1,4 @@
-"""Verifications of Gaussian Mixture Attention (spec gma.md sections 3 and 4).
+"""Verifications of Gaussian Mixture Attention (``docs/derivations/gma.md``).
 
 Every check measures the largest relative error between two independent
 computations: the linear-time mechanism against the explicit ``N x N`` form
@@ -12,19 +12,12 @@ import numpy as np
 
 from .. import gma, gmm, layers
 from ..gradcheck import numerical_gradient, relative_error
+from ..testing import GMA_FIELDS, gma_problem
 from ..verify import register
 
 
-def _problem(seed, n_q, n_k, K, d_r, d_v):
-    rng = np.random.default_rng(seed)
-    return dict(
-        x_q=rng.normal(size=(n_q, d_r)),
-        x_k=rng.normal(size=(n_k, d_r)),
-        v=rng.normal(size=(n_k, d_v)),
-        means=rng.normal(size=(K, d_r)),
-        raw_variances=rng.normal(size=(K, d_r)),
-        logits=rng.normal(size=K),
-    )
+def _named_problem(seed, n_q, n_k, K, d_r, d_v):
+    return dict(zip(GMA_FIELDS, gma_problem(seed, n_q, n_k, K, d_r, d_v)))
 
 
 def _gammas(p):
@@ -39,7 +32,7 @@ def _gammas(p):
 def _bidirectional():
     worst = 0.0
     for seed, (n_q, n_k, K) in enumerate([(37, 41, 5), (1, 9, 3), (12, 12, 1)]):
-        p = _problem(seed, n_q, n_k, K, 3, 4)
+        p = _named_problem(seed, n_q, n_k, K, 3, 4)
         gq, gk, variances, weights = _gammas(p)
         out = gma.gma(p["x_q"], p["x_k"], p["v"], p["means"], variances, weights)
         worst = max(worst, relative_error(out, gma.gma_dense(gq, gk, p["v"])))
@@ -48,7 +41,7 @@ def _bidirectional():
 
 @register("gma.causal_scan_vs_tril_dense", "chunked causal scan == tril(A) dense form, N = 37 with chunks 1, 8, 64", tol=1e-13)
 def _causal():
-    p = _problem(10, 37, 37, 6, 3, 4)
+    p = _named_problem(10, 37, 37, 6, 3, 4)
     gq, gk, variances, weights = _gammas(p)
     ref = gma.gma_dense(gq, gk, p["v"], causal=True)
     worst = 0.0
@@ -60,7 +53,7 @@ def _causal():
 
 @register("gma.causal_scan_vs_token_recurrence", "chunked causal scan == the literal recurrence S_t, z_t token by token", tol=1e-13)
 def _recurrence():
-    p = _problem(11, 29, 29, 4, 2, 3)
+    p = _named_problem(11, 29, 29, 4, 2, 3)
     gq, gk, variances, weights = _gammas(p)
     s, z = np.zeros((4, 3)), np.zeros(4)
     ref = np.empty((29, 3))
@@ -93,7 +86,7 @@ def _fd_error(p, causal, chunk_size):
     tol=1e-7,
 )
 def _fd_bidirectional():
-    return _fd_error(_problem(20, 7, 9, 3, 2, 3), causal=False, chunk_size=4)
+    return _fd_error(_named_problem(20, 7, 9, 3, 2, 3), causal=False, chunk_size=4)
 
 
 @register(
@@ -102,7 +95,7 @@ def _fd_bidirectional():
     tol=1e-7,
 )
 def _fd_causal():
-    return _fd_error(_problem(21, 10, 10, 3, 2, 3), causal=True, chunk_size=4)
+    return _fd_error(_named_problem(21, 10, 10, 3, 2, 3), causal=True, chunk_size=4)
 
 
 @register(
@@ -136,7 +129,7 @@ def _fd_layer():
 
 @register("gma.float32_vs_float64", "float32 gma (both variants) relative to the float64 result", tol=1e-5)
 def _float32():
-    p = _problem(40, 50, 50, 8, 4, 4)
+    p = _named_problem(40, 50, 50, 8, 4, 4)
     _, _, variances, weights = _gammas(p)
     args64 = [p["x_q"], p["x_k"], p["v"], p["means"], variances, weights]
     args32 = [a.astype(np.float32) for a in args64]

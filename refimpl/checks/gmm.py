@@ -1,27 +1,14 @@
-"""Verifications of the GMM primitives (spec gma.md section 2, ovq.md section 3)."""
+"""Verifications of the GMM primitives (``docs/derivations/gmm_posteriors.md``)."""
 
 from __future__ import annotations
 
 import numpy as np
-from scipy import special, stats
+from scipy import special
 
 from .. import gmm
 from ..gradcheck import numerical_gradient, relative_error
+from ..testing import direct_log_joint, random_gmm
 from ..verify import register
-
-
-def _random_gmm(rng, N, K, d, scale=1.0):
-    x = rng.normal(size=(N, d)) * scale
-    means = rng.normal(size=(K, d)) * scale
-    variances = rng.uniform(0.2, 2.0, size=(K, d)) * scale**2
-    weights = rng.dirichlet(np.ones(K))
-    return x, means, variances, weights
-
-
-def _direct_log_joint(x, means, variances, weights):
-    """Per-component evaluation with scipy.stats: sum_j log N(x_j; mu_kj, s_kj) + log pi_k."""
-    cols = [stats.norm.logpdf(x, loc=means[k], scale=np.sqrt(variances[k])).sum(axis=1) for k in range(len(weights))]
-    return np.stack(cols, axis=1) + np.log(weights)
 
 
 @register(
@@ -43,9 +30,9 @@ def _logsumexp():
 )
 def _log_density():
     rng = np.random.default_rng(1)
-    x, means, variances, weights = _random_gmm(rng, 200, 9, 5)
+    x, means, variances, weights = random_gmm(rng, 200, 9, 5, var_range=(0.2, 2.0))
     ours = gmm.log_gaussian_diag(x, means, variances)
-    ref = _direct_log_joint(x, means, variances, np.ones(9))
+    ref = direct_log_joint(x, means, variances, np.ones(9))
     return float(np.max(np.abs(ours - ref) / np.maximum(1.0, np.abs(ref))))
 
 
@@ -56,9 +43,9 @@ def _log_density():
 )
 def _responsibilities():
     rng = np.random.default_rng(2)
-    x, means, variances, weights = _random_gmm(rng, 300, 12, 4)
+    x, means, variances, weights = random_gmm(rng, 300, 12, 4, var_range=(0.2, 2.0))
     resp = gmm.responsibilities(x, means, variances, weights)
-    ref = special.softmax(_direct_log_joint(x, means, variances, weights), axis=1)
+    ref = special.softmax(direct_log_joint(x, means, variances, weights), axis=1)
     return float(max(np.max(np.abs(resp.sum(axis=1) - 1.0)), np.max(np.abs(resp - ref))))
 
 

@@ -1,4 +1,4 @@
-"""Verifications of attention as regression (spec ovq.md sections 1 and 2).
+"""Verifications of attention as regression (``docs/derivations/ovq_gmr.md``).
 
 Errors are relative to the largest value entry, so they read as fractions of
 the output's scale.

@@ -1,4 +1,4 @@
-r"""Verifications of OVQ attention (spec ovq.md sections 3 and 4).
+r"""Verifications of OVQ attention (``docs/derivations/ovq_gmr.md``).
 
 Growth against the Chinese-restaurant process
 ---------------------------------------------
@@ -13,7 +13,8 @@ number of tables is
 The plateau curve is :math:`n(t) = \max(1, \lfloor f(t)\rfloor)` with
 :math:`f(t) = tN/(t+N) = N(1 - N/(N+t))`.  It is *not* :math:`E(t)`: both start
 with slope 1, but :math:`E` keeps growing like :math:`N\log(1+t/N)` while
-:math:`f` saturates at :math:`N`.  The exact gap follows from two elementary
+:math:`f` approaches :math:`N` from below and never reaches it (so
+:math:`n(t) \le N - 1`).  The exact gap follows from two elementary
 bounds.  The summand is decreasing, so the sum exceeds the integral by at
 most its first term: :math:`0 \le E(t) - N\log(1+t/N) \le 1`.  And
 :math:`|n(t) - f(t)| < 1`.  Hence, with :math:`x = t/N` and
@@ -27,7 +28,7 @@ The check measures the left side: the plateau curve sits below the CRP
 expectation by :math:`N g(t/N)` (about :math:`N x^2/2` early on, 28% of
 :math:`E` at :math:`t = N`, growing without bound later) and nothing else.
 
-Per chunk of :math:`C` tokens the spec approximates the plateau increment by
+Per chunk of :math:`C` tokens the contract approximates the plateau increment by
 :math:`C\,(N/(N+t))^2 = C f'(t)`.  The exact increment of :math:`f` is
 :math:`f(t+C) - f(t) = C f'(t)\cdot (N+t)/(N+t+C)`, and the floors move it by
 less than 1 (at chunk boundaries :math:`t = jC \ge C \ge 2`, where
@@ -51,11 +52,8 @@ from .. import ovq
 from ..attention import softmax_attention
 from ..gradcheck import numerical_gradient, relative_error
 from ..ovq_oracle import ovq_attention_loop
+from ..testing import assignment_plan
 from ..verify import register
-
-
-def _plan_rows(cache):
-    return np.concatenate([r.rows for r in cache.records])
 
 
 @register(
@@ -119,7 +117,7 @@ def _newton():
     last = cache.records[-1]
     if last.n != N or last.seeds.size:  # the last chunk must only update existing centroids
         return float("inf")
-    rows = _plan_rows(cache)
+    rows = assignment_plan(cache)
     x = {"keys": ovq.unit_rows(k), "values": v}
     before = {"keys": last.dict_keys, "values": last.dict_values}
     after = {"keys": cache.state.keys, "values": cache.state.values}
@@ -145,7 +143,7 @@ def _batch_mean():
     T, d, d_v, N = 300, 6, 4, 24
     q, k, v = rng.normal(size=(T, d)), rng.normal(size=(T, d)), rng.normal(size=(T, d_v)) + 2.0
     _, cache = ovq.ovq_attention_forward(q, k, v, max_size=N, chunk_size=16)
-    rows, st = _plan_rows(cache), cache.state
+    rows, st = assignment_plan(cache), cache.state
     kh = ovq.unit_rows(k)
     worst = 0.0
     for m in range(st.size):
@@ -172,7 +170,7 @@ def _counts():
         for lo, hi in ((0, 3 * C), (3 * C, 5 * C), (5 * C, 200)):
             _, cache = ovq.ovq_attention_forward(q[lo:hi], k[lo:hi], v[lo:hi], max_size=N, chunk_size=C, state=state, **kw)
             state = cache.state
-            rows.append(_plan_rows(cache))
+            rows.append(assignment_plan(cache))
         c = state.counts
         per_row = np.bincount(np.concatenate(rows), minlength=N)
         worst = max(worst, abs(int(c.sum()) - state.tokens_seen), abs(state.tokens_seen - 200),
@@ -201,7 +199,7 @@ def _growth_crp():
 
 @register(
     "ovq.growth_increments_vs_spec",
-    "plateau increment per chunk vs the spec's C (N/(N+t))^2: |error| / (1 + C (N/(N+t))^2 C/(N+t+C)), a strict bound (< 1)",
+    "plateau increment per chunk vs the slope approximation C (N/(N+t))^2: |error| / (1 + C (N/(N+t))^2 C/(N+t+C)), a strict bound (< 1)",
     tol=1.0,
 )
 def _growth_increments():
@@ -229,13 +227,13 @@ def _backward():
         G = rng.normal(size=(T, d_v))
         _, cache = ovq.ovq_attention_forward(**inputs, max_size=N, chunk_size=C, **kw)
         grads = ovq.ovq_attention_backward(G, cache)
-        plan = _plan_rows(cache)
+        plan = assignment_plan(cache)
         flipped = []
 
         def loss(a, name):
             out, c2 = ovq.ovq_attention_forward(**{**inputs, name: a}, max_size=N, chunk_size=C, **kw)
             # the gradient holds the assignments fixed: a perturbation that flips one is no test point
-            flipped.append(not np.array_equal(_plan_rows(c2), plan))
+            flipped.append(not np.array_equal(assignment_plan(c2), plan))
             return float(np.sum(G * out))
 
         for name in ("q", "k", "v"):

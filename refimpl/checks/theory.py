@@ -1,4 +1,4 @@
-"""Verifications of the theory of Gaussian Mixture Attention (spec gma.md section 5).
+"""Verifications of the theory of Gaussian Mixture Attention (``docs/derivations/gma.md``).
 
 Derivations are checked against finite differences or an independent
 computation (their error is reported); bounds are checked on random and
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import linprog
 
-from .. import attention, gma, gmm, theory
+from .. import gma, gmm, scan, theory
 from ..verify import register
 
 
@@ -156,7 +156,7 @@ def _gma_backward_bounds():
         g_up = rng.normal(size=out.shape)
         grads = gma.gma_backward(g_up, cache)
         # the same upstream gradient through the mixing backward gives dL/dgamma per token
-        dgamma = attention.feature_attention_backward(g_up, cache.mixing)
+        dgamma = scan.feature_attention_backward(g_up, cache.mixing)
         bx = float(max(np.max(np.linalg.norm(x_q, axis=1)), np.max(np.linalg.norm(x_k, axis=1))))
         r = theory.bound_radius(means, cache.variances, bx)
         bq = theory.gradient_bounds(cache.gamma_q, dgamma.phi_q, r)
