@@ -608,3 +608,19 @@ def test_both_entry_points_share_one_signature_and_name_themselves_in_errors():
         ovq.ovq_attention(q, k, v, max_size=2, chunk_size=2, learnig_rate=0.1)
     with pytest.raises(TypeError, match=r"^ovq_attention_forward\(\) missing a required argument: 'max_size'"):
         ovq.ovq_attention_forward(q, k, v, chunk_size=2)
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 8, 64, 1000])
+def test_plateau_never_reaches_N_and_reaches_N_minus_1_exactly_at_N_times_N_minus_1(N):
+    """floor(tN/(t+N)) < N for every t, so with plateau growth row N - 1 is never used (for N >= 2)."""
+    assert ovq.dictionary_size(10**15, N) == max(1, N - 1)
+    if N >= 2:
+        t = N * (N - 1)
+        assert ovq.dictionary_size(t, N) == N - 1
+        assert ovq.dictionary_size(t - 1, N) == max(1, N - 2)
+    assert ovq.dictionary_size(10**15, N, "linear") == N
+    # a real stream: the last row stays empty under plateau growth
+    if 2 <= N <= 8:
+        q, k, v = qkv(29, 40 * N * N)
+        _, st = ovq.ovq_attention(q, k, v, max_size=N, chunk_size=4, return_state=True)
+        assert st.size == N - 1 and st.counts[N - 1] == 0 and np.all(st.keys[N - 1] == 0)

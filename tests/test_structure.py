@@ -156,3 +156,15 @@ def test_every_derivation_link_in_the_reference_resolves():
                 if anchor not in pages.get(page, set()):
                     broken.append(f"{path.name}: {page}#{anchor}")
     assert found >= 20 and not broken, broken
+
+
+def test_the_loop_oracle_uses_nothing_of_the_code_it_checks():
+    """refimpl.ovq_oracle may use the shared argument checks, never refimpl.ovq, gmm, numerics or attention."""
+    tree = ast.parse((ROOT / "refimpl" / "ovq_oracle.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            imported |= {node.module} if node.module else {a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+    assert imported <= {"validation", "math", "numpy", "typing", "__future__"}, imported

@@ -155,12 +155,13 @@ assert err_mix <= 1e-13  # the same few products in the same order: agreement to
 # %% [markdown]
 # **Checking a gradient by central differences.** For a scalar function $f$,
 # $\frac{f(\theta + h e) - f(\theta - h e)}{2h} = \partial_e f + \frac{h^2}{6}\partial_e^3 f + \dots$;
-# evaluating $f$ rounds it by about $\varepsilon\,\Lambda$, where
+# evaluating $f$ rounds it by about $u\,\Lambda$ (machine epsilon $u = 2.2\cdot10^{-16}$;
+# $\epsilon$ stays the $10^{-6}$ guard of the denominators), where
 # $\Lambda = \sum|G\odot O|$ is the size of the terms added up in $L$, so the
-# quotient carries a rounding error of about $\varepsilon\Lambda/h$. The sum of
-# the two parts is smallest at $h^\star = (\varepsilon\Lambda)^{1/3}$, where
-# both are $\sim(\varepsilon\Lambda)^{2/3}$ (lesson 7 draws this V). We use
-# $h^\star$ and allow $100\,(\varepsilon\Lambda)^{2/3}$ relative to the largest
+# quotient carries a rounding error of about $u\Lambda/h$. The sum of
+# the two parts is smallest at $h^\star = (u\Lambda)^{1/3}$, where
+# both are $\sim(u\Lambda)^{2/3}$ (lesson 7 draws this V). We use
+# $h^\star$ and allow $100\,(u\Lambda)^{2/3}$ relative to the largest
 # entry of each gradient: the factor 100 covers third derivatives up to
 # $\sim 600$ in the truncation term, ample for inputs, means and variances of
 # order one. In float64 this tolerance is about $10^{-8}$.
@@ -277,8 +278,8 @@ assert sum_c <= 4 * K * EPS * max(np.max(np.abs(d_gq)), np.max(np.abs(d_gk)))
 # the two agree to rounding. Each gradient entry sums at most
 # $n = N_Q + N_K$ per-token terms whose size we know; the printed
 # *cancellation factor* is the largest $\sum_{\text{tokens}}|\text{term}|$
-# relative to the largest entry of the gradient. We allow $64\,n\,\varepsilon$
-# times that factor: $n\varepsilon$ per summation, a factor 4 for the products
+# relative to the largest entry of the gradient. We allow $64\,n\,u$
+# times that factor: $n\,u$ per summation, a factor 4 for the products
 # feeding each term, and a factor up to 16 for refimpl's expanded form, whose
 # terms ($x_c^2$, $2\mu_c x_c$, $\mu_c^2$ separately) are larger than
 # $(x-\mu)^2$ when $|x - c|$ and $|\mu - c|$ are a few times $|x - \mu|$.
@@ -533,7 +534,7 @@ assert max(worst_ratio.values()) <= 1 + 16 * EPS
 
 # %% [markdown]
 # All ratios are at most one, as proved (up to the rounding of $c_m$, a few
-# $\varepsilon$, which matters only for a bound that is attained). How tight are the bounds? The logit
+# $u$, which matters only for a bound that is attained). How tight are the bounds? The logit
 # bound $\tfrac14\operatorname{range}(g)$ comes within a few percent: the
 # factor $\gamma(1-\gamma)$ reaches $\tfrac14$ at $\gamma = \tfrac12$, and
 # with many tokens some token has two components at nearly $\tfrac12$ each
@@ -551,9 +552,9 @@ assert max(worst_ratio.values()) <= 1 + 16 * EPS
 # | claim | measured | allowed |
 # |---|---|---|
 # | mixing backward (quotient rule, transposed products) $=$ refimpl | $\sim 10^{-16}$ | $10^{-13}$ |
-# | mixing backward $=$ central differences | $\sim 10^{-10}$ | $100(\varepsilon\Lambda)^{2/3} \approx 10^{-8}$ |
-# | $\sum_m c_m = 0$ per token | $\sim 10^{-17}$ | $4K\varepsilon\max\lvert g\rvert$ |
-# | hand-written gradients of all six inputs $=$ `gma_backward` | $\sim 10^{-16}$ | $64 n\varepsilon\kappa$ |
+# | mixing backward $=$ central differences | $\sim 10^{-10}$ | $100(u\Lambda)^{2/3} \approx 10^{-8}$ |
+# | $\sum_m c_m = 0$ per token | $\sim 10^{-17}$ | $4K\,u\max\lvert g\rvert$ |
+# | hand-written gradients of all six inputs $=$ `gma_backward` | $\sim 10^{-16}$ | $64 n\,u\kappa$ |
 # | `gma_backward` $=$ central differences, bidirectional and causal, all six inputs | $\sim 10^{-10}$ | $\approx 10^{-8}$ |
 # | $\lvert c_m\rvert \le \gamma_m(1-\gamma_m)\operatorname{range}(g)$, equality for $K = 2$ | holds | rounding |
 # | owned and unused components: gradient / active gradient | $< 10^{-6}$ | $10^{-6}$ |

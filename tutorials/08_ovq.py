@@ -154,7 +154,8 @@ print(f"logits =\n{logits}\nsoftmax =\n{weights}")
 # Each row of the logits has the two centroid columns plus a lower triangle of
 # chunk keys. Row $a$ sums to one over $n + a + 1$ entries. The outputs match
 # `refimpl.ovq` to rounding (the two softmaxes are different code, so the
-# last bit may differ: we allow $8\varepsilon\cdot\max|v|$, a few roundings of
+# last bit may differ: we allow $8\,u\cdot\max|v|$, with $u$ the machine
+# epsilon, a few roundings of
 # a sum of six terms of size at most $\max|v|$).
 #
 # Now the update, written out: grow, assign, seed, running means.
@@ -298,9 +299,9 @@ print(f"learning_rate={bad} is refused: {message}")
 # agree **bit for bit**: `np.array_equal`, no tolerance. The outputs are dot
 # products summed in different orders, so they agree to rounding: logits of
 # size $\le\beta + \log t$ off by a few ulps, which (tilt bound of lesson 6)
-# moves an output by at most $4\varepsilon(\beta + \log t)\,\operatorname{range}(v)$,
+# moves an output by at most $4\,u(\beta + \log t)\,\operatorname{range}(v)$,
 # plus the rounding of a sum of at most $N + C$ weighted values,
-# $(N + C)\,\varepsilon\max|v|$. We test every switch, with a length that is
+# $(N + C)\,u\max|v|$. We test every switch, with a length that is
 # not a multiple of the chunk size.
 
 # %%
@@ -1049,7 +1050,7 @@ assert np.all(cos_ab["constant rate 1"] > 3 * cos_ab[default_name])
 # | claim | check | measured |
 # |---|---|---|
 # | predict-then-update as in `docs/derivations/ovq_gmr.md` | one chunk by hand vs `refimpl.ovq`, adaptive and constant rate | state bit for bit, outputs to rounding |
-# | vectorised $=$ loop oracle | five switch settings, $T$ not a multiple of $C$ | state bit for bit, outputs within $4\varepsilon(\beta + \log t)\mathrm{range}(v)$ |
+# | vectorised $=$ loop oracle | five switch settings, $T$ not a multiple of $C$ | state bit for bit, outputs within $4\,u(\beta + \log t)\mathrm{range}(v)$ |
 # | plateau growth $\max(1,\lfloor tN/(t+N)\rfloor) \le N - 1$ | exact integers; a stream; against the CRP | first $N-1$ at $t = N(N-1)$, row $N-1$ never used; increments $N/(N+t+C)$ to $N/(N+t)$ of the CRP's: agree only for $t \ll N$ |
 # | spread initialisation | seeds $=$ smallest best-similarity, every chunk; quantisation error | lower error than random seeds, every seed |
 # | sparse updates | diff of the state per chunk | changed rows $=$ assigned rows, $\le L$ |
