@@ -121,7 +121,8 @@ def test_no_file_points_outside_the_repository():
 
 
 def test_the_outside_patterns_match_what_they_guard():
-    for text in ("see spec/ovq.md section 4", "../shared/spec/gma.md", "shared/style.md", "spec/gma.md"):
+    # each example is split in two literals, so that this file does not contain what it forbids
+    for text in ("see spec/" "ovq.md section 4", ".." "/shared/spec/" "gma.md", "shared/" "style.md", "spec/" "gma.md"):
         assert OUTSIDE.search(text), text
     for text in ("docs/derivations/ovq_gmr.md", "a shared GMM", "kernelspec"):
         assert not OUTSIDE.search(text) and not re.search(r"\bspec(?:'s)?\b", text), text
