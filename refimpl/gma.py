@@ -152,9 +152,8 @@ def _check_gma_dense(gamma_q, gamma_k, v, causal, eps):
     v = validation.as_float_array(v, "v", ndim=2)
     validation.check_shape(gamma_k, "gamma_k", (None, gamma_q.shape[1]), ("N_k", "K"))
     validation.check_shape(v, "v", (gamma_k.shape[0], None), ("N_k", "d_v"))
-    for arr, name in ((gamma_q, "gamma_q"), (gamma_k, "gamma_k")):
-        if arr.size and np.min(arr) < 0:
-            raise ValueError(f"{name}: expected nonnegative responsibilities, got minimum {np.min(arr)}")
+    validation.check_nonnegative(gamma_q, "gamma_q", "responsibilities")
+    validation.check_nonnegative(gamma_k, "gamma_k", "responsibilities")
     causal = validation.check_bool(causal, "causal")
     eps = validation.check_positive_float(eps, "eps", allow_zero=True)
     validation.check_causal_lengths(gamma_q.shape[0], gamma_k.shape[0], causal, names=("gamma_q", "gamma_k"))

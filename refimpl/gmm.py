@@ -347,6 +347,20 @@ def _log_weights(weights):
         return np.log(weights)
 
 
+def _checked_log_posterior(x, means, variances, weights):
+    """:func:`log_posterior` of checked arrays, and the boundary's check of the ``min_quad`` it returns."""
+    log_gamma, min_quad = log_posterior(x, means, variances, _log_weights(weights))
+    validation.check_scaled_distances(min_quad, "x")
+    return log_gamma
+
+
+def _checked_log_likelihood(x, means, variances, weights):
+    """``log sum_k pi_k N(x_i | mu_k, sigma_k^2)`` of checked arrays, with the boundary's check."""
+    logits, min_quad = log_joint(x, means, variances, _log_weights(weights), window=_posterior_window(means.shape[0], x.dtype))
+    validation.check_scaled_distances(min_quad, "x")
+    return numerics.logsumexp(logits, axis=1)
+
+
 # ---------------------------------------------------------------------------
 # Log-densities, responsibilities, likelihood
 # ---------------------------------------------------------------------------
@@ -396,10 +410,7 @@ def log_responsibilities(x, means, variances, weights):
         every row's log-sum-exp is 0.  Right to rounding for every input
         (module docstring), not only for points near the origin.
     """
-    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
-    log_gamma, min_quad = log_posterior(x, means, variances, _log_weights(weights))
-    validation.check_scaled_distances(min_quad, "x")
-    return log_gamma
+    return _checked_log_posterior(*validation.check_gmm(x, means, variances, weights))
 
 
 def responsibilities(x, means, variances, weights):
@@ -424,10 +435,7 @@ def log_likelihood(x, means, variances, weights):
     -------
     ndarray, shape (N,)
     """
-    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
-    logits, min_quad = log_joint(x, means, variances, _log_weights(weights), window=_posterior_window(means.shape[0], x.dtype))
-    validation.check_scaled_distances(min_quad, "x")
-    return numerics.logsumexp(logits, axis=1)
+    return _checked_log_likelihood(*validation.check_gmm(x, means, variances, weights))
 
 
 def em_step(x, means, variances, weights, *, reg_covar: float = 0.0):
@@ -460,9 +468,7 @@ def em_step(x, means, variances, weights, *, reg_covar: float = 0.0):
     x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
     reg_covar = validation.check_positive_float(reg_covar, "reg_covar", allow_zero=True)
     # E-step: r_ik = gamma_k(x_i)
-    log_resp, min_quad = log_posterior(x, means, variances, _log_weights(weights))
-    validation.check_scaled_distances(min_quad, "x")
-    return _m_step(x, np.exp(log_resp), reg_covar)
+    return _m_step(x, np.exp(_checked_log_posterior(x, means, variances, weights)), reg_covar)
 
 
 def _m_step(x, resp, reg_covar):
@@ -504,13 +510,6 @@ def _check_isotropic(x, means, beta, weights):
     return x.astype(dtype, copy=False), means.astype(dtype, copy=False), variances, weights.astype(dtype, copy=False)
 
 
-def _isotropic_resp(x, means, variances, weights):
-    # r_in = gamma_n(x_i), the responsibilities at the current means
-    log_resp, min_quad = log_posterior(x, means, variances, _log_weights(weights))
-    validation.check_scaled_distances(min_quad, "x")
-    return np.exp(log_resp)
-
-
 def isotropic_nll(x, means, beta, weights=None) -> float:
     """Negative log-likelihood of an isotropic GMM with covariance ``I / beta``.
 
@@ -528,10 +527,7 @@ def isotropic_nll(x, means, beta, weights=None) -> float:
     float
         ``-sum_i log sum_n pi_n N(x_i; mu_n, I / beta)``.
     """
-    x, means, variances, weights = _check_isotropic(x, means, beta, weights)
-    logits, min_quad = log_joint(x, means, variances, _log_weights(weights), window=_posterior_window(means.shape[0], x.dtype))
-    validation.check_scaled_distances(min_quad, "x")
-    return float(-np.sum(numerics.logsumexp(logits, axis=1)))
+    return float(-np.sum(_checked_log_likelihood(*_check_isotropic(x, means, beta, weights))))
 
 
 def isotropic_nll_gradient(x, means, beta, weights=None):
@@ -544,7 +540,7 @@ def isotropic_nll_gradient(x, means, beta, weights=None):
         at ``means`` (exact: the derivative of the log-sum-exp is the softmax).
     """
     x, means, variances, weights = _check_isotropic(x, means, beta, weights)
-    resp = _isotropic_resp(x, means, variances, weights)
+    resp = np.exp(_checked_log_posterior(x, means, variances, weights))  # r_in at the current means
     # sum_i r_in (x_i - mu_n) = (R^T X)_n - N_n mu_n
     return -(1.0 / variances[0, 0]) * (resp.T @ x - resp.sum(axis=0)[:, None] * means)
 
@@ -564,7 +560,7 @@ def isotropic_surrogate_hessian(x, means, beta, weights=None):
         ``beta * N_n``.
     """
     x, means, variances, weights = _check_isotropic(x, means, beta, weights)
-    resp = _isotropic_resp(x, means, variances, weights)
+    resp = np.exp(_checked_log_posterior(x, means, variances, weights))  # r_in at the current means
     return (1.0 / variances[0, 0]) * resp.sum(axis=0)
 
 
@@ -593,7 +589,7 @@ def isotropic_m_step(x, means, beta, weights=None):
         ``sum_i r_in x_i / sum_i r_in``, responsibilities at ``means``.
     """
     x, means, variances, weights = _check_isotropic(x, means, beta, weights)
-    resp = _isotropic_resp(x, means, variances, weights)
+    resp = np.exp(_checked_log_posterior(x, means, variances, weights))  # r_in at the current means
     return (resp.T @ x) / resp.sum(axis=0)[:, None]
 
 

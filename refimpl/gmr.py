@@ -109,6 +109,16 @@ def kernel_regression(q, k, v, *, beta):
     return numerics.softmax(logits, axis=1) @ v
 
 
+def _checked_conditional_mean(q, key_means, key_variances, weights, value_means):
+    """``E[v | q] = sum_n h_n(q) mu^v_n`` of checked arrays, with the boundary's check of the posterior."""
+    with np.errstate(divide="ignore"):
+        log_w = np.log(weights)
+    # log h_n(q) = log pi_n + log N(q; mu^k_n, diag key_variances_n) - logsumexp_m(...)
+    log_h, min_quad = log_posterior(q, key_means, key_variances, log_w)
+    validation.check_scaled_distances(min_quad, "q")
+    return np.exp(log_h) @ value_means
+
+
 def gmr_predict(q, key_means, value_means, weights, *, beta):
     r"""Exact conditional mean ``E[v | q]`` of a GMM with key covariance ``I / beta``.
 
@@ -143,12 +153,7 @@ def gmr_predict(q, key_means, value_means, weights, *, beta):
     dtype = validation.common_float_dtype(q, key_means, value_means, weights)
     q, key_means, value_means, weights = (a.astype(dtype, copy=False) for a in (q, key_means, value_means, weights))
     variances = np.full(key_means.shape, 1.0 / beta, dtype=dtype)
-    with np.errstate(divide="ignore"):
-        log_w = np.log(weights)
-    # log h_n(q) = log pi_n + log N(q; mu_n, I/beta) - logsumexp_m(...)
-    log_h, min_quad = log_posterior(q, key_means, variances, log_w)
-    validation.check_scaled_distances(min_quad, "q")
-    return np.exp(log_h) @ value_means
+    return _checked_conditional_mean(q, key_means, variances, weights, value_means)
 
 
 def ovq_readout(q, key_means, value_means, counts, *, beta, count_bias: bool = True):
@@ -337,8 +342,4 @@ def joint_gmm_predict(q, fit: JointGMM):
     q, key_means, value_means, key_variances, weights = (
         a.astype(dtype, copy=False) for a in (q, key_means, value_means, key_variances, weights)
     )
-    with np.errstate(divide="ignore"):
-        log_w = np.log(weights)
-    log_h, min_quad = log_posterior(q, key_means, key_variances, log_w)
-    validation.check_scaled_distances(min_quad, "q")
-    return np.exp(log_h) @ value_means
+    return _checked_conditional_mean(q, key_means, key_variances, weights, value_means)

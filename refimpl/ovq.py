@@ -445,9 +445,7 @@ def _check_call(caller, q, k, v, options):
     except TypeError as e:
         raise TypeError(f"{caller}() {e}") from None
     bound.apply_defaults()
-    a = bound.arguments
-    max_size, chunk_size, beta, growth, init = a["max_size"], a["chunk_size"], a["beta"], a["growth"], a["init"]
-    count_bias, learning_rate, seed, state = a["count_bias"], a["learning_rate"], a["seed"], a["state"]
+    args = bound.arguments
     q = validation.as_float_array(q, "q", ndim=2)
     k = validation.as_float_array(k, "k", ndim=2)
     v = validation.as_float_array(v, "v", ndim=2)
@@ -459,16 +457,16 @@ def _check_call(caller, q, k, v, options):
     if v.shape[1] < 1:
         raise ValueError(f"v: expected shape (T, d_v) with d_v >= 1, got {v.shape}")
     p = _Params(
-        max_size=validation.check_int(max_size, "max_size", minimum=1),
-        chunk_size=validation.check_int(chunk_size, "chunk_size", minimum=1),
-        beta=float(np.sqrt(d)) if beta is None else validation.check_positive_float(beta, "beta"),
-        growth=validation.check_option(growth, "growth", GROWTHS),
-        init=validation.check_option(init, "init", INITS),
-        count_bias=validation.check_bool(count_bias, "count_bias"),
-        eta=_check_learning_rate(learning_rate),
-        seed=validation.check_int(seed, "seed", minimum=0),
+        max_size=validation.check_int(args["max_size"], "max_size", minimum=1),
+        chunk_size=validation.check_int(args["chunk_size"], "chunk_size", minimum=1),
+        beta=float(np.sqrt(d)) if args["beta"] is None else validation.check_positive_float(args["beta"], "beta"),
+        growth=validation.check_option(args["growth"], "growth", GROWTHS),
+        init=validation.check_option(args["init"], "init", INITS),
+        count_bias=validation.check_bool(args["count_bias"], "count_bias"),
+        eta=_check_learning_rate(args["learning_rate"]),
+        seed=validation.check_int(args["seed"], "seed", minimum=0),
     )
-    arrays = [q, k, v]
+    arrays, state = [q, k, v], args["state"]
     if state is not None:
         _check_stream_state(state, p.max_size, p.chunk_size, T, d, v.shape[1], p.growth)
         arrays.append(state.keys)

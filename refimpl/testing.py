@@ -36,6 +36,7 @@ __all__ = [
     "random_gmm",
     "gma_problem",
     "direct_log_joint",
+    "sklearn_gmm",
     "assert_same_state",
     "assignment_plan",
     "spread_means_example",
@@ -112,6 +113,19 @@ def direct_log_joint(x, means, variances, weights):
     cols = [stats.norm.logpdf(x, loc=means[k], scale=np.sqrt(variances[k])).sum(axis=1) for k in range(len(weights))]
     with np.errstate(divide="ignore"):
         return np.stack(cols, axis=1) + np.log(weights)
+
+
+def sklearn_gmm(means, variances, weights):
+    """scikit-learn's ``GaussianMixture(covariance_type="diag")`` with its parameters set by hand: an independent oracle.
+
+    scikit-learn is a test dependency (the ``dev`` extra), imported here only when called.
+    """
+    from sklearn.mixture import GaussianMixture
+
+    g = GaussianMixture(n_components=len(weights), covariance_type="diag")
+    g.means_, g.covariances_, g.weights_ = means, variances, weights
+    g.precisions_cholesky_ = 1.0 / np.sqrt(variances)
+    return g
 
 
 def assert_same_state(a, b):

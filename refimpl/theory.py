@@ -109,8 +109,7 @@ def _check_responsibilities(gamma, name, K=None):
     gamma = validation.as_float_array(gamma, name, ndim=2)
     if K is not None:
         validation.check_shape(gamma, name, (None, K), ("N", "K"))
-    if gamma.size and np.min(gamma) < 0:
-        raise ValueError(f"{name}: expected nonnegative responsibilities, got minimum {np.min(gamma)}")
+    validation.check_nonnegative(gamma, name, "responsibilities")
     tol = float(np.sqrt(np.finfo(gamma.dtype).eps)) * max(1, gamma.shape[1])
     worst = float(np.max(np.abs(gamma.sum(axis=1) - 1))) if gamma.size else 0.0
     if worst > tol:

@@ -49,7 +49,6 @@ __all__ = [
     "check_qkv",
     "check_weights",
     "check_softmax_logits",
-    "check_logit_row_max",
     "check_overflowed_rows",
     "check_scaled_distances",
     "check_denominators",
@@ -370,13 +369,8 @@ def check_softmax_logits(logits: np.ndarray, names: str, fix: str) -> None:
     one reduction finds them.  ``names`` are the arguments to blame, ``fix``
     says what to change.
     """
-    check_logit_row_max(np.max(logits, axis=1), names, fix)
-
-
-def check_logit_row_max(row_max: np.ndarray, names: str, fix: str) -> None:
-    """:func:`check_softmax_logits` on the row maxima a core already computed."""
-    bad = ~np.isfinite(row_max)
-    check_overflowed_rows(int(np.sum(bad)), int(np.argmax(bad)), row_max.dtype, names, fix)
+    bad = ~np.isfinite(np.max(logits, axis=1))
+    check_overflowed_rows(int(np.sum(bad)), int(np.argmax(bad)), logits.dtype, names, fix)
 
 
 def check_overflowed_rows(n_bad: int, first: int, dtype, names: str, fix: str) -> None:

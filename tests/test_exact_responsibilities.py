@@ -11,21 +11,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sklearn.mixture import GaussianMixture
 
 from refimpl import gmm
-from refimpl.testing import exact_log_joint, exact_responsibilities, row_relative_error, spread_means_example
+from refimpl.testing import exact_log_joint, exact_responsibilities, row_relative_error, sklearn_gmm, spread_means_example
 
 # relative error per row, max_k |gamma - gamma*| / max_k gamma*: the target of the refinement
 TARGET = 1e-12
 
 
 def sklearn_responsibilities(x, means, variances, weights):
-    g = GaussianMixture(len(weights), covariance_type="diag")
-    g.means_, g.covariances_, g.weights_ = means, variances, weights
-    g.precisions_cholesky_ = 1.0 / np.sqrt(variances)
     with np.errstate(all="ignore"):
-        return g.predict_proba(x)
+        return sklearn_gmm(means, variances, weights).predict_proba(x)
 
 
 def spread_problem(seed):

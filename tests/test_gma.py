@@ -4,10 +4,9 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from sklearn.mixture import GaussianMixture
 
 from refimpl import gma, gmm, scan
-from refimpl.testing import GMA_FIELDS, TOL, assert_close_f32, fd_gradients, gma_problem
+from refimpl.testing import GMA_FIELDS, TOL, assert_close_f32, fd_gradients, gma_problem, sklearn_gmm
 
 
 def constrained(args, min_variance=1e-6):
@@ -61,9 +60,7 @@ def test_cross_attention_with_different_lengths():
 def test_gma_dense_with_scikit_learn_responsibilities():
     """An independent route: sklearn's predict_proba as responsibilities, then the explicit N x N form."""
     x_q, x_k, v, means, variances, weights = constrained(gma_problem(2, n_q=30, n_k=30, K=4, d_r=3))
-    g = GaussianMixture(n_components=4, covariance_type="diag")
-    g.means_, g.covariances_, g.weights_ = means, variances, weights
-    g.precisions_cholesky_ = 1.0 / np.sqrt(variances)
+    g = sklearn_gmm(means, variances, weights)
     for causal in (False, True):
         ref = gma.gma_dense(g.predict_proba(x_q), g.predict_proba(x_k), v, causal=causal)
         np.testing.assert_allclose(gma.gma(x_q, x_k, v, means, variances, weights, causal=causal, chunk_size=7), ref, rtol=1e-11, atol=1e-12)

@@ -9,17 +9,7 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.mixture import GaussianMixture
 
 from refimpl import gmm
-from refimpl.testing import TOL, direct_log_joint, random_gmm
-
-
-
-def sklearn_gmm(means, variances, weights):
-    """A scikit-learn GaussianMixture with its parameters set by hand."""
-    K = len(weights)
-    g = GaussianMixture(n_components=K, covariance_type="diag")
-    g.means_, g.covariances_, g.weights_ = means, variances, weights
-    g.precisions_cholesky_ = 1.0 / np.sqrt(variances)
-    return g
+from refimpl.testing import TOL, direct_log_joint, random_gmm, sklearn_gmm
 
 
 # --- independent implementations -------------------------------------------------
