@@ -10,7 +10,7 @@ Forward
 -------
 (``gma.md#bidirectional-mixing``, ``gma.md#causal-mixing``.)
 :math:`\Gamma_Q = \gamma(X_Q)` and :math:`\Gamma_K = \gamma(X_K)` are the
-GMM responsibilities (``N x K``, :func:`refimpl.gmm.log_posterior`).  Write,
+GMM responsibilities (``N x K``, :func:`refimpl.gmm.posterior`).  Write,
 then read:
 
 .. math::
@@ -53,7 +53,7 @@ import numpy as np
 from scipy.special import expit
 
 from . import numerics, validation
-from .gmm import log_posterior
+from .gmm import posterior
 from .scan import DEFAULT_CHUNK_SIZE, FeatureAttentionCache, scan_backward, scan_forward
 
 __all__ = [
@@ -167,9 +167,8 @@ def _check_gma_dense(gamma_q, gamma_k, v, causal, eps):
 
 def _gma(x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size):
     """Core: ``(out, gamma_q, gamma_k, mixing, min_quad_q, min_quad_k)``; the caller checks the last three."""
-    log_gamma_q, min_quad_q = log_posterior(x_q, means, variances, log_weights)
-    log_gamma_k, min_quad_k = log_posterior(x_k, means, variances, log_weights)
-    gamma_q, gamma_k = np.exp(log_gamma_q), np.exp(log_gamma_k)
+    gamma_q, min_quad_q = posterior(x_q, means, variances, log_weights)
+    gamma_k, min_quad_k = posterior(x_k, means, variances, log_weights)
     # O = (Gamma_Q Gamma_K^T V) / (Gamma_Q Gamma_K^T 1 + eps), by the scan
     out, mixing = scan_forward(gamma_q, gamma_k, v, causal, eps, chunk_size)
     return out, gamma_q, gamma_k, mixing, min_quad_q, min_quad_k
@@ -316,21 +315,50 @@ def gma_forward(
 
 
 def _responsibility_backward(x, gamma, grad_gamma, means, variances, centre):
-    """Push ``dL/dgamma`` (N, K) through ``gamma = softmax(l(x))``: ``(dx, dmeans, dvariances, dlogits)``."""
-    # dL/dl_m = gamma_m (g_m - gbar) with gbar = sum_m gamma_m g_m (softmax Jacobian)
-    c = gamma * (grad_gamma - np.sum(gamma * grad_gamma, axis=1, keepdims=True))
+    """Push ``dL/dgamma`` (N, K) through ``gamma = softmax(l(x))``: ``(dx, dmeans, dvariances, dlogits)``.
+
+    Read as whole-array lines, with ``c = gamma * (grad_gamma - sum_m gamma_m grad_gamma_m)``
+    and ``xc = x - centre``::
+
+        dx = c @ (mc p) - xc * (c @ p)
+        dmeans = (c.T @ xc - c.sum(0)[:, None] mc) p
+        dvariances = (c.T @ xc**2 - 2 mc (c.T @ xc) + (mc**2 - sigma^2) c.sum(0)[:, None]) p^2 / 2
+
+    Evaluated a block of rows at a time (:func:`refimpl.numerics.block_rows`):
+    the ``N x K`` and ``N x d_r`` intermediates of a block stay in cache, and
+    the three sums over the rows (``c.sum(0)``, ``c.T @ xc``, ``c.T @ xc**2``)
+    are accumulated block by block.
+    """
+    n, d = x.shape
+    dtype = x.dtype
     # x - mu is invariant under the common shift by the centre of the means
-    xc = x - centre
     mc = means - centre
     prec = 1.0 / variances
-    csum = c.sum(axis=0)  # (K,)
-    ctx = c.T @ xc  # (K, d_r): sum_i c_im x_i
-    # dL/dx_i = sum_m c_im (mu_m - x_i) / sigma_m^2
-    dx = c @ (mc * prec) - xc * (c @ prec)
+    mc_prec = mc * prec
+    dx = np.empty_like(x)
+    csum = np.zeros(means.shape[0], dtype=dtype)  # sum_i c_im
+    ctx = np.zeros(means.shape, dtype=dtype)  # sum_i c_im xc_i
+    ctx2 = np.zeros(means.shape, dtype=dtype)  # sum_i c_im xc_i^2
+    rows = numerics.block_rows((2 * means.shape[0] + 3 * d) * dtype.itemsize)
+    for a in range(0, n, rows):
+        b = min(a + rows, n)
+        gam, grad = gamma[a:b], grad_gamma[a:b]
+        # dL/dl_m = gamma_m (g_m - gbar) with gbar = sum_m gamma_m g_m (softmax Jacobian)
+        gbar = (gam * grad) @ np.ones(gam.shape[1], dtype=dtype)
+        c = grad - gbar[:, None]
+        c *= gam
+        xc = x[a:b] - centre
+        csum += np.ones(b - a, dtype=dtype) @ c
+        ctx += c.T @ xc
+        # dL/dx_i = sum_m c_im (mu_m - x_i) / sigma_m^2
+        np.matmul(c, mc_prec, out=dx[a:b])
+        dx[a:b] -= xc * (c @ prec)
+        xc *= xc
+        ctx2 += c.T @ xc
     # dL/dmu_m = sum_i c_im (x_i - mu_m) / sigma_m^2
     dmeans = (ctx - csum[:, None] * mc) * prec
     # dL/dsigma2_mj = sum_i c_im ((x_ij - mu_mj)^2 - sigma2_mj) / (2 sigma2_mj^2), (x - mu)^2 expanded
-    sq = c.T @ (xc * xc) - 2.0 * mc * ctx + (mc * mc - variances) * csum[:, None]
+    sq = ctx2 - 2.0 * mc * ctx + (mc * mc - variances) * csum[:, None]
     dvariances = 0.5 * sq * prec * prec
     # dL/da_k = c_k: the -pi_k sum_m c_m term of the log-softmax Jacobian vanishes
     return dx, dmeans, dvariances, csum

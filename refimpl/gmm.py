@@ -27,6 +27,15 @@ definition itself for every input, however far apart the means are, and
 ordinary inputs pay only an ``O(N d)`` screen
 (``gmm_posteriors.md#exact-responsibilities-for-every-input``).
 
+Speed.  Read as one line, the responsibilities are ``softmax(log_norm - (xc**2
+@ p.T - 2 xc @ (mc p).T + c) / 2)``; every step of that line makes an
+``N x K`` array.  :func:`log_joint` evaluates it a block of rows at a time,
+so that a block's ``N_b x K`` intermediates stay in cache and are reused
+(``out=``), and :func:`posterior` takes the softmax of each block while its
+logits are still there, with one ``exp`` per entry.  Float32 inputs are
+computed in float32.  What this costs against the floor of the two matrix
+products is measured in ``docs/performance_gma.md``.
+
 EM and EM = Newton
 ------------------
 :func:`em_step` is one EM iteration (scikit-learn's conventions).  For an
@@ -46,6 +55,8 @@ promotion rules give for their inputs (float32 in, float32 out).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 from scipy.special import expit
@@ -77,6 +88,7 @@ __all__ = [
     "running_mean_update",
     "log_joint",
     "log_posterior",
+    "posterior",
     "merge_running_means",
     "EXACT_LOGIT_TOL",
     "CANCELLATION_RATIO",
@@ -209,70 +221,191 @@ def _check_raw_from_variances(variances, min_variance):
 # ---------------------------------------------------------------------------
 
 
-def _expanded_quadratic_form(x, means, precisions):
-    """``q_ik = sum_j (x_ij - mu_kj)^2 p_kj`` by two matrix products, and the pieces of its error bound."""
+class _Expansion(NamedTuple):
+    """What every block of rows needs from the mixture, computed once per call."""
+
+    means: np.ndarray  # (K, d)
+    precisions: np.ndarray  # (K, d): p = 1 / sigma^2
+    centre: np.ndarray  # (d,): the mean of the means
+    neg_half_precisions: np.ndarray  # (d, K): -p^T / 2
+    cross: np.ndarray  # (d, K): (mc p)^T
+    sq_mu: np.ndarray  # (K,): c_k = sum_j mc_kj^2 p_kj
+    log_norm: np.ndarray  # (K,): log pi_k - (d/2) log 2 pi - (1/2) sum_j log sigma_kj^2
+    max_precision: np.ndarray  # (d,): max_k p_kj, for the screen
+    root_max_sq_mu: np.floating  # sqrt(max_k c_k), for the screen
+    kappa: np.floating  # (4 + sqrt(d)) u / 2: a logit's error per unit of s (or of q, evaluated directly)
+    tol: np.floating  # EXACT_LOGIT_TOL u
+    screen_limit: np.floating  # tol / kappa: the largest s whose error bound is within the tolerance
+
+
+def _expansion(means, variances, log_weights):
+    """The per-call constants of :func:`log_joint` (:class:`_Expansion`)."""
+    d = means.shape[1]
+    precisions = 1.0 / variances
     # (x - mu)^2 is invariant under a common shift c: centre on the mean of the means
     centre = means.mean(axis=0)
-    xc = x - centre
     mc = means - centre
-    xc2 = xc * xc
-    sq_x = xc2 @ precisions.T  # a_ik = sum_j xc_ij^2 p_kj
-    sq_mu = np.sum(mc * mc * precisions, axis=1)  # c_k = sum_j mc_kj^2 p_kj
-    # sum_j (x_j - mu_kj)^2 p_kj = (x*x) @ p^T - 2 x @ (mu*p)^T + sum_j mu_kj^2 p_kj
-    with np.errstate(invalid="ignore", over="ignore"):
-        quad = sq_x - 2.0 * (xc @ (mc * precisions).T) + sq_mu
-    return quad, xc2, sq_x, sq_mu
+    with np.errstate(over="ignore", invalid="ignore"):
+        sq_mu = np.sum(mc * mc * precisions, axis=1)
+        cross = np.ascontiguousarray((mc * precisions).T)
+    # log N(x | mu, sigma^2) = -(d/2) log 2 pi - (1/2) sum_j log sigma_j^2 - q / 2
+    log_norm = log_weights - 0.5 * (d * LOG_2PI + np.sum(np.log(variances), axis=1))
+    dtype = means.dtype
+    u = float(np.finfo(dtype).eps)
+    # the expanded q_ik carries an error <= (4 + sqrt(d)) u s_ik with s_ik = (sqrt(a_ik) + sqrt(c_k))^2
+    # (the size of its terms), the definition one <= (4 + sqrt(d)) u q_ik; a logit carries half of either
+    kappa = 0.5 * (4.0 + np.sqrt(d)) * u
+    tol = EXACT_LOGIT_TOL * u
+    return _Expansion(
+        means, precisions, centre, np.ascontiguousarray(-0.5 * precisions.T), cross, sq_mu, log_norm,
+        precisions.max(axis=0), np.sqrt(sq_mu.max()), dtype.type(kappa), dtype.type(tol), dtype.type(tol / kappa),
+    )
 
 
-def _exact_quadratic_form(x, means, precisions, rows, cols):
+def _block_rows(K: int, d: int, dtype) -> int:
+    """Rows per block of :func:`log_joint`: its work arrays hold ``4K + 2d`` numbers a row."""
+    return numerics.block_rows((4 * K + 2 * d) * np.dtype(dtype).itemsize)
+
+
+def _expanded_half_quadratic_form(xb, ex, xc, xc2, half, work, half_sq_mu):
+    """``-q_ik / 2`` of one block of rows, ``q_ik = sum_j (x_ij - mu_kj)^2 p_kj``, by two matrix products.
+
+    Written into ``half`` (B, K); ``xc``, ``xc2`` (B, d) and ``work`` (B, K)
+    are work arrays (``xc2`` keeps the squares, which the error bound needs),
+    ``half_sq_mu`` is ``-c / 2`` on every row.  The result is ``-1/2`` times the
+    expansion ``(xc^2) p^T - 2 xc (mc p)^T + c``, evaluated in that order, bit
+    for bit (scaling by a power of two changes no rounding); rounding can
+    leave ``q`` slightly below 0, within the error bound of the module
+    docstring.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.subtract(xb, ex.centre, out=xc)
+        np.multiply(xc, xc, out=xc2)
+        # -q/2 = -(1/2) sum_j xc_j^2 p_kj + sum_j xc_j mc_kj p_kj - c_k / 2
+        np.matmul(xc2, ex.neg_half_precisions, out=half)
+        half += np.matmul(xc, ex.cross, out=work)
+        half += half_sq_mu
+
+
+def _exact_quadratic_form(xb, ex, rows, cols):
     """``q_ik = sum_j (x_ij - mu_kj)^2 p_kj`` for the listed pairs, from the differences themselves."""
-    out = np.empty(rows.size, dtype=x.dtype)
+    out = np.empty(rows.size, dtype=xb.dtype)
     for s in range(0, rows.size, _EXACT_BLOCK):
         r, c = rows[s : s + _EXACT_BLOCK], cols[s : s + _EXACT_BLOCK]
         # no cancellation: every term is a rounded square of a rounded difference, all >= 0
         with np.errstate(over="ignore", invalid="ignore"):
-            diff = x[r] - means[c]
-            out[s : s + _EXACT_BLOCK] = np.sum(diff * diff * precisions[c], axis=1)
+            diff = xb[r] - ex.means[c]
+            out[s : s + _EXACT_BLOCK] = np.sum(diff * diff * ex.precisions[c], axis=1)
     return out
 
 
-def _entries_to_recompute(logits, quad, min_quad, xc2, sq_x, sq_mu, precisions, window):
+def _entries_to_recompute(logits, half, min_quad, xc2, ex, window):
     """``(rows, cols)`` of the logits that cancellation may have spoiled and that may lie near their row maximum."""
-    dtype = logits.dtype
-    u = float(np.finfo(dtype).eps)
-    tol = dtype.type(EXACT_LOGIT_TOL * u)
-    # the expanded q_ik carries an error <= (4 + sqrt(d)) u s_ik with s_ik = (sqrt(a_ik) + sqrt(c_k))^2
-    # (the size of its terms), the definition one <= (4 + sqrt(d)) u q_ik; a logit carries half of either
-    kappa = dtype.type(0.5 * (4.0 + np.sqrt(xc2.shape[1])) * u)
-    ratio = dtype.type(CANCELLATION_RATIO)
+    kappa, tol, ratio = ex.kappa, ex.tol, logits.dtype.type(CANCELLATION_RATIO)
     with np.errstate(over="ignore", invalid="ignore"):
-        # screen in O(N d): s_ik <= (sqrt(sum_j xc_ij^2 max_k p_kj) + sqrt(max_k c_k))^2 for every k
-        s_row = (np.sqrt(xc2 @ precisions.max(axis=0)) + np.sqrt(sq_mu.max())) ** 2
-        fine = (kappa * s_row <= tol) | (s_row <= ratio * min_quad)
+        # screen in O(N d): s_ik <= s_row = (sqrt(sum_j xc_ij^2 max_k p_kj) + sqrt(max_k c_k))^2 for every k,
+        # and a row is fine where kappa s_row <= tol or s_row <= 16 min_k q_ik
+        s_row = np.sqrt(xc2 @ ex.max_precision)
+        s_row += ex.root_max_sq_mu
+        s_row *= s_row
+        if s_row.max() <= ex.screen_limit:  # the common case, decided in one comparison (NaN fails it)
+            return np.empty(0, dtype=np.intp), np.empty(0, dtype=np.intp)
+        fine = s_row <= np.maximum(ex.screen_limit, ratio * min_quad)
     suspect = np.flatnonzero(~fine)  # NaN counts as suspect
     if suspect.size == 0:
         return suspect, suspect
     lg = logits[suspect]
     with np.errstate(over="ignore", invalid="ignore"):
-        size = (np.sqrt(sq_x[suspect]) + np.sqrt(sq_mu)) ** 2
+        sq_x = xc2[suspect] @ ex.precisions.T  # a_ik = sum_j xc_ij^2 p_kj
+        size = (np.sqrt(sq_x) + np.sqrt(ex.sq_mu)) ** 2
         err = kappa * size
         known = np.isfinite(lg) & np.isfinite(err)
         # the row maximum is at least max_j (l_ij - err_ij) over the entries the bound vouches for
         floor = np.max(np.where(known, lg - err, -np.inf), axis=1, keepdims=True)
         # an entry below floor - window stays below it, exactly and as computed: its weight is < e^-window
         near = lg + err >= floor - window
-        spoiled = (err > tol) & (size > ratio * quad[suspect])
+        spoiled = (err > tol) & (size > ratio * (-2 * half[suspect]))
     redo = ~known | (spoiled & near)
     r, c = np.nonzero(redo)
     return suspect[r], c
 
 
-def log_joint(x, means, variances, log_weights, *, window=np.inf, refine=True):
+def _block_log_joint(xb, ex, window, refine, work, logits):
+    """The logits of one block of rows into ``logits`` (B, K); returns the block's ``min_quad``.
+
+    ``work`` holds the block's work arrays (:func:`_work_arrays`); its
+    ``norm`` is ``log_norm`` on every row, so that adding it is one flat loop
+    over the block instead of one loop per row.
+    """
+    n = xb.shape[0]
+    xc, xc2, half, tmp = work.xc[:n], work.xc2[:n], work.half[:n], work.tmp[:n]
+    _expanded_half_quadratic_form(xb, ex, xc, xc2, half, tmp, work.half_sq_mu[:n])
+    # min_k q_ik = -2 max_k (-q_ik / 2), the maximum by argmax (vectorised along rows; max is not)
+    min_quad = -2 * half[np.arange(n), np.argmax(half, axis=1)]
+    # l_ik = log_norm_k - q_ik / 2
+    np.add(half, work.norm[:n], out=logits)
+    if refine:
+        rows, cols = _entries_to_recompute(logits, half, min_quad, xc2, ex, window)
+        if rows.size:
+            exact = _exact_quadratic_form(xb, ex, rows, cols)
+            half[rows, cols] = -0.5 * exact
+            logits[rows, cols] = ex.log_norm[cols] - 0.5 * exact
+            redone = np.unique(rows)
+            min_quad[redone] = -2 * np.max(half[redone], axis=1)
+    return min_quad
+
+
+class _WorkArrays(NamedTuple):
+    """The work arrays of one block of rows, allocated once per call and reused by every block."""
+
+    xc: np.ndarray  # (B, d)
+    xc2: np.ndarray  # (B, d)
+    half: np.ndarray  # (B, K)
+    tmp: np.ndarray  # (B, K)
+    half_sq_mu: np.ndarray  # (B, K): -c / 2 on every row
+    norm: np.ndarray  # (B, K): log_norm on every row
+
+
+def _work_arrays(ex, rows, dtype):
+    d, K = ex.cross.shape
+    return _WorkArrays(
+        np.empty((rows, d), dtype), np.empty((rows, d), dtype), np.empty((rows, K), dtype), np.empty((rows, K), dtype),
+        np.tile(-0.5 * ex.sq_mu, (rows, 1)), np.tile(ex.log_norm, (rows, 1)),
+    )
+
+
+def _blocked_log_joint(x, means, variances, log_weights, window, refine, finish, block_rows):
+    """Core loop: the logits of ``block_rows`` rows at a time, each block then passed to ``finish`` in place.
+
+    The ``N x K`` result is the only array of that size: the block's work
+    arrays are reused, so they stay in cache, and ``finish`` (a row-wise
+    softmax, say) reads the logits while they are still there.
+    """
+    n, d = x.shape
+    K = means.shape[0]
+    ex = _expansion(means, variances, log_weights)
+    rows = max(1, min(n, block_rows or _block_rows(K, d, x.dtype)))
+    work = _work_arrays(ex, rows, x.dtype)
+    out = np.empty((n, K), dtype=x.dtype)
+    min_quad = np.empty(n, dtype=x.dtype)
+    for a in range(0, n, rows):
+        b = min(a + rows, n)
+        min_quad[a:b] = _block_log_joint(x[a:b], ex, window, refine, work, out[a:b])
+        if finish is not None:
+            finish(out[a:b])
+    return out, min_quad
+
+
+def log_joint(x, means, variances, log_weights, *, window=np.inf, refine=True, block_rows=None):
     """Core: ``l_ik = log pi_k + log N(x_i | mu_k, diag sigma_k^2)``, exact to rounding where it matters.
 
     No validation (the caller checked the arrays, one float dtype) and no
     raise: the caller checks the returned ``min_quad``
-    (:func:`refimpl.validation.check_scaled_distances`).
+    (:func:`refimpl.validation.check_scaled_distances`).  Computed
+    ``block_rows`` rows at a time, so that the ``N x K`` work arrays stay in
+    cache; the blocking can change only the order in which BLAS adds the
+    terms of a matrix product, hence the rounding, within the error model of
+    the module docstring.
 
     Parameters
     ----------
@@ -291,6 +424,9 @@ def log_joint(x, means, variances, log_weights, *, window=np.inf, refine=True):
     refine : bool, default True
         ``False`` returns the plain centred expansion, unchecked: for lessons
         and benchmarks that show what the refinement repairs and what it costs.
+    block_rows : int, optional
+        Rows per block (>= 1); by default as many as keep the block's work
+        arrays near 2 MiB, within a core's L2 cache.
 
     Returns
     -------
@@ -299,25 +435,7 @@ def log_joint(x, means, variances, log_weights, *, window=np.inf, refine=True):
         ``min_k sum_j (x_ij - mu_kj)^2 / sigma_kj^2``: not finite for a row
         without a representable posterior.
     """
-    d = x.shape[1]
-    precisions = 1.0 / variances
-    quad, xc2, sq_x, sq_mu = _expanded_quadratic_form(x, means, precisions)
-    # the exact quadratic form is >= 0; rounding in the expansion can dip below
-    quad = np.maximum(quad, 0)
-    # log N(x | mu, sigma^2) = -(d/2) log 2 pi - (1/2) sum_j log sigma_j^2 - q / 2
-    log_norm = log_weights - 0.5 * (d * LOG_2PI + np.sum(np.log(variances), axis=1))
-    logits = log_norm - 0.5 * quad
-    min_quad = np.min(quad, axis=1)
-    if not refine:
-        return logits, min_quad
-    rows, cols = _entries_to_recompute(logits, quad, min_quad, xc2, sq_x, sq_mu, precisions, window)
-    if rows.size:
-        exact = _exact_quadratic_form(x, means, precisions, rows, cols)
-        quad[rows, cols] = exact
-        logits[rows, cols] = log_norm[cols] - 0.5 * exact
-        redone = np.unique(rows)
-        min_quad[redone] = np.min(quad[redone], axis=1)
-    return logits, min_quad
+    return _blocked_log_joint(x, means, variances, log_weights, window, refine, None, block_rows)
 
 
 def _posterior_window(K: int, dtype) -> float:
@@ -325,20 +443,49 @@ def _posterior_window(K: int, dtype) -> float:
     return float(np.log(K / (EXACT_LOGIT_TOL * np.finfo(dtype).eps)))
 
 
-def log_posterior(x, means, variances, log_weights):
+def log_posterior(x, means, variances, log_weights, *, refine=True, block_rows=None):
     """Core: ``log gamma_ik = l_ik - logsumexp_m l_im`` (per-row maximum subtracted), and ``min_quad``.
 
     :func:`log_joint` with the window of a posterior: every logit that can
-    carry a weight above ``EXACT_LOGIT_TOL u`` is exact to rounding.  No
-    validation, no raise: the caller checks ``min_quad``.
+    carry a weight above ``EXACT_LOGIT_TOL u`` is exact to rounding.  Each
+    block of rows is normalised while it is in cache.  No validation, no
+    raise: the caller checks ``min_quad``.  ``refine`` and ``block_rows``
+    are those of :func:`log_joint`.
 
     Returns
     -------
     log_gamma : ndarray, shape (N, K)
     min_quad : ndarray, shape (N,)
     """
-    logits, min_quad = log_joint(x, means, variances, log_weights, window=_posterior_window(means.shape[0], x.dtype))
-    return numerics.log_softmax(logits, axis=1), min_quad
+    window = _posterior_window(means.shape[0], x.dtype)
+    return _blocked_log_joint(x, means, variances, log_weights, window, refine, _log_softmax_rows, block_rows)
+
+
+def posterior(x, means, variances, log_weights, *, refine=True, block_rows=None):
+    """Core: ``gamma_ik = exp(l_ik - logsumexp_m l_im)``, one exponential per entry, and ``min_quad``.
+
+    The same logits as :func:`log_posterior`, normalised by a softmax (per-row
+    maximum subtracted) instead of a log-softmax: ``exp`` runs once per entry,
+    where ``exp(log_posterior(...))`` would run it twice.  No validation, no
+    raise: the caller checks ``min_quad``.  ``refine`` and ``block_rows``
+    are those of :func:`log_joint`.
+
+    Returns
+    -------
+    gamma : ndarray, shape (N, K)
+        Rows that sum to one.
+    min_quad : ndarray, shape (N,)
+    """
+    window = _posterior_window(means.shape[0], x.dtype)
+    return _blocked_log_joint(x, means, variances, log_weights, window, refine, _softmax_rows, block_rows)
+
+
+def _log_softmax_rows(block):
+    numerics.log_softmax(block, axis=1, out=block)
+
+
+def _softmax_rows(block):
+    numerics.softmax(block, axis=1, out=block)
 
 
 def _log_weights(weights):
@@ -352,6 +499,13 @@ def _checked_log_posterior(x, means, variances, weights):
     log_gamma, min_quad = log_posterior(x, means, variances, _log_weights(weights))
     validation.check_scaled_distances(min_quad, "x")
     return log_gamma
+
+
+def _checked_posterior(x, means, variances, weights):
+    """:func:`posterior` of checked arrays, and the boundary's check of the ``min_quad`` it returns."""
+    gamma, min_quad = posterior(x, means, variances, _log_weights(weights))
+    validation.check_scaled_distances(min_quad, "x")
+    return gamma
 
 
 def _checked_log_likelihood(x, means, variances, weights):
@@ -423,7 +577,7 @@ def responsibilities(x, means, variances, weights):
     ndarray, shape (N, K)
         Nonnegative rows that sum to one.
     """
-    return np.exp(log_responsibilities(x, means, variances, weights))
+    return _checked_posterior(*validation.check_gmm(x, means, variances, weights))
 
 
 def log_likelihood(x, means, variances, weights):
@@ -468,7 +622,7 @@ def em_step(x, means, variances, weights, *, reg_covar: float = 0.0):
     x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
     reg_covar = validation.check_positive_float(reg_covar, "reg_covar", allow_zero=True)
     # E-step: r_ik = gamma_k(x_i)
-    return _m_step(x, np.exp(_checked_log_posterior(x, means, variances, weights)), reg_covar)
+    return _m_step(x, _checked_posterior(x, means, variances, weights), reg_covar)
 
 
 def _m_step(x, resp, reg_covar):
@@ -540,7 +694,7 @@ def isotropic_nll_gradient(x, means, beta, weights=None):
         at ``means`` (exact: the derivative of the log-sum-exp is the softmax).
     """
     x, means, variances, weights = _check_isotropic(x, means, beta, weights)
-    resp = np.exp(_checked_log_posterior(x, means, variances, weights))  # r_in at the current means
+    resp = _checked_posterior(x, means, variances, weights)  # r_in at the current means
     # sum_i r_in (x_i - mu_n) = (R^T X)_n - N_n mu_n
     return -(1.0 / variances[0, 0]) * (resp.T @ x - resp.sum(axis=0)[:, None] * means)
 
@@ -560,7 +714,7 @@ def isotropic_surrogate_hessian(x, means, beta, weights=None):
         ``beta * N_n``.
     """
     x, means, variances, weights = _check_isotropic(x, means, beta, weights)
-    resp = np.exp(_checked_log_posterior(x, means, variances, weights))  # r_in at the current means
+    resp = _checked_posterior(x, means, variances, weights)  # r_in at the current means
     return (1.0 / variances[0, 0]) * resp.sum(axis=0)
 
 
@@ -589,7 +743,7 @@ def isotropic_m_step(x, means, beta, weights=None):
         ``sum_i r_in x_i / sum_i r_in``, responsibilities at ``means``.
     """
     x, means, variances, weights = _check_isotropic(x, means, beta, weights)
-    resp = np.exp(_checked_log_posterior(x, means, variances, weights))  # r_in at the current means
+    resp = _checked_posterior(x, means, variances, weights)  # r_in at the current means
     return (resp.T @ x) / resp.sum(axis=0)[:, None]
 
 

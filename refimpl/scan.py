@@ -20,6 +20,9 @@ The derivations are in ``docs/derivations/scan.md``; the results:
   (\Phi^Q_c z + \operatorname{tril}(\Phi^Q_c\Phi^{K\top}_c)\mathbf 1 + \epsilon)`,
   then :math:`S \mathrel{+}= \Phi^{K\top}_c V_c`, :math:`z \mathrel{+}= \Phi^{K\top}_c\mathbf 1`.
   Time :math:`O(N F d_v + N C (F + d_v))`, extra memory :math:`O(F d_v + C^2 + C F)`.
+  With a column of ones appended to each chunk's values, :math:`[V_c, \mathbf 1]`,
+  the products above carry :math:`[S, z]` and the denominators as one more
+  value column, which halves the number of small products per chunk.
 * Backward (``scan.md#backward-bidirectional``, ``scan.md#the-chunked-backward``),
   with :math:`\tilde G = G/\text{den}` and
   :math:`\delta_i = -(G_i\cdot O_i)/\text{den}_i`:
@@ -29,7 +32,8 @@ The derivations are in ``docs/derivations/scan.md``; the results:
   :math:`d\Phi_Q` and reverse prefix sums
   :math:`R_t = \sum_{j\ge t}\phi^Q_j\tilde g_j^\top`, :math:`r_t = \sum_{j\ge t}\phi^Q_j\delta_j`
   for :math:`d\phi^K_t = R_t v_t + r_t` and :math:`dv_t = R_t^\top\phi^K_t`,
-  chunked like the forward.
+  chunked like the forward (and, like it, with :math:`[\tilde G, \delta]` against
+  :math:`[V, \mathbf 1]`, so that :math:`[R, r]` is one running sum).
 
 :func:`scan_forward` and :func:`scan_backward` are the cores (no validation,
 no raise; the caller checks the returned denominators);
@@ -87,6 +91,13 @@ class FeatureAttentionCache(NamedTuple):
 # ---------------------------------------------------------------------------
 
 
+def _ones_column_buffer(rows, d_v, dtype):
+    """A ``(rows, d_v + 1)`` work array whose last column holds ones: ``[v_c, 1]`` once ``v_c`` is copied in."""
+    buf = np.empty((rows, d_v + 1), dtype=dtype)
+    buf[:, -1] = 1
+    return buf
+
+
 def _bidirectional_forward(phi_q, phi_k, v, eps):
     # (Phi_Q Phi_K^T) V = Phi_Q (Phi_K^T V): an F x d_v memory instead of an N x N matrix
     s = phi_k.T @ v
@@ -101,20 +112,23 @@ def _causal_forward(phi_q, phi_k, v, eps, chunk_size):
     dtype = phi_q.dtype
     out = np.empty((n, v.shape[1]), dtype=dtype)
     den = np.empty(n, dtype=dtype)
-    s = np.zeros((f, v.shape[1]), dtype=dtype)  # S = sum over earlier chunks of phi_k_j v_j^T
-    z = np.zeros(f, dtype=dtype)  # z = sum over earlier chunks of phi_k_j
+    v1 = _ones_column_buffer(chunk_size, v.shape[1], dtype)  # [v_c, 1]: the last column of every product below is the normaliser's
+    s1 = np.zeros((f, v1.shape[1]), dtype=dtype)  # [S, z] = sum over earlier chunks of phi_k_j [v_j, 1]^T
+    upper = ~np.tri(chunk_size, dtype=bool)  # j > t within a chunk: set to 0 (not multiplied: inf * 0 is NaN)
     for a in range(0, n, chunk_size):
         b = min(a + chunk_size, n)
-        pq, pk, vc = phi_q[a:b], phi_k[a:b], v[a:b]
+        pq, pk, vc = phi_q[a:b], phi_k[a:b], v1[: b - a]
+        vc[:, :-1] = v[a:b]
         # S_t = S_prev + sum_{a <= j <= t} phi_k_j v_j^T, so phi_q_t^T S_t splits into
         # the carried state and the masked C x C block tril(Phi_Q,c Phi_K,c^T)
-        block = np.tril(pq @ pk.T)
-        d = pq @ z + block.sum(axis=1) + dtype.type(eps)
+        block = pq @ pk.T
+        np.copyto(block, 0, where=upper[: b - a, : b - a])
+        num = pq @ s1 + block @ vc
+        d = num[:, -1] + dtype.type(eps)
         with np.errstate(divide="ignore", invalid="ignore"):  # d = 0 only with eps = 0: the caller refuses it
-            out[a:b] = (pq @ s + block @ vc) / d[:, None]
+            out[a:b] = num[:, :-1] / d[:, None]
         den[a:b] = d
-        s += pk.T @ vc
-        z += pk.sum(axis=0)
+        s1 += pk.T @ vc
     return out, den
 
 
@@ -129,6 +143,15 @@ def scan_forward(phi_q, phi_k, v, causal, eps, chunk_size):
     else:
         out, den = _bidirectional_forward(phi_q, phi_k, v, eps)
     return out, FeatureAttentionCache(phi_q, phi_k, v, out, den, causal, eps, chunk_size)
+
+
+def _scaled_grads(g, c):
+    """``[G / den, delta]`` with ``delta_i = -(g_i . out_i) / den_i``, ``(N_q, d_v + 1)``."""
+    g1 = np.empty((g.shape[0], g.shape[1] + 1), dtype=g.dtype)
+    np.divide(g, c.den[:, None], out=g1[:, :-1])
+    # out_i = num_i / den_i: d den_i = -(g_i . num_i) / den_i^2 = -(g_i . out_i) / den_i
+    g1[:, -1] = -np.sum(g * c.out, axis=1) / c.den
+    return g1
 
 
 def _bidirectional_backward(g, c):
@@ -146,42 +169,46 @@ def _bidirectional_backward(g, c):
 
 
 def _causal_backward(g, c):
-    phi_q, phi_k, v, out, den, chunk_size = c.phi_q, c.phi_k, c.v, c.out, c.den, c.chunk_size
+    phi_q, phi_k, chunk_size = c.phi_q, c.phi_k, c.chunk_size
     n, f = phi_k.shape
     dtype = phi_q.dtype
-    gn = g / den[:, None]
-    delta = -np.sum(g * out, axis=1) / den
+    v = c.v
+    v1 = _ones_column_buffer(chunk_size, v.shape[1], dtype)  # [v_c, 1]
+    g1 = _scaled_grads(g, c)  # [gn, delta]: gn_t . v_j + delta_t = g1_t . [v_j, 1]
     dphi_q = np.empty_like(phi_q)
     dphi_k = np.empty_like(phi_k)
     dv = np.empty_like(v)
+    upper = ~np.tri(chunk_size, dtype=bool)  # j > t within a chunk
     starts = range(0, n, chunk_size)
 
-    # forward sweep: dphi_q_t = S_t gn_t + z_t delta_t with the inclusive prefix sums
-    s = np.zeros((f, v.shape[1]), dtype=dtype)
-    z = np.zeros(f, dtype=dtype)
+    # forward sweep: dphi_q_t = S_t gn_t + z_t delta_t = [S, z]_t g1_t with the inclusive prefix sums
+    s1 = np.zeros((f, v1.shape[1]), dtype=dtype)
     for a in starts:
         b = min(a + chunk_size, n)
-        pk, vc, gc, dc = phi_k[a:b], v[a:b], gn[a:b], delta[a:b]
+        pk, vc, gc = phi_k[a:b], v1[: b - a], g1[a:b]
+        vc[:, :-1] = v[a:b]
         # within the chunk, M_tj = gn_t . v_j + delta_t for j <= t, and sum_j M_tj phi_k_j
-        m = np.tril(gc @ vc.T + dc[:, None])
-        dphi_q[a:b] = gc @ s.T + dc[:, None] * z[None, :] + m @ pk
-        s += pk.T @ vc
-        z += pk.sum(axis=0)
+        m = gc @ vc.T
+        np.copyto(m, 0, where=upper[: b - a, : b - a])
+        dphi_q[a:b] = gc @ s1.T + m @ pk
+        s1 += pk.T @ vc
 
-    # backward sweep with the reverse prefix sums R_t = sum_{j >= t} phi_q_j gn_j^T and
-    # r_t = sum_{j >= t} phi_q_j delta_j: dphi_k_t = R_t v_t + r_t, dv_t = R_t^T phi_k_t
-    r_mat = np.zeros((f, v.shape[1]), dtype=dtype)  # R over the later chunks
-    r_vec = np.zeros(f, dtype=dtype)
+    # backward sweep with the reverse prefix sums [R, r]_t = sum_{j >= t} phi_q_j [gn_j, delta_j]^T:
+    # dphi_k_t = R_t v_t + r_t = [R, r]_t [v_t, 1], dv_t = R_t^T phi_k_t
+    r1 = np.zeros((f, v1.shape[1]), dtype=dtype)  # [R, r] over the later chunks
     for a in reversed(starts):
         b = min(a + chunk_size, n)
-        pq, pk, vc, gc, dc = phi_q[a:b], phi_k[a:b], v[a:b], gn[a:b], delta[a:b]
-        m = np.tril(gc @ vc.T + dc[:, None])
-        block = np.tril(pq @ pk.T)
+        mask = upper[: b - a, : b - a]
+        pq, pk, vc, gc = phi_q[a:b], phi_k[a:b], v1[: b - a], g1[a:b]
+        vc[:, :-1] = v[a:b]
+        m = gc @ vc.T
+        np.copyto(m, 0, where=mask)
+        block = pq @ pk.T
+        np.copyto(block, 0, where=mask)
         # within the chunk the sums over j >= t are the transposed lower triangles
-        dphi_k[a:b] = vc @ r_mat.T + r_vec[None, :] + m.T @ pq
-        dv[a:b] = pk @ r_mat + block.T @ gc
-        r_mat += pq.T @ gc
-        r_vec += pq.T @ dc
+        dphi_k[a:b] = vc @ r1.T + m.T @ pq
+        dv[a:b] = pk @ r1[:, :-1] + block.T @ gc[:, :-1]
+        r1 += pq.T @ gc
     return FeatureAttentionGrads(phi_q=dphi_q, phi_k=dphi_k, v=dv)
 
 
@@ -259,8 +286,9 @@ def feature_attention_backward(grad_out, cache) -> FeatureAttentionGrads:
     -------
     FeatureAttentionGrads
         Fields ``phi_q`` (N_q, F), ``phi_k`` (N_k, F), ``v`` (N_k, d_v).
-        The causal backward uses memory ``O(F d_v + C^2)`` beyond its inputs
-        and outputs, like the forward.
+        The causal backward uses memory ``O(F d_v + C^2)`` beyond its inputs,
+        its outputs and ``[G / den, delta]`` (``N x (d_v + 1)``), like the
+        forward.
     """
     validation.check_instance(cache, "cache", FeatureAttentionCache, "the FeatureAttentionCache from feature_attention_forward")
     g = validation.check_grad_out(grad_out, cache.out.shape, ("N_q", "d_v"), cache.out.dtype)

@@ -13,7 +13,18 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = {
     "bench_gma.py": ["speed-up", "peak memory"],
     "bench_ovq.py": ["speed-up of OVQ over causal softmax attention", "state bytes ratio"],
-    "bench_gmm.py": ["cost of the exactness screen", "scikit-learn predict_proba", "refined == expansion bit for bit:  True"],
+    "bench_cpu.py": [
+        "refimpl / GEMM floor",
+        "scikit-learn / refimpl",
+        "cost of the exactness screen",
+        "refined == expansion bit for bit:  True",
+        "float64 / float32",
+        "bidirectional / floor",
+        "causal / floor",
+        "backward / floor",
+        "peak memory",
+        "ns per entry",
+    ],
 }
 
 

@@ -90,7 +90,7 @@ def test_the_core_scan_sees_the_cores():
     """The scan is not vacuous: it finds the known cores, and a raise inside one of them."""
     gmm = ast.parse((ROOT / "refimpl" / "gmm.py").read_text())
     names = {f.name for f in _cores(gmm)}
-    assert {"log_joint", "log_posterior", "merge_running_means", "_expanded_quadratic_form", "_entries_to_recompute"} <= names
+    assert {"log_joint", "log_posterior", "posterior", "merge_running_means", "_expanded_half_quadratic_form", "_entries_to_recompute"} <= names
     assert "_check_isotropic" not in names and "responsibilities" not in names
     bad = ast.parse('def _core(x):\n    if x:\n        raise ValueError("x")\n    return x\n')
     assert [f.name for f in _cores(bad) if _raises(f)] == ["_core"]

@@ -454,11 +454,27 @@ plt.show()
 # `tracemalloc` sees during one call (NumPy reports its array buffers to it);
 # the inputs exist before tracing starts and are not counted.
 #
-# Prediction: GMA holds a few $N \times K$ arrays (log-densities,
-# responsibilities) and an $N \times d_v$ output, so its peak is
-# $\approx bN + c$; the explicit form holds the $N \times N$ affinity, one
-# float64 (8 bytes) per entry, so its peak is $\approx 8N^2 + b'N + c'$. On
-# log-log axes their slopes are 1 and 2 once the leading term dominates.
+# Prediction: GMA holds a few $N \times K$ arrays (responsibilities, the
+# scan's work) and an $N \times d_v$ output, so its peak is $\approx bN + c$;
+# the explicit form holds the $N \times N$ affinity, one float64 (8 bytes) per
+# entry, so its peak is $\approx 8N^2 + b'N + c'$. On log-log axes their
+# slopes are 1 and 2 once the leading term dominates.
+#
+# GMA's constant $c$ is not small. `refimpl.gmm` computes the
+# responsibilities in blocks of rows, and the work arrays of one block are
+# sized to stay in a core's cache: a little over 2 MiB in all at $K = 32$,
+# $d_r = 8$ (less when all $N$ rows fit in one block; see
+# `docs/performance_gma.md`). While the keys' responsibilities are computed,
+# these 2 MiB sit on top of two $N \times K$ arrays (the queries'
+# responsibilities and the keys' being written); later the scan holds about
+# four arrays of $N \times 32$ numbers (both sets of responsibilities, the
+# output and the scan's work) and little else. The peak is the larger of the
+# two phases, and the 2 MiB hold most of it until $2 \times 8NK$ bytes reach
+# them, at $N \approx 4000$. Near there GMA's local log-log slope falls well
+# below 1 (to about one half between $N = 2048$ and $4096$).
+# GMA is cheap, so its series runs a few doublings beyond the explicit form's
+# (whose $N \times N$ matrix limits it), far enough for the linear term to
+# dominate; the two methods are compared at the sizes they share.
 
 # %%
 def traced_peak(f):
@@ -483,8 +499,11 @@ def best_time(f, repeats):
 K_c, d_r_c, d_v_c = 32, 8, 32
 r = np.random.default_rng(5)
 m_c, v_c, w_c = r.normal(size=(K_c, d_r_c)), r.uniform(0.5, 1.5, size=(K_c, d_r_c)), r.dirichlet(np.ones(K_c))
-Ns = 2 ** np.arange(9, 13) if SMALL else 2 ** np.arange(8, 14)  # 512 ... 4096 (small) or 256 ... 8192 (full)
-inputs = [(r.normal(size=(n, d_r_c)), r.normal(size=(n, d_r_c)), r.normal(size=(n, d_v_c))) for n in Ns]
+Ns = 2 ** np.arange(9, 13) if SMALL else 2 ** np.arange(8, 14)  # explicit: 512 ... 4096 (small) or 256 ... 8192 (full)
+Ns_gma = 2 ** np.arange(9, 16) if SMALL else 2 ** np.arange(8, 17)  # GMA: 512 ... 32768 (small) or 256 ... 65536 (full)
+inputs_gma = [(r.normal(size=(n, d_r_c)), r.normal(size=(n, d_r_c)), r.normal(size=(n, d_v_c))) for n in Ns_gma]
+inputs = inputs_gma[: len(Ns)]  # the explicit form's sizes are GMA's first ones, with the same inputs
+assert np.array_equal(Ns_gma[: len(Ns)], Ns)
 
 
 def run_gma(xq_c, xk_c, val_c):
@@ -498,8 +517,8 @@ def run_dense(xq_c, xk_c, val_c):
 
 
 # one method at a time, so that the large dense calls do not disturb the timing of the small ones
-peak_gma = [traced_peak(lambda: run_gma(*args)) for args in inputs]
-time_gma = [best_time(lambda: run_gma(*args), 5) for args in inputs]
+peak_gma = [traced_peak(lambda: run_gma(*args)) for args in inputs_gma]
+time_gma = [best_time(lambda: run_gma(*args), 5) for args in inputs_gma]
 peak_dense = [traced_peak(lambda: run_dense(*args)) for args in inputs]
 time_dense = [best_time(lambda: run_dense(*args), 3 if n <= 2048 else 1) for n, args in zip(Ns, inputs)]
 for n, args in zip(Ns, inputs):
@@ -509,57 +528,73 @@ time_gma, time_dense = np.array(time_gma), np.array(time_dense)
 
 fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.2))
 ax0.loglog(Ns, peak_dense / 2**20, "o-", label="explicit $D^{-1}AV$")
-ax0.loglog(Ns, peak_gma / 2**20, "s-", label="GMA (write, read)")
+ax0.loglog(Ns_gma, peak_gma / 2**20, "s-", label="GMA (write, read)")
 ax0.loglog(Ns, 8.0 * Ns**2 / 2**20, "k:", label=r"one $N\times N$ float64 array")
 ax0.set(xlabel="sequence length $N$", ylabel="peak memory (MiB)", title="memory")
 ax0.legend()
 ax1.loglog(Ns, time_dense, "o-", label="explicit $D^{-1}AV$")
-ax1.loglog(Ns, time_gma, "s-", label="GMA (write, read)")
+ax1.loglog(Ns_gma, time_gma, "s-", label="GMA (write, read)")
 ax1.set(xlabel="sequence length $N$", ylabel="seconds (best of several)", title="time")
 ax1.legend()
 for a in (ax0, ax1):  # one labelled tick per measured N, no minor-tick labels to collide with them
-    a.set_xticks(Ns, [str(n) for n in Ns])
+    a.set_xticks(Ns_gma, [str(n) for n in Ns_gma], rotation=45)
     a.xaxis.set_minor_locator(plt.NullLocator())
+fig.tight_layout()
 plt.show()
 
 print("     N   GMA peak (MiB)  explicit peak (MiB)   GMA time (s)  explicit time (s)")
-for row in zip(Ns, peak_gma / 2**20, peak_dense / 2**20, time_gma, time_dense):
-    print("{:6d} {:14.2f} {:20.2f} {:14.4f} {:18.4f}".format(*row))
+for i, n in enumerate(Ns_gma):  # the explicit form's columns stop at its largest N
+    explicit = (peak_dense[i] / 2**20, time_dense[i]) if i < len(Ns) else (np.nan, np.nan)
+    print("{:6d} {:14.2f} {:20.2f} {:14.4f} {:18.4f}".format(n, peak_gma[i] / 2**20, explicit[0], time_gma[i], explicit[1])
+          .replace("nan", "  -"))
 
 # %% [markdown]
 # Two checks make the picture quantitative.
 #
 # * **Local slopes** of $\log(\text{peak})$ against $\log N$ between the two
-#   largest sizes. They approach 1 and 2 from below: the lower-order terms
-#   (a constant of some tens of kB for GMA, the linear terms for the explicit
-#   form) still hold a few percent of the peak. At our sizes that pulls the
-#   slope down by less than 0.1 for both, which is the tolerance we allow
-#   below; a slope above the exponent would mean a growing term we did not
-#   predict, so the upper tolerance is tight.
+#   largest sizes of each series. They approach 1 and 2 from below: the
+#   lower-order terms still hold part of the peak. For GMA that is the
+#   constant of a little over 2 MiB, the work arrays of the row blocks in
+#   which `refimpl.gmm` computes the responsibilities (blocks sized to stay
+#   in cache; see `docs/performance_gma.md`); it holds most of the peak below
+#   $N \approx 4000$, which is why GMA's series runs to larger $N$ before its
+#   slope is measured. For the explicit form it is the linear terms. At the
+#   largest sizes of each series that pulls the slope down by less than 0.1,
+#   which is the tolerance we allow below; a slope above the exponent would
+#   mean a growing term we did not predict, so the upper tolerance is tight.
 # * **A quadratic fit** $\text{peak} \approx aN^2 + bN + c$ (least squares in
-#   relative error). For the explicit form, $a$ should be 8 bytes: exactly
-#   one float64 $N\times N$ matrix is alive at the peak. For GMA the
-#   quadratic term should explain (almost) nothing of the peak at the largest
-#   $N$.
+#   relative error), each over its own series. For the explicit form, $a$
+#   should be 8 bytes: exactly one float64 $N\times N$ matrix is alive at the
+#   peak. For GMA the fit runs over its sizes from $N = 4096$ on, where the
+#   scan's four $N \times K$ arrays hold the peak: below that the peak is the
+#   other phase, with its 2 MiB, and no single smooth curve follows the switch
+#   from one phase to the other. There $b$ should be about four $N \times K$
+#   arrays per token, $c$ small, and the quadratic term should explain (almost)
+#   nothing of the peak at GMA's largest $N$.
 
 # %%
-slope_gma = np.log(peak_gma[-1] / peak_gma[-2]) / np.log(Ns[-1] / Ns[-2])
+slope_gma = np.log(peak_gma[-1] / peak_gma[-2]) / np.log(Ns_gma[-1] / Ns_gma[-2])
 slope_dense = np.log(peak_dense[-1] / peak_dense[-2]) / np.log(Ns[-1] / Ns[-2])
-a_g, b_g, c_g = np.polyfit(Ns, peak_gma, 2, w=1 / peak_gma)
+tail = Ns_gma >= 4096  # 2 x 8NK bytes outweigh the block work arrays from here on: the scan holds the peak
+a_g, b_g, c_g = np.polyfit(Ns_gma[tail], peak_gma[tail], 2, w=1 / peak_gma[tail])
 a_d, b_d, c_d = np.polyfit(Ns, peak_dense, 2, w=1 / peak_dense)
-time_slope_gma = np.polyfit(np.log(Ns[-3:]), np.log(time_gma[-3:]), 1)[0]
+time_slope_gma = np.polyfit(np.log(Ns_gma[-3:]), np.log(time_gma[-3:]), 1)[0]
 time_slope_dense = np.polyfit(np.log(Ns[-3:]), np.log(time_dense[-3:]), 1)[0]
-print(f"memory slope, largest two N: GMA {slope_gma:.3f}, explicit {slope_dense:.3f}")
+i_c = len(Ns) - 1  # the largest N both methods were measured at
+print(f"memory slope, largest two N: GMA {slope_gma:.3f} ({Ns_gma[-2]} to {Ns_gma[-1]}), "
+      f"explicit {slope_dense:.3f} ({Ns[-2]} to {Ns[-1]})")
 print(f"explicit fit: a = {a_d:.4f} bytes/N^2, b = {b_d:.0f} bytes/N")
-print(f"GMA fit: b = {b_g:.0f} bytes per token = {b_g / (8 * K_c):.2f} N x K float64 arrays; "
-      f"the quadratic term is {a_g * Ns[-1]**2 / peak_gma[-1]:+.1%} of the peak at N = {Ns[-1]}")
-print(f"at N = {Ns[-1]}: explicit / GMA memory = {peak_dense[-1] / peak_gma[-1]:.0f}x, time = {time_dense[-1] / time_gma[-1]:.0f}x")
-print(f"time slopes over the largest three N (not asserted): GMA {time_slope_gma:.2f}, explicit {time_slope_dense:.2f}")
+print(f"GMA fit, N = {Ns_gma[tail][0]} to {Ns_gma[-1]}: b = {b_g:.0f} bytes per token = {b_g / (8 * K_c):.2f} "
+      f"N x K float64 arrays, c = {c_g / 2**10:.0f} kB; "
+      f"the quadratic term is {a_g * Ns_gma[-1]**2 / peak_gma[-1]:+.1%} of the peak at N = {Ns_gma[-1]}")
+print(f"at N = {Ns[i_c]}: explicit / GMA memory = {peak_dense[i_c] / peak_gma[i_c]:.0f}x, "
+      f"time = {time_dense[i_c] / time_gma[i_c]:.0f}x")
+print(f"time slopes over the largest three N of each (not asserted): GMA {time_slope_gma:.2f}, explicit {time_slope_dense:.2f}")
 assert 0.9 <= slope_gma <= 1.02
 assert 1.9 <= slope_dense <= 2.02
 assert abs(a_d - 8.0) <= 0.08  # one N x N float64 matrix, within 1%
-assert abs(a_g) * Ns[-1] ** 2 <= 0.02 * peak_gma[-1]
-assert peak_dense[-1] >= 8.0 * Ns[-1] ** 2 > 10 * peak_gma[-1]
+assert abs(a_g) * Ns_gma[-1] ** 2 <= 0.02 * peak_gma[-1]
+assert peak_dense[-1] >= 8.0 * Ns[-1] ** 2 > 10 * peak_gma[i_c]
 
 # %% [markdown]
 # What this does and does not show. Memory is deterministic and the asserted

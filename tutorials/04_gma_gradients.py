@@ -51,7 +51,7 @@ import os
 import matplotlib.pyplot as plt
 import numpy as np
 
-from refimpl import attention, gma, gmm, scan, theory
+from refimpl import gma, gmm, scan, theory
 
 SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
 EPS = np.finfo(np.float64).eps  # 2.2e-16

@@ -1,0 +1,332 @@
+"""CPU speed against the floor of each operation's own matrix products, in one run.
+
+Usage::
+
+    python benchmarks/bench_cpu.py            # the sizes of docs/performance_gma.md (about a minute)
+    python benchmarks/bench_cpu.py --quick    # small sizes, a few seconds
+
+What is measured (wall clock over ``--repeats`` rounds, one call of every
+variant of a section per round, so that the load of a shared machine falls
+on all alike; a time is the best of the rounds, a ratio is of best times,
+except the price of the exactness screen, a few percent of one call, which is
+the median over the rounds of the ratio of two calls made back to back):
+
+* ``gmm.responsibilities`` at N = 200000, K = 64, d = 32: its time, its GEMM
+  floor (the two products ``xc**2 @ p.T`` and ``xc @ (mc * p).T`` on whole
+  arrays, operands prepared beforehand), the ratio, scikit-learn's
+  ``GaussianMixture(covariance_type="diag").predict_proba`` with the same
+  parameters, the price of the exactness screen (the core with and without
+  the refinement), float32 against float64, and the peak memory against the
+  unblocked formula;
+* GMA at N = 16384, K = 64, d_r = d_v = 64: ``gma.gma`` bidirectional and
+  causal, ``gma.gma_backward`` after ``gma.gma_forward``, each against the
+  floor of its matrix products (forward: the four of the two
+  responsibilities and the two of the mixing, ``Gamma_K^T V`` and
+  ``Gamma_Q S``; backward: the four of the mixing's backward and four per
+  responsibility matrix), float32 against float64, peak memory;
+* where the rest of the time goes: the rate of one element-wise pass and of
+  ``exp`` over ``N x K`` entries in cache-sized blocks, against the GEMM rate;
+* accuracy on the spread-means example (two means near +1e4, one at -1e4,
+  variances 1e-8) against the definition in extended precision.
+
+Peak memory is what ``tracemalloc`` reports during one call (NumPy reports its
+array buffers to it), inputs excluded.  Nothing here is asserted; the ratios
+are the point, because the machines are shared and absolute times drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_gma import make_inputs, peak_bytes as traced_peak  # noqa: E402  (this directory is sys.path[0])
+from refimpl import gma, gmm  # noqa: E402
+from refimpl.testing import exact_responsibilities, row_relative_error, sklearn_gmm, spread_means_example  # noqa: E402
+
+
+def interleaved(fns, repeats):
+    """Wall-clock times of each function over ``repeats`` rounds, one call of each per round.
+
+    Returns ``{name: array of times}``; the interleaving makes the load of a
+    shared machine fall on every function alike.
+    """
+    times = {name: [] for name in fns}
+    for fn in fns.values():  # warm-up: first-touch page faults and BLAS thread start-up
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: np.array(t) for name, t in times.items()}
+
+
+def timed_rounds(fns, repeats):
+    """:func:`interleaved`, then each function's best time printed."""
+    t = interleaved(fns, repeats)
+    for name, value in t.items():
+        print(f"    {name:36s} {ms(value.min())}")
+    return t
+
+
+def ratio(times, a, b):
+    """``best time of a / best time of b``: the best of many calls is the least disturbed estimate of each."""
+    return float(times[a].min() / times[b].min())
+
+
+def paired_ratio(times, a, b):
+    """Median over the rounds of ``time of a / time of b``, for two variants called back to back in every round.
+
+    For a small difference between two long calls (a few percent of each)
+    this is steadier than a ratio of best times: both calls of a round see
+    the same load.
+    """
+    return float(np.median(times[a] / times[b]))
+
+
+def ms(t):
+    return f"{t * 1e3:9.1f} ms"
+
+
+def mib(b):
+    return f"{b / 2**20:8.1f} MiB"
+
+
+# ---------------------------------------------------------------------------
+# Responsibilities
+# ---------------------------------------------------------------------------
+
+
+def gmm_inputs(n, K, d, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)).astype(dtype)
+    means = rng.normal(size=(K, d)).astype(dtype)
+    variances = rng.uniform(0.5, 2.0, size=(K, d)).astype(dtype)
+    weights = np.full(K, 1.0 / K, dtype=dtype)
+    return x, means, variances, weights
+
+
+def responsibility_floor(x, means, variances):
+    """The two products of the expansion, on whole arrays, with their operands prepared: a function to time."""
+    p = 1 / variances
+    centre = means.mean(axis=0)
+    xc = x - centre
+    xc2 = xc * xc
+    p_t, cross_t = np.ascontiguousarray(p.T), np.ascontiguousarray(((means - centre) * p).T)
+    return lambda: (xc2 @ p_t, xc @ cross_t)
+
+
+def unblocked_responsibilities(x, means, variances, weights):
+    """The one-line formula on whole arrays (every step an N x K array): the memory baseline."""
+    d = x.shape[1]
+    p = 1 / variances
+    centre = means.mean(axis=0)
+    xc, mc = x - centre, means - centre
+    q = (xc * xc) @ p.T - 2 * (xc @ (mc * p).T) + np.sum(mc * mc * p, axis=1)
+    logits = np.log(weights) - 0.5 * (d * np.log(2 * np.pi) + np.sum(np.log(variances), axis=1)) - 0.5 * q
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def bench_responsibilities(n, K, d, repeats):
+    print(f"\n== gmm.responsibilities, N = {n}, K = {K}, d = {d} (best of {repeats} interleaved rounds)")
+    fns, same = {}, {}
+    for dtype in (np.float64, np.float32):
+        x, means, variances, weights = gmm_inputs(n, K, d, dtype)
+        log_w = np.log(weights)
+        name = np.dtype(dtype).name
+        fns[f"{name} refimpl"] = lambda x=x, m=means, v=variances, w=weights: gmm.responsibilities(x, m, v, w)
+        fns[f"{name} GEMM floor"] = responsibility_floor(x, means, variances)
+        fns[f"{name} core, refined"] = lambda x=x, m=means, v=variances, lw=log_w: gmm.posterior(x, m, v, lw)
+        fns[f"{name} core, expansion alone"] = lambda x=x, m=means, v=variances, lw=log_w: gmm.posterior(x, m, v, lw, refine=False)
+        if dtype == np.float64:
+            model = sklearn_gmm(means, variances, weights)
+            fns["float64 scikit-learn predict_proba"] = lambda x=x: model.predict_proba(x)
+        same[name] = np.array_equal(gmm.posterior(x, means, variances, log_w)[0], gmm.posterior(x, means, variances, log_w, refine=False)[0])
+    t = timed_rounds(fns, repeats)
+    for name in ("float64", "float32"):
+        print(f"  {name}:")
+        print(f"    refimpl / GEMM floor:          {ratio(t, name + ' refimpl', name + ' GEMM floor'):9.2f}x   (target <= 1.5)")
+        if name == "float64":
+            print(f"    scikit-learn / refimpl:        {ratio(t, 'float64 scikit-learn predict_proba', 'float64 refimpl'):9.2f}x   (target >= 3)")
+        screen = paired_ratio(t, name + " core, refined", name + " core, expansion alone") - 1
+        print(f"    cost of the exactness screen:  {screen:+9.1%}   (target <= 10%; median over the rounds)")
+        print(f"    refined == expansion bit for bit:  {same[name]} (no entry needed recomputing)")
+    print(f"  float64 / float32 time:          {ratio(t, 'float64 refimpl', 'float32 refimpl'):9.2f}x   (target >= 1.7)")
+    x, means, variances, weights = gmm_inputs(n, K, d, np.float64)
+    blocked = traced_peak(lambda: gmm.responsibilities(x, means, variances, weights))
+    plain = traced_peak(lambda: unblocked_responsibilities(x, means, variances, weights))
+    nk = n * K * 8
+    print(f"  peak memory, float64: row-blocked {mib(blocked)} ({blocked / nk:.2f} N x K arrays), "
+          f"unblocked formula {mib(plain)} ({plain / nk:.2f} N x K arrays)")
+    return t
+
+
+# ---------------------------------------------------------------------------
+# GMA
+# ---------------------------------------------------------------------------
+
+
+def gma_inputs(n, K, d_r, d_v, dtype):
+    """The inputs of ``bench_gma.py`` (``gma.gma_forward``'s keywords), in ``dtype``."""
+    return {k: a.astype(dtype) for k, a in make_inputs(n, K, d_r, d_v).items()}
+
+
+def gma_floors(n, K, d_r, d_v, dtype, seed=1):
+    """The matrix products of GMA's forward and backward on whole arrays of the right shapes."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d_r)).astype(dtype)  # a centred x or its square
+    w = rng.normal(size=(d_r, K)).astype(dtype)  # -p^T / 2 or (mc p)^T
+    gamma = rng.uniform(size=(n, K)).astype(dtype)
+    v = rng.normal(size=(n, d_v)).astype(dtype)
+    s = rng.normal(size=(K, d_v)).astype(dtype)
+    wt = np.ascontiguousarray(w.T)
+
+    def forward():
+        for _ in range(4):  # two products per responsibility matrix, two matrices
+            x @ w
+        gamma.T @ v  # S = Gamma_K^T V
+        gamma @ s  # Gamma_Q S
+
+    def backward():
+        gamma.T @ v  # dS = Phi_Q^T G~
+        v @ s.T  # dPhi_Q = G~ S^T
+        v @ s.T  # dPhi_K = V dS^T
+        gamma @ s  # dV = Phi_K dS
+        for _ in range(2):  # per responsibility matrix: c^T xc, c^T xc^2, c (mc p), c p
+            gamma.T @ x
+            gamma.T @ x
+            gamma @ wt
+            gamma @ wt
+
+    return forward, backward
+
+
+def bench_gma(n, K, d, repeats):
+    print(f"\n== GMA, N = {n}, K = {K}, d_r = d_v = {d} (best of {repeats} interleaved rounds)")
+    fns = {}
+    for dtype in (np.float64, np.float32):
+        inp = gma_inputs(n, K, d, d, dtype)
+        variances = (np.logaddexp(0, inp["raw_variances"]) + 1e-6).astype(dtype)
+        weights = np.exp(inp["logits"] - inp["logits"].max())
+        weights = (weights / weights.sum()).astype(dtype)
+        out_b, cache_b = gma.gma_forward(**inp)
+        out_c, cache_c = gma.gma_forward(**inp, causal=True)
+        floor_f, floor_b = gma_floors(n, K, d, d, dtype)
+        args = (inp["x_q"], inp["x_k"], inp["v"], inp["means"], variances, weights)
+        name = np.dtype(dtype).name
+        fns[f"{name} bidirectional forward"] = lambda a=args: gma.gma(*a)
+        fns[f"{name} causal forward"] = lambda a=args: gma.gma(*a, causal=True)
+        fns[f"{name} forward GEMM floor"] = floor_f
+        fns[f"{name} bidirectional backward"] = lambda o=out_b, c=cache_b: gma.gma_backward(o, c)
+        fns[f"{name} causal backward"] = lambda o=out_c, c=cache_c: gma.gma_backward(o, c)
+        fns[f"{name} backward GEMM floor"] = floor_b
+    t = timed_rounds(fns, repeats)
+    for name in ("float64", "float32"):
+        print(f"  {name}:")
+        print(f"    bidirectional / floor:         {ratio(t, name + ' bidirectional forward', name + ' forward GEMM floor'):9.2f}x   (target <= 2)")
+        print(f"    causal / floor:                {ratio(t, name + ' causal forward', name + ' forward GEMM floor'):9.2f}x   (target <= 3)")
+        print(f"    backward / floor:              {ratio(t, name + ' bidirectional backward', name + ' backward GEMM floor'):9.2f}x   (target <= 3)")
+        print(f"    causal backward / floor:       {ratio(t, name + ' causal backward', name + ' backward GEMM floor'):9.2f}x")
+    for op in ("bidirectional forward", "causal forward", "bidirectional backward", "causal backward"):
+        print(f"  float64 / float32, {op + ':':24s} {ratio(t, 'float64 ' + op, 'float32 ' + op):6.2f}x   (target >= 1.7)")
+    inp = gma_inputs(n, K, d, d, np.float64)
+    nk = n * K * 8
+    for causal in (False, True):
+        fwd = traced_peak(lambda: gma.gma_forward(**inp, causal=causal))
+        out, cache = gma.gma_forward(**inp, causal=causal)
+        bwd = traced_peak(lambda: gma.gma_backward(out, cache))
+        label = "causal" if causal else "bidirectional"
+        print(f"  peak memory, float64, {label:13s}: forward {mib(fwd)} ({fwd / nk:.2f} N x K arrays), "
+              f"backward {mib(bwd)} ({bwd / nk:.2f})")
+    return t
+
+
+# ---------------------------------------------------------------------------
+# Where the time goes
+# ---------------------------------------------------------------------------
+
+
+def bench_rates(n, K, d, repeats):
+    """The rate of the three kinds of work in the responsibilities, measured on the same machine now."""
+    print(f"\n== where the time goes: N x K = {n} x {K} entries, float64, blocks of {gmm._block_rows(K, d, np.float64)} rows")
+    rng = np.random.default_rng(0)
+    rows = gmm._block_rows(K, d, np.float64)
+    a = rng.normal(size=(rows, K))
+    b = np.empty_like(a)
+    x = rng.normal(size=(rows, d))
+    w = rng.normal(size=(d, K))
+    blocks = -(-n // rows)
+
+    def passes(op):
+        def run():
+            for _ in range(blocks):
+                op()
+        return run
+
+    t = interleaved(
+        {
+            "one element-wise pass (add)": passes(lambda: np.add(a, a, out=b)),
+            "exp": passes(lambda: np.exp(a, out=b)),
+            "the two GEMMs": passes(lambda: (np.matmul(x, w, out=b), np.matmul(x, w, out=b))),
+        },
+        repeats,
+    )
+    flops = 2 * 2 * n * d * K
+    entries = n * K
+    for name, value in t.items():
+        print(f"    {name:30s} {ms(value.min())}   {value.min() / entries * 1e9:6.2f} ns per entry")
+    print(f"    GEMM rate: {flops / t['the two GEMMs'].min() / 1e9:.0f} GFLOP/s on {os.cpu_count()} cores; "
+          f"NumPy's element-wise loops run on one core")
+    print(f"    exp / the two GEMMs:           {ratio(t, 'exp', 'the two GEMMs'):9.2f}")
+    print(f"    one pass / the two GEMMs:      {ratio(t, 'one element-wise pass (add)', 'the two GEMMs'):9.2f}")
+    return t
+
+
+# ---------------------------------------------------------------------------
+# Accuracy
+# ---------------------------------------------------------------------------
+
+
+def accuracy():
+    xs, ms_, vs, ws = spread_means_example(n=200)
+    exact = exact_responsibilities(xs, ms_, vs, ws)
+    with np.errstate(all="ignore"):
+        errors = {
+            "refimpl responsibilities": row_relative_error(gmm.responsibilities(xs, ms_, vs, ws), exact),
+            "expansion alone (no refinement)": row_relative_error(gmm.posterior(xs, ms_, vs, np.log(ws), refine=False)[0], exact),
+            "scikit-learn predict_proba": row_relative_error(sklearn_gmm(ms_, vs, ws).predict_proba(xs), exact),
+        }
+    print("\n== spread means (two near +1e4, one at -1e4, variances 1e-8): largest relative error per row")
+    for name, e in errors.items():
+        print(f"    {name:34s} {e:9.2e}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per variant (the best is kept)")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (3 if args.quick else 15)
+    gmm_size = (20_000, 16, 16) if args.quick else (200_000, 64, 32)
+    gma_size = (2_048, 16, 16) if args.quick else (16_384, 64, 64)
+
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, NumPy {np.__version__}")
+    print(time.strftime("date: %Y-%m-%d %H:%M"))
+    bench_responsibilities(*gmm_size, repeats)
+    bench_gma(*gma_size, repeats)
+    bench_rates(*gmm_size, repeats)
+    accuracy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
