@@ -3,6 +3,7 @@
 #   make test     the same set-up, then the whole test suite (unit tests, notebooks, docs check)
 # and the documentation site:
 #   make docs     execute every tutorial (full size; TUTORIAL_SMALL=1 for small) and build docs/_build/html
+# and the experiments' full sweeps (docs/experiment_*.md): make experiments
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,7 +14,7 @@ TUTORIAL_SMALL ?=
 # -E: read every page afresh (autodoc pages depend on code Sphinx does not track); -W: warnings are errors
 SPHINX := $(PY) -m sphinx -E -W --keep-going -b html $(SPHINXOPTS)
 
-.PHONY: install verify test bench docs docs-check clean
+.PHONY: install verify test bench experiments docs docs-check clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; v = sys.version_info; sys.exit(0 if v >= (3, 11) else "Python 3.11+ is needed, found %d.%d" % v[:2])'
@@ -38,6 +39,13 @@ docs: $(STAMP)
 # the same build without executing the notebooks (pytest has just executed them): pages, math, API, links
 docs-check: $(STAMP)
 	$(SPHINX) -q -D nb_execution_mode=off docs docs/_build/check
+
+# the full sweeps of the experiments (docs/experiment_*.md), results in results/NAME/ (scaling one point at a time: it times them)
+experiments: $(STAMP)
+	@for e in recall regression scaling; do \
+	  jobs=2; [ $$e = scaling ] && jobs=1; \
+	  $(PY) -m refimpl experiment $$e --jobs $$jobs || exit 1; \
+	done
 
 bench: $(STAMP)
 	@for f in benchmarks/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done

@@ -8,7 +8,8 @@ a performance page needs no edit here:
 * ``docs/api/generated/``: one autodoc page per public module of ``refimpl``
   and ``gpu``, found with ``pkgutil``, and a table of the verifications that
   ``python -m refimpl verify`` runs; ignored by git;
-* the "Performance" toctree of ``index.md``: every ``docs/performance_*.md``,
+* the "Performance" and "Experiments" toctrees of ``index.md``: every
+  ``docs/performance_*.md`` and ``docs/experiment_*.md``,
   and no toctree at all while there is none (an empty glob would warn).
 
 Notebooks are executed during the build (``nb_execution_mode = "force"``), in
@@ -159,14 +160,19 @@ def _generate_api_pages() -> None:
 
 
 PERFORMANCE_MARKER = "% performance pages: conf.py puts a toctree here"
+EXPERIMENT_MARKER = "% experiment pages: conf.py puts a toctree here"
+
+
+def _toctree(pattern, caption):
+    pages = sorted(p.stem for p in DOCS.glob(pattern))
+    return "```{toctree}\n:maxdepth: 1\n:caption: " + caption + "\n\n" + "\n".join(pages) + "\n```\n" if pages else ""
 
 
 def _performance_toctree(app, docname, source):
     if docname != root_doc:
         return
-    pages = sorted(p.stem for p in DOCS.glob("performance_*.md"))
-    block = "```{toctree}\n:maxdepth: 1\n:caption: Performance\n\n" + "\n".join(pages) + "\n```\n" if pages else ""
-    source[0] = source[0].replace(PERFORMANCE_MARKER, block)
+    source[0] = source[0].replace(PERFORMANCE_MARKER, _toctree("performance_*.md", "Performance"))
+    source[0] = source[0].replace(EXPERIMENT_MARKER, _toctree("experiment_*.md", "Experiments"))
 
 
 def _always_reread_index(app, env, added, changed, removed):

@@ -1,0 +1,124 @@
+"""The in-context recall experiment (:mod:`refimpl.experiments.recall`): its sweep, its methods, its tasks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from refimpl.attention import softmax_attention
+from refimpl.experiments import load, sweep
+from refimpl.experiments import recall
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """The quick sweep, one seed, one process: its rows and its CSV file."""
+    out = tmp_path_factory.mktemp("recall_quick")
+    rows = sweep.run(load("recall"), quick=True, seeds=1, jobs=1, out=out, progress=False)
+    return rows, out / "recall.csv"
+
+
+def _mean(rows, task, method):
+    return float(np.mean([r["accuracy"] for r in rows if r["task"] == task and r["method"] == method]))
+
+
+def test_quick_sweep_rows_are_finite_accuracies(quick):
+    rows, _ = quick
+    assert len(rows) == len(recall.grid(True, 1))
+    assert {r["method"] for r in rows} == set(recall.METHODS)
+    assert {r["task"] for r in rows} == set(recall.TASKS)
+    for r in rows:
+        assert all(math.isfinite(r[m]) for m in recall.METRICS), r
+        assert 0.0 <= r["accuracy"] <= 1.0, r
+        assert 0.0 < r["state_fraction"] <= 1.0, r
+    assert recall.TIMINGS == ()
+
+
+def test_full_attention_recalls_and_the_small_states_do_worse(quick):
+    rows, _ = quick
+    associative = [r for r in rows if r["task"] == "associative"]
+    # the easy instance: every associative query of full attention is answered
+    assert min(r["accuracy"] for r in associative if r["method"] == "softmax") >= 0.95
+    # linear attention's d x d_v state cannot hold T / 16 bindings: near chance
+    assert _mean(rows, "associative", "linear") <= 0.3
+    # a static codebook fitted to another sequence's keys: far below full attention
+    assert _mean(rows, "associative", "vq") <= _mean(rows, "associative", "softmax") - 0.3
+
+
+def test_jobs_do_not_change_the_result_file(quick, tmp_path):
+    _, one_job = quick
+    sweep.run(load("recall"), quick=True, seeds=1, jobs=2, out=tmp_path, progress=False)
+    assert (tmp_path / "recall.csv").read_bytes() == one_job.read_bytes()
+
+
+def test_resume_runs_only_the_missing_point(quick, tmp_path, monkeypatch):
+    _, complete = quick
+    lines = complete.read_bytes().splitlines(keepends=True)
+    (tmp_path / "recall.csv").write_bytes(b"".join(lines[:-1]))  # the last data line lost
+    calls = []
+    run_point = recall.run_point
+
+    def counting(point):
+        calls.append(dict(point))
+        return run_point(point)
+
+    monkeypatch.setattr(recall, "run_point", counting)
+    sweep.run(load("recall"), quick=True, seeds=1, jobs=1, out=tmp_path, progress=False)
+    assert len(calls) == 1
+    assert sweep.point_key(recall, calls[0]) == tuple(lines[-1].decode().strip().split(",")[: len(recall.PARAMS)])
+    assert (tmp_path / "recall.csv").read_bytes() == complete.read_bytes()
+
+
+@pytest.mark.parametrize("T, block", [(203, 64), (128, 64), (50, 7)])
+def test_row_blocked_softmax_equals_softmax_attention(T, block):
+    rng = np.random.default_rng(T)
+    q, k, v = rng.normal(size=(T, 8)), rng.normal(size=(T, 8)), rng.normal(size=(T, 3))
+    expected = softmax_attention(q, k, v, scale=1.7, causal=True)
+    every_row = recall.causal_softmax_rows(q, k, v, np.arange(T), beta=1.7, block=block)
+    np.testing.assert_allclose(every_row, expected, rtol=0, atol=1e-12)
+    some = rng.permutation(T)[: T // 3]  # a subset, in any order
+    np.testing.assert_allclose(recall.causal_softmax_rows(q, k, v, some, beta=1.7, block=block), expected[some],
+                               rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("task", recall.TASKS)
+def test_task_keys_values_and_targets(task):
+    T = 1024
+    data = recall.make_task(task, T, seed=3)
+    M = T // recall.WRITES
+    k, clean, values, written = data["k"], data["clean"], data["values"], data["written"]
+    rows, targets = data["rows"], data["targets"]
+    np.testing.assert_allclose(np.linalg.norm(k, axis=1), 1.0, atol=1e-12)
+    np.testing.assert_allclose(np.linalg.norm(clean, axis=1), 1.0, atol=1e-12)
+    assert clean.shape == (M, recall.D) and values.shape == (M, recall.D_V)
+    # distinct keys and values: no two bindings alike
+    off_diagonal = ~np.eye(M, dtype=bool)
+    assert np.max((clean @ clean.T)[off_diagonal]) < 0.95
+    assert np.max((values @ values.T)[off_diagonal]) < 0.95
+    np.testing.assert_array_equal(data["v"], values[written])
+    # a query is the clean key of a binding written before it, not the one its own token writes
+    np.testing.assert_array_equal(data["q"][rows], clean[targets])
+    for row, target in zip(rows, targets):
+        assert target != written[row]
+        assert np.any(written[:row] == target)
+    # the same sequence from the same seed
+    again = recall.make_task(task, T, seed=3)
+    assert all(np.array_equal(data[name], again[name]) for name in data)
+
+
+def test_positional_answer_is_the_most_recent_binding_of_the_base_key():
+    T = 1024
+    data = recall.make_task("positional", T, seed=5)
+    length, P = T // recall.SEGMENTS, T // recall.WRITES // recall.SEGMENTS
+    written, base, segment = data["written"], data["base"], data["segment"]
+    # every base key is bound to a different value in every segment
+    per_base = data["values"].reshape(recall.SEGMENTS, P, recall.D_V)
+    for p in range(P):
+        assert np.linalg.matrix_rank(per_base[:, p]) == recall.SEGMENTS
+    for row, target in zip(data["rows"], data["targets"]):
+        assert segment[target] == row // length  # the binding of the query's own segment
+        earlier = np.flatnonzero(base[written[:row]] == base[target])
+        assert written[earlier[-1]] == target  # the most recent occurrence of its base key
+        assert np.any(segment[written[earlier]] < segment[target])  # earlier bindings of it exist, and are wrong
