@@ -123,9 +123,20 @@ def _public_modules() -> list[str]:
     return names
 
 
+def _reexports_only(module: str) -> bool:
+    """A package whose public names are all defined in its submodules (documented on their own pages)."""
+    mod = importlib.import_module(module)
+    names = getattr(mod, "__all__", [])
+    return hasattr(mod, "__path__") and bool(names) and all(
+        getattr(getattr(mod, n), "__module__", module) != module for n in names
+    )
+
+
 def _api_page(module: str) -> str:
     title = f"``{module}``"
-    return f"{title}\n{'=' * len(title)}\n\n.. automodule:: {module}\n"
+    # a package that only re-exports would document each function twice (once here, once on its module's page)
+    options = "   :no-members:\n" if _reexports_only(module) else ""
+    return f"{title}\n{'=' * len(title)}\n\n.. automodule:: {module}\n{options}"
 
 
 def _verification_page() -> str:

@@ -18,6 +18,9 @@ to :math:`-\infty` first when causal), :math:`O = PV`.  Backward, with
 
 The forward materialises the ``N x N`` matrix: time and memory are
 :math:`O(N^2)`, the point of comparison for the linear-time mechanisms.
+:func:`softmax_attention` also takes leading batch (and head) dimensions,
+``(..., N, d)``, the same for ``q``, ``k`` and ``v``: a loop over the
+sequences, each the 2-D computation bit for bit.
 
 Linear attention
 ----------------
@@ -70,6 +73,11 @@ class SoftmaxAttentionCache(NamedTuple):
     scale: float
 
 
+# who is blamed, and the fix, when the scores of a row overflow
+_SCORE_NAMES = "scale, q, k"
+_SCORE_FIX = "lower scale or rescale q and k"
+
+
 def _check_attention(q, k, v, causal):
     q, k, v = validation.check_qkv(q, k, v)
     causal = validation.check_bool(causal, "causal")
@@ -77,10 +85,61 @@ def _check_attention(q, k, v, causal):
     return q, k, v, causal
 
 
-def _check_softmax_attention(q, k, v, scale, causal):
+def check_softmax_attention(q, k, v, scale, causal):
+    """The checks of :func:`softmax_attention_forward` (2-D ``q, k, v``); the GPU backends share it."""
     q, k, v, causal = _check_attention(q, k, v, causal)
     scale = 1.0 / np.sqrt(q.shape[1]) if scale is None else validation.check_positive_float(scale, "scale")
     return q, k, v, scale, causal
+
+
+def check_batched_qkv(q, k, v) -> tuple:
+    """``q (..., N_q, d)``, ``k (..., N_k, d)``, ``v (..., N_k, d_v)`` with one leading shape; the GPU backends share it.
+
+    Returns ``(q, k, v, batch_shape)``, the arrays cast to their common float
+    dtype.  2-D arrays are checked by :func:`refimpl.validation.check_qkv`
+    (``batch_shape = ()``); with leading dimensions, every ``(..., N, d)``
+    slice must pass the same check, so the messages about the last two
+    dimensions are the 2-D ones.
+    """
+    if all(np.ndim(a) == 2 for a in (q, k, v)):
+        return validation.check_qkv(q, k, v) + ((),)
+    q, k, v = (validation.as_float_array(a, name, finite=False) for a, name in ((q, "q"), (k, "k"), (v, "v")))
+    if min(q.ndim, k.ndim, v.ndim) < 2 or not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and q.ndim == k.ndim == v.ndim):
+        raise ValueError(
+            f"q, k, v: expected arrays with the same leading (batch) dimensions, each at least a 2-D array "
+            f"(..., N_q, d), (..., N_k, d), (..., N_k, d_v); got shapes {q.shape}, {k.shape} and {v.shape}"
+        )
+    for a, name in ((q, "q"), (k, "k"), (v, "v")):
+        validation.check_finite(a, name)
+    # the 2-D checks of one (N, d) slice: zero-stride stand-ins of the last two dimensions (there may be no slice)
+    validation.check_qkv(*(np.broadcast_to(np.zeros((), a.dtype), a.shape[-2:]) for a in (q, k, v)))
+    dtype = validation.common_float_dtype(q, k, v)
+    return q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False), q.shape[:-2]
+
+
+def check_batched_softmax_attention(q, k, v, scale, causal):
+    """The checks of :func:`softmax_attention` (leading batch dimensions allowed); the GPU backends share it.
+
+    Returns ``(q, k, v, scale, causal, batch_shape)``.
+    """
+    q, k, v, batch_shape = check_batched_qkv(q, k, v)
+    causal = validation.check_bool(causal, "causal")
+    validation.check_causal_lengths(q.shape[-2], k.shape[-2], causal, names=("q", "k"))
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else validation.check_positive_float(scale, "scale")
+    return q, k, v, scale, causal, batch_shape
+
+
+def check_score_maxima(row_max) -> None:
+    """Refuse score rows whose maximum is not finite (overflow), as the forward's check of its logits; the GPU backends share it.
+
+    ``row_max`` holds the maximum score of every row, the rows of all
+    sequences counted in C order (row ``b N_q + i`` for query ``i`` of
+    sequence ``b``); the message is that of
+    :func:`refimpl.validation.check_softmax_logits` on those rows.
+    """
+    row_max = np.asarray(row_max)
+    bad = ~np.isfinite(row_max.ravel())
+    validation.check_overflowed_rows(int(np.sum(bad)), int(np.argmax(bad)) if bad.size else 0, row_max.dtype, _SCORE_NAMES, _SCORE_FIX)
 
 
 def _softmax_scores(q, k, scale, causal):
@@ -111,9 +170,9 @@ def softmax_attention_forward(q, k, v, *, scale=None, causal: bool = False):
     cache : SoftmaxAttentionCache
         The tuple ``(q, k, v, P, scale)`` with ``P`` the ``N_q x N_k`` attention matrix.
     """
-    q, k, v, scale, causal = _check_softmax_attention(q, k, v, scale, causal)
+    q, k, v, scale, causal = check_softmax_attention(q, k, v, scale, causal)
     scores = _softmax_scores(q, k, scale, causal)
-    validation.check_softmax_logits(scores, "scale, q, k", "lower scale or rescale q and k")
+    validation.check_softmax_logits(scores, _SCORE_NAMES, _SCORE_FIX)
     p = numerics.softmax(scores, axis=1)
     return p @ v, SoftmaxAttentionCache(q, k, v, p, scale)
 
@@ -144,16 +203,49 @@ def softmax_attention_backward(grad_out, cache) -> SoftmaxAttentionGrads:
     return SoftmaxAttentionGrads(q=ds @ k, k=ds.T @ q, v=dv)
 
 
-def softmax_attention(q, k, v, *, scale=None, causal: bool = False):
-    """Softmax attention ``softmax(scale q k^T) v``.
+def _batched_softmax_attention(q, k, v, scale, causal, batch_shape):
+    """Core: the forward of every ``(N, d)`` slice, and the maximum score of every row (no raise).
 
-    Parameters and shapes are those of :func:`softmax_attention_forward`.
+    Returns ``out (..., N_q, d_v)`` and ``row_max (..., N_q)``; a slice with a
+    row whose maximum is not finite is left unnormalised (its output is
+    refused by the caller).
+    """
+    out = np.zeros(batch_shape + (q.shape[-2], v.shape[-1]), dtype=q.dtype)
+    row_max = np.empty(batch_shape + (q.shape[-2],), dtype=q.dtype)
+    for idx in np.ndindex(*batch_shape):
+        scores = _softmax_scores(q[idx], k[idx], scale, causal)
+        row_max[idx] = np.max(scores, axis=1)
+        if np.all(np.isfinite(row_max[idx])):
+            out[idx] = numerics.softmax(scores, axis=1) @ v[idx]
+    return out, row_max
+
+
+def softmax_attention(q, k, v, *, scale=None, causal: bool = False):
+    """Softmax attention ``softmax(scale q k^T) v``, for one sequence or a batch of them.
+
+    Parameters
+    ----------
+    q : array_like, shape (..., N_q, d)
+    k : array_like, shape (..., N_k, d)
+    v : array_like, shape (..., N_k, d_v)
+        The leading (batch, head) dimensions ``...`` are the same for all
+        three; each ``(N, d)`` slice is one sequence, attended separately.
+    scale, causal
+        As in :func:`softmax_attention_forward`.
 
     Returns
     -------
-    ndarray, shape (N_q, d_v)
+    ndarray, shape (..., N_q, d_v)
+        For 2-D inputs, exactly ``softmax_attention_forward(q, k, v)[0]``.
+        A row whose scores overflow is refused; with leading dimensions the
+        error counts rows over all sequences in C order (row ``b N_q + i``).
     """
-    return softmax_attention_forward(q, k, v, scale=scale, causal=causal)[0]
+    if all(np.ndim(a) == 2 for a in (q, k, v)):
+        return softmax_attention_forward(q, k, v, scale=scale, causal=causal)[0]
+    q, k, v, scale, causal, batch_shape = check_batched_softmax_attention(q, k, v, scale, causal)
+    out, row_max = _batched_softmax_attention(q, k, v, scale, causal, batch_shape)
+    check_score_maxima(row_max)
+    return out
 
 
 # ---------------------------------------------------------------------------

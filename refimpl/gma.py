@@ -3,7 +3,12 @@ r"""Gaussian Mixture Attention (GMA): routing through a shared GMM, in linear ti
 Shapes: routing queries ``x_q`` are ``(N_q, d_r)``, routing keys ``x_k`` are
 ``(N_k, d_r)``, values ``v`` are ``(N_k, d_v)``; one GMM with ``K`` diagonal
 components (``means`` and ``variances`` ``(K, d_r)``, ``weights`` ``(K,)``)
-is shared by queries and keys.  The derivations are in
+is shared by queries and keys.  Leading (batch) dimensions are accepted:
+``x_q (..., N_q, d_r)``, ``x_k (..., N_k, d_r)``, ``v (..., N_k, d_v)`` with
+one leading shape, and either one GMM shared by every sequence (the shapes
+above) or one per head (``means``, ``variances`` ``(H, K, d_r)``,
+``weights`` ``(H, K)``, ``H`` the last leading dimension); each sequence is
+then computed as on its own.  The derivations are in
 ``docs/derivations/gma.md``; this docstring states the results.
 
 Forward
@@ -63,6 +68,7 @@ __all__ = [
     "gma_backward",
     "GMAGrads",
     "GMACache",
+    "GMABatchCache",
 ]
 
 
@@ -78,7 +84,7 @@ class GMAGrads(NamedTuple):
 
 
 class GMACache(NamedTuple):
-    """What :func:`gma_backward` needs from :func:`gma_forward`."""
+    """What :func:`gma_backward` needs from :func:`gma_forward` on one sequence (2-D inputs)."""
 
     x_q: np.ndarray
     x_k: np.ndarray
@@ -90,30 +96,92 @@ class GMACache(NamedTuple):
     mixing: FeatureAttentionCache
 
 
+class GMABatchCache(NamedTuple):
+    """What :func:`gma_backward` needs from :func:`gma_forward` on inputs with leading (batch) dimensions."""
+
+    leading: tuple  # the leading (batch) shape of x_q, x_k and v
+    per_head: bool  # True when the GMM has a head axis (one GMM per index of the last leading dimension)
+    caches: tuple  # the GMACache of each sequence, leading indices in C order
+
+
 # ---------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------
 
 
+def _leading_labels(leading):
+    """Dimension labels for the leading (batch) axes in shape messages: ``("...",)`` when there are any."""
+    return ("...",) if leading else ()
+
+
 def _check_tokens(x_q, x_k, v, causal):
-    x_q = validation.as_float_array(x_q, "x_q", ndim=2)
-    x_k = validation.as_float_array(x_k, "x_k", ndim=2)
-    v = validation.as_float_array(v, "v", ndim=2)
-    validation.check_shape(x_k, "x_k", (None, x_q.shape[1]), ("N_k", "d_r"))
-    validation.check_shape(v, "v", (x_k.shape[0], None), ("N_k", "d_v"))
-    if x_q.shape[0] < 1 or x_k.shape[0] < 1:
+    x_q = validation.as_float_array(x_q, "x_q")
+    x_k = validation.as_float_array(x_k, "x_k")
+    v = validation.as_float_array(v, "v")
+    for a, name, labels in ((x_q, "x_q", "N_q, d_r"), (x_k, "x_k", "N_k, d_r"), (v, "v", "N_k, d_v")):
+        if a.ndim < 2:
+            raise ValueError(
+                f"{name}: expected a 2-D array ({labels}) or one with leading batch dimensions (..., {labels}), "
+                f"got shape {a.shape} ({a.ndim}-D)"
+            )
+    leading = x_q.shape[:-2]
+    for a, name in ((x_k, "x_k"), (v, "v")):
+        if a.shape[:-2] != leading:
+            raise ValueError(
+                f"x_q, {name}: expected arrays with the same leading (batch) dimensions, got a {x_q.ndim}-D array "
+                f"of shape {x_q.shape} and a {a.ndim}-D array of shape {a.shape}"
+            )
+    lead = _leading_labels(leading)
+    validation.check_shape(x_k, "x_k", leading + (None, x_q.shape[-1]), lead + ("N_k", "d_r"))
+    validation.check_shape(v, "v", leading + (x_k.shape[-2], None), lead + ("N_k", "d_v"))
+    if 0 in leading:
+        raise ValueError(f"x_q, x_k: expected at least one sequence, got leading (batch) dimensions {leading}")
+    if x_q.shape[-2] < 1 or x_k.shape[-2] < 1:
         raise ValueError(f"x_q, x_k: expected at least one token each, got shapes {x_q.shape} and {x_k.shape}")
-    validation.check_causal_lengths(x_q.shape[0], x_k.shape[0], causal, names=("x_q", "x_k"))
+    validation.check_causal_lengths(x_q.shape[-2], x_k.shape[-2], causal, names=("x_q", "x_k"))
     return x_q, x_k, v
 
 
-def _check_components(means, second, second_name, d_r):
-    means = validation.as_float_array(means, "means", ndim=2)
-    validation.check_shape(means, "means", (None, d_r), ("K", "d_r"))
-    validation.check_nonempty(means, "means")
-    second = validation.as_float_array(second, second_name, ndim=2)
-    validation.check_shape(second, second_name, means.shape, ("K", "d_r"))
+def _check_components(means, second, second_name, leading, d_r):
+    """``means`` and ``variances`` (or ``raw_variances``): ``(K, d_r)`` shared, or ``(H, K, d_r)`` one GMM per head."""
+    means = validation.as_float_array(means, "means")
+    per_head = means.ndim == 3 and len(leading) > 0
+    if means.ndim != 2 and not per_head:
+        head = (
+            f", or a 3-D array (H, K, d_r) with H = {leading[-1]} (the last leading dimension of x_q), one GMM per head"
+            if leading
+            else "; a 3-D array (H, K, d_r), one GMM per head, needs x_q with a head axis (..., H, N_q, d_r)"
+        )
+        raise ValueError(f"means: expected a 2-D array (K, d_r) shared by every sequence{head}, got shape {means.shape} ({means.ndim}-D)")
+    if per_head and means.shape[0] != leading[-1]:
+        raise ValueError(
+            f"means: a 3-D array (H, K, d_r) holds one GMM per head, so H must be the last leading dimension of x_q, "
+            f"{leading[-1]}; got a 3-D array of shape {means.shape} (pass a 2-D array (K, d_r) to share one GMM)"
+        )
+    labels = ("H", "K", "d_r") if per_head else ("K", "d_r")
+    validation.check_shape(means, "means", ((leading[-1],) if per_head else ()) + (None, d_r), labels)
+    validation.check_nonempty(means[0] if per_head else means, "means")
+    second = validation.as_float_array(second, second_name)
+    if second.ndim != means.ndim:
+        raise ValueError(
+            f"{second_name}: expected a {means.ndim}-D array ({', '.join(labels)}) like means, "
+            f"got shape {second.shape} ({second.ndim}-D)"
+        )
+    validation.check_shape(second, second_name, means.shape, labels)
     return means, second
+
+
+def _check_mixture_vector(a, name, means):
+    """``weights`` or ``logits``: ``(K,)`` for a shared GMM, ``(H, K)`` for one GMM per head; checked for ndim and shape."""
+    a = validation.as_float_array(a, name)
+    labels = ("H", "K") if means.ndim == 3 else ("K",)
+    if a.ndim != means.ndim - 1:
+        raise ValueError(
+            f"{name}: expected a {means.ndim - 1}-D array ({', '.join(labels)}{',' if len(labels) == 1 else ''}) like means, "
+            f"got shape {a.shape} ({a.ndim}-D)"
+        )
+    validation.check_shape(a, name, means.shape[:-1], labels)
+    return a
 
 
 def _cast(*arrays):
@@ -121,29 +189,42 @@ def _cast(*arrays):
     return tuple(a.astype(dtype, copy=False) for a in arrays)
 
 
-def _check_gma(x_q, x_k, v, means, variances, weights, causal, eps, chunk_size):
+def check_gma_arguments(x_q, x_k, v, means, variances, weights, causal, eps, chunk_size):
+    """The checks of :func:`gma`, returning its arguments cast to one dtype; the GPU backends share them."""
     causal, eps, chunk_size = validation.check_scan_options(causal, eps, chunk_size)
     x_q, x_k, v = _check_tokens(x_q, x_k, v, causal)
-    means, variances = _check_components(means, variances, "variances", x_q.shape[1])
+    means, variances = _check_components(means, variances, "variances", x_q.shape[:-2], x_q.shape[-1])
     validation.check_positive(variances, "variances")
-    weights = validation.check_weights(weights, means.shape[0])
+    if means.ndim == 2:
+        weights = validation.check_weights(weights, means.shape[0])
+    else:
+        weights = _check_mixture_vector(weights, "weights", means)
+        for h in range(weights.shape[0]):
+            validation.check_probability_vector(weights[h], f"weights[{h}]")
     return _cast(x_q, x_k, v, means, variances, weights) + (causal, eps, chunk_size)
 
 
-def _check_gma_forward(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size):
+def check_gma_forward_arguments(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size):
+    """The checks of :func:`gma_forward`, returning its arguments cast to one dtype; the GPU backends share them."""
     causal, eps, chunk_size = validation.check_scan_options(causal, eps, chunk_size)
     min_variance = validation.check_positive_float(min_variance, "min_variance")
     x_q, x_k, v = _check_tokens(x_q, x_k, v, causal)
-    means, raw_variances = _check_components(means, raw_variances, "raw_variances", x_q.shape[1])
-    logits = validation.as_float_array(logits, "logits", ndim=1)
-    validation.check_shape(logits, "logits", (means.shape[0],), ("K",))
+    means, raw_variances = _check_components(means, raw_variances, "raw_variances", x_q.shape[:-2], x_q.shape[-1])
+    logits = _check_mixture_vector(logits, "logits", means)
     return _cast(x_q, x_k, v, means, raw_variances, logits) + (causal, eps, min_variance, chunk_size)
 
 
-def _check_results(min_quad_q, min_quad_k, den, eps):
+def check_gma_results(min_quad_q, min_quad_k, den, eps):
+    """The checks of the computed per-row quantities (rows of all sequences, flattened in order); the GPU backends share them."""
     validation.check_scaled_distances(min_quad_q, "x_q")
     validation.check_scaled_distances(min_quad_k, "x_k")
     validation.check_denominators(den, eps, ("x_q", "x_k"))
+
+
+def check_gma_grad_out(grad_out, out_shape, dtype):
+    """The upstream gradient of :func:`gma_backward` for an output of ``out_shape``; the GPU backends share it."""
+    labels = _leading_labels(out_shape[:-2]) + ("N_q", "d_v")
+    return validation.check_grad_out(grad_out, tuple(out_shape), labels, dtype)
 
 
 def _check_gma_dense(gamma_q, gamma_k, v, causal, eps):
@@ -174,22 +255,32 @@ def _gma(x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size):
     return out, gamma_q, gamma_k, mixing, min_quad_q, min_quad_k
 
 
+def _gmm_of(idx, means, second, third):
+    """The GMM of the sequence at leading index ``idx``: head ``idx[-1]`` of per-head parameters, else the shared one."""
+    if means.ndim == 2:
+        return means, second, third
+    return means[idx[-1]], second[idx[-1]], third[idx[-1]]
+
+
 def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
     """Gaussian Mixture Attention with a GMM given by its variances and weights.
 
     Parameters
     ----------
-    x_q : array_like, shape (N_q, d_r)
-        Routing queries.
-    x_k : array_like, shape (N_k, d_r)
-        Routing keys.
-    v : array_like, shape (N_k, d_v)
-        Values.
-    means : array_like, shape (K, d_r)
-    variances : array_like, shape (K, d_r)
+    x_q : array_like, shape (..., N_q, d_r)
+        Routing queries; any leading (batch) dimensions, the last of them the
+        head axis when the GMM is given per head.
+    x_k : array_like, shape (..., N_k, d_r)
+        Routing keys, the leading dimensions of ``x_q``.
+    v : array_like, shape (..., N_k, d_v)
+        Values, the leading dimensions of ``x_q``.
+    means : array_like, shape (K, d_r) or (H, K, d_r)
+        One GMM shared by every sequence, or one per head (``H`` the last
+        leading dimension of ``x_q``).
+    variances : array_like, shape of ``means``
         Diagonal variances, all > 0.
-    weights : array_like, shape (K,)
-        Mixture weights: nonnegative, summing to one.
+    weights : array_like, shape (K,) or (H, K)
+        Mixture weights: nonnegative, summing to one (per head).
     causal : bool, default False
         Query ``t`` reads keys ``j <= t`` only (needs ``N_q == N_k``); computed
         by a chunked scan.
@@ -202,20 +293,30 @@ def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: fl
 
     Returns
     -------
-    ndarray, shape (N_q, d_v)
-        ``(Gamma_Q Gamma_K^T V) / (Gamma_Q Gamma_K^T 1 + eps)`` (lower
+    ndarray, shape (..., N_q, d_v)
+        Per sequence, ``(Gamma_Q Gamma_K^T V) / (Gamma_Q Gamma_K^T 1 + eps)`` (lower
         triangle of the affinity when causal), computed in ``O(N K (d_r + d_v))``
         time (plus ``O(N C (K + d_v))`` for the within-chunk blocks when
         causal) without an ``N x N`` matrix.  Dtype of the inputs.
     """
-    x_q, x_k, v, means, variances, weights, causal, eps, chunk_size = _check_gma(
+    x_q, x_k, v, means, variances, weights, causal, eps, chunk_size = check_gma_arguments(
         x_q, x_k, v, means, variances, weights, causal, eps, chunk_size
     )
     # a zero weight is a component that never wins: log 0 = -inf
     with np.errstate(divide="ignore"):
         log_weights = np.log(weights)
-    out, _, _, mixing, min_quad_q, min_quad_k = _gma(x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size)
-    _check_results(min_quad_q, min_quad_k, mixing.den, eps)
+    if x_q.ndim == 2:
+        out, _, _, mixing, min_quad_q, min_quad_k = _gma(x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size)
+        check_gma_results(min_quad_q, min_quad_k, mixing.den, eps)
+        return out
+    # one sequence at a time, each with its head's GMM (or the shared one)
+    out = np.empty(x_q.shape[:-1] + v.shape[-1:], dtype=x_q.dtype)
+    mq, mk, den = [], [], []
+    for idx in np.ndindex(x_q.shape[:-2]):
+        gmm = _gmm_of(idx, means, variances, log_weights)
+        out[idx], _, _, mixing, min_quad_q, min_quad_k = _gma(x_q[idx], x_k[idx], v[idx], *gmm, causal, eps, chunk_size)
+        mq.append(min_quad_q), mk.append(min_quad_k), den.append(mixing.den)
+    check_gma_results(np.concatenate(mq), np.concatenate(mk), np.concatenate(den), eps)
     return out
 
 
@@ -282,13 +383,15 @@ def gma_forward(
 
     Parameters
     ----------
-    x_q : array_like, shape (N_q, d_r)
-    x_k : array_like, shape (N_k, d_r)
-    v : array_like, shape (N_k, d_v)
-    means : array_like, shape (K, d_r)
-    raw_variances : array_like, shape (K, d_r)
+    x_q : array_like, shape (..., N_q, d_r)
+    x_k : array_like, shape (..., N_k, d_r)
+    v : array_like, shape (..., N_k, d_v)
+        One leading (batch) shape for the three, as in :func:`gma`.
+    means : array_like, shape (K, d_r) or (H, K, d_r)
+        Shared, or one GMM per head (``H`` the last leading dimension).
+    raw_variances : array_like, shape of ``means``
         Any real values.
-    logits : array_like, shape (K,)
+    logits : array_like, shape (K,) or (H, K)
         Prior logits, any real values.
     causal : bool, default False
     eps : float, default 1e-6
@@ -298,15 +401,31 @@ def gma_forward(
 
     Returns
     -------
-    out : ndarray, shape (N_q, d_v)
-    cache : GMACache
-        Inputs, variances, both responsibility matrices (``N x K``) and the
-        mixing cache.
+    out : ndarray, shape (..., N_q, d_v)
+    cache : GMACache or GMABatchCache
+        For 2-D inputs, a GMACache: inputs, variances, both responsibility
+        matrices (``N x K``) and the mixing cache; with leading dimensions, a
+        GMABatchCache holding the leading shape, whether the GMM is per head,
+        and one GMACache per sequence.
     """
-    args = _check_gma_forward(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size)
-    out, cache, min_quad_q, min_quad_k = _gma_forward(*args)
-    _check_results(min_quad_q, min_quad_k, cache.mixing.den, cache.mixing.eps)
-    return out, cache
+    args = check_gma_forward_arguments(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size)
+    x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size = args
+    if x_q.ndim == 2:
+        out, cache, min_quad_q, min_quad_k = _gma_forward(*args)
+        check_gma_results(min_quad_q, min_quad_k, cache.mixing.den, cache.mixing.eps)
+        return out, cache
+    # one sequence at a time, each with its head's GMM (or the shared one), each keeping its own GMACache
+    out = np.empty(x_q.shape[:-1] + v.shape[-1:], dtype=x_q.dtype)
+    caches, mq, mk = [], [], []
+    for idx in np.ndindex(x_q.shape[:-2]):
+        gmm = _gmm_of(idx, means, raw_variances, logits)
+        out[idx], cache, min_quad_q, min_quad_k = _gma_forward(
+            x_q[idx], x_k[idx], v[idx], *gmm, causal, eps, min_variance, chunk_size
+        )
+        caches.append(cache), mq.append(min_quad_q), mk.append(min_quad_k)
+    den = np.concatenate([c.mixing.den for c in caches])
+    check_gma_results(np.concatenate(mq), np.concatenate(mk), den, eps)
+    return out, GMABatchCache(x_q.shape[:-2], means.ndim == 3, tuple(caches))
 
 
 # ---------------------------------------------------------------------------
@@ -376,24 +495,52 @@ def _gma_backward(g, cache):
     return GMAGrads(x_q=dx_q, x_k=dx_k, v=dgamma.v, means=dmu_q + dmu_k, raw_variances=draw, logits=da_q + da_k)
 
 
+def _gma_batch_backward(g, cache):
+    """Core of :func:`gma_backward` for a :class:`GMABatchCache`: the 2-D core per sequence, parameter gradients summed in order."""
+    first = cache.caches[0]
+    heads = (cache.leading[-1],) if cache.per_head else ()
+    dtype = first.gamma_q.dtype
+    dx_q = np.empty(cache.leading + first.x_q.shape, dtype=dtype)
+    dx_k = np.empty(cache.leading + first.x_k.shape, dtype=dtype)
+    dv = np.empty(cache.leading + first.mixing.v.shape, dtype=dtype)
+    dmeans = np.zeros(heads + first.means.shape, dtype=dtype)
+    draw = np.zeros(heads + first.raw_variances.shape, dtype=dtype)
+    dlogits = np.zeros(heads + first.means.shape[:1], dtype=dtype)
+    for idx, c in zip(np.ndindex(cache.leading), cache.caches):
+        grads = _gma_backward(g[idx], c)
+        dx_q[idx], dx_k[idx], dv[idx] = grads.x_q, grads.x_k, grads.v
+        # per head: the sum over the sequences of that head; shared: over every sequence
+        h = idx[-1:] if cache.per_head else ()
+        dmeans[h] += grads.means
+        draw[h] += grads.raw_variances
+        dlogits[h] += grads.logits
+    return GMAGrads(x_q=dx_q, x_k=dx_k, v=dv, means=dmeans, raw_variances=draw, logits=dlogits)
+
+
 def gma_backward(grad_out, cache) -> GMAGrads:
     """Hand-derived gradients of :func:`gma_forward`; returns new arrays (nothing accumulates).
 
     Parameters
     ----------
-    grad_out : array_like, shape (N_q, d_v)
-        ``dL/d out``.
-    cache : GMACache
+    grad_out : array_like, shape (..., N_q, d_v)
+        ``dL/d out``, the shape of the forward's output.
+    cache : GMACache or GMABatchCache
         From :func:`gma_forward`.
 
     Returns
     -------
     GMAGrads
-        Fields ``x_q`` (N_q, d_r), ``x_k`` (N_k, d_r), ``v`` (N_k, d_v),
-        ``means`` and ``raw_variances`` (K, d_r), ``logits`` (K,).  When the
-        same array is passed as ``x_q`` and ``x_k`` its gradient is
-        ``x_q + x_k``.
+        Fields ``x_q`` (..., N_q, d_r), ``x_k`` (..., N_k, d_r),
+        ``v`` (..., N_k, d_v), and ``means``, ``raw_variances`` and
+        ``logits`` of the parameters' shapes ((K, d_r) and (K,) shared:
+        sums over every sequence; (H, K, d_r) and (H, K) per head: sums over
+        the sequences of each head).  When the same array is passed as
+        ``x_q`` and ``x_k`` its gradient is ``x_q + x_k``.
     """
-    validation.check_instance(cache, "cache", GMACache, "the GMACache from gma_forward")
-    g = validation.check_grad_out(grad_out, cache.mixing.out.shape, ("N_q", "d_v"), cache.gamma_q.dtype)
-    return _gma_backward(g, cache)
+    validation.check_instance(cache, "cache", (GMACache, GMABatchCache), "the GMACache or GMABatchCache from gma_forward")
+    if isinstance(cache, GMACache):
+        g = check_gma_grad_out(grad_out, cache.mixing.out.shape, cache.gamma_q.dtype)
+        return _gma_backward(g, cache)
+    first = cache.caches[0]
+    g = check_gma_grad_out(grad_out, cache.leading + first.mixing.out.shape, first.gamma_q.dtype)
+    return _gma_batch_backward(g, cache)

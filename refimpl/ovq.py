@@ -438,8 +438,8 @@ def _ovq_arguments(
     """The arguments of :func:`ovq_attention` and :func:`ovq_attention_forward`, declared once: their signature."""
 
 
-def _check_call(caller, q, k, v, options):
-    """Bind ``options`` to :func:`_ovq_arguments` (Python's own errors, naming ``caller``), then check every value."""
+def check_call(caller, q, k, v, options):
+    """Bind ``options`` to :func:`_ovq_arguments` (Python's own errors, naming ``caller``), check every value; the GPU backends share it."""
     try:
         bound = inspect.signature(_ovq_arguments).bind(q, k, v, **options)
     except TypeError as e:
@@ -475,7 +475,8 @@ def _check_call(caller, q, k, v, options):
     return q, k, v, p, state, dtype
 
 
-def _check_overflow(overflow, state, dtype):
+def check_overflow(overflow, state, dtype):
+    """Refuse the rows ``overflow = (rows, first row)`` whose logits overflowed; the GPU backends share it."""
     # who can make beta q.D_k overflow: beta itself, or a passed-in state with huge keys
     names, fixes = ["beta"], ["lower beta"]
     if state is not None:
@@ -705,10 +706,10 @@ def ovq_attention(q, k, v, *, return_state: bool = False, **options):
     equals one call bit for bit; :mod:`refimpl.ovq_oracle` is the
     token-by-token version of the same contract.
     """
-    q, k, v, p, state, dtype = _check_call("ovq_attention", q, k, v, options)
+    q, k, v, p, state, dtype = check_call("ovq_attention", q, k, v, options)
     return_state = validation.check_bool(return_state, "return_state")
     out, new_state, _, overflow = _run(q, k, v, p, state, dtype, record=False)
-    _check_overflow(overflow, state, dtype)
+    check_overflow(overflow, state, dtype)
     return (out, OVQState(*new_state)) if return_state else out
 
 
@@ -751,9 +752,9 @@ def ovq_attention_forward(q, k, v, **options):
         backward holds fixed) and ``cache.records[j].dict_keys`` the
         dictionary it was assigned against.
     """
-    q, k, v, p, state, dtype = _check_call("ovq_attention_forward", q, k, v, options)
+    q, k, v, p, state, dtype = check_call("ovq_attention_forward", q, k, v, options)
     out, new_state, records, overflow = _run(q, k, v, p, state, dtype, record=True)
-    _check_overflow(overflow, state, dtype)
+    check_overflow(overflow, state, dtype)
     return out, OVQCache(q, k, v, p, records, OVQState(*new_state))
 
 
@@ -864,7 +865,8 @@ def ovq_attention_backward(grad_out, cache: OVQCache) -> OVQGrads:
 # ---------------------------------------------------------------------------
 
 
-def _check_vq_call(q, k, v, codebook, chunk_size, beta):
+def check_vq_call(q, k, v, codebook, chunk_size, beta):
+    """Check the arguments of :func:`vq_attention`: ``(q, k, v, codebook, C, beta)`` in one dtype; the GPU backends share it."""
     q = validation.as_float_array(q, "q", ndim=2)
     k = validation.as_float_array(k, "k", ndim=2)
     v = validation.as_float_array(v, "v", ndim=2)
@@ -941,7 +943,7 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
     ``beta q^ . D_k[m] + log L_m`` (codes with ``L_m = 0`` get ``-inf``); the
     current chunk is read causally with ``beta q^_a . D_k[z_b]``, ``b <= a``.
     """
-    q, k, v, codebook, C, beta = _check_vq_call(q, k, v, codebook, chunk_size, beta)
+    q, k, v, codebook, C, beta = check_vq_call(q, k, v, codebook, chunk_size, beta)
     out, overflow = _vq(q, k, v, codebook, C, beta)
     validation.check_overflowed_rows(*overflow, q.dtype, "beta, codebook", "lower beta or rescale the codebook")
     return out

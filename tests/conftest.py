@@ -1,6 +1,21 @@
-"""Test-suite settings shared by every test module."""
+"""Test-suite settings shared by every test module.
 
-from hypothesis import HealthCheck, settings
+First of all, before anything imports numba: Numba-CUDA kernels run on a GPU
+when there is one and in the CUDA simulator otherwise (numba reads
+``NUMBA_ENABLE_CUDASIM`` once, at its first import; pytest loads this file
+before any test module, in every xdist worker).
+"""
+
+import gpu
+
+GPU_TARGET = gpu.use_simulator_without_device()
+if GPU_TARGET == "simulator":
+    # the simulator runs every GPU thread as a Python thread: switching often makes its barriers cheap
+    import sys
+
+    sys.setswitchinterval(1e-4)
+
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Deterministic property tests: the same examples on every run and every machine,
 # so CI never fails by chance; no per-example deadline (shared CI machines are noisy).

@@ -13,6 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = {
     "bench_gma.py": ["speed-up", "peak memory"],
     "bench_ovq.py": ["speed-up of OVQ over causal softmax attention", "state bytes ratio"],
+    # on a GPU, measured; without one, --quick is a dry run in the CUDA simulator that says so
+    "bench_gpu.py": [
+        "responsibilities  N =",
+        "fraction of peak memory bandwidth",
+        "GMA forward and backward",
+        "online-softmax attention",
+        "speed-up of OVQ over dense causal attention",
+    ],
     "bench_cpu.py": [
         "refimpl / GEMM floor",
         "scikit-learn / refimpl",

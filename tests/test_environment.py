@@ -9,8 +9,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# the pip wheels that conda-forge names differently
+PIP_TO_CONDA = {"cupy-cuda13x": "cupy", "nvidia-cuda-nvrtc": "cuda-nvrtc"}
+
+
 def _name(requirement: str) -> str:
-    return re.split(r"[\s<>=!~\[;]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+    name = re.split(r"[\s<>=!~\[;]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+    return PIP_TO_CONDA.get(name, name)
 
 
 def test_environment_yml_lists_the_same_packages_as_pyproject():
@@ -25,13 +30,22 @@ def test_environment_yml_lists_the_same_packages_as_pyproject():
     assert any(line.endswith("-e .") for line in pip_section), "the project itself is installed by pip"
 
 
+def _bound(requirement: str) -> str:
+    """The version bound alone: no name (conda and pip may spell it differently), no pip extras, no comment."""
+    text = re.sub(r"\[.*?\]", "", requirement.split("#")[0].replace(" ", ""))
+    return text[len(re.split(r"[<>=!~;]", text, maxsplit=1)[0]):]
+
+
 def test_lower_bounds_agree():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    pins = {_name(r): r.replace(" ", "") for r in project["dependencies"] + project["optional-dependencies"]["dev"]}
+    pins = {_name(r): _bound(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]}
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    checked = 0
     for dep in env["dependencies"]:
         if isinstance(dep, str) and _name(dep) in pins:
-            assert dep.replace(" ", "") == pins[_name(dep)], (dep, pins[_name(dep)])
+            assert _bound(dep) == pins[_name(dep)], (dep, pins[_name(dep)])
+            checked += 1
+    assert checked == len(pins)
 
 
 def test_python_requirement_agrees():

@@ -83,6 +83,27 @@ def _gma_raw_args():
     return dict(args, raw_variances=rng.normal(size=(3, 2)), logits=rng.normal(size=3))
 
 
+def _gma_batched_args(leading=(2,), per_head=False, N=5, K=3, d_r=2, d_v=3):
+    """gma() arguments with leading (batch) dimensions; per head, the GMM has the last leading dimension as H."""
+    rng = np.random.default_rng(16)
+    heads = leading[-1:] if per_head else ()
+    return dict(
+        x_q=rng.normal(size=leading + (N, d_r)),
+        x_k=rng.normal(size=leading + (N, d_r)),
+        v=rng.normal(size=leading + (N, d_v)),
+        means=rng.normal(size=heads + (K, d_r)),
+        variances=rng.uniform(0.5, 2.0, size=heads + (K, d_r)),
+        weights=special.softmax(rng.normal(size=heads + (K,)), axis=-1),
+    )
+
+
+def _gma_batched_raw_args(leading=(2,), per_head=False):
+    args = _drop(_gma_batched_args(leading, per_head), "variances", "weights")
+    rng = np.random.default_rng(17)
+    heads = leading[-1:] if per_head else ()
+    return dict(args, raw_variances=rng.normal(size=heads + (3, 2)), logits=rng.normal(size=heads + (3,)))
+
+
 def _gammas():
     a = _gma_args()
     gamma_q = gmm.responsibilities(a["x_q"], a["means"], a["variances"], a["weights"])
@@ -254,6 +275,14 @@ CASES = [
     ("gma.gma_forward(causal)", gma.gma_forward, _with(_gma_raw_args, causal=True, chunk_size=3, min_variance=1e-2)),
     ("gma.gma_backward", _gma_backward, lambda: dict(_gma_raw_args(), grad_out=_grad((7, 3)))),
     ("gma.gma_backward(causal)", _gma_backward, lambda: dict(_gma_raw_args(), grad_out=_grad((7, 3)), causal=True)),
+    ("gma.gma(batched)", gma.gma, _gma_batched_args),
+    ("gma.gma(heads)", gma.gma, lambda: _gma_batched_args((2, 3), per_head=True)),
+    ("gma.gma(heads, causal)", gma.gma, lambda: dict(_gma_batched_args((3,), per_head=True), causal=True, chunk_size=2)),
+    ("gma.gma(batched, shared GMM over heads)", gma.gma, lambda: _gma_batched_args((2, 3))),
+    ("gma.gma_forward(batched)", gma.gma_forward, _gma_batched_raw_args),
+    ("gma.gma_forward(heads)", gma.gma_forward, lambda: _gma_batched_raw_args((2, 3), per_head=True)),
+    ("gma.gma_backward(batched)", _gma_backward, lambda: dict(_gma_batched_raw_args(), grad_out=_grad((2, 5, 3)))),
+    ("gma.gma_backward(heads)", _gma_backward, lambda: dict(_gma_batched_raw_args((2, 3), per_head=True), grad_out=_grad((2, 3, 5, 3)), causal=True)),
     # layers
     ("layers.init_multihead_gma", layers.init_multihead_gma, lambda: dict(d_model=4, n_heads=2, d_route=2, d_value=3, n_components=3, seed=5)),
     ("layers.multihead_gma", _multihead_gma, _layer_fields),
@@ -321,6 +350,8 @@ ONLY_ARGS = {
     "attention.linear_attention_backward(causal)": ("grad_out",),
     "gma.gma_backward": ("grad_out",),
     "gma.gma_backward(causal)": ("grad_out",),
+    "gma.gma_backward(batched)": ("grad_out",),
+    "gma.gma_backward(heads)": ("grad_out",),
     "layers.multihead_gma_backward": ("grad_out",),
     "layers.multihead_gma_backward(causal)": ("grad_out",),
     "ovq.ovq_attention_backward": ("grad_out",),
@@ -521,6 +552,25 @@ SPECIFIC = [
     ("gma_forward chunk_size -1", gma.gma_forward, _with(_gma_raw_args, chunk_size=-1), ValueError, "chunk_size: expected an integer >= 1"),
     ("gma grad_out shape", _gma_backward, lambda: dict(_gma_raw_args(), grad_out=np.ones((7, 2))), ValueError, "grad_out: expected shape (N_q, d_v) = (7, 3), got (7, 2)"),
     ("gma grad_out 1-D", _gma_backward, lambda: dict(_gma_raw_args(), grad_out=np.ones(21)), ValueError, "grad_out: expected a 2-D array"),
+    ("gma batch x_k leading", gma.gma, lambda: {**_gma_batched_args(), "x_k": np.ones((3, 5, 2))}, ValueError, "x_q, x_k: expected arrays with the same leading (batch) dimensions, got a 3-D array of shape (2, 5, 2) and a 3-D array of shape (3, 5, 2)"),
+    ("gma batch v 2-D", gma.gma, lambda: {**_gma_batched_args(), "v": np.ones((5, 3))}, ValueError, "x_q, v: expected arrays with the same leading (batch) dimensions"),
+    ("gma batch x_q 1-D", gma.gma, _with(_gma_args, x_q=np.ones(2)), ValueError, "x_q: expected a 2-D array (N_q, d_r) or one with leading batch dimensions"),
+    ("gma batch x_k d", gma.gma, lambda: {**_gma_batched_args(), "x_k": np.ones((2, 5, 3))}, ValueError, "x_k: expected shape (..., N_k, d_r) = (2, *, 2), got (2, 5, 3)"),
+    ("gma batch empty", gma.gma, lambda: {**_gma_batched_args(), "x_q": np.ones((0, 5, 2)), "x_k": np.ones((0, 5, 2)), "v": np.ones((0, 5, 3))}, ValueError, "x_q, x_k: expected at least one sequence"),
+    ("gma heads without a head axis", gma.gma, lambda: {**_gma_args(), **_drop(_gma_batched_args((2,), per_head=True), "x_q", "x_k", "v")}, ValueError, "a 3-D array (H, K, d_r), one GMM per head, needs x_q with a head axis"),
+    ("gma heads H", gma.gma, lambda: {**_gma_batched_args((2, 3), per_head=True), "means": np.ones((2, 3, 2))}, ValueError, "means: a 3-D array (H, K, d_r) holds one GMM per head, so H must be the last leading dimension of x_q, 3"),
+    ("gma heads means 4-D", gma.gma, lambda: {**_gma_batched_args((2, 3), per_head=True), "means": np.ones((1, 3, 3, 2))}, ValueError, "means: expected a 2-D array (K, d_r) shared by every sequence, or a 3-D array (H, K, d_r) with H = 3"),
+    ("gma heads variances shared", gma.gma, lambda: {**_gma_batched_args((2, 3), per_head=True), "variances": np.ones((3, 2))}, ValueError, "variances: expected a 3-D array (H, K, d_r) like means, got shape (3, 2) (2-D)"),
+    ("gma heads variances K", gma.gma, lambda: {**_gma_batched_args((2, 3), per_head=True), "variances": np.ones((3, 4, 2))}, ValueError, "variances: expected shape (H, K, d_r) = (3, 3, 2), got (3, 4, 2)"),
+    ("gma heads weights shared", gma.gma, lambda: {**_gma_batched_args((2, 3), per_head=True), "weights": np.full(3, 1 / 3)}, ValueError, "weights: expected a 2-D array (H, K) like means, got shape (3,) (1-D)"),
+    ("gma heads weights sum", gma.gma, lambda: {**_gma_batched_args((2, 3), per_head=True), "weights": np.array([[0.2, 0.3, 0.5], [0.2, 0.3, 0.5], [0.2, 0.3, 0.6]])}, ValueError, "weights[2]: expected weights that sum to 1"),
+    ("gma heads weights negative", gma.gma, lambda: {**_gma_batched_args((2, 3), per_head=True), "weights": np.array([[0.2, 0.3, 0.5], [-0.2, 0.7, 0.5], [0.2, 0.3, 0.5]])}, ValueError, "weights[1]: expected nonnegative weights"),
+    ("gma heads weights H", gma.gma, lambda: {**_gma_batched_args((2, 3), per_head=True), "weights": np.full((2, 3), 1 / 3)}, ValueError, "weights: expected shape (H, K) = (3, 3), got (2, 3)"),
+    ("gma_forward heads logits K", gma.gma_forward, lambda: {**_gma_batched_raw_args((2, 3), per_head=True), "logits": np.zeros((3, 4))}, ValueError, "logits: expected shape (H, K) = (3, 3), got (3, 4)"),
+    ("gma_forward shared logits 2-D", gma.gma_forward, lambda: {**_gma_batched_raw_args((2, 3)), "logits": np.zeros((3, 3))}, ValueError, "logits: expected a 1-D array (K,) like means, got shape (3, 3) (2-D)"),
+    ("gma batch grad_out shape", _gma_backward, lambda: dict(_gma_batched_raw_args(), grad_out=np.ones((2, 5, 2))), ValueError, "grad_out: expected shape (..., N_q, d_v) = (2, 5, 3), got (2, 5, 2)"),
+    ("gma batch grad_out 2-D", _gma_backward, lambda: dict(_gma_batched_raw_args(), grad_out=np.ones((5, 3))), ValueError, "grad_out: expected a 3-D array"),
+    ("gma batch causal lengths", gma.gma, lambda: {**_gma_batched_args(), "x_q": np.ones((2, 4, 2)), "causal": True}, ValueError, "got x_q with 4 rows and x_k with 5"),
     ("gma cache type", gma.gma_backward, lambda: dict(grad_out=np.ones((6, 3)), cache=_feature_cache()), TypeError, "cache: expected the GMACache"),
     # layers
     ("layer x 2-D", _multihead_gma, lambda: {**_layer_fields(), "x": np.ones((5, 4))}, ValueError, "x: expected a 3-D array"),

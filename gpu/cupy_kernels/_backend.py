@@ -1,0 +1,379 @@
+"""Plumbing shared by the CuPy kernels: the array module, host/device arrays, and the registry of CUDA C sources.
+
+The array module
+----------------
+Host code that is plain array code is written once, for an array module
+``xp`` (:mod:`numpy` or :mod:`cupy`), and every fused step is a
+:class:`Elementwise`, :class:`Reduction` or :class:`RawModuleSource` kernel
+that also carries a NumPy twin of the same math.  So the logic of every
+public function runs on a machine without a GPU with ``xp = numpy`` (the
+``*_xp`` functions of each module, which the tests compare with
+:mod:`refimpl`), and on the device with ``xp = cupy``.  The public functions
+always compute on the device (:func:`device_module`): CuPy arrays in give
+CuPy arrays out, NumPy arrays in are copied to the device and the results
+come back as NumPy arrays.  Without a usable device they raise a
+``RuntimeError`` naming the backend.
+
+Validation
+----------
+Shapes, dtypes and values are checked by the very functions :mod:`refimpl`
+uses, so the errors are the same: a device array is checked through
+:func:`host_view` (a zero-stride host array of its shape and dtype, no copy)
+and its values by :func:`check_finite` (a device-side test, copied to the
+host only to word the error).
+
+Registry of CUDA C sources
+--------------------------
+Every CUDA C source the backend compiles at run time is registered here:
+each ``.cu`` file (:class:`RawModuleSource`) and each element-wise or
+reduction kernel body, wrapped in an equivalent ``extern "C" __global__``
+function instantiated for float and double (:class:`Elementwise`,
+:class:`Reduction`).  :func:`compile_all_sources` compiles them all with
+NVRTC (``cuda.bindings.nvrtc``) for a given architecture, no GPU needed, so
+that a syntax or type error fails CI.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+
+from refimpl import validation
+
+__all__ = [
+    "SOURCES",
+    "Elementwise",
+    "Reduction",
+    "RawModuleSource",
+    "compile_source",
+    "compile_all_sources",
+    "probe",
+    "is_device_array",
+    "device_module",
+    "host_view",
+    "to_host",
+    "as_module_array",
+    "check_finite",
+    "all_true",
+    "result",
+]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+#: ``{name: callable returning the CUDA C source to compile}``: every source the backend compiles at run time.
+SOURCES: dict = {}
+
+#: NVRTC options shared by every compilation (CuPy's RawModule gets the same standard).
+NVRTC_OPTIONS = ("--std=c++17",)
+
+
+def _register(name: str, source) -> None:
+    if name in SOURCES:
+        raise ValueError(f"CUDA C source {name!r} is registered twice")
+    SOURCES[name] = source
+
+
+# ---------------------------------------------------------------------------
+# CuPy, when it can run
+# ---------------------------------------------------------------------------
+
+_PROBE = None
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def probe() -> tuple[bool, str]:
+    """Whether CuPy can allocate on a device here, and why or why not (cached after the first call).
+
+    ``import cupy`` works without a GPU; the first allocation is what fails,
+    so the probe allocates one element.
+    """
+    global _PROBE
+    if _PROBE is None:
+        try:
+            cupy = _cupy()
+        except ImportError as e:
+            _PROBE = (False, f"cupy cannot be imported ({e}); install the GPU extra: pip install -e '.[cuda12]' or '.[cuda13]'")
+            return _PROBE
+        try:
+            cupy.zeros(1)
+            props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+            name = props["name"]
+            name = name.decode() if isinstance(name, bytes) else name
+            _PROBE = (True, f"gpu.cupy_kernels runs on the device {name}")
+        except Exception as e:  # no driver, no device, or a driver too old for this CuPy
+            _PROBE = (False, f"CuPy cannot allocate on a CUDA device ({type(e).__name__}: {e})")
+    return _PROBE
+
+
+def is_device_array(a) -> bool:
+    """True for a CuPy array or any object with ``__cuda_array_interface__`` (a Numba device array, say)."""
+    return hasattr(a, "__cuda_array_interface__")
+
+
+def device_module(*arrays):
+    """The array module the public functions compute with: :mod:`cupy`, or a ``RuntimeError`` naming the backend.
+
+    Device arrays among the inputs mean a device is there; NumPy inputs need
+    one too (they are copied to it).
+    """
+    if not any(is_device_array(a) for a in arrays):
+        ok, why = probe()
+        if not ok:
+            raise RuntimeError(f"GPU backend 'cupy' is not available: {why}")
+    return _cupy()
+
+
+def host_view(a):
+    """For a device array, a read-only zero-stride host array of its shape and dtype; anything else unchanged.
+
+    :mod:`refimpl.validation` then checks its shape, dimensions and dtype
+    without a copy (its values are all 0: :func:`check_finite` checks them).
+    """
+    if not is_device_array(a):
+        return a
+    a = _cupy().asarray(a)
+    return np.broadcast_to(np.zeros((), dtype=a.dtype), a.shape)
+
+
+def to_host(a):
+    """A host copy of a device array (small arrays: parameters, per-row checks); anything else unchanged."""
+    return _cupy().asnumpy(a) if is_device_array(a) else a
+
+
+def as_module_array(xp, a, dtype):
+    """``a`` as a C-contiguous array of ``xp`` and ``dtype`` (no copy when it already is one)."""
+    if xp is np:
+        if is_device_array(a):
+            raise TypeError("a device array cannot be computed on with NumPy")
+        return np.ascontiguousarray(a, dtype=dtype)
+    return xp.ascontiguousarray(xp.asarray(a, dtype=dtype))
+
+
+def check_finite(a, name: str) -> None:
+    """:func:`refimpl.validation.check_finite` for a device array: a device-side test, the message from the host copy.
+
+    Host arrays were checked in full by the checker already.
+    """
+    if is_device_array(a):
+        cupy = _cupy()
+        a = cupy.asarray(a)
+        if a.size and not bool(cupy.isfinite(a).all()):
+            validation.check_finite(cupy.asnumpy(a), name)
+
+
+def all_true(xp, *flags) -> bool:
+    """Whether every boolean array (or bool) in ``flags`` is all true, with one transfer to the host."""
+    ok = True
+    for f in flags:
+        ok = ok & (f.all() if hasattr(f, "all") else bool(f))
+    return bool(ok)
+
+
+def result(a, on_device: bool):
+    """An array as the caller expects it: as it is (device inputs), or a NumPy copy (NumPy inputs)."""
+    if a is None or on_device or isinstance(a, np.ndarray):
+        return a
+    return _cupy().asnumpy(a)
+
+
+# ---------------------------------------------------------------------------
+# Kernels: CuPy kernels with a NumPy twin, registered for the NVRTC check
+# ---------------------------------------------------------------------------
+
+_C_TYPES = {"T": "T", "float64": "double", "float32": "float", "int32": "int", "int64": "long long", "bool": "bool"}
+
+
+def _params(spec: str):
+    """``'T a, T b'`` -> ``[('T', 'a'), ('T', 'b')]`` (element-wise parameters only: no ``raw``)."""
+    out = []
+    for part in spec.split(","):
+        words = part.split()
+        if len(words) != 2 or words[0] not in _C_TYPES:
+            raise ValueError(f"kernel parameter {part.strip()!r}: expected '<type> <name>' with a type in {sorted(_C_TYPES)}")
+        out.append((_C_TYPES[words[0]], words[1]))
+    return out
+
+
+def _typed(args: str, t: str) -> str:
+    return re.sub(r"\bT\b", t, args)
+
+
+class Elementwise:
+    """A :class:`cupy.ElementwiseKernel` with a NumPy twin, registered for :func:`compile_all_sources`.
+
+    Parameters
+    ----------
+    name : str
+        Kernel name (unique in the package).
+    in_params, out_params : str
+        CuPy's parameter lists, e.g. ``'T s, T m'`` and ``'T y'``.
+    operation : str
+        The CUDA C body of one element.
+    twin : callable
+        The same math on NumPy arrays: ``twin(*inputs)`` returns the output
+        (or a tuple of outputs).
+    preamble : str, optional
+        CUDA C device functions the body calls.
+    """
+
+    def __init__(self, name, in_params, out_params, operation, twin, preamble=""):
+        self.name, self.in_params, self.out_params = name, in_params, out_params
+        self.operation, self.twin, self.preamble = operation, twin, preamble
+        self._kernel = None
+        _register(f"elementwise:{name}", self.wrapped_source)
+
+    def wrapped_source(self) -> str:
+        """An equivalent ``__global__`` function (one thread per element, float and double) for the NVRTC check."""
+        ins, outs = _params(self.in_params), _params(self.out_params)
+        args = ", ".join([f"const {t}* _in_{n}" for t, n in ins] + [f"{t}* _out_{n}" for t, n in outs] + ["long long _n"])
+        loads = "".join(f"    const {t} {n} = _in_{n}[i];\n" for t, n in ins)
+        decls = "".join(f"    {t} {n};\n" for t, n in outs)
+        stores = "".join(f"    _out_{n}[i] = {n};\n" for t, n in outs)
+        name = f"ew_{self.name}"
+        return (
+            f"{self.preamble}\n"
+            f"template <typename T>\n__global__ void {name}({args}) {{\n"
+            f"    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n"
+            f"    if (i >= _n) return;\n{loads}{decls}    {self.operation};\n{stores}}}\n"
+            + "".join(f"template __global__ void {name}<{t}>({_typed(args, t)});\n" for t in ("float", "double"))
+        )
+
+    def __call__(self, *args):
+        if not any(is_device_array(a) for a in args):
+            return self.twin(*args)
+        if self._kernel is None:
+            self._kernel = _cupy().ElementwiseKernel(self.in_params, self.out_params, self.operation, self.name, preamble=self.preamble)
+        return self._kernel(*args)
+
+
+class Reduction:
+    """A :class:`cupy.ReductionKernel` with a NumPy twin, registered for :func:`compile_all_sources`.
+
+    ``map_expr``, ``reduce_expr`` (on ``a`` and ``b``), ``post_map_expr``
+    and ``identity`` are CuPy's; the wrapped check reduces each output
+    element's ``n`` inputs in a loop.  ``twin(*inputs, axis)`` is the NumPy
+    math.
+    """
+
+    def __init__(self, name, in_params, out_params, map_expr, reduce_expr, post_map_expr, identity, twin):
+        self.name, self.in_params, self.out_params = name, in_params, out_params
+        self.map_expr, self.reduce_expr, self.post_map_expr, self.identity = map_expr, reduce_expr, post_map_expr, identity
+        self.twin = twin
+        self._kernel = None
+        _register(f"reduction:{name}", self.wrapped_source)
+
+    def wrapped_source(self) -> str:
+        """An equivalent ``__global__`` function (one thread per output element, float and double)."""
+        ins, outs = _params(self.in_params), _params(self.out_params)
+        if len(outs) != 1:
+            raise ValueError(f"reduction {self.name}: one output expected")
+        (t_out, out_name), = outs
+        args = ", ".join([f"const {t}* _in_{n}" for t, n in ins] + [f"{t_out}* _out_{out_name}", "long long _n_out", "long long _n_in"])
+        loads = "".join(f"        const {t} {n} = _in_{n}[o * _n_in + _j];\n" for t, n in ins)
+        name = f"red_{self.name}"
+        # CuPy expands reduce_expr and post_map_expr as macros of (a, b) and (a): so does the check
+        return (
+            f"#define REDUCE_{self.name}(a, b) ({self.reduce_expr})\n"
+            f"#define POST_MAP_{self.name}(a) ({self.post_map_expr})\n"
+            f"template <typename T>\n__global__ void {name}({args}) {{\n"
+            f"    const long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n"
+            f"    if (o >= _n_out) return;\n"
+            f"    {t_out} _acc = ({t_out})({self.identity});\n"
+            f"    for (long long _j = 0; _j < _n_in; ++_j) {{\n{loads}"
+            f"        _acc = REDUCE_{self.name}(_acc, ({t_out})({self.map_expr}));\n    }}\n"
+            f"    {t_out} {out_name};\n    POST_MAP_{self.name}(_acc);\n"
+            f"    _out_{out_name}[o] = {out_name};\n}}\n"
+            + "".join(f"template __global__ void {name}<{t}>({_typed(args, t)});\n" for t in ("float", "double"))
+            + f"#undef REDUCE_{self.name}\n#undef POST_MAP_{self.name}\n"
+        )
+
+    def __call__(self, *args, axis=-1):
+        if not any(is_device_array(a) for a in args):
+            return self.twin(*args, axis=axis)
+        if self._kernel is None:
+            self._kernel = _cupy().ReductionKernel(
+                self.in_params, self.out_params, self.map_expr, self.reduce_expr, self.post_map_expr, self.identity, self.name
+            )
+        return self._kernel(*args, axis=axis)
+
+
+class RawModuleSource:
+    """A ``.cu`` file beside the module that loads it, compiled once by :class:`cupy.RawModule`.
+
+    ``headers`` name ``.cuh`` files of shared device helpers, put in front of
+    the file's text (no include path to configure, for CuPy or NVRTC).
+
+    Its kernels are ``extern "C"`` functions (one per float type), so the
+    file itself is what :func:`compile_all_sources` compiles.
+    """
+
+    def __init__(self, filename: str, headers=()):
+        self.paths = [os.path.join(HERE, name) for name in (*headers, filename)]
+        self._module = None
+        _register(f"cu:{filename}", self.source)
+
+    def source(self) -> str:
+        """The ``headers`` (``.cuh`` files beside it, shared helpers), then the file itself: one translation unit."""
+        parts = []
+        for path in self.paths:
+            with open(path, encoding="utf-8") as f:
+                parts.append(f.read())
+        return "\n".join(parts)
+
+    def function(self, name: str):
+        """The kernel ``name`` of the compiled module (compiled at the first call)."""
+        if self._module is None:
+            self._module = _cupy().RawModule(code=self.source(), options=NVRTC_OPTIONS)
+        return self._module.get_function(name)
+
+
+def compile_source(source: str, arch: str = "sm_90", name: str = "source.cu") -> int:
+    """Compile one CUDA C source with NVRTC for ``arch``; returns the size of the CUBIN.
+
+    Raises
+    ------
+    RuntimeError
+        With NVRTC's log, if the source does not compile.
+    """
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"{name}: nvrtcCreateProgram failed ({err})")
+    try:
+        opts = [f"--gpu-architecture={arch}".encode()] + [o.encode() for o in NVRTC_OPTIONS]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"{name}: NVRTC failed to compile for {arch} ({err}):\n{log.decode(errors='replace')}")
+        _, size = nvrtc.nvrtcGetCUBINSize(prog)
+        return int(size)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def compile_all_sources(arch: str = "sm_90", names=None) -> dict:
+    """Compile every registered source (:data:`SOURCES`) with NVRTC for ``arch`` (``"sm_90"``, ``"sm_80"``).
+
+    Import the modules whose kernels should be included first (importing
+    :mod:`gpu.cupy_kernels` imports them all).
+
+    Returns
+    -------
+    dict
+        ``{source name: size of its CUBIN}``.
+    """
+    out = {}
+    for name, source in sorted(SOURCES.items()):
+        if names is None or name in names:
+            out[name] = compile_source(source(), arch, name.replace(":", "_"))
+    return out

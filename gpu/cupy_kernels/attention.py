@@ -1,0 +1,110 @@
+r"""Softmax attention with CuPy: :func:`refimpl.attention.softmax_attention`, for one sequence or a batch.
+
+What it computes
+----------------
+``softmax(scale q k^T) v`` per sequence (entries ``j > i`` dropped when
+causal): the ``N_q x N_k`` oracle the linear-time mechanisms are compared
+with.
+
+Launch plan
+-----------
+1. The scores ``q k^T`` of every sequence: one batched GEMM (``cupy.matmul``).
+2. One fused row kernel (``attention.cu``, ``softmax_rows_*``), one warp per
+   row: the scale, the causal mask, the row maximum (kept, for the check of
+   overflowed rows) and the softmax, in place.
+3. ``P v``: one batched GEMM.
+
+With NumPy the row kernel's twin is :func:`refimpl.numerics.softmax`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refimpl import numerics
+from refimpl.attention import check_batched_softmax_attention, check_score_maxima, check_softmax_attention
+
+from ._backend import RawModuleSource, all_true, as_module_array, check_finite, device_module, host_view, is_device_array, result, to_host
+
+__all__ = ["softmax_attention"]
+
+_CU = RawModuleSource("attention.cu", headers=("rows.cuh",))
+
+#: Rows per block of the row kernel: one warp (32 threads) per row.
+ROWS_PER_BLOCK = 8
+
+
+def softmax_rows(xp, t, scale, n_q, causal):
+    """Fused: score rows ``t`` (R, N_k) become ``softmax(scale t)`` (masked when causal), in place; returns the row maxima (R,).
+
+    Row ``r`` is query ``r % n_q`` of its sequence.
+    """
+    R, Nk = t.shape
+    if xp is np:
+        t3 = t.reshape(-1, n_q, Nk)
+        with np.errstate(over="ignore", invalid="ignore"):
+            t3 *= t.dtype.type(scale)
+        if causal:
+            # entries j > i get -inf, so exp gives exactly 0 (the diagonal keeps every row non-empty)
+            upper = np.triu_indices(n_q, k=1)
+            t3[:, upper[0], upper[1]] = -np.inf
+        row_max = np.max(t, axis=1)
+        numerics.softmax(t, axis=1, out=t)
+        return row_max
+    row_max = xp.empty(R, dtype=t.dtype)
+    if R:
+        f = t.dtype.type
+        fn = _CU.function(f"softmax_rows_{'f32' if t.dtype == np.float32 else 'f64'}")
+        fn((-(-R // ROWS_PER_BLOCK),), (32, ROWS_PER_BLOCK), (t, row_max, np.int64(R), np.int32(Nk), np.int32(n_q), f(scale), np.int32(bool(causal))))
+    return row_max
+
+
+def softmax_attention_xp(xp, q, k, v, scale=None, causal=False):
+    """:func:`softmax_attention` computed with the array module ``xp`` (NumPy or CuPy)."""
+    on_device = any(is_device_array(a) for a in (q, k, v))
+    views = tuple(host_view(a) for a in (q, k, v))
+    if all(np.ndim(a) == 2 for a in views):
+        hq, hk, hv, scale, causal = check_softmax_attention(*views, scale, causal)
+        batch_shape = ()
+    else:
+        hq, hk, hv, scale, causal, batch_shape = check_batched_softmax_attention(*views, scale, causal)
+    for a, name in ((q, "q"), (k, "k"), (v, "v")):
+        check_finite(a, name)
+    dtype = hq.dtype
+    Nq, (Nk, dv) = hq.shape[-2], hv.shape[-2:]
+    q, k, v = (as_module_array(xp, a, dtype).reshape(-1, *a.shape[-2:]) for a in (q, k, v))
+    with np.errstate(over="ignore", invalid="ignore"):
+        scores = xp.matmul(q, k.swapaxes(1, 2))  # (B, N_q, N_k)
+    row_max = softmax_rows(xp, scores.reshape(-1, Nk), scale, Nq, causal)
+    if not all_true(xp, xp.isfinite(row_max)):
+        check_score_maxima(to_host(row_max).reshape(batch_shape + (Nq,)))
+    out = xp.matmul(scores, v)
+    return result(out.reshape(batch_shape + (Nq, dv)), on_device)
+
+
+def softmax_attention(q, k, v, *, scale=None, causal: bool = False):
+    """Softmax attention ``softmax(scale q k^T) v`` (:func:`refimpl.attention.softmax_attention`).
+
+    Parameters
+    ----------
+    q : array_like or cupy.ndarray, shape (..., N_q, d)
+    k : array_like or cupy.ndarray, shape (..., N_k, d)
+    v : array_like or cupy.ndarray, shape (..., N_k, d_v)
+        The same leading (batch, head) dimensions for all three.
+    scale : float, optional
+        Multiplies the scores; ``1 / sqrt(d)`` by default.
+    causal : bool, default False
+        Query ``i`` attends to keys ``j <= i`` only (needs ``N_q == N_k``).
+
+    Returns
+    -------
+    numpy.ndarray or cupy.ndarray, shape (..., N_q, d_v)
+        A CuPy array when any input is a device array, else NumPy.
+
+    Raises
+    ------
+    RuntimeError
+        When CuPy has no usable device and the inputs are NumPy arrays.
+    """
+    xp = device_module(q, k, v)
+    return softmax_attention_xp(xp, q, k, v, scale, causal)

@@ -1,0 +1,25 @@
+// Device helpers shared by the row kernels of gpu.cupy_kernels (gmm.cu, attention.cu, ovq.cu).
+// RawModuleSource puts this file in front of each of them, for CuPy and for the NVRTC check alike.
+
+template <typename T> __device__ __forceinline__ T neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return -__int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double neg_inf<double>() { return -__longlong_as_double(0x7ff0000000000000LL); }
+
+// (m, s) with s = sum exp(l - m): the pair of a running log-sum-exp.  Combining two pairs is symmetric
+// (IEEE addition and multiplication commute), so every lane of a butterfly ends with the same bits.
+template <typename T>
+__device__ __forceinline__ void lse_combine(T& m, T& s, T m_o, T s_o) {
+    const T ninf = neg_inf<T>();
+    const T big = m_o > m ? m_o : m;
+    const T a = (m == ninf) ? T(0) : s * exp(m - big);
+    const T b = (m_o == ninf) ? T(0) : s_o * exp(m_o - big);
+    m = big;
+    s = a + b;
+}
+
+// NaN-propagating maximum (NumPy's max; the reference's argmax stops at the first NaN): NaN if either is NaN,
+// else the larger; the same on every lane.
+template <typename T>
+__device__ __forceinline__ T nan_max(T a, T b) {
+    return (b > a || b != b) && a == a ? b : a;
+}

@@ -1,0 +1,198 @@
+"""Plumbing shared by the Numba-CUDA kernels: the kernel registry, host/device arrays, launch sizes.
+
+Kernel registry
+---------------
+Every kernel is declared with :func:`kernel`, which records its Python
+function and its argument types so that :func:`compile_all` can compile it
+for real GPUs with :func:`numba.cuda.compile_ptx` (no GPU needed), in
+float32 and float64.  The simulator accepts code that the compiler refuses
+(a shape that is not a compile-time constant, a Python object in a kernel);
+compiling every kernel catches that on machines without a GPU.
+
+Arrays in and out
+-----------------
+The public functions take NumPy arrays, Numba device arrays, or any object
+with ``__cuda_array_interface__`` (a CuPy array, say).  Shapes, dtypes and
+values are checked by the very functions :mod:`refimpl` uses, so the errors
+are the same: a device array is checked through :func:`host_view`, a
+zero-stride host array of its shape and dtype (no copy of the data), and its
+values by :func:`check_finite`, which counts non-finite entries on the device
+and copies to the host only to word the error.  NumPy in gives NumPy out;
+any device array in gives device arrays out (:func:`result`), never copied to
+the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import config, cuda, float32, float64
+
+from refimpl import validation
+
+__all__ = [
+    "KERNELS",
+    "DTYPES",
+    "SIMULATOR",
+    "kernel",
+    "compile_all",
+    "is_device_array",
+    "any_device",
+    "host_view",
+    "to_host",
+    "to_device",
+    "check_finite",
+    "result",
+    "blocks",
+]
+
+#: The floating types every kernel is compiled for.
+DTYPES = (float32, float64)
+
+#: True when the kernels run in the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``): every thread is a Python
+#: thread there, so launches use small blocks; the code is the same.
+SIMULATOR = bool(config.ENABLE_CUDASIM)
+
+#: Threads per block of the finiteness count (a power of two, at most its shared array's 256 entries).
+COUNT_THREADS = 32 if SIMULATOR else 256
+
+#: ``{qualified name: (python function, signature builder)}``; the builder maps a float type to the argument types.
+KERNELS: dict = {}
+
+
+def kernel(signature):
+    """Declare a kernel: register it for :func:`compile_all`, return ``cuda.jit(fn)``.
+
+    Parameters
+    ----------
+    signature : callable
+        ``signature(f)`` returns the tuple of Numba argument types for the
+        float type ``f`` (``float32`` or ``float64``), e.g.
+        ``lambda f: (f[:, ::1], f[::1], int64)``.
+    """
+
+    def wrap(fn):
+        KERNELS[f"{fn.__module__}.{fn.__name__}"] = (fn, signature)
+        return cuda.jit(fn)
+
+    return wrap
+
+
+def compile_all(cc=(9, 0), names=None):
+    """Compile registered kernels to PTX for compute capability ``cc`` in float32 and float64.
+
+    Needs the real CUDA target (not the simulator) and NVVM, which the
+    ``numba-cuda[cu13]`` wheels ship; no GPU is needed.
+
+    Returns
+    -------
+    dict
+        ``{(name, dtype name): length of the PTX}``.
+    """
+    out = {}
+    for name, (fn, signature) in sorted(KERNELS.items()):
+        if names is not None and name not in names:
+            continue
+        for f in DTYPES:
+            ptx, _ = cuda.compile_ptx(fn, signature(f), cc=cc)
+            out[(name, str(f))] = len(ptx)
+    return out
+
+
+def is_device_array(a) -> bool:
+    """True for a Numba device array (real or simulated) or an object with ``__cuda_array_interface__``."""
+    return hasattr(a, "__cuda_array_interface__") or (hasattr(a, "copy_to_host") and hasattr(a, "shape"))
+
+
+def any_device(*arrays) -> bool:
+    """True when any argument is a device array: the results then stay on the device."""
+    return any(is_device_array(a) for a in arrays)
+
+
+def _as_numba(a):
+    # a CuPy array (or any __cuda_array_interface__ object) becomes a Numba view of the same memory
+    return a if hasattr(a, "copy_to_host") else cuda.as_cuda_array(a)
+
+
+def host_view(a):
+    """For a device array, a read-only zero-stride host array of its shape and dtype; anything else unchanged.
+
+    It lets :mod:`refimpl.validation` check shapes, dimensions and dtypes
+    of device arrays without copying them (its values are all 0: check the
+    values with :func:`check_finite`).
+    """
+    if not is_device_array(a):
+        return a
+    a = _as_numba(a)
+    return np.broadcast_to(np.zeros((), dtype=a.dtype), a.shape)
+
+
+def to_host(a):
+    """A host copy of a device array (small arrays: parameters, per-row checks); anything else unchanged."""
+    return _as_numba(a).copy_to_host() if is_device_array(a) else a
+
+
+def to_device(a, dtype):
+    """``a`` on the device, as a C-contiguous array of ``dtype`` (no copy when it already is one)."""
+    dtype = np.dtype(dtype)
+    if is_device_array(a):
+        a = _as_numba(a)
+        if a.dtype == dtype and a.is_c_contiguous():
+            return a
+        a = a.copy_to_host()
+    return cuda.to_device(np.ascontiguousarray(a, dtype=dtype))
+
+
+@kernel(lambda f: (f[::1], f[::1]))
+def _count_nonfinite(x, counts):
+    # counts[block] = number of non-finite entries among x[block*T : (block+1)*T]; thread t owns one entry.
+    # The block sums its flags in shared memory by a tree (an ordered reduction: no atomics), [T]
+    flags = cuda.shared.array(256, float64)
+    t = cuda.threadIdx.x
+    i = cuda.blockIdx.x * cuda.blockDim.x + t
+    flags[t] = 0.0
+    if i < x.shape[0]:
+        if not math.isfinite(x[i]):
+            flags[t] = 1.0
+    cuda.syncthreads()
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if t < stride:
+            flags[t] += flags[t + stride]
+        cuda.syncthreads()
+        stride //= 2
+    if t == 0:
+        counts[cuda.blockIdx.x] = flags[0]
+
+
+def check_finite(a, name: str) -> None:
+    """The check of :func:`refimpl.validation.check_finite`, on the device for a device array.
+
+    Non-finite entries are counted on the device, one flag per thread summed
+    per block; only when there is one is the array copied to the host, so
+    that the message is word for word the reference's.  Host arrays are
+    checked on the host.
+    """
+    if not is_device_array(a):
+        validation.check_finite(np.asarray(a), name)
+        return
+    a = _as_numba(a)
+    if a.size == 0:
+        return
+    flat = a.reshape(a.size) if a.is_c_contiguous() else cuda.to_device(a.copy_to_host().ravel())
+    n_blocks = blocks(a.size, COUNT_THREADS)
+    counts = cuda.device_array(n_blocks, dtype=a.dtype)
+    _count_nonfinite[n_blocks, COUNT_THREADS](flat, counts)
+    if counts.copy_to_host().sum() > 0:
+        validation.check_finite(a.copy_to_host(), name)
+
+
+def result(a, on_device: bool):
+    """A kernel's output as the caller expects it: the device array itself, or its host copy."""
+    return a if on_device else a.copy_to_host()
+
+
+def blocks(n: int, threads: int) -> int:
+    """The number of blocks of ``threads`` threads that cover ``n`` items (at least 1)."""
+    return max(1, -(-int(n) // int(threads)))

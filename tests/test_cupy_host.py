@@ -1,0 +1,312 @@
+"""gpu.cupy_kernels on the host: the generic array code (``xp = numpy``) against refimpl, and the backend's plumbing.
+
+Every public function of the CuPy backend is ``f_xp(cupy, ...)``; here the
+same code runs with ``f_xp(numpy, ...)``, where each fused kernel is replaced
+by its NumPy twin, and must equal refimpl.  The kernels themselves are
+compared with their twins in tests/test_cupy_device.py (on a GPU).
+"""
+
+import importlib
+
+import numpy as np
+import pytest
+
+from gpu.cupy_kernels import _backend, attention, gmm, scan
+from refimpl import attention as ref_attention
+from refimpl import gma as ref_gma
+from refimpl import gmm as ref_gmm
+from refimpl import scan as ref_scan
+
+gma = importlib.import_module("gpu.cupy_kernels.gma")  # the package's attribute gma is the function
+
+RTOL = {np.float64: 1e-10, np.float32: 1e-5}
+
+
+def _close(a, b, dtype=np.float64, atol=None):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_allclose(a, b, rtol=RTOL[dtype], atol=RTOL[dtype] if atol is None else atol)
+
+
+def _same_error(f, g, exc=ValueError):
+    with pytest.raises(exc) as ours:
+        f()
+    with pytest.raises(exc) as theirs:
+        g()
+    assert str(ours.value) == str(theirs.value)
+
+
+def _mixture(rng, K, d, spread=1.0, dtype=np.float64):
+    means = (rng.normal(size=(K, d)) * spread).astype(dtype)
+    variances = rng.uniform(0.3, 2.0, size=(K, d)).astype(dtype)
+    weights = rng.dirichlet(np.ones(K)).astype(dtype)
+    return means, variances, weights
+
+
+# ---------------------------------------------------------------------------
+# Responsibilities
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("N, K, d", [(1, 1, 1), (7, 3, 2), (33, 5, 4)])
+def test_responsibilities_match_refimpl(dtype, N, K, d):
+    rng = np.random.default_rng(N + K + d)
+    x = rng.normal(size=(N, d)).astype(dtype)
+    means, variances, weights = _mixture(rng, K, d, dtype=dtype)
+    _close(gmm.checked_posterior_xp(np, x, means, variances, weights, False), ref_gmm.responsibilities(x, means, variances, weights), dtype)
+    ours = gmm.checked_posterior_xp(np, x, means, variances, weights, True)
+    _close(ours, ref_gmm.log_responsibilities(x, means, variances, weights), dtype)
+
+
+def test_responsibilities_far_apart_means_need_the_recomputation():
+    # means 1e6 apart, tight components: the expansion cancels; the recomputed entries decide the posterior
+    rng = np.random.default_rng(1)
+    means = np.array([[1e7, 0.0], [1e7 + 0.01, 0.0], [-1e7, 3.0]])
+    variances = np.full((3, 2), 1e-4)
+    weights = np.array([0.3, 0.3, 0.4])
+    x = means[[0, 1, 0, 2]] + rng.normal(scale=0.005, size=(4, 2))
+    ref = ref_gmm.responsibilities(x, means, variances, weights)
+    _close(gmm.checked_posterior_xp(np, x, means, variances, weights, False), ref)
+    # without the recomputation the expansion is visibly wrong here: the test above guards the refinement
+    ex = gmm.expansion(np, means[None], variances[None], np.log(weights)[None])
+    plain, _ = gmm.posterior_xp(np, x[None, None], ex, refine=False)
+    assert np.max(np.abs(plain[0, 0] - ref)) > 1e-6
+
+
+def test_responsibilities_zero_weight_and_per_head_layout():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(2, 3, 6, 2))  # G = 2 groups of H = 3 heads
+    means = rng.normal(size=(3, 4, 2))
+    variances = rng.uniform(0.5, 1.5, size=(3, 4, 2))
+    weights = rng.dirichlet(np.ones(4), size=3)
+    weights[1, 2] = 0.0
+    weights[1] /= weights[1].sum()
+    with np.errstate(divide="ignore"):
+        log_weights = np.log(weights)
+    gamma, min_quad = gmm.posterior_xp(np, x, gmm.expansion(np, means, variances, log_weights))
+    for g in range(2):
+        for h in range(3):
+            ref, ref_mq = ref_gmm.posterior(x[g, h], means[h], variances[h], log_weights[h])
+            _close(gamma[g, h], ref)
+            _close(min_quad[g, h], ref_mq)
+    assert np.all(gamma[:, 1, :, 2] == 0)
+
+
+def test_recomputed_rows_land_in_their_sequence_and_head():
+    # G = 2 groups of H = 2 heads; only head 1 has far-apart tight means, so only its rows are redone
+    rng = np.random.default_rng(9)
+    means = np.stack([rng.normal(size=(3, 2)), np.array([[1e7, 0.0], [1e7 + 0.01, 0.0], [-1e7, 3.0]])])
+    variances = np.stack([np.ones((3, 2)), np.full((3, 2), 1e-4)])
+    log_weights = np.log(np.full((2, 3), 1 / 3))
+    x = rng.normal(size=(2, 2, 5, 2))
+    x[:, 1] = means[1][rng.integers(0, 3, size=(2, 5))] + rng.normal(scale=0.005, size=(2, 5, 2))
+    gamma, min_quad = gmm.posterior_xp(np, x, gmm.expansion(np, means, variances, log_weights))
+    for g in range(2):
+        for h in range(2):
+            ref, ref_mq = ref_gmm.posterior(x[g, h], means[h], variances[h], log_weights[h])
+            _close(gamma[g, h], ref)
+            _close(min_quad[g, h], ref_mq)
+
+
+def test_responsibilities_errors_match_refimpl():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(5, 2))
+    means, variances, weights = _mixture(rng, 3, 2)
+    bad_x = x.copy()
+    bad_x[2, 1] = np.nan
+    _same_error(lambda: gmm.checked_posterior_xp(np, bad_x, means, variances, weights, False),
+                lambda: ref_gmm.responsibilities(bad_x, means, variances, weights))
+    _same_error(lambda: gmm.checked_posterior_xp(np, x, means[:, :1], variances, weights, False),
+                lambda: ref_gmm.responsibilities(x, means[:, :1], variances, weights))
+    _same_error(lambda: gmm.checked_posterior_xp(np, x.astype(int), means, variances, weights, False),
+                lambda: ref_gmm.responsibilities(x.astype(int), means, variances, weights), TypeError)
+    huge = np.full((1, 2), 1e300)
+    with np.errstate(over="ignore", invalid="ignore"):
+        _same_error(lambda: gmm.checked_posterior_xp(np, huge, means, variances, weights, False),
+                    lambda: ref_gmm.responsibilities(huge, means, variances, weights))
+
+
+# ---------------------------------------------------------------------------
+# The scan
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("N, chunk", [(1, 64), (7, 3), (9, 1), (12, 4), (5, 64)])
+def test_scan_matches_refimpl(causal, N, chunk):
+    rng = np.random.default_rng(N * 10 + chunk)
+    S, F, dv = 3, 4, 2
+    pq, pk = rng.random((S, N, F)), rng.random((S, N, F))
+    v, g = rng.normal(size=(S, N, dv)), rng.normal(size=(S, N, dv))
+    out, den = scan.scan_forward_xp(np, pq, pk, v, causal, 1e-6, chunk)
+    grads = scan.scan_backward_xp(np, g, pq, pk, v, out, den, causal, chunk)
+    for s in range(S):
+        ref_out, cache = ref_scan.scan_forward(pq[s], pk[s], v[s], causal, 1e-6, chunk)
+        _close(out[s], ref_out)
+        _close(den[s], cache.den)
+        for ours, ref in zip(grads, ref_scan.scan_backward(g[s], cache)):
+            _close(ours[s], ref)
+
+
+@pytest.mark.parametrize("upper", [False, True])
+def test_chunk_twin_is_the_masked_block(upper):
+    # out_t += sum_{j in chunk(t), j <= t (or >= t)} (A_t . B_j) C_j, summed pair by pair
+    rng = np.random.default_rng(4)
+    S, N, F, W, chunk = 2, 6, 3, 2, 3
+    A, B, C = rng.normal(size=(S, N, F)), rng.normal(size=(S, N, F)), rng.normal(size=(S, N, W))
+    base = rng.normal(size=(S, N, W))
+    out = scan.chunk_tri(np, A, B, C, base.copy(), chunk, upper)
+    expected = base.copy()
+    for s in range(S):
+        for t in range(N):
+            for j in range(N):
+                if j // chunk == t // chunk and (j >= t if upper else j <= t):
+                    expected[s, t] += (A[s, t] @ B[s, j]) * C[s, j]
+    _close(out, expected)
+
+
+# ---------------------------------------------------------------------------
+# GMA
+# ---------------------------------------------------------------------------
+
+LAYOUTS = [((), False), ((2, 3), False), ((2, 3), True), ((3,), True)]
+
+
+def _gma_inputs(rng, leading, per_head, N=9, d=3, K=4, dv=2, dtype=np.float64):
+    heads = (leading[-1],) if per_head else ()
+    x_q, x_k = rng.normal(size=leading + (N, d)).astype(dtype), rng.normal(size=leading + (N, d)).astype(dtype)
+    v = rng.normal(size=leading + (N, dv)).astype(dtype)
+    means = rng.normal(size=heads + (K, d)).astype(dtype)
+    raw = rng.normal(size=heads + (K, d)).astype(dtype)
+    logits = rng.normal(size=heads + (K,)).astype(dtype)
+    return x_q, x_k, v, means, raw, logits
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("leading, per_head", LAYOUTS)
+def test_gma_forward_backward_match_refimpl(leading, per_head, causal, dtype):
+    rng = np.random.default_rng(len(leading) * 7 + per_head + causal)
+    x_q, x_k, v, means, raw, logits = _gma_inputs(rng, leading, per_head, dtype=dtype)
+    kw = dict(causal=causal, eps=1e-6, chunk_size=4)
+    out, cache = gma.gma_forward_xp(np, x_q, x_k, v, means, raw, logits, causal, 1e-6, 1e-6, 4)
+    ref_out, ref_cache = ref_gma.gma_forward(x_q, x_k, v, means, raw, logits, **kw)
+    _close(out, ref_out, dtype)
+    g = rng.normal(size=out.shape).astype(dtype)
+    grads = gma.gma_backward_xp(np, g, cache)
+    ref_grads = ref_gma.gma_backward(g, ref_cache)
+    assert type(grads) is ref_gma.GMAGrads
+    for name, ours, ref in zip(grads._fields, grads, ref_grads):
+        np.testing.assert_allclose(ours, ref, rtol=RTOL[dtype], atol=RTOL[dtype] * 10, err_msg=name)
+        assert ours.shape == ref.shape and ours.dtype == ref.dtype, name
+    variances = ref_cache.variances if not leading else None
+    if variances is not None:
+        weights = np.exp(logits) / np.exp(logits).sum()
+        _close(gma.gma_xp(np, x_q, x_k, v, means, variances, weights, causal, 1e-6, 4),
+               ref_gma.gma(x_q, x_k, v, means, variances, weights, **kw), dtype)
+
+
+@pytest.mark.parametrize("leading, per_head", LAYOUTS[1:])
+def test_gma_with_variances_matches_refimpl(leading, per_head):
+    rng = np.random.default_rng(5)
+    x_q, x_k, v, means, raw, logits = _gma_inputs(rng, leading, per_head, N=11)
+    variances = np.exp(raw)
+    weights = np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
+    for causal in (False, True):
+        _close(gma.gma_xp(np, x_q, x_k, v, means, variances, weights, causal, 1e-6, 5),
+               ref_gma.gma(x_q, x_k, v, means, variances, weights, causal=causal, chunk_size=5))
+
+
+def test_gma_errors_match_refimpl():
+    rng = np.random.default_rng(6)
+    x_q, x_k, v, means, raw, logits = _gma_inputs(rng, (2, 3), True)
+    variances = np.exp(raw)
+    weights = np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
+    args = (x_q, x_k, v, means, variances, weights)
+    _same_error(lambda: gma.gma_xp(np, x_q, x_k, v, means[:2], variances[:2], weights[:2], False, 1e-6, 4),
+                lambda: ref_gma.gma(x_q, x_k, v, means[:2], variances[:2], weights[:2]))
+    _same_error(lambda: gma.gma_xp(np, *args, True, 1e-6, 0), lambda: ref_gma.gma(*args, causal=True, chunk_size=0))
+    _same_error(lambda: gma.gma_xp(np, x_q, x_k[..., :4, :], v, means, variances, weights, True, 1e-6, 4),
+                lambda: ref_gma.gma(x_q, x_k[..., :4, :], v, means, variances, weights, causal=True))
+    bad = v.copy()
+    bad[1, 2, 3, 0] = np.inf
+    _same_error(lambda: gma.gma_xp(np, x_q, x_k, bad, means, variances, weights, False, 1e-6, 4),
+                lambda: ref_gma.gma(x_q, x_k, bad, means, variances, weights))
+    # eps = 0 and a query whose responsibilities meet no key's: its denominator is 0
+    two = (np.array([[0.0, 0.0], [100.0, 100.0]]), np.ones((2, 2)), np.array([0.5, 0.5]))
+    q_far, keys = np.array([[0.0, 0.1], [100.0, 100.0]]), rng.normal(size=(3, 2))
+    _same_error(lambda: gma.gma_xp(np, q_far, keys, keys, *two, False, 0.0, 4), lambda: ref_gma.gma(q_far, keys, keys, *two, eps=0.0))
+    out, cache = gma.gma_forward_xp(np, x_q, x_k, v, means, raw, logits, False, 1e-6, 1e-6, 4)
+    _same_error(lambda: gma.gma_backward_xp(np, out[..., :1], cache),
+                lambda: ref_gma.gma_backward(out[..., :1], ref_gma.gma_forward(x_q, x_k, v, means, raw, logits)[1]))
+    with pytest.raises(TypeError, match="cache: expected the GMADeviceCache from gpu.cupy_kernels.gma.gma_forward"):
+        gma.gma_backward_xp(np, out, ref_gma.gma_forward(x_q, x_k, v, means, raw, logits)[1])
+
+
+def test_parameter_maps_match_refimpl():
+    rng = np.random.default_rng(7)
+    s = np.concatenate([rng.normal(size=20) * 30, [0.0, -800.0, 800.0]])
+    np.testing.assert_array_equal(gma.softplus_floor(s, 1e-6), ref_gmm.variances_from_raw(s, 1e-6))
+    g = rng.normal(size=s.shape)
+    np.testing.assert_array_equal(gma.sigmoid_chain(g, s), g * ref_gmm.sigmoid(s))
+    logits = rng.normal(size=(3, 5)) * 100
+    lw = logits.copy()
+    zeros = np.zeros((1, 5))
+    gmm.normalise_rows(np, lw, zeros, zeros, 3, log=True)
+    np.testing.assert_array_equal(lw, ref_gmm.log_softmax(logits))
+
+
+# ---------------------------------------------------------------------------
+# Softmax attention
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape", [(1, 3), (6, 3), (2, 3, 5, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_attention_matches_refimpl(shape, causal, dtype):
+    rng = np.random.default_rng(len(shape) + causal)
+    q, k = rng.normal(size=shape).astype(dtype), rng.normal(size=shape).astype(dtype)
+    v = rng.normal(size=shape[:-1] + (2,)).astype(dtype)
+    for scale in (None, 0.7):
+        _close(attention.softmax_attention_xp(np, q, k, v, scale, causal), ref_attention.softmax_attention(q, k, v, scale=scale, causal=causal), dtype)
+
+
+def test_softmax_attention_errors_match_refimpl():
+    rng = np.random.default_rng(8)
+    q = rng.normal(size=(2, 4, 3))
+    k, v = q.copy(), q.copy()
+    k[1, 2] = 1e200  # the scores of some rows of sequence 1 overflow
+    with np.errstate(over="ignore", invalid="ignore"):
+        _same_error(lambda: attention.softmax_attention_xp(np, q * 1e200, k, v), lambda: ref_attention.softmax_attention(q * 1e200, k, v))
+        _same_error(lambda: attention.softmax_attention_xp(np, q[0] * 1e200, q[0] * 1e200, v[0]),
+                    lambda: ref_attention.softmax_attention(q[0] * 1e200, q[0] * 1e200, v[0]))
+    _same_error(lambda: attention.softmax_attention_xp(np, q, k[:, :3], v[:, :3], None, True),
+                lambda: ref_attention.softmax_attention(q, k[:, :3], v[:, :3], causal=True))
+    _same_error(lambda: attention.softmax_attention_xp(np, q[0], k[0], v[0], -1.0), lambda: ref_attention.softmax_attention(q[0], k[0], v[0], scale=-1.0))
+
+
+# ---------------------------------------------------------------------------
+# The backend's plumbing
+# ---------------------------------------------------------------------------
+
+
+def test_numpy_inputs_without_a_device_raise_naming_the_backend():
+    ok, why = _backend.probe()
+    assert isinstance(ok, bool) and why
+    if ok:
+        pytest.skip(f"a CUDA device is usable here ({why}): the error without one cannot be shown")
+    x = np.zeros((2, 2))
+    for call in (lambda: gmm.responsibilities(x, x, np.ones((2, 2)), np.full(2, 0.5)),
+                 lambda: attention.softmax_attention(x, x, x),
+                 lambda: gma.gma(x, x, x, x, np.ones((2, 2)), np.full(2, 0.5))):
+        with pytest.raises(RuntimeError, match="GPU backend 'cupy' is not available: "):
+            call()
+
+
+def test_result_keeps_numpy_and_twins_run_without_a_device():
+    a = np.arange(3.0)
+    assert _backend.result(a, False) is a
+    assert _backend.device_module.__doc__
+    np.testing.assert_array_equal(scan.row_dot(np.ones((2, 3)), np.full((2, 3), 2.0)), [6.0, 6.0])
+    assert _backend.as_module_array(np, [1, 2], np.float32).dtype == np.float32

@@ -1,0 +1,160 @@
+"""gpu.numba_cuda.gma against refimpl.gma: outputs, all six gradients, batch and head dimensions, errors, determinism.
+
+Runs the kernels in the CUDA simulator when there is no GPU (tests/conftest.py),
+so the shapes are tiny; the simulator's blocks are then 4 x 4 threads, so even
+these shapes cross tile, chunk and (with SEGMENT patched) segment boundaries.
+"""
+
+import importlib
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from gpu.numba_cuda import scan as gpu_scan
+from refimpl import gma, gmm
+
+gpu_gma = importlib.import_module("gpu.numba_cuda.gma")  # the package's attribute gma is the function
+
+F64 = dict(rtol=1e-10, atol=1e-12)
+F32 = dict(rtol=2e-5, atol=2e-6)
+
+
+def problem(seed, leading=(), per_head=False, n=5, K=3, d_r=2, d_v=3, dtype=np.float64):
+    """Inputs of gma_forward: tokens with ``leading`` dimensions, a shared or per-head GMM."""
+    rng = np.random.default_rng(seed)
+    heads = leading[-1:] if per_head else ()
+    shapes = [leading + (n, d_r), leading + (n, d_r), leading + (n, d_v), heads + (K, d_r), heads + (K, d_r), heads + (K,)]
+    return [rng.normal(size=s).astype(dtype) for s in shapes]
+
+
+def assert_matches(out, grads, ref_out, ref_grads, tol):
+    assert isinstance(out, np.ndarray) and out.shape == ref_out.shape and out.dtype == ref_out.dtype
+    np.testing.assert_allclose(out, ref_out, **tol)
+    assert isinstance(grads, gma.GMAGrads)
+    for name, a, b in zip(gma.GMAGrads._fields, grads, ref_grads):
+        assert isinstance(a, np.ndarray) and a.shape == b.shape and a.dtype == b.dtype, name
+        scale = max(1.0, float(np.max(np.abs(b))))
+        np.testing.assert_allclose(a, b, rtol=tol["rtol"], atol=tol["atol"] * scale, err_msg=name)
+
+
+CASES = [
+    # (leading, per_head, causal, chunk_size, n, K)
+    pytest.param((), False, False, 64, 6, 3, id="bidirectional"),
+    pytest.param((), False, True, 4, 7, 3, id="causal-chunk4-n7"),
+    pytest.param((), False, True, 1, 4, 2, id="causal-chunk1"),
+    pytest.param((), False, True, 100, 5, 3, id="causal-chunk-over-n"),
+    pytest.param((), False, True, 2, 1, 1, id="causal-n1-K1"),
+    pytest.param((), False, False, 64, 5, 1, id="bidirectional-K1"),
+    pytest.param((2,), False, True, 3, 5, 2, id="batch-causal"),
+    pytest.param((2, 3), True, True, 2, 2, 2, id="heads-per-head-causal"),
+    pytest.param((2, 3), False, False, 64, 2, 2, id="heads-shared-bidirectional"),
+]
+
+
+@pytest.mark.parametrize("leading,per_head,causal,chunk,n,K", CASES)
+def test_forward_and_all_gradients_match_refimpl_float64(leading, per_head, causal, chunk, n, K):
+    args = problem(n * 10 + K, leading, per_head, n=n, K=K)
+    out, cache = gpu_gma.gma_forward(*args, causal=causal, chunk_size=chunk)
+    ref_out, ref_cache = gma.gma_forward(*args, causal=causal, chunk_size=chunk)
+    g = np.random.default_rng(1).normal(size=ref_out.shape)
+    assert_matches(out, gpu_gma.gma_backward(g, cache), ref_out, gma.gma_backward(g, ref_cache), F64)
+
+
+def test_cross_attention_and_the_segment_sums(monkeypatch):
+    """N_q != N_k, with segments of 2 tokens: the bidirectional write and the parameter sums add several partials."""
+    monkeypatch.setattr(gpu_scan, "SEGMENT", 2)
+    rng = np.random.default_rng(2)
+    args = [rng.normal(size=s) for s in ((2, 3, 2), (2, 5, 2), (2, 5, 3), (3, 2), (3, 2), (3,))]
+    out, cache = gpu_gma.gma_forward(*args)
+    ref_out, ref_cache = gma.gma_forward(*args)
+    g = rng.normal(size=ref_out.shape)
+    assert_matches(out, gpu_gma.gma_backward(g, cache), ref_out, gma.gma_backward(g, ref_cache), F64)
+
+
+def test_float32_matches_refimpl_in_float32():
+    args = problem(3, (2,), True, n=4, dtype=np.float32)
+    out, cache = gpu_gma.gma_forward(*args, causal=True, chunk_size=2)
+    ref_out, ref_cache = gma.gma_forward(*args, causal=True, chunk_size=2)
+    g = np.random.default_rng(4).normal(size=ref_out.shape).astype(np.float32)
+    assert_matches(out, gpu_gma.gma_backward(g, cache), ref_out, gma.gma_backward(g, ref_cache), F32)
+
+
+def test_gma_with_variances_and_weights_matches_refimpl():
+    args = constrained_host(problem(5, (2,), True, n=3))
+    out = gpu_gma.gma(*args, causal=True, chunk_size=2)
+    np.testing.assert_allclose(out, gma.gma(*args, causal=True, chunk_size=2), **F64)
+
+
+def test_device_arrays_in_device_arrays_out_and_deterministic():
+    """Device arrays in give device arrays out; a second run (from NumPy inputs) gives the same bits."""
+    args = problem(6, (), False, n=3)
+    runs = []
+    for inputs in ([cuda.to_device(a) for a in args], args):
+        out, cache = gpu_gma.gma_forward(*inputs, causal=True, chunk_size=2)
+        grads = gpu_gma.gma_backward(np.ones(tuple(out.shape)), cache)
+        on_device = inputs is not args
+        assert all(hasattr(a, "copy_to_host") == on_device for a in (out, *grads))
+        runs.append([a.copy_to_host() if on_device else a for a in (out, *grads)])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    ref_out, ref_cache = gma.gma_forward(*args, causal=True, chunk_size=2)
+    assert_matches(runs[1][0], gma.GMAGrads(*runs[1][1:]), ref_out, gma.gma_backward(np.ones(ref_out.shape), ref_cache), F64)
+
+
+def constrained_host(args):
+    x_q, x_k, v, means, raw, logits = args
+    return [x_q, x_k, v, means, gmm.variances_from_raw(raw), gmm.softmax(logits, axis=-1)]
+
+
+def _raises_like_refimpl(gpu_call, ref_call):
+    with pytest.raises(Exception) as ref:
+        ref_call()
+    with pytest.raises(type(ref.value)) as got:
+        gpu_call()
+    assert str(got.value) == str(ref.value)
+
+
+BAD_FORWARD = [
+    pytest.param(dict(x_k=np.ones((2, 5, 3))), id="x_k d_r"),
+    pytest.param(dict(v=np.ones((5, 3))), id="v leading"),
+    pytest.param(dict(means=np.ones((3, 3, 2))), id="per-head H"),
+    pytest.param(dict(logits=np.ones((2, 4))), id="logits shape"),
+    pytest.param(dict(raw_variances=np.ones((3, 2))), id="raw_variances ndim"),
+    pytest.param(dict(causal="yes"), id="causal type"),
+    pytest.param(dict(chunk_size=0), id="chunk_size"),
+    pytest.param(dict(x_q=np.full((2, 5, 2), np.nan)), id="x_q NaN"),
+]
+
+
+@pytest.mark.parametrize("change", BAD_FORWARD)
+def test_errors_are_refimpls(change):
+    names = ("x_q", "x_k", "v", "means", "raw_variances", "logits")
+    kwargs = {**dict(zip(names, problem(7, (2,), True))), **change}
+    _raises_like_refimpl(lambda: gpu_gma.gma_forward(**kwargs), lambda: gma.gma_forward(**kwargs))
+
+
+def test_errors_on_device_arrays_and_computed_quantities_are_refimpls():
+    args = problem(8, (2,), False, n=3)
+    bad = args[1].copy()
+    bad[1, 2, 0] = np.inf
+    dev = [cuda.to_device(a) for a in args]
+    _raises_like_refimpl(lambda: gpu_gma.gma_forward(dev[0], cuda.to_device(bad), *dev[2:]), lambda: gma.gma_forward(args[0], bad, *args[2:]))
+    short = np.ascontiguousarray(args[1][:, :2])
+    _raises_like_refimpl(lambda: gpu_gma.gma_forward(dev[0], cuda.to_device(short), *dev[2:]), lambda: gma.gma_forward(args[0], short, *args[2:]))
+    # eps = 0 and a query of sequence 1 that meets no key: the denominator check, rows counted over the batch
+    means = np.array([[-50.0, 0.0], [50.0, 0.0]])
+    x_k = np.tile(means[0], (2, 3, 1))
+    x_q = x_k.copy()
+    x_q[1, 2] = means[1]
+    call = dict(v=np.ones((2, 3, 1)), means=means, variances=np.ones((2, 2)), weights=np.array([0.5, 0.5]), eps=0.0)
+    _raises_like_refimpl(lambda: gpu_gma.gma(cuda.to_device(x_q), x_k, **call), lambda: gma.gma(x_q, x_k, **call))
+    # backward: the grad_out shape, a NaN on the device, and the cache type
+    out, cache = gpu_gma.gma_forward(*dev)
+    _, ref_cache = gma.gma_forward(*args)
+    _raises_like_refimpl(lambda: gpu_gma.gma_backward(np.ones((2, 3, 2)), cache), lambda: gma.gma_backward(np.ones((2, 3, 2)), ref_cache))
+    g = np.ones((2, 3, 3))
+    g[0, 1, 2] = np.nan
+    _raises_like_refimpl(lambda: gpu_gma.gma_backward(cuda.to_device(g), cache), lambda: gma.gma_backward(g, ref_cache))
+    with pytest.raises(TypeError, match="cache: expected the GMADeviceCache from gpu.numba_cuda.gma.gma_forward, got GMABatchCache"):
+        gpu_gma.gma_backward(np.ones((2, 3, 3)), ref_cache)

@@ -1,0 +1,201 @@
+"""gpu.numba_cuda.gmm against refimpl.gmm: responsibilities, log-responsibilities and the device core.
+
+Runs the kernels in the CUDA simulator when there is no GPU (tests/conftest.py).
+The simulator evaluates a kernel with NumPy scalars in threads of its own,
+where ``np.errstate`` does not reach: inputs that overflow on purpose are run
+under :func:`quiet`, which silences those RuntimeWarnings (a GPU raises none).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from gpu.numba_cuda import gmm as G
+from gpu.numba_cuda.gmm import THREADS, posterior_device
+from refimpl import gmm as R
+from refimpl.testing import exact_responsibilities, row_relative_error, spread_means_example
+
+
+@contextmanager
+def quiet():
+    with warnings.catch_warnings(), np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def problem(N, K, d, seed=0, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N, d))
+    means = rng.normal(size=(K, d))
+    variances = rng.uniform(0.3, 2.0, size=(K, d))
+    weights = rng.dirichlet(np.ones(K))
+    return tuple(a.astype(dtype) for a in (x, means, variances, weights))
+
+
+SIZES = [(4, 4, 3), (1, 3, 2), (3, 1, 5), (2, THREADS + 6, 2)]
+
+
+@pytest.mark.parametrize("N, K, d", SIZES)
+def test_float64_matches_the_reference(N, K, d):
+    args = problem(N, K, d, seed=N + K + d)
+    np.testing.assert_allclose(G.responsibilities(*args), R.responsibilities(*args), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(G.log_responsibilities(*args), R.log_responsibilities(*args), rtol=1e-12, atol=1e-12)
+
+
+def test_float32_matches_the_reference_in_float32():
+    args = problem(6, 4, 3, seed=1, dtype=np.float32)
+    resp, log_resp = G.responsibilities(*args), G.log_responsibilities(*args)
+    assert resp.dtype == np.float32 and log_resp.dtype == np.float32
+    np.testing.assert_allclose(resp, R.responsibilities(*args), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(log_resp, R.log_responsibilities(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_zero_weights_give_minus_infinity_and_zero():
+    x, means, variances, _ = problem(4, 4, 2, seed=2)
+    weights = np.array([0.0, 0.6, 0.0, 0.4])
+    log_resp = G.log_responsibilities(x, means, variances, weights)
+    assert np.all(np.isneginf(log_resp[:, [0, 2]]))
+    np.testing.assert_allclose(log_resp[:, [1, 3]], R.log_responsibilities(x, means, variances, weights)[:, [1, 3]], rtol=1e-12, atol=1e-12)
+    resp = G.responsibilities(x, means, variances, weights)
+    assert np.all(resp[:, [0, 2]] == 0.0)
+    np.testing.assert_allclose(resp, R.responsibilities(x, means, variances, weights), rtol=1e-12, atol=1e-14)
+
+
+def test_coordinates_of_1e6_with_variances_at_the_floor_and_rows_far_from_every_component():
+    rng = np.random.default_rng(3)
+    means = 1e6 * rng.normal(size=(5, 3))
+    variances = np.full((5, 3), 1e-6)
+    near = means[[0, 3, 3]] + 1e-3 * rng.normal(size=(3, 3))
+    far = 1e6 * rng.normal(size=(2, 3))
+    x = np.concatenate([near, far])
+    weights = np.full(5, 0.2)
+    resp = G.responsibilities(x, means, variances, weights)
+    np.testing.assert_allclose(resp, R.responsibilities(x, means, variances, weights), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(resp.sum(axis=1), 1.0, rtol=1e-14)
+    np.testing.assert_allclose(G.log_responsibilities(x, means, variances, weights).max(axis=1), 0.0, atol=1e-14)
+
+
+def test_4096_components_one_row():
+    rng = np.random.default_rng(4)
+    means = 1e6 * rng.normal(size=(4096, 2))
+    variances = np.full((4096, 2), 1e-6)
+    x = means[[17]] + 1e-3 * rng.normal(size=(1, 2))
+    weights = np.full(4096, 1 / 4096)
+    log_resp = G.log_responsibilities(x, means, variances, weights)
+    ref = R.log_responsibilities(x, means, variances, weights)
+    near = ref > -700  # the entries with a weight; the others are huge negative numbers, compared relatively
+    np.testing.assert_allclose(log_resp[near], ref[near], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(log_resp, ref, rtol=1e-12)
+
+
+def test_the_spread_means_counterexample_is_exact():
+    """Means 1e4 apart with variances 1e-8: the differences ``x - mu`` give every digit."""
+    x, means, variances, weights = spread_means_example(n=3)
+    exact = exact_responsibilities(x, means, variances, weights)
+    assert row_relative_error(G.responsibilities(x, means, variances, weights), exact) < 1e-12
+    np.testing.assert_allclose(G.log_responsibilities(x, means, variances, weights).max(axis=1), np.log(exact.max(axis=1)), rtol=0, atol=1e-12)
+
+
+def test_a_row_with_some_overflowing_distances_still_has_a_posterior():
+    """Only the components at an infinite distance drop out (x^2 / sigma^2 = inf for the second)."""
+    x, means, variances = np.array([[1e10]]), np.zeros((2, 1)), np.array([[1.0], [1e-300]])
+    with quiet():
+        resp = G.responsibilities(x, means, variances, np.array([0.5, 0.5]))
+    np.testing.assert_array_equal(resp, [[1.0, 0.0]])
+
+
+def test_far_points_whose_expansion_overflows_are_exact():
+    """x^2 / sigma^2 overflows in an expansion, the difference x - mu does not."""
+    x, means = np.array([[1e200, 0.0]]), np.array([[1e200, 0.0], [-1e200, 0.0]])
+    with quiet():
+        resp = G.responsibilities(x, means, np.ones((2, 2)), np.array([0.5, 0.5]))
+    np.testing.assert_array_equal(resp, [[1.0, 0.0]])
+
+
+@pytest.mark.parametrize("dtype, variance", [(np.float32, 1e-30), (np.float64, 1e-300)])
+def test_rows_whose_every_distance_overflows_are_refused_with_the_reference_message(dtype, variance):
+    x = np.array([[1e6, 0.5], [0.0, 0.0]], dtype=dtype)
+    means = np.array([[0.0, 1.0], [0.0, -1.0]], dtype=dtype)
+    variances = np.full((2, 2), variance, dtype=dtype)
+    weights = np.array([0.5, 0.5], dtype=dtype)
+    with quiet():
+        with pytest.raises(ValueError) as ref:
+            R.responsibilities(x, means, variances, weights)
+        for fn in (G.responsibilities, G.log_responsibilities):
+            with pytest.raises(ValueError) as got:
+                fn(cuda.to_device(x), means, variances, weights)
+            assert str(got.value) == str(ref.value)
+    assert "(first: row 0)" in str(ref.value)
+
+
+def _bad_calls():
+    x, means, variances, weights = problem(4, 3, 2, seed=5)
+    nan_x = x.copy()
+    nan_x[2, 1] = np.nan
+    return [
+        ("variances <= 0", (x, means, -variances, weights)),
+        ("weights do not sum to one", (x, means, variances, 2 * weights)),
+        ("means of the wrong width", (x, means[:, :1].copy(), variances, weights)),
+        ("x 1-D", (x[0].copy(), means, variances, weights)),
+        ("x with a NaN", (nan_x, means, variances, weights)),
+        ("integer x", (x.astype(np.int64), means, variances, weights)),
+    ]
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize("name, args", _bad_calls(), ids=[c[0] for c in _bad_calls()])
+def test_errors_are_the_references(name, args, on_device):
+    with pytest.raises((ValueError, TypeError)) as ref:
+        R.responsibilities(*args)
+    gpu_args = tuple(cuda.to_device(a) for a in args) if on_device else args
+    with pytest.raises(ref.type) as got:
+        G.responsibilities(*gpu_args)
+    assert str(got.value) == str(ref.value)
+
+
+def test_device_arrays_in_give_device_arrays_out():
+    args = problem(2, 3, 2, seed=6)
+    host = G.log_responsibilities(*args)
+    assert isinstance(host, np.ndarray)
+    dev = G.log_responsibilities(cuda.to_device(args[0]), *args[1:])
+    assert hasattr(dev, "copy_to_host") and dev.shape == (2, 3)
+    np.testing.assert_array_equal(dev.copy_to_host(), host)
+    dev = G.responsibilities(*args[:3], cuda.to_device(args[3]))
+    assert hasattr(dev, "copy_to_host")
+    np.testing.assert_array_equal(dev.copy_to_host(), G.responsibilities(*args))
+
+
+def test_results_are_bit_identical_from_run_to_run():
+    args = problem(2, THREADS + 3, 3, seed=7)
+    np.testing.assert_array_equal(G.responsibilities(*args), G.responsibilities(*args))
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_posterior_device_runs_every_sequence_under_mixture_b_mod_h(log):
+    rng = np.random.default_rng(8)
+    B, H, N, K, d = 4, 2, 2, 3, 2
+    x = rng.normal(size=(B, N, d))
+    means = rng.normal(size=(H, K, d))
+    variances = rng.uniform(0.5, 2.0, size=(H, K, d))
+    log_weights = np.log(rng.dirichlet(np.ones(K), size=H))
+    gamma, min_quad = posterior_device(*(cuda.to_device(a) for a in (x, means, variances, log_weights)), log=log)
+    assert gamma.shape == (B, N, K) and min_quad.shape == (B, N)
+    gamma, min_quad = gamma.copy_to_host(), min_quad.copy_to_host()
+    core = R.log_posterior if log else R.posterior
+    for b in range(B):
+        h = b % H
+        ref, ref_min = core(x[b], means[h], variances[h], log_weights[h])
+        np.testing.assert_allclose(gamma[b], ref, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(min_quad[b], ref_min, rtol=1e-12)
+
+
+def test_posterior_device_with_one_point_and_one_component():
+    x, means, variances = np.array([[[0.5, -1.0]]]), np.array([[[0.0, 1.0]]]), np.array([[[2.0, 0.5]]])
+    gamma, min_quad = posterior_device(*(cuda.to_device(a) for a in (x, means, variances, np.zeros((1, 1)))), log=True)
+    assert gamma.copy_to_host().tolist() == [[[0.0]]]
+    np.testing.assert_allclose(min_quad.copy_to_host(), [[0.25 / 2.0 + 4.0 / 0.5]], rtol=1e-15)
