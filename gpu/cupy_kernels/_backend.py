@@ -190,10 +190,10 @@ def result(a, on_device: bool):
 _C_TYPES = {"T": "T", "float64": "double", "float32": "float", "int32": "int", "int64": "long long", "bool": "bool"}
 
 
-def _params(spec: str):
+def _params(params: str):
     """``'T a, T b'`` -> ``[('T', 'a'), ('T', 'b')]`` (element-wise parameters only: no ``raw``)."""
     out = []
-    for part in spec.split(","):
+    for part in params.split(","):
         words = part.split()
         if len(words) != 2 or words[0] not in _C_TYPES:
             raise ValueError(f"kernel parameter {part.strip()!r}: expected '<type> <name>' with a type in {sorted(_C_TYPES)}")
