@@ -71,6 +71,9 @@ autodoc_member_order = "bysource"
 autodoc_default_options = {"members": True, "show-inheritance": True}
 # optional GPU back ends are not needed to read their docstrings; add others here if a gpu module needs them
 autodoc_mock_imports = ["cupy", "cupyx"]
+# napoleon turns every word of a parameter's type ("shape (B, N, d_model)") into a cross-reference; a word that
+# names an attribute of two classes (ModelConfig.d_model, TrainConfig.d_model) is ambiguous, and is no reference
+suppress_warnings = ["ref.python"]
 
 DOCUMENTED_PACKAGES = ("refimpl", "gpu")
 SKIPPED_SUBPACKAGES = {"refimpl.checks"}  # listed by the verification table instead

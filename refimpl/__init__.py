@@ -31,11 +31,29 @@ ovq
 ovq_oracle
     The token-by-token loop oracles for OVQ and VQ, written straight from the
     contract in ``docs/derivations/ovq_gmr.md``.
+model
+    A small classifier or language model, every piece a hand-derived
+    forward/backward pair: embedding, positions, pre-norm residual blocks with
+    an interchangeable mixer (GMA, softmax, linear or OVQ attention), MLP,
+    layer norm, heads and softmax cross-entropy.
+optim
+    AdamW with global-norm gradient clipping.
+tasks
+    The generated training tasks: ListOps-mini and a Markov language model.
+train
+    The training loop of ``python -m refimpl train``: progress, CSV log,
+    checkpoints that resume bit for bit.
+interpret
+    What a trained GMA learned: used components, usage entropy, NMI against
+    token categories, and the gradient bounds on the trained model.
 verify
     The registry of numerical verifications run by ``python -m refimpl verify``.
 """
 
-from . import attention, gma, gmm, gmr, layers, numerics, ovq, ovq_oracle, scan, theory, validation
+from . import attention, gma, gmm, gmr, interpret, layers, model, numerics, optim, ovq, ovq_oracle, scan, tasks, theory, train, validation
 
-__all__ = ["attention", "gma", "gmm", "gmr", "layers", "numerics", "ovq", "ovq_oracle", "scan", "theory", "validation"]
+__all__ = [
+    "attention", "gma", "gmm", "gmr", "interpret", "layers", "model", "numerics", "optim", "ovq", "ovq_oracle", "scan",
+    "tasks", "theory", "train", "validation",
+]
 __version__ = "0.1.0"

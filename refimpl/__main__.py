@@ -5,7 +5,12 @@
 ``python -m refimpl experiment {recall,regression,scaling} [--quick] [--seeds N] [--jobs J] [--out DIR]``
     one of the experiments of :mod:`refimpl.experiments`: a sweep with a
     progress bar that prints a table and writes ``DIR/NAME.csv`` and
-    ``DIR/NAME.png`` (``DIR`` defaults to ``results/NAME``).
+    ``DIR/NAME.png`` (``DIR`` defaults to ``results/NAME``);
+``python -m refimpl train --task listops|markov --mixer gma|softmax|linear|ovq [options]``
+    train the model of :mod:`refimpl.model` (:mod:`refimpl.train`): a progress
+    bar, ``DIR/log.csv``, a checkpoint ``DIR/checkpoint.npz`` that ``--resume``
+    continues bit for bit, and the final validation and test accuracy
+    (``DIR`` defaults to ``results/train/TASK-MIXER-seedS``).
 """
 
 from __future__ import annotations
@@ -30,10 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     p_exp.add_argument("--jobs", type=int, default=1, help="grid points run in parallel (default 1; -1: every core)")
     p_exp.add_argument("--out", default=None, help="folder of the result file and the plot (default results/NAME)")
     p_exp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_train_parser(sub)
     args = parser.parse_args(argv)
 
     if args.command == "experiment":
         return _experiment(args)
+    if args.command == "train":
+        return _train(args)
 
     from .verify import format_table, registry, run_checks
 
@@ -68,6 +76,71 @@ def _experiment(args) -> int:
     experiment.plot(rows, out / f"{args.name}.png")
     print(f"\n{len(rows)} points in {time.perf_counter() - start:.1f} s; results in {out / (args.name + '.csv')}, "
           f"plot in {out / (args.name + '.png')}")
+    return 0
+
+
+# the options of ``train`` that set a TrainConfig field: (option, field, type, help)
+_TRAIN_OPTIONS = (
+    ("--seed", "seed", int, "seed of the initial parameters and the data order"),
+    ("--data-seed", "data_seed", int, "seed of the data splits"),
+    ("--steps", "steps", int, "training steps"),
+    ("--batch-size", "batch_size", int, "sequences per step"),
+    ("--lr", "lr", float, "peak learning rate (AdamW)"),
+    ("--warmup", "warmup", int, "steps of linear warm-up"),
+    ("--weight-decay", "weight_decay", float, "decoupled weight decay"),
+    ("--clip", "clip", float, "clip the gradients to this global norm (0: no clipping)"),
+    ("--d-model", "d_model", int, "width of the residual stream"),
+    ("--layers", "layers", int, "residual blocks"),
+    ("--heads", "heads", int, "heads of the mixer"),
+    ("--components", "components", int, "GMA components per head (K)"),
+    ("--d-route", "d_route", int, "GMA routing dimensions per head"),
+    ("--mlp-hidden", "mlp_hidden", int, "hidden width of the MLP"),
+    ("--eval-every", "eval_every", int, "steps between evaluations (and checkpoints)"),
+    ("--n-train", "n_train", int, "training sequences"),
+    ("--n-val", "n_val", int, "validation sequences"),
+    ("--n-test", "n_test", int, "test sequences"),
+)
+
+
+def _add_train_parser(sub):
+    from .train import TrainConfig, quick_config
+
+    defaults, quick = TrainConfig(), quick_config()
+    p = sub.add_parser("train", help="train a model on ListOps-mini or the Markov source: progress bar, CSV log, checkpoints")
+    p.add_argument("--task", required=True, choices=("listops", "markov"), help="the task")
+    p.add_argument("--mixer", required=True, choices=("gma", "softmax", "linear", "ovq"), help="the token mixer")
+    for option, field, kind, text in _TRAIN_OPTIONS:
+        small = getattr(quick, field)
+        shown = f"default {getattr(defaults, field)}" + (f", --quick {small}" if small != getattr(defaults, field) else "")
+        p.add_argument(option, dest=field, type=kind, default=None, help=f"{text} ({shown})")
+    p.add_argument("--out", default=None, help="folder of the log, the checkpoint and the result (default results/train/TASK-MIXER-seedS)")
+    p.add_argument("--resume", action="store_true", help="continue the run whose checkpoint is in --out (pass its options again)")
+    p.add_argument("--stop-after", type=int, default=None, help="stop after this step with a checkpoint, as an interruption would")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, a run of seconds")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _train(args) -> int:
+    import re
+    from pathlib import Path
+
+    from . import train
+
+    options = {field: option for option, field, _, _ in _TRAIN_OPTIONS}
+    given = {field: getattr(args, field) for field in options if getattr(args, field) is not None}
+    try:
+        base = train.quick_config() if args.quick else train.TrainConfig()
+        config = train.check_train_config(base._replace(task=args.task, mixer=args.mixer, **given))
+        seed = config.seed
+        out = Path(args.out) if args.out is not None else Path("results") / "train" / f"{args.task}-{args.mixer}-seed{seed}"
+        result = train.train(config, out, resume=args.resume, progress=not args.no_progress, stop_after=args.stop_after)
+    except ValueError as err:
+        # name the option, not the field: "steps: ..." -> "--steps: ..."
+        names = {**options, "stop_after": "--stop-after", "resume": "--resume", "out": "--out"}
+        message = re.sub(r"^(\w+):", lambda m: names.get(m.group(1), m.group(1)) + ":", str(err))
+        print(f"python -m refimpl train: {message}", file=sys.stderr)
+        return 2
+    print(train.format_result(result))
     return 0
 
 

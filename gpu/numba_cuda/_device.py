@@ -57,6 +57,55 @@ SIMULATOR = bool(config.ENABLE_CUDASIM)
 #: Threads per block of the finiteness count (a power of two, at most its shared array's 256 entries).
 COUNT_THREADS = 32 if SIMULATOR else 256
 
+
+def _serialise_simulated_shared_arrays() -> None:
+    """Make the simulator's ``cuda.shared.array`` allocate each array once per block, whatever the thread timing.
+
+    The simulator keys a block's shared arrays by the source line that asks
+    for them, and allocates one on a thread's first request: it looks the
+    line up, and if nothing is there allocates and stores an array.  Between
+    the look-up and the store it reads the caller's frame summary (with
+    ``os.stat`` calls, which release the GIL), so two threads of one block
+    can both find nothing and each get its own array: the block's threads
+    then no longer share memory, and a kernel that is right gives a wrong
+    answer now and then, depending on how the threads are scheduled.  This
+    replaces it by the same allocation, keyed by the same (file, line), with
+    the look-up and the store under one lock.  On a GPU nothing changes.
+    """
+    import sys
+    import threading
+
+    from numba.core import types
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+
+    shared = kernelapi.FakeCUDAShared
+    if getattr(shared.array, "serialised", False):
+        return
+    original = shared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None or shape == 0:  # refused, or dynamic shared memory: no per-line allocation
+            return original(self, shape, dtype, alignment)
+        frame = sys._getframe(1)  # the kernel's line that asks for the array
+        caller = (frame.f_code.co_filename, frame.f_lineno)
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                if isinstance(dtype, types.Type):  # a Numba type (float64): its NumPy dtype
+                    dtype = numpy_support.as_dtype(dtype)
+                res = self._allocations[caller] = np.empty(shape, dtype)
+        return res
+
+    array.serialised = True
+    array.original = original
+    shared.array = array
+
+
+if SIMULATOR:
+    _serialise_simulated_shared_arrays()
+
 #: ``{qualified name: (python function, signature builder)}``; the builder maps a float type to the argument types.
 KERNELS: dict = {}
 
