@@ -36,7 +36,7 @@
 #    stated share.
 # 4. The paper's interpretability metrics (used components, usage entropy,
 #    NMI against token categories) on the trained model, next to the paper's
-#    numbers, and why they differ.
+#    numbers, and why they differ; the responsibilities over a sequence.
 # 5. Lesson 4's gradient bounds hold on the trained model, with the loss's
 #    own gradients.
 #
@@ -228,6 +228,26 @@ for r in report:
     print(f"here, layer {r.layer} head {r.head} (K = {r.n_components}): used above 0.1/K: {r.used_q[1]}, "
           f"usage entropy {r.entropy_q:.3f}, NMI {r.nmi_q:.3f}")
     assert 0 <= r.entropy_q <= 1 and 0 <= r.nmi_q <= 1
+
+# %% [markdown]
+# The responsibilities over one test sequence: each column a token, each row
+# a component of layer 0, head 0. Tokens of one category (the operators,
+# say) tend to go to the same few components, which is what the NMI
+# measures.
+
+# %%
+x_test = data["test"][0]
+seq = x_test[int(np.argmax(np.sum(x_test != tasks.PAD_ID, axis=1) > 12))]  # a test sequence of more than 12 tokens
+seq = seq[None, : int(np.sum(seq != tasks.PAD_ID))]
+gamma_seq = model.gma_routing(result.params, seq, mcfg)[0]["gamma_q"][0, 0]  # (N, K)
+fig, ax = plt.subplots(figsize=(max(6, 0.35 * seq.shape[1]), 3.5))
+ax.imshow(gamma_seq.T, aspect="auto", cmap="magma", origin="lower", vmin=0, vmax=1)
+ax.set_xticks(range(seq.shape[1]))
+ax.set_xticklabels([tasks.LISTOPS_TOKENS[t] for t in seq[0]], rotation=90)
+ax.set_ylabel("component")
+ax.set_title("responsibilities of the routing queries, layer 0, head 0")
+plt.show()
+assert np.allclose(gamma_seq.sum(axis=1), 1.0)
 
 # %% [markdown]
 # The numbers are not the paper's, and should not be: its model routes the

@@ -2,7 +2,7 @@
 //
 // The GEMM (cupy.matmul) has written t_ij = q_i . k_j for every sequence; rows are C-contiguous, N_k entries each,
 // row r is query i = r % N_q of its sequence.
-// neg_inf, lse_combine and nan_max come from rows.cuh, which RawModuleSource puts in front of this file.
+// neg_inf, lse_combine, nan_max, lse_absorb and warp_lse_max come from rows.cuh, which RawModuleSource puts in front of this file.
 
 // scores *= scale; entries j > i get -inf when causal, so exp gives exactly 0 (refimpl.attention._softmax_scores)
 // row_max_i = max_j scores_ij (the forward refuses rows where it is not finite: overflow)
@@ -22,20 +22,10 @@ __device__ void softmax_rows(T* t, T* row_max, long long R, int Nk, int Nq, T sc
     T m = ninf, s = T(0), mx = ninf;
     for (int j = lane; j < end; j += 32) {
         const T l = row[j] * scale;
-        if (l > m) {
-            s = s * exp(m - l) + T(1);
-            m = l;
-        } else if (l != ninf) {
-            s += exp(l - m);
-        }
+        lse_absorb(m, s, l);
         mx = nan_max(mx, l);
     }
-    for (int off = 16; off > 0; off >>= 1) {
-        const T m_o = __shfl_xor_sync(0xffffffffu, m, off);
-        const T s_o = __shfl_xor_sync(0xffffffffu, s, off);
-        lse_combine(m, s, m_o, s_o);
-        mx = nan_max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    }
+    warp_lse_max(m, s, mx);
     if (lane == 0) row_max[r] = mx;
     const T shift = isfinite(m) ? m : T(0);
     const T inv_s = T(1) / s;

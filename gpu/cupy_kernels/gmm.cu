@@ -3,7 +3,7 @@
 // The GEMM (cupy.matmul) has written t_ik = sum_j [xc_ij^2, xc_ij] . [-p_kj / 2, mc_kj p_kj], the expanded
 // -q_ik / 2 without its constant; one warp per row finishes the row in two passes over its K entries.
 // Arrays are C-contiguous; row r of t belongs to the mixture h = (r / N) % H.
-// neg_inf, lse_combine and nan_max come from rows.cuh, which RawModuleSource puts in front of this file.
+// neg_inf, lse_combine, nan_max, lse_absorb and warp_lse_max come from rows.cuh, which RawModuleSource puts in front of this file.
 
 // half_ik = t_ik + shift_hk          (-q/2 = -(1/2) sum_j xc_j^2 p_kj + sum_j xc_j mc_kj p_kj - c_k / 2)
 // l_ik = half_ik + log_norm_hk       (l_ik = log_norm_k - q_ik / 2)
@@ -29,20 +29,9 @@ __device__ void posterior_rows(T* t, const T* shift, const T* log_norm, T* min_q
         const T half = row[k] + sh[k];
         const T l = half + ln[k];
         hmax = nan_max(hmax, half);
-        if (l > m) {
-            s = s * exp(m - l) + T(1);
-            m = l;
-        } else if (l != ninf) {
-            s += exp(l - m);
-        }
+        lse_absorb(m, s, l);
     }
-    for (int off = 16; off > 0; off >>= 1) {
-        const T m_o = __shfl_xor_sync(0xffffffffu, m, off);
-        const T s_o = __shfl_xor_sync(0xffffffffu, s, off);
-        const T h_o = __shfl_xor_sync(0xffffffffu, hmax, off);
-        lse_combine(m, s, m_o, s_o);
-        hmax = nan_max(hmax, h_o);  // NaN if either is NaN, else the larger: the same on every lane
-    }
+    warp_lse_max(m, s, hmax);
     if (lane == 0) min_quad[r] = T(-2) * hmax;
     const T shift_m = isfinite(m) ? m : T(0);
     if (log_out) {

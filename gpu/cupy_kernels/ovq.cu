@@ -3,7 +3,7 @@
 //
 // Products that round once in refimpl (logits *= beta; logits[:, :n] += log_c; D + eta (x - D); (c D + sum) / c') use the
 // _rn intrinsics, which the compiler never contracts into a fused multiply-add: the same bits as NumPy.
-// neg_inf, lse_combine and nan_max come from rows.cuh, which RawModuleSource puts in front of this file.
+// neg_inf, lse_combine, nan_max, lse_absorb and warp_lse_max come from rows.cuh, which RawModuleSource puts in front of this file.
 
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
@@ -39,20 +39,10 @@ __device__ void ovq_readout_rows(T* t, const T* bias, T* row_max, int L, int n, 
         T l = mul_rn(row[u], beta);
         if (use_bias && u < n) l = add_rn(l, bias[u]);
         row[u] = l;
-        if (l > m) {
-            s = s * exp(m - l) + T(1);
-            m = l;
-        } else if (l != ninf) {
-            s += exp(l - m);
-        }
+        lse_absorb(m, s, l);
         mx = nan_max(mx, l);
     }
-    for (int off = 16; off > 0; off >>= 1) {
-        const T m_o = __shfl_xor_sync(0xffffffffu, m, off);
-        const T s_o = __shfl_xor_sync(0xffffffffu, s, off);
-        lse_combine(m, s, m_o, s_o);
-        mx = nan_max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    }
+    warp_lse_max(m, s, mx);
     if (lane == 0) row_max[a] = mx;
     const T shift = isfinite(mx) ? mx : T(0);
     const T inv_s = T(1) / s;

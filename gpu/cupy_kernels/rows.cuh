@@ -23,3 +23,28 @@ template <typename T>
 __device__ __forceinline__ T nan_max(T a, T b) {
     return (b > a || b != b) && a == a ? b : a;
 }
+
+// (m, s) absorbs one logit l: s = sum exp(l - m), rescaled by exp(m_old - m_new) when the maximum grows;
+// a logit of -inf adds nothing (and -inf - (-inf) is never formed).
+template <typename T>
+__device__ __forceinline__ void lse_absorb(T& m, T& s, T l) {
+    if (l > m) {
+        s = s * exp(m - l) + T(1);
+        m = l;
+    } else if (l != neg_inf<T>()) {
+        s += exp(l - m);
+    }
+}
+
+// The lanes' pairs (m, s) and NaN-propagating maxima mx, combined across the warp by a fixed xor butterfly
+// (no shared memory, no atomics): afterwards every lane holds the same bits.
+template <typename T>
+__device__ __forceinline__ void warp_lse_max(T& m, T& s, T& mx) {
+    for (int off = 16; off > 0; off >>= 1) {
+        const T m_o = __shfl_xor_sync(0xffffffffu, m, off);
+        const T s_o = __shfl_xor_sync(0xffffffffu, s, off);
+        const T x_o = __shfl_xor_sync(0xffffffffu, mx, off);
+        lse_combine(m, s, m_o, s_o);
+        mx = nan_max(mx, x_o);
+    }
+}
