@@ -1,9 +1,11 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11+ and pip:
 #   make verify   create .venv, install the project with its dev extras, run `python -m refimpl verify`
-#   make test     the same set-up, then the whole test suite (unit tests, notebooks, docs check)
+#   make test     the same set-up, then the whole test suite (unit tests, notebooks, docs check, the built
+#                 site in a headless Chromium when one is installed)
 # and the documentation site:
 #   make docs     execute every tutorial (full size; TUTORIAL_SMALL=1 for small) and build docs/_build/html
 # and the experiments' full sweeps (docs/experiment_*.md): make experiments
+# and, to teach from the lessons: make lab (JupyterLab on tutorials/ with the project's kernel)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,7 +16,9 @@ TUTORIAL_SMALL ?=
 # -E: read every page afresh (autodoc pages depend on code Sphinx does not track); -W: warnings are errors
 SPHINX := $(PY) -m sphinx -E -W --keep-going -b html $(SPHINXOPTS)
 
-.PHONY: install verify test bench experiments docs docs-check clean
+COURSE_STAMP := $(VENV)/.installed-course
+
+.PHONY: install verify test bench experiments docs docs-check lab clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; v = sys.version_info; sys.exit(0 if v >= (3, 11) else "Python 3.11+ is needed, found %d.%d" % v[:2])'
@@ -27,9 +31,11 @@ install: $(STAMP)
 verify: $(STAMP)
 	$(PY) -m refimpl verify
 
+# the site tests (marked `site`) read the build that docs-check writes, so they run after it
 test: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not site"
 	$(MAKE) --no-print-directory docs-check
+	$(PY) -m pytest -m site tests/test_site.py
 
 # the site with every notebook executed during the build
 docs: $(STAMP)
@@ -49,6 +55,15 @@ experiments: $(STAMP)
 
 bench: $(STAMP)
 	@for f in benchmarks/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+$(COURSE_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,course]'
+	touch $(COURSE_STAMP)
+
+# JupyterLab on the lessons; its python3 kernel is this virtual environment's Python (JUPYTER_PREFER_ENV_PATH:
+# not a kernelspec from ~/.local), and jupytext saves each notebook's paired script
+lab: $(COURSE_STAMP)
+	JUPYTER_PREFER_ENV_PATH=1 $(VENV)/bin/jupyter lab --notebook-dir=tutorials
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis docs/_build docs/tutorials docs/api/generated

@@ -16,12 +16,24 @@ Notebooks are executed during the build (``nb_execution_mode = "force"``), in
 their folder, by the kernel of the Python that runs Sphinx, at full size unless
 ``TUTORIAL_SMALL=1`` is set.  ``make docs`` builds this way;
 ``make docs-check`` (part of ``make test``) passes ``-D nb_execution_mode=off``
-because the test suite has already executed every notebook.
+because the test suite has already executed every notebook: it saved each one,
+with its outputs, in ``docs/_build/executed/``, and the build shows those
+outputs for every lesson whose cells have not changed since (the clean
+notebook otherwise).
+
+Also written at every build: the course page's tables and the dependency graph
+of the lessons (``tutorials/course.py``, drawn into ``docs/_build/generated/``),
+the floating-point appendix from its fragments ``docs/_fp/*.md``, and on each
+lesson page a box with a download link for its notebook and its measured run
+time.  MathJax is served from the build (``sphinx-mathjax-offline``), so the
+site renders its math without a network.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import json
 import os
 import pkgutil
 import re
@@ -31,11 +43,14 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tutorials"))  # tutorials/course.py
 # kernels that execute the notebooks import the checkout's packages as well
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 # in a virtual environment, its own kernelspec wins over one in ~/.local
 os.environ.setdefault("JUPYTER_PREFER_ENV_PATH", "1")
 
+import course  # noqa: E402  (tutorials/course.py)
+import nbformat  # noqa: E402
 import refimpl  # noqa: E402  (after the path set-up above)
 
 project = "gmattn-reference"
@@ -50,10 +65,19 @@ extensions = [
     "sphinx.ext.mathjax",
     "sphinx.ext.viewcode",
 ]
-exclude_patterns = ["_build", "**/.ipynb_checkpoints", ".gitignore"]
+# _fp/: the fragments of floating_point.md, included by it and not pages of their own
+exclude_patterns = ["_build", "**/.ipynb_checkpoints", ".gitignore", "_fp"]
 root_doc = "index"
 html_theme = "furo"
 html_title = f"gmattn-reference {release}"
+
+# --- MathJax from the build, not from a CDN: the math renders offline ----------
+# sphinx-mathjax-offline bundles MathJax 3 (its static/mathjax/ folder); html_static_path copies that folder
+# to _static/mathjax/ and mathjax_path, relative to _static/, points there
+MATHJAX_BUNDLE = Path(importlib.util.find_spec("sphinx-mathjax-offline").origin).parent / "static"
+html_static_path = [str(MATHJAX_BUNDLE), "_static"]
+html_css_files = ["course.css"]
+mathjax_path = "mathjax/tex-chtml.js"
 
 # --- MyST and MyST-NB ------------------------------------------------------
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence"]
@@ -101,14 +125,39 @@ def _mirror(wanted: dict[str, bytes | str], folder: Path) -> None:
             path.write_bytes(content)
 
 
-def _copy_tutorials() -> None:
-    """Copy the lessons (and any ``tutorials/_*.py`` helper they import) into ``docs/tutorials/``."""
+EXECUTED = DOCS / "_build" / "executed"  # tests/test_tutorials.py saves each executed notebook here
+GENERATED = DOCS / "_build" / "generated"
+
+
+def _cell_sources(nb) -> list[tuple[str, str]]:
+    return [(c.cell_type, c.source) for c in nb.cells]
+
+
+def _executed_copy(notebook: Path) -> bytes | None:
+    """The notebook as the test suite last executed it, if its cells are still the lesson's own."""
+    saved = EXECUTED / notebook.name
+    if not saved.exists():
+        return None
+    fresh = nbformat.read(notebook, as_version=4)
+    ran = nbformat.read(saved, as_version=4)
+    return saved.read_bytes() if _cell_sources(fresh) == _cell_sources(ran) else None
+
+
+def _copy_tutorials(use_executed: bool) -> None:
+    """Copy the lessons (and any ``tutorials/_*.py`` helper they import) into ``docs/tutorials/``.
+
+    With ``use_executed`` (no execution during this build), a lesson that the
+    test suite has executed since its last edit is copied with its outputs.
+    """
     src = ROOT / "tutorials"
     notebooks = sorted(src.glob("[0-9][0-9]_*.ipynb"))
     if not notebooks:
         raise RuntimeError(f"no lesson notebooks tutorials/NN_name.ipynb found in {src}")
     helpers = sorted(src.glob("_*.py"))
-    _mirror({p.name: p.read_bytes() for p in notebooks + helpers}, DOCS / "tutorials")
+    wanted = {p.name: p.read_bytes() for p in helpers}
+    for p in notebooks:
+        wanted[p.name] = (use_executed and _executed_copy(p)) or p.read_bytes()
+    _mirror(wanted, DOCS / "tutorials")
 
 
 def _public_modules() -> list[str]:
@@ -190,15 +239,86 @@ def _performance_toctree(app, docname, source):
 
 
 def _always_reread_index(app, env, added, changed, removed):
-    # the performance toctree depends on which pages exist, not on index.md's own text
-    return [root_doc]
+    # generated content depends on files Sphinx does not track (the pages that exist, run_times.json, _fp/)
+    return [d for d in (root_doc, "course", "floating_point") if d in env.found_docs]
 
 
-_copy_tutorials()
+COURSE_MARKER = "% course tables: conf.py puts them here"
+FP_MARKER = "% floating-point fragments: conf.py includes docs/_fp/*.md here"
+
+
+def _fp_fragments() -> list[str]:
+    """The appendix's fragments in course order: the lessons' (NN.md), then the derivation pages'."""
+    frags = sorted(p.name for p in (DOCS / "_fp").glob("*.md"))
+    return [f for f in frags if f[:2].isdigit()] + [f for f in frags if not f[:2].isdigit()]
+
+
+def _course_page() -> str:
+    graph = course.draw_graph(GENERATED / "lesson_graph.svg")
+    return "\n".join([
+        "## The lessons",
+        "",
+        course.table(),
+        "",
+        course.measured_on(),
+        "",
+        "## Which lesson needs which",
+        "",
+        "An arrow from one lesson to another: read the first before the second.",
+        "",
+        f"```{{image}} {os.path.relpath(graph, DOCS)}",
+        ":alt: the dependency graph of the lessons",
+        ":width: 100%",
+        "```",
+        "",
+        "## What each lesson teaches",
+        "",
+        course.objectives_markdown("###"),
+    ])
+
+
+def _lesson_box(docname: str) -> str | None:
+    """The box at the top of a lesson page: download the notebook, and its measured run time."""
+    m = re.fullmatch(r"tutorials/(\d\d)_\w+", docname)
+    if not m:
+        return None
+    name = docname.split("/")[1]
+    lesson = int(m.group(1))
+    return (
+        ":::{admonition} Run this lesson yourself\n:class: tip lesson-box\n\n"
+        f"{{download}}`Download the notebook <{name}.ipynb>` and open it in JupyterLab (`make lab` in a "
+        f"checkout). Run time: {course.run_time_line(lesson)}. Notation: [the glossary](../glossary.md).\n:::\n"
+    )
+
+
+def _generated_sources(app, docname, source):
+    """Fill the markers of index.md, course.md and floating_point.md, and put the box on each lesson page."""
+    if docname == root_doc:
+        _performance_toctree(app, docname, source)
+    elif docname == "course":
+        source[0] = source[0].replace(COURSE_MARKER, _course_page())
+    elif docname == "floating_point":
+        includes = "\n".join(f"```{{include}} _fp/{f}\n```\n" for f in _fp_fragments())
+        source[0] = source[0].replace(FP_MARKER, includes)
+    box = _lesson_box(docname)
+    if box is not None:
+        nb = json.loads(source[0])
+        cell = {"cell_type": "markdown", "metadata": {}, "source": box}
+        if nb.get("nbformat_minor", 0) >= 5:
+            cell["id"] = "lesson-box"
+        nb["cells"].insert(1, cell)
+        source[0] = json.dumps(nb)
+
+
+def _config_inited(app, config):
+    _copy_tutorials(use_executed=config.nb_execution_mode == "off")
+
+
 _generate_api_pages()
 
 
 def setup(app):
-    app.connect("source-read", _performance_toctree)
+    app.connect("config-inited", _config_inited)
+    app.connect("source-read", _generated_sources)
     app.connect("env-get-outdated", _always_reread_index)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

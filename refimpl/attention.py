@@ -5,16 +5,17 @@ The derivations are in ``docs/derivations/softmax_attention.md`` and
 
 Softmax attention
 -----------------
-(``softmax_attention.md#backward``.)  Scores :math:`S = s\,QK^\top` (scale :math:`s = 1/\sqrt d` by default),
-:math:`P = \operatorname{softmax}_{\text{row}}(S)` (entries :math:`j > i` set
-to :math:`-\infty` first when causal), :math:`O = PV`.  Backward, with
+(``softmax_attention.md#backward``.)  Scores :math:`\ell = \beta\,\mathbf Q\mathbf K^\top` (the scale :math:`\beta` is
+``scale``, :math:`1/\sqrt d` by default),
+:math:`P = \operatorname{softmax}_{\text{row}}(\ell)` (entries :math:`j > i` set
+to :math:`-\infty` first when causal), :math:`O = P\mathbf V`.  Backward, with
 :math:`G = \partial L/\partial O`:
 
 .. math::
 
-    dV = P^\top G,\qquad dP = G V^\top,\qquad
-    dS_{ij} = P_{ij}\big(dP_{ij} - \textstyle\sum_l P_{il}\, dP_{il}\big),\qquad
-    dQ = s\, dS\, K,\qquad dK = s\, dS^\top Q.
+    d\mathbf V = P^\top G,\qquad dP = G\mathbf V^\top,\qquad
+    d\ell_{ij} = P_{ij}\big(dP_{ij} - \textstyle\sum_l P_{il}\, dP_{il}\big),\qquad
+    d\mathbf Q = \beta\, d\ell\, \mathbf K,\qquad d\mathbf K = \beta\, d\ell^\top \mathbf Q.
 
 The forward materialises the ``N x N`` matrix: time and memory are
 :math:`O(N^2)`, the point of comparison for the linear-time mechanisms.
@@ -28,7 +29,7 @@ Linear attention
 :math:`\phi(x) = \operatorname{elu}(x) + 1` (Katharopoulos et al. 2020), which
 is :math:`x + 1` for :math:`x > 0` and :math:`e^x` otherwise; its derivative
 is 1 for :math:`x > 0` and :math:`e^x` otherwise, so
-:math:`dQ = d\Phi_Q \odot \phi'(Q)` and :math:`dK = d\Phi_K\odot\phi'(K)`.
+:math:`d\mathbf Q = d\Phi_Q \odot \phi'(\mathbf Q)` and :math:`d\mathbf K = d\Phi_K\odot\phi'(\mathbf K)`.
 """
 
 from __future__ import annotations

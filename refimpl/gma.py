@@ -20,10 +20,10 @@ then read:
 
 .. math::
 
-    \tilde V = \Gamma_K^\top V,\qquad Z = \Gamma_K^\top\mathbf 1,\qquad
+    \tilde V = \Gamma_K^\top\mathbf V,\qquad Z = \Gamma_K^\top\mathbf 1,\qquad
     O = \frac{\Gamma_Q\tilde V}{\Gamma_Q Z + \epsilon}\ \text{(row-wise)},
 
-which by associativity equals :math:`D^{-1}AV` with the implicit affinity
+which by associativity equals :math:`D^{-1}A\mathbf V` with the implicit affinity
 :math:`A = \Gamma_Q\Gamma_K^\top` (:func:`gma_dense`, the oracle).  Causal GMA
 uses the lower triangle of :math:`A`: it is causal linear attention with the
 feature maps :math:`\gamma`, so both variants run the scan of

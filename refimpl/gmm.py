@@ -7,19 +7,22 @@ are ``(K, d)``, ``weights`` is ``(K,)``.  The derivations are in
 
 Responsibilities
 ----------------
-With :math:`\ell_k(x) = \log\pi_k + \log\mathcal N(x\mid\mu_k,\operatorname{diag}\sigma_k^2)`,
-:math:`\gamma_k(x) = \exp(\ell_k - \operatorname{logsumexp}_m\ell_m)`, evaluated
+Components are indexed by :math:`n` as on the derivation page (the code's
+comments write ``k``, the column index of an ``N x K`` array).  With
+:math:`\ell_n(x) = \log\pi_n + \log\mathcal N(x\mid\mu_n,\operatorname{diag}\sigma_n^2)`,
+:math:`\gamma_n(x) = \exp(\ell_n - \operatorname{logsumexp}_m\ell_m)`, evaluated
 with the per-row maximum subtracted (:mod:`refimpl.numerics`).  The quadratic
-form :math:`q_k(x) = \sum_j (x_j-\mu_{kj})^2/\sigma_{kj}^2` of all ``N x K``
-pairs comes from two matrix products (the expansion of the square, on ``x``
-and ``mu`` centred on the mean of the means).  Its rounding error is at most
-about :math:`(4+\sqrt d)\,u\,s_{ik}` with :math:`u` the machine epsilon and
-:math:`s_{ik} = (\sqrt{a_{ik}} + \sqrt{c_k})^2` the size of its terms,
-:math:`a_{ik} = \sum_j \tilde x_{ij}^2/\sigma_{kj}^2`,
-:math:`c_k = \sum_j\tilde\mu_{kj}^2/\sigma_{kj}^2` (centred), where the
-definition evaluated directly has :math:`(4+\sqrt d)\,u\,q_{ik}`.  When the
-means are spread far apart, :math:`s \gg q` for the components near a point:
-cancellation.  :func:`log_joint` recomputes from the differences every entry
+form :math:`\Delta_{in} = \sum_j (x_{ij}-\mu_{nj})^2/\sigma_{nj}^2` (``q`` in
+the code) of all ``N x K`` pairs comes from two matrix products (the
+expansion of the square, on ``x`` and ``mu`` centred on the mean of the
+means).  Its rounding error is at most about :math:`(4+\sqrt d)\,u\,M_{in}`
+with :math:`u` the machine epsilon and
+:math:`M_{in} = (\sqrt{\xi_{in}} + \sqrt{\zeta_n})^2` the size of its terms,
+:math:`\xi_{in} = \sum_j \tilde x_{ij}^2/\sigma_{nj}^2`,
+:math:`\zeta_n = \sum_j\tilde\mu_{nj}^2/\sigma_{nj}^2` (centred), where the
+definition evaluated directly has :math:`(4+\sqrt d)\,u\,\Delta_{in}`.  When
+the means are spread far apart, :math:`M \gg \Delta` for the components near
+a point: cancellation.  :func:`log_joint` recomputes from the differences every entry
 that cancellation may have spoiled (:data:`CANCELLATION_RATIO`,
 :data:`EXACT_LOGIT_TOL`) and that could lie near its row maximum, where the
 posterior is decided.  So the responsibilities are as accurate as the
@@ -28,7 +31,7 @@ ordinary inputs pay only an ``O(N d)`` screen
 (``gmm_posteriors.md#exact-responsibilities-for-every-input``).
 
 Speed.  Read as one line, the responsibilities are ``softmax(log_norm - (xc**2
-@ p.T - 2 xc @ (mc p).T + c) / 2)``; every step of that line makes an
+@ p.T - 2 xc @ (mc p).T + zeta) / 2)``; every step of that line makes an
 ``N x K`` array.  :func:`log_joint` evaluates it a block of rows at a time,
 so that a block's ``N_b x K`` intermediates stay in cache and are reused
 (``out=``), and :func:`posterior` takes the softmax of each block while its
@@ -229,13 +232,13 @@ class _Expansion(NamedTuple):
     centre: np.ndarray  # (d,): the mean of the means
     neg_half_precisions: np.ndarray  # (d, K): -p^T / 2
     cross: np.ndarray  # (d, K): (mc p)^T
-    sq_mu: np.ndarray  # (K,): c_k = sum_j mc_kj^2 p_kj
+    sq_mu: np.ndarray  # (K,): zeta_k = sum_j mc_kj^2 p_kj
     log_norm: np.ndarray  # (K,): log pi_k - (d/2) log 2 pi - (1/2) sum_j log sigma_kj^2
     max_precision: np.ndarray  # (d,): max_k p_kj, for the screen
-    root_max_sq_mu: np.floating  # sqrt(max_k c_k), for the screen
-    kappa: np.floating  # (4 + sqrt(d)) u / 2: a logit's error per unit of s (or of q, evaluated directly)
+    root_max_sq_mu: np.floating  # sqrt(max_k zeta_k), for the screen
+    kappa: np.floating  # (4 + sqrt(d)) u / 2: a logit's error per unit of M (or of q, evaluated directly)
     tol: np.floating  # EXACT_LOGIT_TOL u
-    screen_limit: np.floating  # tol / kappa: the largest s whose error bound is within the tolerance
+    screen_limit: np.floating  # tol / kappa: the largest M whose error bound is within the tolerance
 
 
 def _expansion(means, variances, log_weights):
@@ -252,7 +255,7 @@ def _expansion(means, variances, log_weights):
     log_norm = log_weights - 0.5 * (d * LOG_2PI + np.sum(np.log(variances), axis=1))
     dtype = means.dtype
     u = float(np.finfo(dtype).eps)
-    # the expanded q_ik carries an error <= (4 + sqrt(d)) u s_ik with s_ik = (sqrt(a_ik) + sqrt(c_k))^2
+    # the expanded q_ik carries an error <= (4 + sqrt(d)) u M_ik with M_ik = (sqrt(xi_ik) + sqrt(zeta_k))^2
     # (the size of its terms), the definition one <= (4 + sqrt(d)) u q_ik; a logit carries half of either
     kappa = 0.5 * (4.0 + np.sqrt(d)) * u
     tol = EXACT_LOGIT_TOL * u
@@ -272,8 +275,8 @@ def _expanded_half_quadratic_form(xb, ex, xc, xc2, half, work, half_sq_mu):
 
     Written into ``half`` (B, K); ``xc``, ``xc2`` (B, d) and ``work`` (B, K)
     are work arrays (``xc2`` keeps the squares, which the error bound needs),
-    ``half_sq_mu`` is ``-c / 2`` on every row.  The result is ``-1/2`` times the
-    expansion ``(xc^2) p^T - 2 xc (mc p)^T + c``, evaluated in that order, bit
+    ``half_sq_mu`` is ``-zeta / 2`` on every row.  The result is ``-1/2`` times the
+    expansion ``(xc^2) p^T - 2 xc (mc p)^T + zeta``, evaluated in that order, bit
     for bit (scaling by a power of two changes no rounding); rounding can
     leave ``q`` slightly below 0, within the error bound of the module
     docstring.
@@ -281,7 +284,7 @@ def _expanded_half_quadratic_form(xb, ex, xc, xc2, half, work, half_sq_mu):
     with np.errstate(over="ignore", invalid="ignore"):
         np.subtract(xb, ex.centre, out=xc)
         np.multiply(xc, xc, out=xc2)
-        # -q/2 = -(1/2) sum_j xc_j^2 p_kj + sum_j xc_j mc_kj p_kj - c_k / 2
+        # -q/2 = -(1/2) sum_j xc_j^2 p_kj + sum_j xc_j mc_kj p_kj - zeta_k / 2
         np.matmul(xc2, ex.neg_half_precisions, out=half)
         half += np.matmul(xc, ex.cross, out=work)
         half += half_sq_mu
@@ -303,7 +306,7 @@ def _entries_to_recompute(logits, half, min_quad, xc2, ex, window):
     """``(rows, cols)`` of the logits that cancellation may have spoiled and that may lie near their row maximum."""
     kappa, tol, ratio = ex.kappa, ex.tol, logits.dtype.type(CANCELLATION_RATIO)
     with np.errstate(over="ignore", invalid="ignore"):
-        # screen in O(N d): s_ik <= s_row = (sqrt(sum_j xc_ij^2 max_k p_kj) + sqrt(max_k c_k))^2 for every k,
+        # screen in O(N d): M_ik <= s_row = (sqrt(sum_j xc_ij^2 max_k p_kj) + sqrt(max_k zeta_k))^2 for every k,
         # and a row is fine where kappa s_row <= tol or s_row <= 16 min_k q_ik
         s_row = np.sqrt(xc2 @ ex.max_precision)
         s_row += ex.root_max_sq_mu
@@ -316,7 +319,7 @@ def _entries_to_recompute(logits, half, min_quad, xc2, ex, window):
         return suspect, suspect
     lg = logits[suspect]
     with np.errstate(over="ignore", invalid="ignore"):
-        sq_x = xc2[suspect] @ ex.precisions.T  # a_ik = sum_j xc_ij^2 p_kj
+        sq_x = xc2[suspect] @ ex.precisions.T  # xi_ik = sum_j xc_ij^2 p_kj
         size = (np.sqrt(sq_x) + np.sqrt(ex.sq_mu)) ** 2
         err = kappa * size
         known = np.isfinite(lg) & np.isfinite(err)
@@ -362,7 +365,7 @@ class _WorkArrays(NamedTuple):
     xc2: np.ndarray  # (B, d)
     half: np.ndarray  # (B, K)
     tmp: np.ndarray  # (B, K)
-    half_sq_mu: np.ndarray  # (B, K): -c / 2 on every row
+    half_sq_mu: np.ndarray  # (B, K): -zeta / 2 on every row
     norm: np.ndarray  # (B, K): log_norm on every row
 
 

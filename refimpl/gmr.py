@@ -9,19 +9,19 @@ are in ``docs/derivations/ovq_gmr.md``; this docstring states the results.
   (``ovq_gmr.md#self-attention-is-gaussian-kernel-regression``): on unit
   vectors the Nadaraya-Watson estimator with kernel
   :math:`\exp(-\tfrac\beta2\|q-k_j\|^2)` is
-  :math:`\operatorname{softmax}(\beta\,qK^\top)V` (:func:`kernel_regression`).
+  :math:`\operatorname{softmax}(\beta\,q\mathbf K^\top)\mathbf V` (:func:`kernel_regression`).
 * VQ/OVQ attention is GMR
   (``ovq_gmr.md#vq-and-ovq-attention-are-gaussian-mixture-regression``): with key
   covariance :math:`I/\beta` and no key-value cross-covariance,
-  :math:`E[v\mid q] = \sum_n h_n(q)\mu^v_n`,
-  :math:`h(q) = \operatorname{softmax}_n(\beta\,q\cdot\mu^k_n - \tfrac\beta2\|\mu^k_n\|^2 + \log\pi_n)`
+  :math:`E[v\mid q] = \sum_m h_m(q)\mu^v_m`,
+  :math:`h(q) = \operatorname{softmax}_m(\beta\,q\cdot\mu^k_m - \tfrac\beta2\|\mu^k_m\|^2 + \log\pi_m)`
   (:func:`gmr_predict`); dropping the norm term and taking
   :math:`\pi \propto c` gives the OVQ read-out
   :math:`\operatorname{softmax}(\beta\,qD_k^\top + \log c)D_v` (:func:`ovq_readout`).
 * The cost of the dropped term (``ovq_gmr.md#the-cost-of-the-dropped-norm-term``):
-  the two weight vectors differ by the tilt :math:`e^{\delta_n}`,
-  :math:`\delta_n = -\tfrac\beta2\|\mu^k_n\|^2`, so OVQ gives more weight to
-  long centroids than GMR does; with :math:`r = \max\delta - \min\delta`
+  the two weight vectors differ by the tilt :math:`e^{\tau_m}`,
+  :math:`\tau_m = -\tfrac\beta2\|\mu^k_m\|^2`, so OVQ gives more weight to
+  long centroids than GMR does; with :math:`r = \max\tau - \min\tau`
   every output coordinate moves by at most :math:`\tanh(r/4)` times the range
   of the value means in that coordinate (:func:`readout_gap_bound`, attained).
 * Fitting the joint GMM (``ovq_gmr.md#fitting-the-joint-mixture``):
@@ -110,10 +110,10 @@ def kernel_regression(q, k, v, *, beta):
 
 
 def _checked_conditional_mean(q, key_means, key_variances, weights, value_means):
-    """``E[v | q] = sum_n h_n(q) mu^v_n`` of checked arrays, with the boundary's check of the posterior."""
+    """``E[v | q] = sum_m h_m(q) mu^v_m`` of checked arrays, with the boundary's check of the posterior."""
     with np.errstate(divide="ignore"):
         log_w = np.log(weights)
-    # log h_n(q) = log pi_n + log N(q; mu^k_n, diag key_variances_n) - logsumexp_m(...)
+    # log h_m(q) = log pi_m + log N(q; mu^k_m, diag key_variances_m) - logsumexp_m'(...)
     log_h, min_quad = log_posterior(q, key_means, key_variances, log_w)
     validation.check_scaled_distances(min_quad, "q")
     return np.exp(log_h) @ value_means
@@ -136,8 +136,8 @@ def gmr_predict(q, key_means, value_means, weights, *, beta):
     Returns
     -------
     ndarray, shape (N_q, d_v)
-        ``sum_n h_n(q) mu^v_n`` with ``h_n`` the posterior of component ``n``
-        given the key: it keeps the ``-(beta/2)||mu^k_n||^2`` term.
+        ``sum_m h_m(q) mu^v_m`` with ``h_m`` the posterior of component ``m``
+        given the key: it keeps the ``-(beta/2)||mu^k_m||^2`` term.
 
     Notes
     -----
@@ -187,7 +187,7 @@ def ovq_readout(q, key_means, value_means, counts, *, beta, count_bias: bool = T
     logits = q @ key_means.T
     logits *= dtype.type(beta)
     if count_bias:
-        # pi_n = c_n / sum c; the -log sum c is common to the row and cancels
+        # pi_m = c_m / sum c; the -log sum c is common to the row and cancels
         logits += np.log(counts.astype(dtype))
     validation.check_softmax_logits(logits, "beta, q, key_means", "lower beta or rescale q and key_means")
     return numerics.softmax(logits, axis=1) @ value_means
@@ -201,7 +201,7 @@ def readout_gap(q, key_means, value_means, counts, *, beta):
     Returns
     -------
     ndarray, shape (N_q, d_v)
-        Zero up to rounding when all ``||key_means[n]||`` are equal.
+        Zero up to rounding when all ``||key_means[m]||`` are equal.
     """
     q, key_means, value_means = _check_key_value_means(q, key_means, value_means)
     counts = validation.check_counts(counts, "counts", (key_means.shape[0],), ("M",), positive=True)
@@ -212,7 +212,7 @@ def readout_gap(q, key_means, value_means, counts, *, beta):
 
 
 def readout_gap_bound(key_means, value_means, *, beta):
-    r"""Per-coordinate bound on ``|readout_gap|``: ``tanh(r / 4) * (max_n mu^v_n - min_n mu^v_n)``.
+    r"""Per-coordinate bound on ``|readout_gap|``: ``tanh(r / 4) * (max_m mu^v_m - min_m mu^v_m)``.
 
     Parameters
     ----------
@@ -223,7 +223,7 @@ def readout_gap_bound(key_means, value_means, *, beta):
     Returns
     -------
     ndarray, shape (d_v,)
-        ``r = (beta/2) (max_n ||mu^k_n||^2 - min_n ||mu^k_n||^2)`` is the range
+        ``r = (beta/2) (max_m ||mu^k_m||^2 - min_m ||mu^k_m||^2)`` is the range
         of the dropped term; the module docstring derives the bound.  It holds
         for every query and every set of counts in exact arithmetic; a
         computed :func:`readout_gap` can exceed it by rounding (about
@@ -237,7 +237,7 @@ def readout_gap_bound(key_means, value_means, *, beta):
     beta = validation.check_positive_float(beta, "beta")
     sq = np.sum(key_means * key_means, axis=1)
     r = 0.5 * beta * (np.max(sq) - np.min(sq))
-    # TV(p, p') <= tanh(r/4) when log(p'/p) has range r; sum_n (p_n - p'_n) = 0
+    # TV(p, p') <= tanh(r/4) when log(p'/p) has range r; sum_m (p_m - p'_m) = 0
     return np.tanh(r / 4.0) * (np.max(value_means, axis=0) - np.min(value_means, axis=0))
 
 
@@ -257,10 +257,10 @@ def fit_joint_gmm(k, v, n_components, *, n_iter: int = 50, reg_covar: float = 1e
 
     Parameters
     ----------
-    k : array_like, shape (T, d)
-    v : array_like, shape (T, d_v)
+    k : array_like, shape (N, d)
+    v : array_like, shape (N, d_v)
     n_components : int
-        ``M``, between 1 and ``T``.
+        ``M``, between 1 and ``N`` (the rows of ``k``).
     n_iter : int, default 50
         EM iterations (>= 0).
     reg_covar : float, default 1e-6
@@ -325,8 +325,8 @@ def joint_gmm_predict(q, fit: JointGMM):
     Returns
     -------
     ndarray, shape (N_q, d_v)
-        ``sum_n h_n(q) mu^v_n`` with ``h_n`` the posterior under the key
-        marginals ``N(q; mu^k_n, diag key_variances_n)``: a diagonal joint
+        ``sum_m h_m(q) mu^v_m`` with ``h_m`` the posterior under the key
+        marginals ``N(q; mu^k_m, diag key_variances_m)``: a diagonal joint
         covariance has no cross-covariance, so nothing else enters.
     """
     if not isinstance(fit, JointGMM):

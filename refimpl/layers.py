@@ -11,8 +11,8 @@ For every sequence ``b`` (rows :math:`X = x_b`, ``N x d_model``) and head ``h``,
 
 .. math::
 
-    X_Q^{(h)} = X W_Q^{(h)},\quad X_K^{(h)} = X W_K^{(h)},\quad V^{(h)} = X W_V^{(h)},\quad
-    O^{(h)} = \operatorname{GMA}(X_Q^{(h)}, X_K^{(h)}, V^{(h)};\ \mu^{(h)}, s^{(h)}, a^{(h)}),
+    X_Q^{(h)} = X W_Q^{(h)},\quad X_K^{(h)} = X W_K^{(h)},\quad \mathbf V^{(h)} = X W_V^{(h)},\quad
+    O^{(h)} = \operatorname{GMA}(X_Q^{(h)}, X_K^{(h)}, \mathbf V^{(h)};\ \mu^{(h)}, s^{(h)}, a^{(h)}),
 
 and the heads are concatenated and projected back:
 :math:`Y = [O^{(1)}\,\cdots\,O^{(H)}]\,W_O`.  The projections are stored as
@@ -32,14 +32,14 @@ With :math:`G = \partial L/\partial Y` and :math:`O` the concatenated heads,
     dW_O = \sum_b O_b^\top G_b,\qquad dO = G W_O^\top,
 
 :func:`refimpl.gma.gma_backward` turns each head's block of :math:`dO` into
-:math:`dX_Q^{(h)}, dX_K^{(h)}, dV^{(h)}` and the GMM gradients, and the
+:math:`dX_Q^{(h)}, dX_K^{(h)}, d\mathbf V^{(h)}` and the GMM gradients, and the
 projections give
 
 .. math::
 
     dW_Q = \sum_b X_b^\top dX_{Q,b},\quad dW_K = \sum_b X_b^\top dX_{K,b},\quad
-    dW_V = \sum_b X_b^\top dV_b,\quad
-    dX = dX_Q W_Q^\top + dX_K W_K^\top + dV W_V^\top .
+    dW_V = \sum_b X_b^\top d\mathbf V_b,\quad
+    dX = dX_Q W_Q^\top + dX_K W_K^\top + d\mathbf V W_V^\top .
 
 GMM gradients are summed over the batch.  Time is linear in ``N``:
 :math:`O(B H N K (d_r + d_v) + B N d_{\text{model}} H (d_r + d_v))`, plus

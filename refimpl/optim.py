@@ -8,11 +8,16 @@ One step, for every parameter :math:`\theta` with gradient :math:`g` (after clip
     \|g\| = \Big(\sum_{\text{all parameters}} \sum g^2\Big)^{1/2},\qquad
     g \leftarrow g\cdot\frac{c}{\|g\|}\ \text{ if } \|g\| > c\ \ (c = \text{clip\_norm}),
 
-    m \leftarrow \beta_1 m + (1-\beta_1) g,\qquad v \leftarrow \beta_2 v + (1-\beta_2) g^2,\qquad
-    \hat m = \frac{m}{1-\beta_1^t},\qquad \hat v = \frac{v}{1-\beta_2^t},
+    m \leftarrow \rho_1 m + (1-\rho_1) g,\qquad v \leftarrow \rho_2 v + (1-\rho_2) g^2,\qquad
+    \hat m = \frac{m}{1-\rho_1^t},\qquad \hat v = \frac{v}{1-\rho_2^t},
 
-    \theta \leftarrow \theta - \eta\Big(\frac{\hat m}{\sqrt{\hat v} + \epsilon} + \lambda\,\theta\Big)
+    \theta \leftarrow \theta - \eta\Big(\frac{\hat m}{\sqrt{\hat v} + \delta} + \lambda\,\theta\Big)
 
+with the decay rates :math:`\rho_1, \rho_2` and the guard :math:`\delta`
+named ``beta1``, ``beta2`` and ``eps`` in the code (the names every optimiser
+library uses; ``docs/glossary.md`` keeps :math:`\beta` for the precision and
+:math:`\epsilon` for the attention guard), the learning rate :math:`\eta`
+``lr`` and the decay :math:`\lambda` ``weight_decay``
 (Loshchilov and Hutter's AdamW with the learning rate :math:`\eta` multiplying
 the decay, as in PyTorch's ``AdamW``).  The decay is *decoupled*: it is not
 part of :math:`g`, so it does not enter :math:`m`, :math:`v` or the clipping.

@@ -1,17 +1,20 @@
 r"""Online vector-quantized (OVQ) attention and the static-dictionary VQ baseline.
 
-One head, one sequence: ``q, k`` are ``(T, d)``, ``v`` is ``(T, d_v)``.  The
-state is a key dictionary :math:`D_k` ``(N, d)``, a value dictionary
-:math:`D_v` ``(N, d_v)``, integer counts :math:`c` ``(N,)``, the active size
-:math:`n` and the number of tokens seen :math:`t`; only rows below :math:`n`
-are read.  The contract and its derivations are in
+One head, one sequence of :math:`N` tokens: ``q, k`` are ``(N, d)``, ``v`` is
+``(N, d_v)``.  The state is a key dictionary :math:`D_k` ``(n_max, d)``, a
+value dictionary :math:`D_v` ``(n_max, d_v)``, integer counts :math:`c`
+``(n_max,)``, the number :math:`n \le n_{\max}` of active rows and the number
+of tokens seen :math:`t`; only rows below :math:`n` are read.  The capacity
+:math:`n_{\max}` is the argument ``max_size`` (notation: ``docs/glossary.md``;
+a few local names in the code still call the sequence length ``T`` and the
+capacity ``N``).  The contract and its derivations are in
 ``docs/derivations/ovq_gmr.md``; this docstring states the results and the
 conventions that make the reference reproducible bit for bit.
 
 Predict, then update, chunk by chunk
 ------------------------------------
 (``ovq_gmr.md#read-out``, ``#growth``, ``#assignment``, ``#update``.)  Queries and keys are unit-normalised, :math:`\hat q = q/\max(\|q\|, 10^{-12})`;
-values are not.  Chunks are rows :math:`[s, e)`, :math:`e = \min(s+C, T)`.
+values are not.  Chunks are rows :math:`[s, e)`, :math:`e = \min(s+C, N)`.
 Before the chunk touches the state, position :math:`a` attends, in one
 softmax, to the :math:`n` centroids and to the chunk's own keys :math:`b \le a`:
 
@@ -24,8 +27,8 @@ softmax, to the :math:`n` centroids and to the chunk's own keys :math:`b \le a`:
 the conditional mean of a Gaussian mixture with key covariance
 :math:`I/\beta` once the term :math:`-\tfrac\beta2\|D_k[m]\|^2` is dropped
 (:mod:`refimpl.gmr` measures the gap).  Then the dictionary grows to
-:math:`n' = \max(n, g(t + L))`, :math:`g(t) = \max(1, \lfloor tN/(t+N)\rfloor)`
-(plateau, at most :math:`N - 1`) or :math:`\min(t, N)` (linear); :math:`n' - n`
+:math:`n' = \max(n, g(t + L))`, :math:`g(t) = \max(1, \lfloor t\,n_{\max}/(t+n_{\max})\rfloor)`
+(plateau, at most :math:`n_{\max} - 1`) or :math:`\min(t, n_{\max})` (linear); :math:`n' - n`
 keys seed new centroids (the least similar to the dictionary with
 ``init="spread"``, drawn at random with ``init="random"``) and every other key
 joins the centroid of largest dot product (ties to the lowest index).  That is
@@ -65,9 +68,9 @@ one call bit for bit when every piece but the last has a length that is a
 multiple of ``chunk_size``; a shorter piece closes its chunk, exactly as the
 last chunk of one call does.
 
-Cost: time :math:`O(T(N + C)(d + d_v))`, state :math:`O(N(d + d_v))` whatever
-:math:`T` is, working memory :math:`O(C(N + C) + N(d + d_v))` besides the
-``(T, d_v)`` output.
+Cost: time :math:`O(N(n_{\max} + C)(d + d_v))`, state :math:`O(n_{\max}(d + d_v))` whatever
+:math:`N` is, working memory :math:`O(C(n_{\max} + C) + n_{\max}(d + d_v))` besides the
+``(N, d_v)`` output.
 
 Backward with the assignments held fixed
 ----------------------------------------
@@ -159,19 +162,19 @@ def _growth(t, N, growth):
 
 
 def dictionary_size(t, max_size, growth: str = "plateau"):
-    """Number of centroids after ``t`` tokens: ``growth(t, N)``.
+    """Number of centroids after ``t`` tokens: ``growth(t, n_max)``.
 
     Parameters
     ----------
     t : int or array_like of int
         Tokens seen (>= 0).
     max_size : int
-        ``N`` (>= 1).
+        ``n_max`` (>= 1), the capacity.
     growth : {"plateau", "linear"}, default "plateau"
-        ``plateau``: ``max(1, floor(t N / (t + N)))``, which rises like ``t``
-        and approaches ``N`` from below without reaching it (at most
-        ``N - 1``: the last row of the state is never used); its slope is
-        ``(N / (N + t))**2``.  ``linear``: ``min(t, N)``.
+        ``plateau``: ``max(1, floor(t n_max / (t + n_max)))``, which rises like
+        ``t`` and approaches ``n_max`` from below without reaching it (at most
+        ``n_max - 1``: the last row of the state is never used); its slope is
+        ``(n_max / (n_max + t))**2``.  ``linear``: ``min(t, n_max)``.
 
     Returns
     -------
@@ -202,11 +205,11 @@ def unit_rows(x):
 
     Parameters
     ----------
-    x : array_like, shape (T, d)
+    x : array_like, shape (N, d)
 
     Returns
     -------
-    ndarray, shape (T, d)
+    ndarray, shape (N, d)
         Same dtype as ``x``; a zero row stays zero.
     """
     return _unit_rows(validation.as_float_array(x, "x", ndim=2))[0]
@@ -254,14 +257,14 @@ class OVQState:
 
     Parameters
     ----------
-    keys : array_like, shape (N, d)
+    keys : array_like, shape (n_max, d)
         ``D_k``; rows ``>= size`` are never read.
-    values : array_like, shape (N, d_v)
+    values : array_like, shape (n_max, d_v)
         ``D_v``, same float dtype as ``keys``.
-    counts : array_like of int, shape (N,)
+    counts : array_like of int, shape (n_max,)
         ``c``: at least 1 on the active rows, 0 on the others, stored as int64.
     size : int
-        Active rows ``n``, ``0 <= n <= N``.
+        Active rows ``n``, ``0 <= n <= n_max``.
     tokens_seen : int
         ``t``; must equal ``sum(counts)``.
 
@@ -269,7 +272,7 @@ class OVQState:
     -----
     The constructor copies its arrays and marks the copies read-only, so a
     state handed to :func:`ovq_attention` is never changed: every call returns
-    a new state.  Memory is ``N (d + d_v)`` floats and ``N`` integers,
+    a new state.  Memory is ``n_max (d + d_v)`` floats and ``n_max`` integers,
     whatever ``tokens_seen`` is (:attr:`nbytes`).
     """
 
@@ -283,19 +286,19 @@ class OVQState:
         self._size = size
         self._tokens_seen = tokens_seen
 
-    keys = property(lambda self: self._keys, doc="``D_k``, shape (N, d), read-only.")
-    values = property(lambda self: self._values, doc="``D_v``, shape (N, d_v), read-only.")
-    counts = property(lambda self: self._counts, doc="``c``, int64, shape (N,), read-only.")
+    keys = property(lambda self: self._keys, doc="``D_k``, shape (n_max, d), read-only.")
+    values = property(lambda self: self._values, doc="``D_v``, shape (n_max, d_v), read-only.")
+    counts = property(lambda self: self._counts, doc="``c``, int64, shape (n_max,), read-only.")
     size = property(lambda self: self._size, doc="Active rows ``n``.")
     tokens_seen = property(lambda self: self._tokens_seen, doc="Tokens ``t`` folded into the state.")
-    max_size = property(lambda self: self._keys.shape[0], doc="``N``, the rows allocated.")
+    max_size = property(lambda self: self._keys.shape[0], doc="``n_max``, the rows allocated.")
     d = property(lambda self: self._keys.shape[1], doc="Key dimension.")
     d_v = property(lambda self: self._values.shape[1], doc="Value dimension.")
     dtype = property(lambda self: self._keys.dtype, doc="Float dtype of the dictionaries.")
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the three arrays: ``N (d + d_v)`` floats plus ``N`` int64."""
+        """Bytes held by the three arrays: ``n_max (d + d_v)`` floats plus ``n_max`` int64."""
         return int(self._keys.nbytes + self._values.nbytes + self._counts.nbytes)
 
     @classmethod
@@ -587,8 +590,8 @@ class _ChunkRecord(NamedTuple):
     rows: np.ndarray  # (L,) row each key went to
     seeded: np.ndarray  # (L,) bool
     seeds: np.ndarray  # seeding keys in centroid order (rows n, n+1, ...)
-    counts_mid: np.ndarray  # (N,) counts after seeding, before the merge
-    added: np.ndarray  # (N,) |S_m|
+    counts_mid: np.ndarray  # (n_max,) counts after seeding, before the merge
+    added: np.ndarray  # (n_max,) |S_m|
 
 
 def _initial_state(state, N, d, d_v, dtype):
@@ -659,12 +662,12 @@ def ovq_attention(q, k, v, *, return_state: bool = False, **options):
 
     Parameters
     ----------
-    q, k : array_like, shape (T, d)
+    q, k : array_like, shape (N, d)
         Queries and keys (unit-normalised inside).
-    v : array_like, shape (T, d_v)
+    v : array_like, shape (N, d_v)
         Values (not normalised).
     max_size : int
-        ``N``, the most centroids (>= 1).
+        ``n_max``, the most centroids (>= 1).
     chunk_size : int
         ``C`` (>= 1); the last chunk may be shorter.
     beta : float, optional
@@ -693,7 +696,7 @@ def ovq_attention(q, k, v, *, return_state: bool = False, **options):
 
     Returns
     -------
-    out : ndarray, shape (T, d_v)
+    out : ndarray, shape (N, d_v)
         Dtype of the inputs (float32 in, float32 out); a float64 ``state``
         makes the computation float64.
     state : OVQState
@@ -744,7 +747,7 @@ def ovq_attention_forward(q, k, v, **options):
 
     Returns
     -------
-    out : ndarray, shape (T, d_v)
+    out : ndarray, shape (N, d_v)
     cache : OVQCache
         Inputs, parameters, per-chunk dictionaries read and assignment plans,
         and ``cache.state``, the state after the call.  ``cache.records[j].rows``
@@ -843,7 +846,7 @@ def ovq_attention_backward(grad_out, cache: OVQCache) -> OVQGrads:
 
     Parameters
     ----------
-    grad_out : array_like, shape (T, d_v)
+    grad_out : array_like, shape (N, d_v)
         ``dL/d out``.
     cache : OVQCache
         From :func:`ovq_attention_forward`.
@@ -851,7 +854,7 @@ def ovq_attention_backward(grad_out, cache: OVQCache) -> OVQGrads:
     Returns
     -------
     OVQGrads
-        Fields ``q`` (T, d), ``k`` (T, d), ``v`` (T, d_v), new arrays in the
+        Fields ``q`` (N, d), ``k`` (N, d), ``v`` (N, d_v), new arrays in the
         dtype of the forward.  The module docstring states each phase; the
         incoming ``state``, if any, is a constant.
     """
@@ -921,9 +924,9 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
 
     Parameters
     ----------
-    q, k : array_like, shape (T, d)
+    q, k : array_like, shape (N, d)
         Queries and keys (unit-normalised inside).
-    v : array_like, shape (T, d_v)
+    v : array_like, shape (N, d_v)
     codebook : array_like, shape (S, d)
         The fixed key dictionary ``D_k`` (used as given, not normalised).
     chunk_size : int
@@ -933,7 +936,7 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
 
     Returns
     -------
-    ndarray, shape (T, d_v)
+    ndarray, shape (N, d_v)
 
     Notes
     -----

@@ -1,6 +1,8 @@
 """Token-by-token loop oracles for OVQ and VQ attention, written straight from the contract.
 
-The contract is ``docs/derivations/ovq_gmr.md``.  Plain Python loops over
+The contract is ``docs/derivations/ovq_gmr.md`` (notation: ``docs/glossary.md``;
+the sequence has ``N`` tokens and the dictionary at most ``n_max = max_size``
+rows, which the local names below call ``T`` and ``N``).  Plain Python loops over
 tokens, centroids and chunk keys; NumPy only for the arithmetic on one row at
 a time.  No matrix products, no sorting by ``argsort``, no ``np.add.at``: each
 step is the sentence of the contract it implements, so that
@@ -89,9 +91,11 @@ def ovq_attention_loop(q, k, v, *, max_size, chunk_size, beta=None, growth="plat
 
     Returns
     -------
-    out : ndarray, shape (T, d_v)
+    out : ndarray, shape (N, d_v)
+        For ``q, k`` of shape ``(N, d)`` and ``v`` of shape ``(N, d_v)``.
     state : LoopState
-        ``D_k``, ``D_v``, ``c``, ``n``, ``t`` after the last chunk.
+        ``D_k`` ``(n_max, d)``, ``D_v`` ``(n_max, d_v)``, ``c`` ``(n_max,)``,
+        ``n``, ``t`` after the last chunk; ``n_max`` is ``max_size``.
     """
     q, k, v, dtype = _check_qkv(q, k, v)
     beta = _check_options(max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, q.shape[1])
@@ -204,7 +208,7 @@ def vq_attention_loop(q, k, v, codebook, *, chunk_size, beta=None):
 
     Returns
     -------
-    ndarray, shape (T, d_v)
+    ndarray, shape (N, d_v)
     """
     q, k, v, dtype = _check_qkv(q, k, v)
     codebook = validation.as_float_array(codebook, "codebook", ndim=2)

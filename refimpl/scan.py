@@ -1,11 +1,11 @@
 r"""Normalised feature-map attention in linear time: the scan that linear attention and GMA share.
 
 Given nonnegative feature maps :math:`\Phi_Q` (``N_q x F``) and :math:`\Phi_K`
-(``N_k x F``) and values :math:`V` (``N_k x d_v``),
+(``N_k x F``) and values :math:`\mathbf V` (``N_k x d_v``),
 
 .. math::
 
-    O = D^{-1} A V,\qquad A = \Phi_Q\Phi_K^\top\ (\text{its lower triangle when causal}),
+    O = D^{-1} A\mathbf V,\qquad A = \Phi_Q\Phi_K^\top\ (\text{its lower triangle when causal}),
     \qquad D = \operatorname{diag}(A\mathbf 1 + \epsilon),
 
 computed without the ``N x N`` matrix.  Linear attention
@@ -13,27 +13,27 @@ computed without the ``N x N`` matrix.  Linear attention
 Gaussian-mixture attention (:mod:`refimpl.gma`) uses the responsibilities.
 The derivations are in ``docs/derivations/scan.md``; the results:
 
-* Bidirectional (``scan.md#bidirectional-form``): :math:`S = \Phi_K^\top V`, :math:`z = \Phi_K^\top\mathbf 1`,
+* Bidirectional (``scan.md#bidirectional-form``): :math:`S = \Phi_K^\top\mathbf V`, :math:`z = \Phi_K^\top\mathbf 1`,
   :math:`o_i = \phi^Q_i{}^\top S / (\phi^Q_i\cdot z + \epsilon)`.
 * Causal (``scan.md#the-chunked-causal-scan``), chunks of ``C`` tokens carrying :math:`(S, z)` from the chunks
-  before: :math:`O_c = (\Phi^Q_c S + \operatorname{tril}(\Phi^Q_c\Phi^{K\top}_c)V_c) /
+  before: :math:`O_c = (\Phi^Q_c S + \operatorname{tril}(\Phi^Q_c\Phi^{K\top}_c)\mathbf V_c) /
   (\Phi^Q_c z + \operatorname{tril}(\Phi^Q_c\Phi^{K\top}_c)\mathbf 1 + \epsilon)`,
-  then :math:`S \mathrel{+}= \Phi^{K\top}_c V_c`, :math:`z \mathrel{+}= \Phi^{K\top}_c\mathbf 1`.
+  then :math:`S \mathrel{+}= \Phi^{K\top}_c\mathbf V_c`, :math:`z \mathrel{+}= \Phi^{K\top}_c\mathbf 1`.
   Time :math:`O(N F d_v + N C (F + d_v))`, extra memory :math:`O(F d_v + C^2 + C F)`.
-  With a column of ones appended to each chunk's values, :math:`[V_c, \mathbf 1]`,
+  With a column of ones appended to each chunk's values, :math:`[\mathbf V_c, \mathbf 1]`,
   the products above carry :math:`[S, z]` and the denominators as one more
   value column, which halves the number of small products per chunk.
 * Backward (``scan.md#backward-bidirectional``, ``scan.md#the-chunked-backward``),
   with :math:`\tilde G = G/\text{den}` and
   :math:`\delta_i = -(G_i\cdot O_i)/\text{den}_i`:
   :math:`d\Phi_Q = \tilde G S^\top + \delta z^\top`, :math:`dS = \Phi_Q^\top\tilde G`,
-  :math:`dz = \Phi_Q^\top\delta`, :math:`d\Phi_K = V dS^\top + \mathbf 1 dz^\top`,
-  :math:`dV = \Phi_K dS`; causal: the same with forward prefix sums for
+  :math:`dz = \Phi_Q^\top\delta`, :math:`d\Phi_K = \mathbf V dS^\top + \mathbf 1 dz^\top`,
+  :math:`d\mathbf V = \Phi_K dS`; causal: the same with forward prefix sums for
   :math:`d\Phi_Q` and reverse prefix sums
   :math:`R_t = \sum_{j\ge t}\phi^Q_j\tilde g_j^\top`, :math:`r_t = \sum_{j\ge t}\phi^Q_j\delta_j`
   for :math:`d\phi^K_t = R_t v_t + r_t` and :math:`dv_t = R_t^\top\phi^K_t`,
   chunked like the forward (and, like it, with :math:`[\tilde G, \delta]` against
-  :math:`[V, \mathbf 1]`, so that :math:`[R, r]` is one running sum).
+  :math:`[\mathbf V, \mathbf 1]`, so that :math:`[R, r]` is one running sum).
 
 :func:`scan_forward` and :func:`scan_backward` are the cores (no validation,
 no raise; the caller checks the returned denominators);

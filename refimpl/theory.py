@@ -14,7 +14,7 @@ docstring states the results.
   :math:`\|x\| \le B_x`, with :math:`R = (B_x + B_\mu)/\sigma^2_{\min}`,
   :math:`\|J\|_2 \le \tfrac12\sqrt K R` (crude) and :math:`\|J\|_2 \le R`
   (K-free); the K-free constant sharpens to :math:`R/\sqrt2`, approached as
-  :math:`B_x \to 0` by two components :math:`\pm B e_1` at :math:`x = 0`, and
+  :math:`B_x \to 0` by two components :math:`\pm B_\mu e_1` at :math:`x = 0`, and
   since :math:`\tfrac12\sqrt K R \ge R/\sqrt2` for every :math:`K \ge 2`
   (equality at :math:`K = 2`) the crude bound never beats it.
   :func:`lipschitz_bounds` reports :math:`R` as ``k_free``;

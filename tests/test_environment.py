@@ -18,15 +18,20 @@ def _name(requirement: str) -> str:
     return PIP_TO_CONDA.get(name, name)
 
 
+def _pip_section(env) -> list[str]:
+    """environment.yml's pip lines: the project itself, and the packages conda-forge does not have."""
+    return next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+
+
 def test_environment_yml_lists_the_same_packages_as_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     pip_names = {_name(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]}
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     assert env["channels"] == ["conda-forge"]
-    conda = [d for d in env["dependencies"] if isinstance(d, str)]
-    conda_names = {_name(d) for d in conda} - {"python", "pip"}
+    conda = [d for d in env["dependencies"] if isinstance(d, str)] + _pip_section(env)
+    conda_names = {_name(d) for d in conda if not d.startswith("-")} - {"python", "pip"}
     assert conda_names == pip_names
-    pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    pip_section = _pip_section(env)
     assert any(line.endswith("-e .") for line in pip_section), "the project itself is installed by pip"
 
 
@@ -41,8 +46,8 @@ def test_lower_bounds_agree():
     pins = {_name(r): _bound(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]}
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     checked = 0
-    for dep in env["dependencies"]:
-        if isinstance(dep, str) and _name(dep) in pins:
+    for dep in [d for d in env["dependencies"] if isinstance(d, str)] + _pip_section(env):
+        if _name(dep) in pins:
             assert _bound(dep) == pins[_name(dep)], (dep, pins[_name(dep)])
             checked += 1
     assert checked == len(pins)

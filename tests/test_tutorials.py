@@ -9,7 +9,9 @@ For each one this module checks that
    unless the environment sets ``TUTORIAL_SMALL`` already (``TUTORIAL_SMALL=0``
    runs the full-size lessons), in a kernel of the Python running pytest, in
    ``tutorials/``, within ``TUTORIAL_TIMEOUT`` seconds per notebook (default
-   300).  A lesson's ``assert`` on a measured error fails this test.
+   300).  A lesson's ``assert`` on a measured error fails this test.  The
+   executed notebook is saved in ``docs/_build/executed/``, where
+   ``make docs-check`` finds its outputs (figures included) for the site.
 
 The kernel is ipykernel's own kernelspec for ``sys.executable``; kernelspecs
 installed elsewhere (``~/.local/share/jupyter``, other environments) are never
@@ -35,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TUTORIALS = ROOT / "tutorials"
 NOTEBOOKS = sorted(TUTORIALS.glob("[0-9][0-9]_*.ipynb"))
 SCRIPTS = sorted(TUTORIALS.glob("[0-9][0-9]_*.py"))
+EXECUTED = ROOT / "docs" / "_build" / "executed"  # read by docs/conf.py
 TIMEOUT_S = float(os.environ.get("TUTORIAL_TIMEOUT", "300"))
 
 SYNC_HINT = (
@@ -135,6 +138,8 @@ def test_notebook_runs(notebook, monkeypatch):
     )
     client.execute()
     seconds = time.monotonic() - start
+    EXECUTED.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, EXECUTED / notebook.name)
     print(f"{notebook.name}: executed in {seconds:.1f} s with TUTORIAL_SMALL={os.environ['TUTORIAL_SMALL']} "
           f"by {sys.executable}")
     assert seconds <= TIMEOUT_S, f"{notebook.name} took {seconds:.0f} s, more than TUTORIAL_TIMEOUT = {TIMEOUT_S:.0f} s"

@@ -16,6 +16,24 @@
 # %% [markdown]
 # # Lesson 1: GMM posteriors, computed to the last digit
 #
+# **You will learn to**
+#
+# - derive the posterior of a diagonal Gaussian mixture as a softmax of
+#   log-joints, and compute it with the per-row log-sum-exp so that it is
+#   finite for every input;
+# - explain why the quadratic form expanded into matrix products cancels,
+#   and measure its error against the model $(4+\sqrt d)\,u\,s_{ik}$;
+# - build the case where centring on the means is not enough (means spread
+#   far apart) and fix it by recomputing the few entries near the row maximum;
+# - implement the softplus-with-floor and softmax parameterisations and check
+#   them and their derivatives by central differences;
+# - check a library (scikit-learn) against an independent evaluation, and say
+#   where it is not a reference.
+#
+# **Before this lesson**: no earlier lesson. You need floating-point
+# arithmetic (machine epsilon, overflow and underflow, rounding to nearest),
+# Gaussian densities and Bayes' rule, and matrix products in NumPy.
+#
 # Everything in Gaussian Mixture Attention starts from one computation: the
 # posterior probability $\gamma_k(x) = p(z = k \mid x)$ that a point $x$ was
 # drawn by component $k$ of a Gaussian mixture with diagonal covariances.
@@ -45,10 +63,10 @@
 # `refimpl.gmm` against independent evaluations with `assert`s on the
 # measured errors.
 #
-# Notation: $u$ is the **machine epsilon** of the float type,
-# `np.finfo(dtype).eps`, the spacing of the numbers near 1: $2^{-52}\approx
-# 2.2\times10^{-16}$ in float64. Rounding to nearest changes a result by at
-# most $u/2$ relative.
+# Notation follows `docs/glossary.md`. In particular $u$ is the **machine
+# epsilon** of the float type, `np.finfo(dtype).eps`, the spacing of the
+# numbers near 1: $2^{-52}\approx 2.2\times10^{-16}$ in float64. Rounding to
+# nearest changes a result by at most $u/2$ relative.
 #
 # Sizes: set the environment variable `TUTORIAL_SMALL=1` (CI does) to run on
 # small arrays in a few seconds; by default the lesson runs at full size.
@@ -511,27 +529,20 @@ assert err_cx["scikit-learn"].max() > 0.1, (
 # s_{ik} = \big(\sqrt{a_{ik}} + \sqrt{c_k}\big)^2 \;\ge\; a_{ik} + 2|b_{ik}| + c_k .
 # $$
 #
-# Every floating-point operation changes its result by at most $u/2$ relative.
-# Counting them: each summand of $a$, $b$, $c$ is a product of three rounded
-# factors (the reciprocal $1/\sigma^2$, then two products: $3u/2$), the sums
-# add $d - 1$ roundings ($(d-1)u/2$), together $(d+2)u/2$ relative on each of
-# $a$, $2|b|$, $c$, hence $(d+2)\,u\,s/2$ on $q$; the two additions that
-# combine them add $u/2$ of at most $s$ each; and the rounded shift moves the
-# difference $\tilde x_j - \tilde\mu_j$ by at most $\tfrac u2(|\tilde x_j| + |\tilde\mu_j|)$,
-# which changes $q$ by at most $u\sqrt{q_{ik}s_{ik}}\le u\,s_{ik}$. In all, to
-# first order,
+# Counting the roundings of every operation bounds the error of the
+# expansion, to first order, by
 #
 # $$
-# |\hat q_{ik} - q_{ik}| \le \frac{d+6}{2}\,u\,s_{ik} .
+# |\hat q_{ik} - q_{ik}| \le \frac{d+6}{2}\,u\,s_{ik} ,
 # $$
 #
-# `refimpl.gmm` uses the model $(4 + \sqrt d)\,u\,s_{ik}$: the $\sqrt d$ is the
-# typical growth of a sum's rounding error (the errors of the $d$ additions
-# partly cancel), the worst case grows like $d/2$, and the two agree up to
-# $d = 7$; for $d = 3$ here the worst case, $4.5\,u\,s$, lies inside the model,
-# $5.7\,u\,s$. Evaluated from the differences, the same count gives
-# $\frac{d+3}{2}u\,q_{ik}\le(4+\sqrt d)\,u\,q_{ik}$ for the definition. The
-# two differ in what the error is relative to: the definition's error is
+# and that of the definition, evaluated from the differences, by
+# $\frac{d+3}{2}\,u\,q_{ik}$. `refimpl.gmm` uses the model
+# $(4 + \sqrt d)\,u\,s_{ik}$ (and $(4+\sqrt d)\,u\,q_{ik}$ for the
+# definition), which contains the worst case up to $d = 7$, so for $d = 3$
+# here. Why these bounds: `docs/floating_point.md`, section Lesson 1. The
+# expansion and the definition differ in what their error is relative to: the
+# definition's error is
 # relative to $q$ itself, the expansion's to $s$, and $s/q$ is the
 # cancellation factor, about $10^{15}$ at the midpoint of the close pair.
 # (Where the components sit close together and the data near them, as in the
@@ -645,18 +656,14 @@ plt.show()
 # $10^{17}$) and is left as it is. `refine=False` switches the recomputation
 # off: that is the centred expansion measured above.
 #
-# **The tolerance.** A logit error $\delta$ multiplies a responsibility by at
-# most $e^{\pm2\delta}$, so it moves a row by at most $2\delta$ relative to its
-# largest entry. The logits that matter are within $2048u$ of exact, or
-# recomputed with the definition's error, $\tfrac12(4+\sqrt d)\,u\,q_{ik}$.
-# The entries that share a posterior have logits within
-# $\log(K/(2048u))\approx 23$ of the row maximum; for these points their
-# distances are $q < 100$, where the definition's error is below $10^{-13}$
-# (measured and checked below). So every row is within
+# **The tolerance.** The logits that share a posterior are exact to
+# $2048u$, or recomputed with the definition's own error, small while their
+# distances $q$ stay below 100 (checked below), so every row is within
 # $2\times2048u\approx9.1\times10^{-13}$ of the reference: we assert
-# $10^{-12}$ for `refimpl.gmm`, on the counterexample and at every spread,
-# and that the centred expansion does not meet it once the spread exceeds
-# $10^3$ standard deviations.
+# $10^{-12}$ for `refimpl.gmm`, on the counterexample and at every spread, and
+# that the centred expansion misses it once the spread exceeds $10^3$
+# standard deviations. Why this tolerance: `docs/floating_point.md`, section
+# Lesson 1.
 
 # %%
 def q_sharing(x, means, variances, weights):
@@ -889,3 +896,110 @@ assert err_sklearn_adv > 0.1, (
 # Next: GMA uses these posteriors as the rows of $\Gamma_Q$ and $\Gamma_K$
 # (lesson 2), and lesson 7 returns to the mixture itself: fitting it by EM,
 # which is a Newton method.
+
+# %% [markdown]
+# ## Exercises
+#
+# Four exercises, graded ★ warm-up, ★★ core, ★★★ stretch. Each has a cell
+# for your answer and a check cell after it; until you answer, the check
+# prints that the exercise is not done yet, and a wrong answer raises an
+# `AssertionError` that says what is wrong. Each exercise runs on its own
+# after the first code cell of the lesson (the imports). Worked solutions are
+# in `tutorials/solutions/lesson_01.py`: try first.
+
+# %%
+from _course import check  # noqa: E402  (the exercises come after the lesson)
+
+# %% [markdown]
+# ### Exercise 1.1 ★ Log-sum-exp with the per-row maximum
+#
+# Write `logsumexp_rows(a)`: for an array `a` of shape `(N, K)`, return the
+# `(N,)` array of $\log\sum_k e^{a_{ik}}$. The check feeds rows of size up to
+# $10^{300}$, rows of very different scales in one array, and entries
+# $-\infty$ (a component of weight 0); it compares with SciPy's `logsumexp`
+# to $8u$ relative. Section 2, "Log-sum-exp with the per-row maximum", has
+# the argument; do not call `special.logsumexp` or `gmm.logsumexp`.
+
+# %%
+def logsumexp_rows(a):
+    """log sum_k exp(a[i, k]) for each row i of a (N, K); returns shape (N,)."""
+    raise NotImplementedError("exercise 1.1")
+
+
+# %%
+check("1.1", logsumexp_rows)
+
+# %% [markdown]
+# ### Exercise 1.2 ★★ Responsibilities that never overflow
+#
+# Write `stable_responsibilities(x, means, variances, weights)`: the
+# posterior $\gamma_k(x_i)$ as an `(N, K)` array, for `x` of shape `(N, d)`,
+# `means` and `variances` `(K, d)`, `weights` `(K,)`. It must stay finite and
+# accurate where `naive_responsibilities` of section 1 returns `nan`: points
+# 40 standard deviations from every component, and $\sigma^2 = 10^{-8}$ in
+# $d = 100$, mixed with ordinary points in one array. Work with the log-joint
+# $\ell_k$ of section 1 (all of its terms) and normalise each row with the
+# per-row maximum; form the differences $x - \mu$ first (the arrays are
+# small). Without `gmm.responsibilities`, of course.
+
+# %%
+def stable_responsibilities(x, means, variances, weights):
+    """The posterior gamma (N, K) of the diagonal mixture, finite for every input."""
+    raise NotImplementedError("exercise 1.2")
+
+
+# %%
+check("1.2", stable_responsibilities)
+
+# %% [markdown]
+# ### Exercise 1.3 ★★ Build the spread-means failure case
+#
+# Construct a mixture and points on which centring on the mean of the means
+# is not enough: set `spread_failure_case = (x, means, variances, weights)`
+# with shapes `(N, d)`, `(K, d)`, `(K, d)`, `(K,)`, $N \le 2000$,
+# $2 \le K \le 20$, $d \le 10$. The check requires that the problem is well
+# posed (the definition in float64 and `gmm.responsibilities` agree with an
+# extended-precision reference to $10^{-12}$ per row) and that the centred
+# expansion (`gmm.log_joint(..., refine=False)`, then a softmax) is wrong by
+# more than $0.1$ of the largest entry in some row. Hints: section 3, "Centring
+# is not enough: means far apart". Make the terms $s_{ik}$ huge while the
+# distances $q_{ik}$ that decide a posterior stay small, so that $s/q$ is
+# about $10^{15}$. Why does the adversarial mixture of section 2, with every
+# mean near $10^4$, not qualify?
+
+# %%
+spread_failure_case = ...
+
+# %%
+check("1.3", spread_failure_case)
+
+# %% [markdown]
+# ### Exercise 1.4 ★★★ Fix it: choose the entries to recompute
+#
+# Write `entries_to_recompute(x, means, variances, weights)`, returning an
+# `(N, K)` boolean mask of the logits to recompute from the differences
+# $x_i - \mu_k$. The check evaluates the centred expansion, replaces the
+# flagged logits by the definition and takes the softmax. It must be
+# **accurate**: every row within $10^{-12}$ of the reference, on the lesson's
+# counterexample, on pairs of components spread up to $10^8$ standard
+# deviations apart, and on the counterexample crowded with four more
+# components about 100 standard deviations from the close pair. It must be
+# **frugal**: nothing flagged on a well-scaled mixture, and no flagged entry
+# more than 50 below its row maximum.
+#
+# Follow "The fix" in section 3: compute $a_{ik}$, $c_k$ and the expansion's
+# $\hat q_{ik}$ and logits $\hat\ell_{ik}$ yourself, the error bound
+# $e_{ik} = \tfrac12(4 + \sqrt d)\,u\,s_{ik}$, and flag an entry when it may
+# be spoiled ($e_{ik} > 2048u$ and $s_{ik} > 16\,\hat q_{ik}$) and may lie
+# near its row maximum (within $\log(K/(2048u))$ of
+# $\max_m(\hat\ell_{im} - e_{im})$, allowing for its own error $e_{ik}$).
+# Which of the two conditions does the crowded counterexample test?
+
+# %%
+def entries_to_recompute(x, means, variances, weights):
+    """Boolean mask (N, K): the logits that cancellation may have spoiled and that may lie near their row maximum."""
+    raise NotImplementedError("exercise 1.4")
+
+
+# %%
+check("1.4", entries_to_recompute)

@@ -14,7 +14,26 @@
 # ---
 
 # %% [markdown]
-# # Lesson 2: Gaussian Mixture Attention, a rank-$K$ affinity in linear time
+# # Lesson 2: Gaussian Mixture Attention, a rank-K affinity in linear time
+#
+# **You will learn to**
+#
+# - derive GMA's write-then-read form from the normalised quadratic form
+#   $D^{-1}A\mathbf V$ by associativity, and implement it without the
+#   $N\times N$ matrix;
+# - explain the implicit affinity $A = \Gamma_Q\Gamma_K^\top$: its entries
+#   are probabilities, its rank is at most $K$, and it is positive
+#   semidefinite when queries are keys;
+# - check that every output is a mixture of $K$ slot means, and explain how
+#   the guard $\epsilon$ pulls a query with little key mass towards the origin;
+# - measure peak memory and time of GMA against the explicit form as $N$ grows;
+# - derive the collapse of an isotropic router to a linear softmax, and what
+#   per-component diagonal variances add.
+#
+# **Before this lesson**: lesson 1 (responsibilities, computed stably). You
+# need linear algebra (matrix products and their cost, rank, singular values,
+# positive semidefinite matrices), elementary probability (independent draws)
+# and floating-point rounding (machine epsilon).
 #
 # Softmax attention compares every query with every key: an $N \times N$
 # matrix, $O(N^2)$ time and memory. Gaussian Mixture Attention (GMA) compares
@@ -24,11 +43,13 @@
 # matrices $\Gamma_Q$ and $\Gamma_K$, and the output is
 #
 # $$
-# \tilde V = \Gamma_K^\top V, \qquad Z = \Gamma_K^\top \mathbf 1, \qquad
+# \tilde V = \Gamma_K^\top \mathbf V, \qquad Z = \Gamma_K^\top \mathbf 1, \qquad
 # O = \frac{\Gamma_Q \tilde V}{\Gamma_Q Z + \epsilon} \quad\text{(row by row)} .
 # $$
 #
-# **Notation.** $\epsilon$ is the guard that keeps the denominators positive
+# **Notation** follows `docs/glossary.md`: $\mathbf V$ is the value matrix
+# ($N\times d_v$, rows $v_j$), $\Gamma_Q$, $\Gamma_K$ the responsibilities
+# ($N\times K$). $\epsilon$ is the guard that keeps the denominators positive
 # (the `eps=1e-6` argument of `refimpl`); it is part of the definition of
 # GMA. Machine epsilon $u = 2^{-52} \approx 2.2\times10^{-16}$
 # (`np.finfo(np.float64).eps`) is the size of a relative rounding error in
@@ -38,7 +59,7 @@
 #
 # **The claims of this lesson.**
 #
-# 1. This is the normalised quadratic form $O = D^{-1} A V$ with the
+# 1. This is the normalised quadratic form $O = D^{-1} A \mathbf V$ with the
 #    *implicit affinity* $A = \Gamma_Q \Gamma_K^\top$ and
 #    $D = \operatorname{diag}(A\mathbf 1 + \epsilon)$; associativity of the
 #    matrix product computes it without ever forming $A$, in
@@ -74,7 +95,7 @@ from scipy.spatial import ConvexHull
 from refimpl import gma, gmm, theory
 
 SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
-U_MACH = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16 (not the guard eps = 1e-6)
+U = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16 (not the guard eps = 1e-6)
 print(f"small sizes: {SMALL}")
 
 # %% [markdown]
@@ -156,7 +177,7 @@ plt.show()
 # \sum_j \sum_k \gamma^Q_{ik}\gamma^K_{jk} = \sum_k \gamma^Q_{ik} \underbrace{\sum_j \gamma^K_{jk}}_{Z_k} .
 # $$
 #
-# In matrix form, $(\Gamma_Q\Gamma_K^\top)V = \Gamma_Q(\Gamma_K^\top V)$ and
+# In matrix form, $(\Gamma_Q\Gamma_K^\top)\mathbf V = \Gamma_Q(\Gamma_K^\top \mathbf V)$ and
 # $(\Gamma_Q\Gamma_K^\top)\mathbf 1 = \Gamma_Q(\Gamma_K^\top \mathbf 1)$.
 # The left sides cost $O(N^2(K + d_v))$ time and an $N\times N$ array; the
 # right sides cost $O(NK d_v)$ time and a $K \times d_v$ array. The
@@ -186,7 +207,7 @@ out_refimpl = gma.gma(x_q, x_k, v_toy, means, variances, weights)
 out_oracle = gma.gma_dense(gamma_q, gamma_k, v_toy)
 
 # rounding model (see the text below): |difference| <= 4 (N + K + 1) u max|v|, u = machine epsilon
-tol_assoc = 4 * (N_toy + K + 1) * U_MACH * np.max(np.abs(v_toy))
+tol_assoc = 4 * (N_toy + K + 1) * U * np.max(np.abs(v_toy))
 errs = {
     "write/read vs explicit D^-1 A V": np.max(np.abs(out_write_read - out_explicit)),
     "refimpl gma vs explicit": np.max(np.abs(out_refimpl - out_explicit)),
@@ -198,19 +219,10 @@ assert max(errs.values()) <= tol_assoc
 
 # %% [markdown]
 # **Why this tolerance.** The two orders of summation round differently, so
-# they agree only to rounding; the question is how much. For a sum of
-# products, the classical bound (Higham, *Accuracy and Stability of Numerical
-# Algorithms*, §3.1) is $|\mathrm{fl}(\sum_l a_l b_l) - \sum_l a_l b_l| \le n\,u
-# \sum_l |a_l b_l|$ to first order, for $n$ terms, with machine epsilon $u$.
-# Every term here is a nonnegative weight times a value, so both the
-# numerator and the denominator of $o_i$ carry an error of at most
-# $(N + K)\,u \sum_j A_{ij}|v_j|
-# \le (N+K)\,u\,\mathrm{den}_i \max|v|$ (the explicit form sums $K$
-# terms into $A_{ij}$, then $N$ terms; the factored one $N$, then $K$). After
-# the division each computed $o_i$ is within about $2(N+K+1)\,u\max|v|$
-# of the exact one, so two computations are within twice that. The measured
-# errors sit far below this worst case, as rounding errors of random sign
-# usually do (they add like a random walk, $\sim\sqrt n\,u$).
+# they agree only to rounding: each computed $o_i$ is within about
+# $2(N+K+1)\,u\max|v|$ of the exact one, and two computations within twice
+# that; the measured errors sit far below this worst case. Why this
+# tolerance: `docs/floating_point.md`, section Lesson 2.
 #
 # Both refimpl functions also agree with the three-line version: `gma.gma`
 # computes the responsibilities itself from $(X_Q, X_K)$ and the GMM, and
@@ -258,7 +270,7 @@ plt.show()
 # the diagonal of the $K \times K$ joint law of $(z_i, z_j)$
 # (`theory.affinity_by_enumeration`, which never uses the dot product), and by
 # Monte Carlo (`theory.affinity_by_sampling`): the frequency of $z_i = z_j$ in
-# $n$ draws has standard error $\sqrt{A_{ij}(1-A_{ij})/n} \le 0.5/\sqrt n$; we
+# $n_{\mathrm{mc}}$ draws has standard error $\sqrt{A_{ij}(1-A_{ij})/n_{\mathrm{mc}}} \le 0.5/\sqrt{n_{\mathrm{mc}}}$; we
 # allow six of those.
 
 # %%
@@ -269,8 +281,8 @@ err_mc = np.max(np.abs(theory.affinity(sub_q, sub_k) - theory.affinity_by_sampli
 print(f"entries of A in [{A.min():.2e}, {A.max():.4f}]")
 print(f"A vs enumeration of the joint law: {err_enum:.1e}")
 print(f"A vs Monte Carlo, {n_mc} draws:    {err_mc:.1e}   (6 standard errors: {6 * 0.5 / np.sqrt(n_mc):.1e})")
-assert A.min() >= 0 and A.max() <= 1 + 4 * K * U_MACH  # rows of Gamma sum to 1 within a few u
-assert err_enum <= 4 * K * U_MACH  # two sums of K products of numbers in [0, 1], added in different orders
+assert A.min() >= 0 and A.max() <= 1 + 4 * K * U  # rows of Gamma sum to 1 within a few u
+assert err_enum <= 4 * K * U  # two sums of K products of numbers in [0, 1], added in different orders
 assert err_mc <= 6 * 0.5 / np.sqrt(n_mc)
 
 # %% [markdown]
@@ -308,9 +320,9 @@ for K_r, seed in ((8, 2), (20, 3)):
           f"sigma_(K+1) / sigma_1 = {sv[K_r] / sv[0]:.1e}; min eigenvalue of Gamma Gamma^T / max = {eig[0] / eig[-1]:.1e}")
     assert rank <= K_r
     assert rank == K_r  # and not lower: the threshold does not hide real singular values
-    assert sv[K_r] / sv[0] < N_r * U_MACH  # everything beyond K is below matrix_rank's threshold
-    assert eig[0] >= -N_r * U_MACH * eig[-1]
-ax.axhline(N_r * U_MACH, color="gray", ls=":", label=r"threshold $N u$ ($u$ = machine epsilon)")
+    assert sv[K_r] / sv[0] < N_r * U  # everything beyond K is below matrix_rank's threshold
+    assert eig[0] >= -N_r * U * eig[-1]
+ax.axhline(N_r * U, color="gray", ls=":", label=r"threshold $N u$ ($u$ = machine epsilon)")
 ax.set(xscale="log", xlabel="index", ylabel=r"$\sigma_i / \sigma_1$", title="singular values of $A$: at most K are not rounding noise")
 ax.legend()
 plt.show()
@@ -370,7 +382,7 @@ def signed_distance(points, hull):
 
 hull = ConvexHull(v2)
 outside = np.max(signed_distance(out0, hull))
-tol_hull = 4 * (N_toy + K + 1) * U_MACH * np.max(np.abs(v2))  # the rounding model of section 2
+tol_hull = 4 * (N_toy + K + 1) * U * np.max(np.abs(v2))  # the rounding model of section 2
 err_slots = np.max(np.abs(w_mix @ slots - out0))
 deficit = 1 - w_mix_eps.sum(axis=1)  # the weight that goes to the origin when eps = 1e-6
 err_sum = np.max(np.abs(deficit - 1e-6 / (den + 1e-6)))
@@ -380,8 +392,8 @@ print(f"eps = 1e-6: 1 - row sums of W from {deficit.min():.1e} to {deficit.max()
 print(f"eps = 0: largest signed distance of an output outside the hull: {outside:.1e} "
       f"(negative = inside; tolerance {tol_hull:.1e})")
 assert np.all(w_mix >= 0)
-assert err_slots <= tol_hull and err_sum <= 4 * U_MACH
-assert np.all(deficit > 4 * U_MACH)  # with eps > 0 every row of W sums to less than one, beyond rounding
+assert err_slots <= tol_hull and err_sum <= 4 * U
+assert np.all(deficit > 4 * U)  # with eps > 0 every row of W sums to less than one, beyond rounding
 assert outside <= tol_hull
 
 # keys of the first segment only, queries of the third: components 3 and 4 hold almost no key mass
@@ -391,7 +403,7 @@ hull_first_and_0 = ConvexHull(np.vstack([v2[first], np.zeros((1, 2))]))
 out_far0 = gma.gma(x_q[third], x_k[first], v2[first], means, variances, weights, eps=0.0)
 out_far = gma.gma(x_q[third], x_k[first], v2[first], means, variances, weights, eps=1e-6)
 den_far = gamma_q[third] @ gamma_k[first].sum(axis=0)
-tol_far = 4 * (int(first.sum()) + K + 1) * U_MACH * np.max(np.abs(v2[first]))
+tol_far = 4 * (int(first.sum()) + K + 1) * U * np.max(np.abs(v2[first]))
 dist_far0 = signed_distance(out_far0, hull_first)  # eps = 0: inside the hull of the values
 dist_far = signed_distance(out_far, hull_first)  # eps > 0: ...
 dist_far_with_0 = signed_distance(out_far, hull_first_and_0)  # ... inside the hull of the values and the origin
@@ -522,17 +534,17 @@ time_gma = [best_time(lambda: run_gma(*args), 5) for args in inputs_gma]
 peak_dense = [traced_peak(lambda: run_dense(*args)) for args in inputs]
 time_dense = [best_time(lambda: run_dense(*args), 3 if n <= 2048 else 1) for n, args in zip(Ns, inputs)]
 for n, args in zip(Ns, inputs):
-    assert np.max(np.abs(run_gma(*args) - run_dense(*args))) <= 4 * (n + K_c + 1) * U_MACH * np.max(np.abs(args[2]))
+    assert np.max(np.abs(run_gma(*args) - run_dense(*args))) <= 4 * (n + K_c + 1) * U * np.max(np.abs(args[2]))
 peak_gma, peak_dense = np.array(peak_gma, float), np.array(peak_dense, float)
 time_gma, time_dense = np.array(time_gma), np.array(time_dense)
 
 fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.2))
-ax0.loglog(Ns, peak_dense / 2**20, "o-", label="explicit $D^{-1}AV$")
+ax0.loglog(Ns, peak_dense / 2**20, "o-", label=r"explicit $D^{-1}A\mathbf{V}$")
 ax0.loglog(Ns_gma, peak_gma / 2**20, "s-", label="GMA (write, read)")
 ax0.loglog(Ns, 8.0 * Ns**2 / 2**20, "k:", label=r"one $N\times N$ float64 array")
 ax0.set(xlabel="sequence length $N$", ylabel="peak memory (MiB)", title="memory")
 ax0.legend()
-ax1.loglog(Ns, time_dense, "o-", label="explicit $D^{-1}AV$")
+ax1.loglog(Ns, time_dense, "o-", label=r"explicit $D^{-1}A\mathbf{V}$")
 ax1.loglog(Ns_gma, time_gma, "s-", label="GMA (write, read)")
 ax1.set(xlabel="sequence length $N$", ylabel="seconds (best of several)", title="time")
 ax1.legend()
@@ -634,10 +646,10 @@ assert peak_dense[-1] >= 8.0 * Ns[-1] ** 2 > 10 * peak_gma[i_c]
 # separated by straight lines. With per-component diagonal variances the term
 # $-\tfrac12\sum_j x_j^2/\sigma^2_{kj}$ differs between components and the
 # log-odds $\ell_k - \ell_m$ are **quadratic** in $x$: along a line
-# $x(t) = x_0 + t\,d$,
+# $x(t) = x_0 + t\,y$,
 #
 # $$
-# \frac{d^2}{dt^2}\big(\ell_k - \ell_m\big) = -\sum_j d_j^2\Big(\frac{1}{\sigma^2_{kj}} - \frac{1}{\sigma^2_{mj}}\Big),
+# \frac{d^2}{dt^2}\big(\ell_k - \ell_m\big) = -\sum_j y_j^2\Big(\frac{1}{\sigma^2_{kj}} - \frac{1}{\sigma^2_{mj}}\Big),
 # $$
 #
 # a constant, zero in the isotropic case. A quadratic has an exact second
@@ -648,8 +660,9 @@ assert peak_dense[-1] >= 8.0 * Ns[-1] ** 2 > 10 * peak_gma[i_c]
 # each; we allow $16\,u\max|\ell|$.
 
 # %%
-def log_odds_curvature(x0, d, means, variances, weights, k, m, h=1.0):
-    pts = np.stack([x0 - h * d, x0, x0 + h * d])
+def log_odds_curvature(x0, y, means, variances, weights, k, m, h=1.0):
+    """Second difference of log gamma_k - log gamma_m along x0 + t y, step h; and the size of the log-responsibilities."""
+    pts = np.stack([x0 - h * y, x0, x0 + h * y])
     lr = gmm.log_responsibilities(pts, means, variances, weights)
     f = lr[:, k] - lr[:, m]
     return (f[0] - 2 * f[1] + f[2]) / h**2, np.max(np.abs(lr))
@@ -659,18 +672,18 @@ iso_var = np.full_like(variances, 0.5)
 r6 = np.random.default_rng(6)
 worst_diag, worst_iso, worst_softmax = 0.0, 0.0, 0.0
 for _ in range(20):
-    x0, d = r6.normal(size=2), r6.normal(size=2)
+    x0, y = r6.normal(size=2), r6.normal(size=2)
     k, m = r6.choice(K, size=2, replace=False)
-    curv, size = log_odds_curvature(x0, d, means, variances, weights, k, m)
-    predicted = -np.sum(d**2 * (1 / variances[k] - 1 / variances[m]))
-    worst_diag = max(worst_diag, abs(curv - predicted) / (16 * U_MACH * size))
-    curv_iso, size_iso = log_odds_curvature(x0, d, means, iso_var, weights, k, m)
-    worst_iso = max(worst_iso, abs(curv_iso) / (16 * U_MACH * size_iso))
+    curv, size = log_odds_curvature(x0, y, means, variances, weights, k, m)
+    predicted = -np.sum(y**2 * (1 / variances[k] - 1 / variances[m]))
+    worst_diag = max(worst_diag, abs(curv - predicted) / (16 * U * size))
+    curv_iso, size_iso = log_odds_curvature(x0, y, means, iso_var, weights, k, m)
+    worst_iso = max(worst_iso, abs(curv_iso) / (16 * U * size_iso))
 # the linear router against the GMM posterior, on a grid
 grid = np.stack(np.meshgrid(np.linspace(-5, 5, 60), np.linspace(-5, 5, 60)), -1).reshape(-1, 2)
 logits_iso = theory.isotropic_router_logits(grid, means, 0.5, weights)
 err_router = np.max(np.abs(gmm.softmax(logits_iso, axis=1) - gmm.responsibilities(grid, means, iso_var, weights)))
-tol_router = 16 * U_MACH * np.max(np.abs(logits_iso))
+tol_router = 16 * U * np.max(np.abs(logits_iso))
 print(f"diagonal: curvature of the log-odds vs formula, worst / tolerance = {worst_diag:.3f}")
 print(f"isotropic: curvature of the log-odds, worst / tolerance          = {worst_iso:.3f}")
 print(f"softmax(x mu^T / s^2 + b) vs GMM posterior: {err_router:.1e} (tolerance {tol_router:.1e})")
@@ -702,8 +715,8 @@ plt.show()
 #
 # | claim | measured | allowed |
 # |---|---|---|
-# | write/read $=$ explicit $D^{-1}AV$ (and `gma.gma`, `gma.gma_dense`) | $\sim 10^{-16}$ | $4(N+K+1)\,u\max\lvert v\rvert$ |
-# | $A_{ij} = P(z_i = z_j)$: enumeration, Monte Carlo | $\sim 10^{-17}$; within 6 s.e. | $4K u$; $3/\sqrt n$ |
+# | write/read $=$ explicit $D^{-1}A\mathbf V$ (and `gma.gma`, `gma.gma_dense`) | $\sim 10^{-16}$ | $4(N+K+1)\,u\max\lvert v\rvert$ |
+# | $A_{ij} = P(z_i = z_j)$: enumeration, Monte Carlo | $\sim 10^{-17}$; within 6 s.e. | $4K u$; $3/\sqrt{n_{\mathrm{mc}}}$ |
 # | $0 \le A_{ij} \le 1$, $\operatorname{rank} A \le K$, PSD if $X_Q = X_K$ | exact rank $K$; $\sigma_{K+1}/\sigma_1 \sim 10^{-17}$ | $N u$ |
 # | outputs $=$ $W M$, inside the hull of the values ($\epsilon = 0$) | $\sim 10^{-16}$ | rounding model |
 # | with $\epsilon = 10^{-6}$: rows of $W$ sum to $1 - \epsilon/(\gamma^Q_i\cdot Z + \epsilon) < 1$; outputs in the hull of the values and $0$, not of the values alone | $\sim 10^{-16}$; outside the values' hull by up to $0.8$ ($2$ at small sizes) | $4u$; rounding model; $> 0.1\,\mathrm{range}(v)$ |
@@ -714,3 +727,99 @@ plt.show()
 # machine-dependent), and causality. Lesson 3 makes GMA causal with prefix
 # sums and shows that it is then exactly causal linear attention with the
 # responsibilities as feature map.
+
+# %% [markdown]
+# ## Exercises
+#
+# Four exercises, graded ★ warm-up, ★★ core, ★★★ stretch. Each has a cell
+# for your answer and a check cell after it; until you answer, the check
+# prints that the exercise is not done yet, and a wrong answer raises an
+# `AssertionError` that says what is wrong. Each exercise runs on its own
+# after the first code cell of the lesson (the imports). Worked solutions are
+# in `tutorials/solutions/lesson_02.py`: try first.
+
+# %%
+from _course import check  # noqa: E402  (the exercises come after the lesson)
+
+# %% [markdown]
+# ### Exercise 2.1 ★ One row of the attention, without the N x N matrix
+#
+# Write `attention_row(gamma_q, gamma_k, i, eps)`: row $i$ of $D^{-1}A$, the
+# weights with which query $i$ reads the keys, as an array of shape `(N_k,)`,
+# for `gamma_q` of shape `(N_q, K)` and `gamma_k` of shape `(N_k, K)`. It must
+# cost $O(N_k K)$: the check runs it at $N = 4000$ and measures its peak
+# memory, where an $N \times N$ matrix would take 122 MiB. Hints: section 2
+# (exchange the sums) and section 3 (what row $i$ of $D^{-1}A$ is).
+
+# %%
+def attention_row(gamma_q, gamma_k, i, eps=1e-6):
+    """Row i of D^-1 A, A = gamma_q gamma_k^T, D = diag(A 1 + eps): shape (N_k,)."""
+    raise NotImplementedError("exercise 2.1")
+
+
+# %%
+check("2.1", attention_row)
+
+# %% [markdown]
+# ### Exercise 2.2 ★★ Slot means and mixing weights
+#
+# Write `slots_and_weights(gamma_q, gamma_k, v, eps)`, returning the pair
+# `(W, M)`: the slot means $M$ (`(K, d_v)`, row $k$ the weighted average
+# $m_k = \tilde V_k / Z_k$ of the values) and the mixing weights $W$
+# (`(N_q, K)`) with $O = W M$. The check compares $M$ with the weighted
+# averages written out, $W M$ with the explicit $D^{-1}A\mathbf V$, and the
+# row sums of $W$ with $1 - \epsilon/(\gamma^Q_i\cdot Z + \epsilon)$, for
+# $\epsilon = 10^{-6}$ and for $\epsilon = 0.5$. Section 4 has the
+# derivation. Why is "$W M$ equals the output" alone not enough to pin down
+# $W$ and $M$?
+
+# %%
+def slots_and_weights(gamma_q, gamma_k, v, eps=1e-6):
+    """(W, M): mixing weights (N_q, K) and slot means (K, d_v) with W @ M = GMA's output."""
+    raise NotImplementedError("exercise 2.2")
+
+
+# %%
+check("2.2", slots_and_weights)
+
+# %% [markdown]
+# ### Exercise 2.3 ★★ The isotropic router is linear
+#
+# When every component has the same variance $\sigma^2$ in every coordinate,
+# section 6 shows that the posterior is the softmax of a linear function of
+# $x$. Write `isotropic_router(means, variance, weights)`, returning `(R, b)`
+# with `R` of shape `(d, K)` and `b` of shape `(K,)`, such that
+# `softmax(x @ R + b)` is the posterior of the mixture with `variances`
+# equal to `variance` everywhere. Derive it before you code it: which terms
+# of $\ell_k(x)$ are common to all $k$ and cancel in the softmax?
+
+# %%
+def isotropic_router(means, variance, weights):
+    """(R, b): R (d, K) and b (K,) with softmax(x @ R + b) = the isotropic GMM's posterior."""
+    raise NotImplementedError("exercise 2.3")
+
+
+# %%
+check("2.3", isotropic_router)
+
+# %% [markdown]
+# ### Exercise 2.4 ★★★ The size of A without forming it
+#
+# The Frobenius norm $\|A\|_F = (\sum_{ij}A_{ij}^2)^{1/2}$ of the implicit
+# affinity measures how much the queries and keys share components. Write
+# `affinity_norm(gamma_q, gamma_k)`, returning it as one float, in
+# $O(NK^2)$ time and without any $N \times N$ (or $N_q \times N_k$) array: the
+# check compares with the dense sum at small sizes and measures your peak
+# memory at $N = 4000$. Hint: write $\|A\|_F^2 = \operatorname{tr}(A^\top A)$,
+# substitute $A = \Gamma_Q\Gamma_K^\top$, and use the cyclic property of the
+# trace to put the brackets where section 2 puts them. Can you also say why
+# the result is at most $\|\Gamma_Q\|_F\,\|\Gamma_K\|_F$?
+
+# %%
+def affinity_norm(gamma_q, gamma_k):
+    """||gamma_q gamma_k^T||_F, without forming the N_q x N_k matrix: a float."""
+    raise NotImplementedError("exercise 2.4")
+
+
+# %%
+check("2.4", affinity_norm)

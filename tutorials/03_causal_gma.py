@@ -25,6 +25,24 @@
 # \qquad A_{tj} = \gamma^Q_t\cdot\gamma^K_j .
 # $$
 #
+# Notation follows `docs/glossary.md`.
+#
+# **You will learn to**
+#
+# - derive the prefix sums $S_t$, $z_t$ that turn causal GMA into a recurrence
+#   with a state of constant size;
+# - implement the token recurrence and the chunked scan, and check both
+#   against the explicit $\operatorname{tril}(A)$ form to rounding;
+# - measure the peak memory of three implementations and explain why the
+#   `cumsum` vectorisation loses to the quadratic form;
+# - count the multiply-adds of the chunked scan exactly, for any chunk size;
+# - explain why causal GMA is causal linear attention with the
+#   responsibilities as feature map.
+#
+# **Before this lesson**: lesson 2 (GMA, the exchange of sums, the guard
+# $\epsilon$). From outside: matrix products and their cost, prefix sums,
+# floating-point rounding (the model of `docs/floating_point.md`).
+#
 # **The claims of this lesson.**
 #
 # 1. The same exchange of sums as in lesson 2 turns this into *prefix sums*
@@ -41,7 +59,7 @@
 #    and the $C\times C$ blocks). Given the responsibilities, the scan itself
 #    allocates only $8(d_v + 1)$ bytes per token (its output and its
 #    denominators) plus a working set independent of $N$. Its inputs
-#    $\Gamma_Q$, $\Gamma_K$, $V$ are not part of that count; with them, and
+#    $\Gamma_Q$, $\Gamma_K$, $\mathbf V$ are not part of that count; with them, and
 #    with the responsibilities computed from the routing vectors, the memory
 #    of causal GMA grows like $N(K + d_v)$: $8(2K + d_v + 1)$ bytes per token
 #    allocated by the computation, plus the inputs.
@@ -53,8 +71,8 @@
 #
 # Every equality is asserted to rounding. As in lesson 2, $\epsilon$ is the
 # guard of the denominators (`eps=1e-6`), and machine epsilon
-# $u = 2.2\times10^{-16}$ (float64) sets the tolerances; the two are
-# unrelated. `TUTORIAL_SMALL=1` (set by CI) runs on small arrays; the default
+# $u = 2.2\times10^{-16}$ (float64, `U` in the code) sets the tolerances; the
+# two are unrelated. `TUTORIAL_SMALL=1` (set by CI) runs on small arrays; the default
 # is full size.
 
 # %%
@@ -68,13 +86,16 @@ import numpy as np
 from refimpl import attention, gma, gmm, scan
 
 SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
-U_MACH = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16 (not the guard eps = 1e-6)
+U = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16 (not the guard eps = 1e-6)
 print(f"small sizes: {SMALL}")
 
 # %% [markdown]
 # A random problem: $K = 8$ components in $d_r = 4$, values of dimension
 # $d_v = 5$, and a sequence length that is *not* a multiple of the default
-# chunk size 64, nor of any power of two.
+# chunk size 64, nor of any power of two. Every equality below is checked to
+# $4(N + K + 1)\,u\max|v|$, the rounding model of lesson 2: two orders of
+# summation of terms that are nonnegative weights times values. Why this
+# tolerance: `docs/floating_point.md`, section Lesson 3.
 
 # %%
 rng = np.random.default_rng(0)
@@ -89,7 +110,7 @@ gamma_k = gmm.responsibilities(x_k, means, variances, weights)
 # the explicit causal form: tril(A), then D^-1 A V (the oracle; O(N^2))
 out_tril = gma.gma_dense(gamma_q, gamma_k, v, causal=True)
 # rounding model of lesson 2: two orders of summation of at most N + K nonnegative-weighted terms
-tol = 4 * (N + K + 1) * U_MACH * np.max(np.abs(v))
+tol = 4 * (N + K + 1) * U * np.max(np.abs(v))
 print(f"N = {N}, tolerance for equalities: {tol:.1e} = {tol / np.max(np.abs(v)):.1e} max|v|")
 
 # %% [markdown]
@@ -188,12 +209,12 @@ assert err_cumsum <= tol
 # form, and the chunked scan of `refimpl` (next section), all from the same
 # responsibilities. What is counted: the peak of what one call allocates, as
 # `tracemalloc` sees it (NumPy reports its array buffers to it). What is not:
-# the inputs $\Gamma_Q$, $\Gamma_K$ ($2NK$ numbers) and $V$ ($N d_v$), which
+# the inputs $\Gamma_Q$, $\Gamma_K$ ($2NK$ numbers) and $\mathbf V$ ($N d_v$), which
 # exist before tracing starts. A fourth curve counts them in the way a model
 # would meet them: the whole causal GMA from routing vectors ($d_r = 8$), the
 # responsibilities computed inside the traced call (`gmm.responsibilities`
 # for queries and keys, then the scan: the steps of `gma.gma`); only the
-# routing vectors and $V$ are then outside the count.
+# routing vectors and $\mathbf V$ are then outside the count.
 
 # %%
 def traced_peak(f):
@@ -298,7 +319,7 @@ assert np.all(scan_at_Ns < peaks["cumsum"] / 10)
 # $\Gamma_K$ are alive together with the output and the denominators while
 # the scan runs (the temporaries of the log-densities are freed before),
 # which is the printed fit. Adding the inputs the model already holds (the
-# routing vectors, $2d_r$ numbers per token, and $V$, $d_v$), the memory of
+# routing vectors, $2d_r$ numbers per token, and $\mathbf V$, $d_v$), the memory of
 # causal GMA is $8N(2K + 2d_v + 2d_r + 1)$ bytes plus a constant: it grows
 # like $N(K + d_v)$, and never like $NKd_v$ or $N^2$.
 #
@@ -315,23 +336,23 @@ assert np.all(scan_at_Ns < peaks["cumsum"] / 10)
 # $$
 #
 # Stack the chunk's rows into $\Gamma^Q_c$, $\Gamma^K_c$ ($C\times K$) and
-# $V_c$ ($C\times d_v$). The first term is the matrix product
+# $\mathbf V_c$ ($C\times d_v$). The first term is the matrix product
 # $\Gamma^Q_c S_{\text{prev}}$; the second is the lower triangle of the
 # $C\times C$ block $\Gamma^Q_c \Gamma^{K\top}_c$ (entries with $j \le t$)
-# times $V_c$. The same split for the denominator, then the update of the
+# times $\mathbf V_c$. The same split for the denominator, then the update of the
 # state, give the whole algorithm:
 #
 # $$
-# O_c = \frac{\Gamma^Q_c S_{\text{prev}} + \operatorname{tril}(\Gamma^Q_c\Gamma^{K\top}_c)\,V_c}
+# O_c = \frac{\Gamma^Q_c S_{\text{prev}} + \operatorname{tril}(\Gamma^Q_c\Gamma^{K\top}_c)\,\mathbf V_c}
 #            {\Gamma^Q_c z_{\text{prev}} + \operatorname{tril}(\Gamma^Q_c\Gamma^{K\top}_c)\,\mathbf 1 + \epsilon},
-# \qquad S \mathrel{+}= \Gamma^{K\top}_c V_c, \qquad z \mathrel{+}= \Gamma^{K\top}_c\mathbf 1 .
+# \qquad S \mathrel{+}= \Gamma^{K\top}_c \mathbf V_c, \qquad z \mathrel{+}= \Gamma^{K\top}_c\mathbf 1 .
 # $$
 #
 # Every step is a matrix product. **Time.** Count the multiply-adds of a
 # chunk of $c$ tokens: reading the state, $\Gamma^Q_c S_{\text{prev}}$ and
 # $\Gamma^Q_c z_{\text{prev}}$, costs $cK(d_v + 1)$; the block
-# $\Gamma^Q_c\Gamma^{K\top}_c$ costs $c^2K$ and applying it to $V_c$ costs
-# $c^2 d_v$; writing the state, $\Gamma^{K\top}_c V_c$, costs $cKd_v$. Summed
+# $\Gamma^Q_c\Gamma^{K\top}_c$ costs $c^2K$ and applying it to $\mathbf V_c$ costs
+# $c^2 d_v$; writing the state, $\Gamma^{K\top}_c \mathbf V_c$, costs $cKd_v$. Summed
 # over the chunks ($\sum c = N$, $\sum c^2 \le NC$):
 #
 # $$
@@ -490,7 +511,7 @@ print(f"denominators gamma_q_t . z_t: min {den.min():.2e} (at t = {den.argmin()}
 shrink = 1e-6 / (den + 1e-6)  # o_t = (num_t / den_t) * den_t / (den_t + eps): eps shrinks row t by this fraction
 print(f"eps = 1e-6 shrinks output rows by at most {shrink.max():.1e} (row {shrink.argmax()}); "
       f"{np.sum(den < 1)} rows have a denominator below 1")
-assert np.all(den <= np.arange(1, N + 1) * (1 + 4 * N * U_MACH))  # sum of t probabilities, rounded
+assert np.all(den <= np.arange(1, N + 1) * (1 + 4 * N * U))  # sum of t probabilities, rounded
 
 # %% [markdown]
 # ## Summary
@@ -509,3 +530,91 @@ assert np.all(den <= np.arange(1, N + 1) * (1 + 4 * N * U_MACH))  # sum of t pro
 # Not shown: gradients. The backward pass of the scan runs the same chunks
 # forwards and backwards (reverse prefix sums); lesson 4 derives the GMA
 # gradients and checks them by finite differences, causal included.
+
+# %% [markdown]
+# ## Exercises
+#
+# Three exercises, graded ★ warm-up, ★★ core, ★★★ stretch. Each has a cell
+# for your answer and a check cell after it; until you answer, the check
+# prints that the exercise is not done yet and the lesson runs on, and a wrong
+# answer stops with a message that says what is wrong. Worked solutions are in
+# `tutorials/solutions/lesson_03.py`: try first.
+
+# %%
+from _course import check  # noqa: E402  (the exercises come after the lesson)
+
+# %% [markdown]
+# ### Exercise 3.1 ★ Generation, one token at a time
+#
+# At generation time a model produces one token at a time and must not
+# revisit the earlier ones. Write the step of the recurrence of section 1 as
+# a function of the state: `generate_step(state, gq_t, gk_t, v_t, eps=1e-6)`
+# with `state = (S, z)`, the prefix sums over the tokens before $t$
+# (`S` of shape `(K, d_v)`, `z` of shape `(K,)`), token $t$'s
+# responsibilities `gq_t`, `gk_t` (shape `(K,)`) and value `v_t` (shape
+# `(d_v,)`). Return `((S_t, z_t), o_t)`: the new state and the output of
+# token $t$ (shape `(d_v,)`). Which comes first, the write or the read? The
+# check runs your step over sequences from the zero state and compares with
+# the explicit $\operatorname{tril}(A)$ form.
+
+# %%
+def generate_step(state, gq_t, gk_t, v_t, eps=1e-6):
+    """((S_t, z_t), o_t): the state after token t, (K, d_v) and (K,), and token t's output, (d_v,)."""
+    raise NotImplementedError("exercise 3.1")
+
+
+# %%
+check("3.1", generate_step)
+
+# %% [markdown]
+# ### Exercise 3.2 ★★ Anti-causal GMA by suffix sums
+#
+# A bidirectional encoder is sometimes split into a left-to-right and a
+# right-to-left half. Write the right-to-left one: token $t$ reads the keys
+# $j \ge t$,
+#
+# $$
+# o_t = \frac{\sum_{j\ge t} A_{tj}\,v_j}{\sum_{j\ge t} A_{tj} + \epsilon} .
+# $$
+#
+# Derive the *suffix* sums that replace $S_t$ and $z_t$ (section 1), and the
+# recurrence they obey, then write `anticausal_gma(gamma_q, gamma_k, v,
+# eps=1e-6)` returning the `(N, d_v)` outputs without any $N\times N$ array:
+# the check measures your peak memory at $N = 2048$ (a tenth of one
+# $N\times N$ float64 array is allowed). Section 3's chunked scan, or a
+# well-chosen use of the causal one, will do. Lesson 4 meets these suffix
+# sums again, in the gradients of causal GMA.
+
+# %%
+def anticausal_gma(gamma_q, gamma_k, v, eps=1e-6):
+    """o_t from the keys j >= t, shape (N, d_v), without an N x N array."""
+    raise NotImplementedError("exercise 3.2")
+
+
+# %%
+check("3.2", anticausal_gma)
+
+# %% [markdown]
+# ### Exercise 3.3 ★★★ A sliding window that stays accurate
+#
+# Local attention lets token $t$ read only the $w$ most recent keys,
+# $t - w < j \le t$. With the prefix sums of section 1 this looks free: the
+# window's sums are $S_t - S_{t-w}$ and $z_t - z_{t-w}$. Write that first,
+# check it against an explicit banded mask in float64 on a short sequence,
+# then run it in float32 on $N = 32768$ tokens with $w = 8$ and values with a
+# common offset (`2 + normal`), against a float64 reference: find the failure
+# and explain it (how large is $S_t$, how large is the difference?). Then fix
+# it: write `window_gma(gamma_q, gamma_k, v, w, eps=1e-6)`, output `(N, d_v)`
+# in the dtype of the inputs, whose error stays within the rounding of one
+# window, $4(w + K + 1)\,u\max|v|$, however long the sequence (computing in
+# float64 only moves the failure to longer sequences: keep float32). It must
+# also be right for $w = 1$ and for $w \ge N$.
+
+# %%
+def window_gma(gamma_q, gamma_k, v, w, eps=1e-6):
+    """o_t from the keys t - w < j <= t, shape (N, d_v), dtype of the inputs, accurate for any N."""
+    raise NotImplementedError("exercise 3.3")
+
+
+# %%
+check("3.3", window_gma)

@@ -18,9 +18,27 @@
 #
 # GMA is trained end to end: the means $\mu$, the variances $\sigma^2$ and the
 # prior weights $\pi$ of the mixture are learned by backpropagation together
-# with the projections that produce $X_Q$, $X_K$ and $V$. Unconstrained
+# with the projections that produce $X_Q$, $X_K$ and $\mathbf V$. Unconstrained
 # parameters keep them valid: $\sigma^2 = \operatorname{softplus}(s) + \sigma^2_{\min}$
 # and $\pi = \operatorname{softmax}(a)$ (lesson 1).
+#
+# Notation follows `docs/glossary.md`.
+#
+# **You will learn to**
+#
+# - derive the gradients of GMA step by step: the quotient rule of the
+#   read-out, the transposed products of the write, the softmax Jacobian of
+#   the responsibilities and the derivatives of a Gaussian log-density;
+# - implement them in NumPy and check them against `refimpl.gma.gma_backward`
+#   and against central differences, bidirectional and causal;
+# - explain why a component learns only from the tokens it shares, through
+#   the factor $\gamma_m(1-\gamma_m)$;
+# - derive explicit bounds on every gradient and measure how tight they are.
+#
+# **Before this lesson**: lessons 2 and 3 (GMA and its causal scan; the
+# prefix sums $S_t$, $z_t$ come back in the causal gradients). From outside:
+# the chain rule for vectors and matrices, the softmax and its Jacobian,
+# Gaussian densities, floating-point rounding (`docs/floating_point.md`).
 #
 # **The claims of this lesson.**
 #
@@ -54,7 +72,7 @@ import numpy as np
 from refimpl import gma, gmm, scan, theory
 
 SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
-EPS = np.finfo(np.float64).eps  # 2.2e-16
+U = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16 (not the guard eps = 1e-6)
 print(f"small sizes: {SMALL}")
 
 # %% [markdown]
@@ -90,7 +108,7 @@ print(f"N_q = {N_q}, N_k = {N_k}, K = {K}, d_r = {d_r}, d_v = {d_v}; L = {np.sum
 # Write the forward pass as named intermediate quantities:
 #
 # $$
-# \tilde V = \Gamma_K^\top V,\quad Z = \Gamma_K^\top\mathbf 1,\quad
+# \tilde V = \Gamma_K^\top\mathbf V,\quad Z = \Gamma_K^\top\mathbf 1,\quad
 # n_i = (\gamma^Q_i)^\top\tilde V \in\mathbb R^{d_v},\quad
 # \mathrm{den}_i = \gamma^Q_i\cdot Z + \epsilon,\quad
 # o_i = n_i/\mathrm{den}_i .
@@ -117,11 +135,11 @@ print(f"N_q = {N_q}, N_k = {N_k}, K = {K}, d_r = {d_r}, d_v = {d_v}; L = {np.sum
 #
 # ## 2. The write: transposed products
 #
-# $\tilde V = \Gamma_K^\top V$ and $Z = \Gamma_K^\top\mathbf 1$: for a product
-# $Y = A^\top B$ the gradients are $dA = B\,dY^\top$ and $dB = A\,dY$, so
+# $\tilde V = \Gamma_K^\top\mathbf V$ and $Z = \Gamma_K^\top\mathbf 1$: for a product
+# $Y = E^\top F$ the gradients are $dE = F\,dY^\top$ and $dF = E\,dY$, so
 #
 # $$
-# d\Gamma_K = V\,d\tilde V^\top + \mathbf 1\,dZ^\top,\qquad dV = \Gamma_K\,d\tilde V .
+# d\Gamma_K = \mathbf V\,d\tilde V^\top + \mathbf 1\,dZ^\top,\qquad d\mathbf V = \Gamma_K\,d\tilde V .
 # $$
 #
 # In code, with the responsibilities treated as free inputs (steps 1 and 2
@@ -150,21 +168,18 @@ d_gq, d_gk, dv_mix = mixing_backward(G, gamma_q, gamma_k, params["v"])
 mix_ref = scan.feature_attention_backward(G, cache.mixing)  # refimpl's mixing backward
 err_mix = max(np.max(np.abs(d_gq - mix_ref.phi_q)), np.max(np.abs(d_gk - mix_ref.phi_k)), np.max(np.abs(dv_mix - mix_ref.v)))
 print(f"mixing backward vs refimpl.scan.feature_attention_backward: {err_mix:.1e}")
-assert err_mix <= 1e-13  # the same few products in the same order: agreement to a few eps of O(1) numbers
+assert err_mix <= 1e-13  # the same few products in the same order: agreement to a few u of O(1) numbers
 
 # %% [markdown]
-# **Checking a gradient by central differences.** For a scalar function $f$,
-# $\frac{f(\theta + h e) - f(\theta - h e)}{2h} = \partial_e f + \frac{h^2}{6}\partial_e^3 f + \dots$;
-# evaluating $f$ rounds it by about $u\,\Lambda$ (machine epsilon $u = 2.2\cdot10^{-16}$;
-# $\epsilon$ stays the $10^{-6}$ guard of the denominators), where
-# $\Lambda = \sum|G\odot O|$ is the size of the terms added up in $L$, so the
-# quotient carries a rounding error of about $u\Lambda/h$. The sum of
-# the two parts is smallest at $h^\star = (u\Lambda)^{1/3}$, where
-# both are $\sim(u\Lambda)^{2/3}$ (lesson 7 draws this V). We use
-# $h^\star$ and allow $100\,(u\Lambda)^{2/3}$ relative to the largest
-# entry of each gradient: the factor 100 covers third derivatives up to
-# $\sim 600$ in the truncation term, ample for inputs, means and variances of
-# order one. In float64 this tolerance is about $10^{-8}$.
+# **Checking a gradient by central differences.** We move one entry at a
+# time by $\pm h$ and compare $\frac{f(\theta + h e) - f(\theta - h e)}{2h}$
+# with the analytic gradient. Truncation (of order $h^2$) and rounding (of
+# order $u\Lambda/h$, with machine epsilon $u = 2.2\cdot10^{-16}$ and
+# $\Lambda = \sum|G\odot O|$ the size of the terms added up in $L$) balance
+# at $h^\star = (u\Lambda)^{1/3}$, which we use, and we allow
+# $100\,(u\Lambda)^{2/3}$ relative to the largest entry of each gradient,
+# about $10^{-8}$ in float64. Why this tolerance: `docs/floating_point.md`,
+# section Lesson 4.
 
 # %%
 def central_differences(f, arrays, name, h):
@@ -184,8 +199,8 @@ def rel_err(a, b):
 
 
 scale = np.sum(np.abs(G * out))  # Lambda
-h_star = (EPS * scale) ** (1 / 3)
-tol_fd = 100 * (EPS * scale) ** (2 / 3)  # relative to the largest entry of the gradient
+h_star = (U * scale) ** (1 / 3)
+tol_fd = 100 * (U * scale) ** (2 / 3)  # relative to the largest entry of the gradient
 print(f"Lambda = {scale:.2f}, h* = {h_star:.1e}, tolerance {tol_fd:.1e} relative")
 
 mix_inputs = dict(gq=gamma_q, gk=gamma_k, v=params["v"])
@@ -270,19 +285,16 @@ mine = dict(
 )
 sum_c = max(np.max(np.abs(c_q.sum(axis=1))), np.max(np.abs(c_k.sum(axis=1))))
 print(f"max_token |sum_m c_m| = {sum_c:.1e}  (the cancellation behind dL/da = sum of c)")
-assert sum_c <= 4 * K * EPS * max(np.max(np.abs(d_gq)), np.max(np.abs(d_gk)))
+assert sum_c <= 4 * K * U * max(np.max(np.abs(d_gq)), np.max(np.abs(d_gk)))
 
 # %% [markdown]
 # Against `gma.gma_backward`: the same sums in a different grouping (refimpl
 # centres $x$ and $\mu$ on the mean of the means and expands the squares), so
 # the two agree to rounding. Each gradient entry sums at most
-# $n = N_Q + N_K$ per-token terms whose size we know; the printed
-# *cancellation factor* is the largest $\sum_{\text{tokens}}|\text{term}|$
-# relative to the largest entry of the gradient. We allow $64\,n\,u$
-# times that factor: $n\,u$ per summation, a factor 4 for the products
-# feeding each term, and a factor up to 16 for refimpl's expanded form, whose
-# terms ($x_c^2$, $2\mu_c x_c$, $\mu_c^2$ separately) are larger than
-# $(x-\mu)^2$ when $|x - c|$ and $|\mu - c|$ are a few times $|x - \mu|$.
+# $n = N_Q + N_K$ per-token terms; the printed *cancellation factor*
+# $\kappa$ is the largest $\sum_{\text{tokens}}|\text{term}|$ relative to
+# the largest entry of the gradient, and we allow $64\,n\,u\,\kappa$. Why
+# this tolerance: `docs/floating_point.md`, section Lesson 4.
 
 # %%
 per_token_abs = dict(
@@ -297,7 +309,7 @@ n_terms = N_q + N_k
 for name in params:
     err = rel_err(mine[name], getattr(ref, name))
     kappa = np.max(per_token_abs[name]) / np.max(np.abs(getattr(ref, name)))
-    tol = 64 * n_terms * EPS * kappa
+    tol = 64 * n_terms * U * kappa
     print(f"  {name:14s} relative difference {err:.1e}, cancellation factor {kappa:5.2f}, tolerance {tol:.1e}")
     assert err <= tol
 
@@ -306,16 +318,34 @@ for name in params:
 # differences of the whole forward pass `gma.gma_forward` with respect to all
 # six inputs, in float64, bidirectional and causal.
 #
-# The causal variant differs only in the mixing step: with the prefix sums
-# $S_t$, $z_t$ of lesson 3, the same quotient rule gives
-# $\partial L/\partial\gamma^Q_t = S_t\tilde G_t + \delta_t z_t$, and since
-# key $j$ is read by every query $t \ge j$, its gradients use the *reverse*
-# prefix sums $R_j = \sum_{t\ge j}\gamma^Q_t\tilde G_t^\top$ and
-# $r_j = \sum_{t\ge j}\gamma^Q_t\delta_t$:
-# $\partial L/\partial\gamma^K_j = R_j v_j + r_j$ and
-# $\partial L/\partial v_j = R_j^\top\gamma^K_j$. `refimpl` runs both sums
-# chunk by chunk, like the forward scan; the responsibilities step is
-# unchanged.
+# The causal variant differs only in the mixing step. With the prefix sums
+# $S_t = \sum_{j\le t}\gamma^K_j v_j^\top$, $z_t = \sum_{j\le t}\gamma^K_j$
+# of lesson 3, token $t$ reads $n_t = S_t^\top\gamma^Q_t$ and
+# $\mathrm{den}_t = \gamma^Q_t\cdot z_t + \epsilon$; the quotient rule of
+# section 1 is unchanged ($\tilde G_t = G_t/\mathrm{den}_t$,
+# $\delta_t = -G_t\cdot o_t/\mathrm{den}_t$), and the read-out gives
+#
+# $$
+# \frac{\partial L}{\partial\gamma^Q_t} = S_t\tilde G_t + \delta_t z_t,\qquad
+# \frac{\partial L}{\partial S_t} = \gamma^Q_t\tilde G_t^\top,\qquad
+# \frac{\partial L}{\partial z_t} = \gamma^Q_t\,\delta_t .
+# $$
+#
+# Key $j$ is written into every state $S_t$, $z_t$ with $t \ge j$, so its
+# gradients collect those of all later states: the *reverse* prefix sums
+#
+# $$
+# R_j = \sum_{t\ge j}\gamma^Q_t\tilde G_t^\top\ (K\times d_v),\qquad
+# r_j = \sum_{t\ge j}\gamma^Q_t\,\delta_t\ (K),\qquad
+# \frac{\partial L}{\partial\gamma^K_j} = R_j v_j + r_j,\qquad
+# \frac{\partial L}{\partial v_j} = R_j^\top\gamma^K_j
+# $$
+#
+# (the subscript keeps $R_j$ apart from the radius $R$ of section 5). Both
+# sums include $t = j$: key $j$ is read by its own query. `refimpl` runs the
+# forward and the reverse sums chunk by chunk, like the forward scan; the
+# responsibilities step is unchanged. Exercises 4.2 and 4.3 ask you to code
+# them.
 
 # %%
 N_c, chunk = (10, 4) if SMALL else (26, 4)  # N_c not a multiple of the chunk
@@ -332,7 +362,7 @@ for causal, p in ((False, params), (True, params_c)):
     G_p = G if not causal else np.random.default_rng(1).normal(size=out_p.shape)
     grads_p = gma.gma_backward(G_p, cache_p)
     scale_p = np.sum(np.abs(G_p * out_p))
-    h_p, tol_p = (EPS * scale_p) ** (1 / 3), 100 * (EPS * scale_p) ** (2 / 3)
+    h_p, tol_p = (U * scale_p) ** (1 / 3), 100 * (U * scale_p) ** (2 / 3)
     loss = lambda **kw: np.sum(G_p * gma.gma_forward(*kw.values(), causal=causal, chunk_size=chunk)[0])  # noqa: E731
     errs = {name: rel_err(getattr(grads_p, name), central_differences(loss, p, name, h_p)) for name in p}
     print(f"{'causal' if causal else 'bidirectional'}: h = {h_p:.1e}, tolerance {tol_p:.1e}; "
@@ -379,10 +409,10 @@ g_all = np.concatenate([g_resp.phi_q, g_resp.phi_k])
 c_all = gam * (g_all - np.sum(gam * g_all, axis=1, keepdims=True))
 rng_g = np.ptp(g_all, axis=1)[:, None]
 modulation = gam * (1 - gam)
-# rounding: the computed c_m carries an error of order K eps max|g| (from gbar), even where the
+# rounding: the computed c_m carries an error of order K u max|g| (from gbar), even where the
 # exact value underflows, so the bound is checked up to that, in units of range(g)
 violation = np.max((np.abs(c_all) - modulation * rng_g) / rng_g)
-tol_mod = 4 * K_s * EPS * np.max(np.abs(g_all) / rng_g)
+tol_mod = 4 * K_s * U * np.max(np.abs(g_all) / rng_g)
 print(f"max over (token, component) of (|c_m| - gamma_m (1 - gamma_m) range(g)) / range(g) = {violation:.1e} "
       f"(<= {tol_mod:.1e})")
 assert violation <= tol_mod
@@ -407,7 +437,7 @@ g2 = r.normal(size=(200, 2))
 c2 = gam2 * (g2 - np.sum(gam2 * g2, axis=1, keepdims=True))
 gap2 = np.max(np.abs(np.abs(c2) - gam2 * (1 - gam2) * np.ptp(g2, axis=1)[:, None]) / np.ptp(g2, axis=1)[:, None])
 print(f"K = 2: | |c_m| - gamma_m (1 - gamma_m) range(g) | / range(g) <= {gap2:.1e}")
-assert gap2 <= 8 * EPS * np.max(np.abs(g2) / np.ptp(g2, axis=1)[:, None])
+assert gap2 <= 8 * U * np.max(np.abs(g2) / np.ptp(g2, axis=1)[:, None])
 
 # %% [markdown]
 # **Unused and saturated components.** A mixture built to show both extremes:
@@ -530,7 +560,7 @@ for label, args, G_up in cases:
     for k, val in bound_ratios(*args, G_up, label).items():
         worst_ratio[k] = max(worst_ratio.get(k, 0), val)
 # a bound that is attained (the logit bound, at gamma = 1/2) can be exceeded by the rounding of c_m only
-assert max(worst_ratio.values()) <= 1 + 16 * EPS
+assert max(worst_ratio.values()) <= 1 + 16 * U
 
 # %% [markdown]
 # All ratios are at most one, as proved (up to the rounding of $c_m$, a few
@@ -563,3 +593,107 @@ assert max(worst_ratio.values()) <= 1 + 16 * EPS
 # Not shown here: training. These gradients are what a NumPy training loop
 # uses; the bounds say that no gradient can blow up as long as the inputs and
 # means stay bounded and the variance floor $\sigma^2_{\min}$ holds.
+
+# %% [markdown]
+# ## Exercises
+#
+# Four exercises, graded ★ warm-up, ★★ core, ★★★ stretch. Each has a cell
+# for your answer and a check cell after it; until you answer, the check
+# prints that the exercise is not done yet and the lesson runs on, and a wrong
+# answer stops with a message that says what is wrong. Worked solutions are in
+# `tutorials/solutions/lesson_04.py`: try first.
+
+# %%
+from _course import check  # noqa: E402  (the exercises come after the lesson)
+
+# %% [markdown]
+# ### Exercise 4.1 ★ The gradient of the guard
+#
+# Could $\epsilon$ be learned? Its gradient follows from section 1 in two
+# lines. Write `guard_gradient(G, gamma_q, gamma_k, v, eps)` returning
+# $\partial L/\partial\epsilon$ (one number) for bidirectional GMA from given
+# responsibilities (`gamma_q` of shape `(N_Q, K)`, `gamma_k` `(N_K, K)`,
+# `v` `(N_K, d_v)`) and the loss $L = \sum G\odot O$ (`G` of shape
+# `(N_Q, d_v)`). Hint: $\epsilon$ enters only through
+# $\mathrm{den}_i$. The check compares with central differences in
+# $\epsilon$. What is its sign when the outputs point along $G$?
+
+# %%
+def guard_gradient(G, gamma_q, gamma_k, v, eps):
+    """dL/deps, a float."""
+    raise NotImplementedError("exercise 4.1")
+
+
+# %%
+check("4.1", guard_gradient)
+
+# %% [markdown]
+# ### Exercise 4.2 ★★ The causal mixing backward
+#
+# Code the causal backward from the derivation at the end of section 3:
+# `causal_mixing_backward(G, gamma_q, gamma_k, v, eps=1e-6)` returns
+# `(d_gamma_q, d_gamma_k, d_v)`, of shapes `(N, K)`, `(N, K)`, `(N, d_v)`,
+# the gradients of $L = \sum G\odot O$ through
+# $o_t = S_t^\top\gamma^Q_t/(\gamma^Q_t\cdot z_t + \epsilon)$. Recompute the
+# forward quantities you need ($S_t$, $z_t$, $\mathrm{den}_t$, $o_t$), then
+# $\tilde G$ and $\delta$; the queries use the prefix sums, the keys and
+# values the reverse prefix sums $R_j$, $r_j$ (exercise 3.2 met the same
+# suffix sums). `np.cumsum` on a reversed array computes them; an
+# $N\times K\times d_v$ array is fine here. The check compares with
+# `refimpl.scan.feature_attention_backward` (causal, chunks of 3 tokens),
+# entry by entry, and names the first wrong one.
+
+# %%
+def causal_mixing_backward(G, gamma_q, gamma_k, v, eps=1e-6):
+    """(d_gamma_q (N, K), d_gamma_k (N, K), d_v (N, d_v)) for causal mixing."""
+    raise NotImplementedError("exercise 4.2")
+
+
+# %%
+check("4.2", causal_mixing_backward)
+
+# %% [markdown]
+# ### Exercise 4.3 ★★ The causal GMA backward
+#
+# Now the whole causal GMA backward, from the cache that
+# `gma.gma_forward(..., causal=True)` returns: write
+# `causal_gma_backward(G, cache)` returning the six gradients in the order
+# `(x_q, x_k, v, means, raw_variances, logits)`, each of its input's shape.
+# The cache holds `x_q`, `x_k`, `means`, `raw_variances`, `variances`,
+# `gamma_q`, `gamma_k` and `mixing` (whose `v` is $\mathbf V$ and `eps` the
+# guard). Your mixing step of exercise 4.2 gives
+# $\partial L/\partial\Gamma_Q$ and $\partial L/\partial\Gamma_K$; section 3's
+# `responsibility_backward` and the reparameterisation
+# $\sigma^2 = \operatorname{softplus}(s) + \sigma^2_{\min}$ do the rest (the
+# parameters are shared by queries and keys). The check compares with
+# `gma.gma_backward`, within the lesson's $64\,n\,u\,\kappa$; do not call it.
+
+# %%
+def causal_gma_backward(G, cache):
+    """(dx_q, dx_k, dv, dmeans, draw_variances, dlogits), each the shape of its input."""
+    raise NotImplementedError("exercise 4.3")
+
+
+# %%
+check("4.3", causal_gma_backward)
+
+# %% [markdown]
+# ### Exercise 4.4 ★★★ The input bound is attained
+#
+# Section 5 proves $\|\partial L/\partial x\| \le \tfrac12\operatorname{range}(g)R$
+# per token through a chain of inequalities: the triangle inequality,
+# $\|u_m\|\le R$, Cauchy–Schwarz and Popoviciu. Find when every link is an
+# equality, and give a token and a mixture where the bound is attained:
+# `tight_case = (x, means, variances, weights, g)` with `x` of shape
+# `(d,)`, `means` and `variances` `(K, d)` ($K \ge 2$), `weights` `(K,)`
+# on the simplex and `g` `(K,)`, the upstream gradient with respect to
+# $\gamma(x)$. The check takes $B_x = \|x\|$, $B_\mu = \max_m\|\mu_m\|$ and
+# $\sigma^2_{\min}$ the smallest variance entry, and asks
+# $\|\partial L/\partial x\| = \tfrac12\operatorname{range}(g)R$ up to
+# rounding. (Lesson 5 meets the same configuration for the Jacobian.)
+
+# %%
+tight_case = ...
+
+# %%
+check("4.4", tight_case)

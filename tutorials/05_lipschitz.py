@@ -14,12 +14,35 @@
 # ---
 
 # %% [markdown]
-# # Lesson 5: How fast can the routing change? Lipschitz bounds for $\gamma(x)$
+# # Lesson 5: How fast can the routing change? Lipschitz bounds for the responsibilities
 #
 # GMA routes every token through the responsibilities $\gamma(x)$ of a
 # Gaussian mixture. If a small change of $x$ could move $\gamma(x)$ a lot,
 # routing would be brittle and training unstable. This lesson bounds how much
 # it can move.
+#
+# Notation follows `docs/glossary.md`.
+#
+# **You will learn to**
+#
+# - derive the Jacobian $J = (\operatorname{diag}\gamma - \gamma\gamma^\top)U$
+#   of the responsibilities and check it against central differences;
+# - derive a crude bound $\tfrac12\sqrt K R$ and a $K$-free bound $R/\sqrt2$
+#   on $\|J\|_2$, and explain why the average under $\gamma$ removes the
+#   $\sqrt K$;
+# - construct the mixture that attains $R/\sqrt2$, so that no bound $cR$ with
+#   $c < 1/\sqrt2$ can hold;
+# - measure the Lipschitz constant from below (sampling, difference quotients,
+#   a local search) and report how loose the bounds are as $K$, $d_r$ and
+#   $\sigma^2_{\min}$ vary.
+#
+# **Before this lesson**: lessons 1 and 4 (the responsibilities as a softmax
+# of log-joints; the gradients of lesson 4, bounded by the same radius $R$).
+# From outside: multivariable calculus (Jacobians, the chain rule, the mean
+# value inequality), linear algebra (spectral and Frobenius norms,
+# eigenvalues of a symmetric matrix, Gershgorin discs), elementary
+# probability (the covariance of a one-hot vector, Cauchy–Schwarz), and
+# floating-point rounding (`docs/floating_point.md`).
 #
 # **The claims of this lesson.** On the ball $\|x\| \le B_x$, for a mixture
 # with $\|\mu_m\| \le B_\mu$ and every variance at least $\sigma^2_{\min}$, put
@@ -56,7 +79,7 @@ import numpy as np
 from refimpl import gmm, theory
 
 SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
-U_MACH = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16
+U = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16 (not the matrix U of section 1)
 print(f"small sizes: {SMALL}")
 
 # %% [markdown]
@@ -77,18 +100,12 @@ print(f"small sizes: {SMALL}")
 # a $K \times d_r$ matrix whose row $m$ is $\gamma_m(u_m - \bar u)$ with
 # $\bar u = \sum_k\gamma_k u_k$. Written directly, and checked against
 # `theory.responsibility_jacobian` and against central differences of
-# `gmm.responsibilities`. Machine epsilon $u$ ($2.2\times10^{-16}$ in
-# float64; a scalar, without index, not to be confused with the rows $u_m$
-# of $U$) sets the tolerances. The responsibilities are computed to a few $u$ (lesson 1), so with
-# step $h$ a difference quotient carries a rounding error of a few $u/h$ and
-# a truncation error $h^2|\gamma'''|/6$. Each derivative of $\gamma$ brings
-# down one factor $u_m - \bar u$, so $|\gamma'''| \lesssim \max_m\|u_m\|^3$.
-# At $h = u^{1/3}$ both parts are multiples of
-# $u^{2/3} \approx 4\times10^{-11}$, and we allow
-# $u^{2/3}(4 + \max_m\|u_m\|^3/6)$. For the refimpl comparison (the same
-# formula, evaluated with an $N\times K\times d$ broadcast) we allow
-# $16\,u\,(1 + \max_m\|u_m\|)$: a few roundings of numbers of size
-# $\|u_m\|$.
+# `gmm.responsibilities` with step $h = u^{1/3}$, where $u$ is machine
+# epsilon ($2.2\times10^{-16}$ in float64; a scalar, without index, not to
+# be confused with the rows $u_m$ of $U$). Against the differences we allow
+# $u^{2/3}(4 + \max_m\|u_m\|^3/6)$ (rounding plus truncation at the best
+# step), against refimpl, the same formula, $16\,u\,(1 + \max_m\|u_m\|)$.
+# Why these tolerances: `docs/floating_point.md`, section Lesson 5.
 
 # %%
 def jacobian_direct(x, means, variances, weights):
@@ -105,7 +122,7 @@ variances0 = rng.uniform(0.3, 1.0, size=(K0, d0))
 weights0 = rng.dirichlet(np.ones(K0))
 xs0 = theory.sample_ball(8 if SMALL else 40, d0, 2.0, rng)
 
-h = U_MACH ** (1 / 3)
+h = U ** (1 / 3)
 worst_ref, worst_fd = 0.0, 0.0
 for x in xs0:
     J = jacobian_direct(x, means0, variances0, weights0)
@@ -117,8 +134,8 @@ for x in xs0:
         J_fd[:, j] = (gmm.responsibilities((x + e)[None], means0, variances0, weights0)[0]
                       - gmm.responsibilities((x - e)[None], means0, variances0, weights0)[0]) / (2 * h)
     u_max = np.max(np.linalg.norm((means0 - x) / variances0, axis=1))
-    worst_ref = max(worst_ref, np.max(np.abs(J - J_ref)) / (16 * U_MACH * (1 + u_max)))
-    worst_fd = max(worst_fd, np.max(np.abs(J - J_fd)) / (U_MACH ** (2 / 3) * (4 + u_max**3 / 6)))
+    worst_ref = max(worst_ref, np.max(np.abs(J - J_ref)) / (16 * U * (1 + u_max)))
+    worst_fd = max(worst_fd, np.max(np.abs(J - J_fd)) / (U ** (2 / 3) * (4 + u_max**3 / 6)))
 print(f"direct vs theory.responsibility_jacobian: worst error / (16 u (1 + max|u_m|)) = {worst_ref:.3f}")
 print(f"direct vs central differences (h = {h:.1e}): worst error / tolerance = {worst_fd:.3f}")
 assert worst_ref <= 1 and worst_fd <= 1
@@ -198,13 +215,13 @@ for _ in range(n_chk):
                      ("||Jv||_1 - SD(w)", (np.abs(jv).sum() - sd) / size),
                      ("SD(w) - range(w) / 2", (sd - np.ptp(w) / 2) / size)):
         viol[key] = max(viol[key], val)
-    tol_chain = max(tol_chain, 8 * K_r * U_MACH)
+    tol_chain = max(tol_chain, 8 * K_r * U)
 sigma_half = np.linalg.eigvalsh(np.diag([0.5, 0.5]) - 0.25)[-1]
 for key, val in viol.items():
     print(f"largest violation of {key:38s} {val:.1e}  (tolerance {tol_chain:.1e})")
 print(f"gamma = (1/2, 1/2): ||Sigma||_2 = {sigma_half!r}")
 assert max(viol.values()) <= tol_chain
-assert abs(sigma_half - 0.5) <= 4 * U_MACH
+assert abs(sigma_half - 0.5) <= 4 * U
 
 # %% [markdown]
 # **The sharpened bound is attained.** Two components at $\mu = \pm B e_1$,
@@ -239,7 +256,7 @@ w_pair = np.array([0.5, 0.5])
 J0 = theory.jacobian_spectral_norms(np.zeros((1, 2)), means_pair, var_pair, w_pair)[0]
 R0 = theory.bound_radius(means_pair, var_pair, 0.0)
 print(f"||J(0)||_2 = {J0:.12f}, R / sqrt 2 at B_x = 0: {R0 / np.sqrt(2):.12f}")
-assert abs(J0 - R0 / np.sqrt(2)) <= 16 * U_MACH * R0
+assert abs(J0 - R0 / np.sqrt(2)) <= 16 * U * R0
 
 print(" K   ||J(0)||_2    R/sqrt2    crude    ||J(0)|| / crude   sqrt(2/K)")
 for K_t in (2, 3, 4, 8, 64):
@@ -251,9 +268,9 @@ for K_t in (2, 3, 4, 8, 64):
     bounds_t = theory.lipschitz_bounds(means_t, var_t, 0.0)
     print(f"{K_t:2d} {J0_t:12.6f} {bounds_t.k_free / np.sqrt(2):10.6f} {bounds_t.crude:8.3f} "
           f"{J0_t / bounds_t.crude:18.12f} {np.sqrt(2 / K_t):11.12f}")
-    assert abs(J0_t - bounds_t.k_free / np.sqrt(2)) <= 16 * U_MACH * bounds_t.k_free  # R/sqrt2 attained, any K
-    assert J0_t <= bounds_t.crude * (1 + 16 * U_MACH)  # so the crude bound is never below R/sqrt2 ...
-    assert abs(J0_t / bounds_t.crude - np.sqrt(2 / K_t)) <= 16 * U_MACH  # ... and is attained exactly at K = 2
+    assert abs(J0_t - bounds_t.k_free / np.sqrt(2)) <= 16 * U * bounds_t.k_free  # R/sqrt2 attained, any K
+    assert J0_t <= bounds_t.crude * (1 + 16 * U)  # so the crude bound is never below R/sqrt2 ...
+    assert abs(J0_t / bounds_t.crude - np.sqrt(2 / K_t)) <= 16 * U  # ... and is attained exactly at K = 2
 
 # %% [markdown]
 # ## 3. Bounds against measurement
@@ -269,9 +286,9 @@ for K_t in (2, 3, 4, 8, 64):
 #   `jacobian_norm`);
 # * the largest difference quotient over random pairs at distances from
 #   $10^{-4}B_x$ to $2B_x$. One care is needed: $\gamma$ is computed to a few
-#   $u$ (machine epsilon), so a quotient over a gap $\delta$ carries an error
-#   of a few $u/\delta$. Two points that the projection onto the sphere
-#   maps one unit in the last place apart ($\delta \approx 2\times10^{-16}$)
+#   $u$ (machine epsilon), so a quotient over a gap $g$ carries an error
+#   of a few $u/g$. Two points that the projection onto the sphere
+#   maps one unit in the last place apart ($g \approx 2\times10^{-16}$)
 #   give a quotient of pure rounding noise, of order one, which can exceed
 #   $L^\star$. We keep pairs at least $10^{-6}B_x$ apart, where the noise is
 #   below $10^{-9}$;
@@ -525,3 +542,99 @@ assert abs(slope_emp + 1) <= 3 * se_emp
 # Together with lesson 4 (gradients modulated by $\gamma_m(1-\gamma_m)$ and
 # bounded by $R$), this is the stability story of GMA: bounded inputs, bounded
 # means and a variance floor give routing that cannot switch faster than $R$.
+
+# %% [markdown]
+# ## Exercises
+#
+# Four exercises, graded ★ warm-up, ★★ core, ★★★ stretch. Each has a cell
+# for your answer and a check cell after it; until you answer, the check
+# prints that the exercise is not done yet, and a wrong answer stops with a
+# message that says what is off. Worked solutions are in
+# `tutorials/solutions/lesson_05.py`: try first.
+
+# %%
+from _course import check  # noqa: E402  (the exercises come after the lesson)
+
+# %% [markdown]
+# ### Exercise 5.1 ★ The sharpened Lipschitz bound from the parameters
+#
+# Write `sharp_lipschitz_bound(means, variances, bound_x)`: the bound
+# $R/\sqrt2$ of section 2, with $R = (B_x + B_\mu)/\sigma^2_{\min}$, from a
+# mixture's means and variances (both $K \times d_r$) and the radius $B_x$
+# of the ball of inputs. $B_\mu$ is the largest norm of a mean and
+# $\sigma^2_{\min}$ the smallest variance entry. Return one number. The
+# check compares it with `theory.lipschitz_bounds` and with measured
+# $\|J(x)\|_2$ in the ball.
+
+# %%
+def sharp_lipschitz_bound(means, variances, bound_x):
+    """R / sqrt(2) for means, variances (K, d_r) on the ball ||x|| <= bound_x: a float."""
+    raise NotImplementedError("exercise 5.1")
+
+
+# %%
+check("5.1", sharp_lipschitz_bound)
+
+# %% [markdown]
+# ### Exercise 5.2 ★★ The Jacobian of the responsibilities
+#
+# Write `responsibility_jacobian(x, means, variances, weights)`: the
+# $K \times d_r$ Jacobian $J = \partial\gamma/\partial x$ at one point $x$
+# (shape $(d_r,)$), for a diagonal mixture with means and variances
+# $K \times d_r$ and weights $(K,)$. Derive it from section 1 (row $m$ is
+# $\gamma_m(u_m - \bar u)$) rather than copying `jacobian_direct`; you may
+# call `gmm.responsibilities`. The check compares with central differences
+# of the responsibilities.
+
+# %%
+def responsibility_jacobian(x, means, variances, weights):
+    """J[m, j] = d gamma_m / d x_j at the point x (d_r,): shape (K, d_r)."""
+    raise NotImplementedError("exercise 5.2")
+
+
+# %%
+check("5.2", responsibility_jacobian)
+
+# %% [markdown]
+# ### Exercise 5.3 ★★ The crude bound never beats the sharpened one
+#
+# Show that the crude bound $\tfrac12\sqrt K R$ never beats the sharpened,
+# $K$-free bound $R/\sqrt2$ for $K \ge 2$, and find where the two meet.
+# Write `crude_over_sharp(K)`: the ratio (crude bound) / (sharpened bound)
+# for an integer array `K` of any shape, same shape out. Derive it on paper
+# first: does it depend on $R$? The check compares it with the bounds that
+# `theory.lipschitz_bounds` computes for $K = 1, \dots, 300$, checks that
+# it is at least 1 for every $K \ge 2$, locates from your function the one
+# $K$ where the two bounds meet, and verifies on the configuration of
+# section 2 that the crude bound is attained there and not at the next $K$.
+
+# %%
+def crude_over_sharp(K):
+    """(sqrt(K) R / 2) / (R / sqrt 2) for an integer array K: an array of the shape of K."""
+    raise NotImplementedError("exercise 5.3")
+
+
+# %%
+check("5.3", crude_over_sharp)
+
+# %% [markdown]
+# ### Exercise 5.4 ★★★ The height of the ridge between two components
+#
+# Two components in $d_r = 2$ with means $\pm B e_1$, every variance
+# `var`, weights $(w_1, 1 - w_1)$. Derive $\|J(t e_1)\|_2$ in closed form
+# along the line through the means and write
+# `ridge_jacobian_norm(t, B, var, w1)` for an array `t` (same shape out),
+# without forming $J$. Hints: the log odds of component 1 are linear in $t$;
+# the two rows of $J$ are opposite (section 2, "The sharpened bound is
+# attained"). Then check with your formula that the maximum over $t$ is
+# $B/(\sqrt2\,\mathrm{var})$ whatever $w_1$ is: the weights move the
+# ridge, not its height.
+
+# %%
+def ridge_jacobian_norm(t, B, var, w1):
+    """||J(t e_1)||_2 for the two-component mixture at +-B e_1: an array of the shape of t."""
+    raise NotImplementedError("exercise 5.4")
+
+
+# %%
+check("5.4", ridge_jacobian_norm)

@@ -23,6 +23,32 @@
 # centroids with counts; this lesson shows that its read-out is, almost, the
 # prediction of a fitted *Gaussian mixture*.
 #
+# Notation follows `docs/glossary.md`.
+#
+# **You will learn to**
+#
+# - derive that softmax attention on unit vectors is Nadaraya-Watson kernel
+#   regression with a Gaussian kernel of variance $1/\beta$, and measure the
+#   U-shaped error of that bandwidth;
+# - check the conditional mean of Gaussian Mixture Regression against
+#   quadrature of the joint density;
+# - derive the OVQ read-out as isotropic GMR with equal centroid norms and
+#   weights proportional to the counts;
+# - derive the $\tanh(r/4)$ bound on what dropping the norm term costs, check
+#   it on OVQ's own centroids and show that it is attained;
+# - explain what dropping the key-value cross-covariance costs.
+#
+# **Before this lesson**: lesson 1 (Gaussian mixtures, responsibilities as a
+# softmax of log-joints, the log-sum-exp). EM is used here as a black box,
+# through `refimpl.gmr.fit_joint_gmm`, with the one property this lesson
+# relies on: its log-likelihood never decreases from one step to the next
+# (section 2 checks it). Lesson 7 derives EM and proves that property; it
+# does not build on this lesson, so readers who want the derivation first
+# can take lesson 7 before this one. From outside: conditional Gaussians
+# (the conditional mean of a block of a joint Gaussian), the law of total
+# expectation, the softmax, and floating-point rounding
+# (`docs/floating_point.md`).
+#
 # **The claims of this lesson.**
 #
 # 1. On unit vectors, softmax attention with scale $\beta$ *is* the
@@ -32,19 +58,19 @@
 #    large follows the noise of single samples.
 # 2. Gaussian Mixture Regression (GMR) fits one mixture to the joint data
 #    $(k, v)$ by EM and predicts the conditional mean
-#    $\mathbb E[v \mid k = q] = \sum_n h_n(q)\,\mu^v_n$ when the key-value
+#    $\mathbb E[v \mid k = q] = \sum_m h_m(q)\,\mu^v_m$ when the key-value
 #    covariance of each component is zero.
 # 3. With key covariance $I/\beta$, the responsibilities are
-#    $h(q) = \operatorname{softmax}_n(\beta\,q\cdot\mu^k_n - \frac\beta2\|\mu^k_n\|^2 + \log\pi_n)$,
+#    $h(q) = \operatorname{softmax}_m(\beta\,q\cdot\mu^k_m - \frac\beta2\|\mu^k_m\|^2 + \log\pi_m)$,
 #    and with equal centroid norms and $\pi \propto$ counts this is the OVQ
 #    read-out $\operatorname{softmax}(\beta\,qD_k^\top + \log c)\,D_v$.
 # 4. Centroids that are means of unit keys have norms *below* one, and OVQ
-#    drops the norm term anyway. That adds $\frac\beta2\|\mu^k_n\|^2$ to
+#    drops the norm term anyway. That adds $\frac\beta2\|\mu^k_m\|^2$ to
 #    each logit: compared with exact GMR, OVQ gives *more* weight to long
 #    (tight) centroids and to its unit-norm raw keys, and less to short
 #    (diffuse) centroids. The gap it makes is at most
 #    $\tanh(r/4)$ times the range of the value means, with
-#    $r = \frac\beta2(\max_n\|\mu^k_n\|^2 - \min_n\|\mu^k_n\|^2)$, and that
+#    $r = \frac\beta2(\max_m\|\mu^k_m\|^2 - \min_m\|\mu^k_m\|^2)$, and that
 #    bound is attained.
 # 5. GMR with a key-value cross-covariance adds a local linear correction
 #    per component; OVQ drops it too.
@@ -65,7 +91,7 @@ from refimpl import gmm, gmr, ovq
 from refimpl.attention import softmax_attention
 
 SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
-U_MACH = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16
+U = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16
 print(f"small sizes: {SMALL}")
 
 # %% [markdown]
@@ -88,7 +114,7 @@ print(f"small sizes: {SMALL}")
 # $$
 # e^{-\frac\beta2\|q - k_j\|^2} = e^{\beta\,q\cdot k_j}\; e^{-\frac\beta2(\|q\|^2 + 1)},
 # \qquad\text{so}\qquad
-# m(q) = \operatorname{softmax}(\beta\,qK^\top)\,V ,
+# m(q) = \operatorname{softmax}(\beta\,q\mathbf K^\top)\,\mathbf V ,
 # $$
 #
 # and for a unit query the constant is $e^{-\beta}$. This is softmax attention
@@ -99,14 +125,10 @@ print(f"small sizes: {SMALL}")
 # `softmax_attention`.
 #
 # **How close should they be?** The two routes round their logits
-# differently: each logit is of size at most $\frac\beta2\max\|q-k\|^2 = 2\beta$
-# and carries an error of a few units in its last place: a few times machine
-# epsilon $u$ ($2.2\times10^{-16}$ in float64), relative. Section 4 proves that
-# tilting the logits by $\delta_n$ moves the output by at most
-# $\tanh(\operatorname{range}(\delta)/4)\le\operatorname{range}(\delta)/4$
-# times the range of the values. Logits off by $4u\cdot 2\beta$ in either
-# direction therefore move the output by at most
-# $4u\beta\cdot\operatorname{range}(v)$; that is the tolerance.
+# differently, each by a few times machine epsilon $u$ ($2.2\times10^{-16}$
+# in float64) of the logits' size $2\beta$, and the tilt bound of section 4
+# turns that into a tolerance of $4u\beta\cdot\operatorname{range}(v)$.
+# Why this tolerance: `docs/floating_point.md`, section Lesson 6.
 
 # %%
 rng = np.random.default_rng(6)
@@ -119,7 +141,7 @@ for d in (2, 16, 64):
         k = unit(rng.normal(size=(400, d)))
         v = rng.normal(size=(400, 3))
         err = np.max(np.abs(softmax_attention(q, k, v, scale=beta) - gmr.kernel_regression(q, k, v, beta=beta)))
-        tol = 4 * U_MACH * beta * np.max(np.ptp(v, axis=0))
+        tol = 4 * U * beta * np.max(np.ptp(v, axis=0))
         worst_ratio = max(worst_ratio, err / tol)
         print(f"d = {d:3d}, beta = {beta:5.0f}: max |softmax attention - kernel regression| = {err:.1e}  (tolerance {tol:.1e})")
 assert worst_ratio <= 1.0
@@ -129,7 +151,8 @@ assert worst_ratio <= 1.0
 # cancels: it becomes a per-key bias $-\frac\beta2\|k_j\|^2$ on the logits,
 # a *prior* that favours short keys. Adding that bias back to the dot products
 # restores the equality; leaving it out does not. (Here the logits are of size
-# $\frac\beta2\max\|q-k\|^2$, so the tolerance scales with that instead.)
+# $\frac\beta2\max\|q-k\|^2$, so the tolerance scales with that instead of
+# $2\beta$.)
 
 # %%
 q_raw, k_raw, v_raw = rng.normal(size=(200, 8)), rng.normal(size=(250, 8)), rng.normal(size=(250, 2))
@@ -138,7 +161,7 @@ kr = gmr.kernel_regression(q_raw, k_raw, v_raw, beta=beta)
 no_bias = softmax_attention(q_raw, k_raw, v_raw, scale=beta)
 with_bias = special.softmax(beta * q_raw @ k_raw.T - 0.5 * beta * np.sum(k_raw**2, axis=1), axis=1) @ v_raw
 logit_size = 0.5 * beta * np.max(np.sum((q_raw[:, None, :] - k_raw[None, :, :]) ** 2, axis=2))
-tol_raw = 4 * U_MACH * logit_size * np.max(np.ptp(v_raw, axis=0))
+tol_raw = 4 * U * logit_size * np.max(np.ptp(v_raw, axis=0))
 err_no_bias, err_with_bias = np.max(np.abs(no_bias - kr)), np.max(np.abs(with_bias - kr))
 print(f"raw vectors, softmax(beta q k^T) v:                    off by {err_no_bias:.2f}")
 print(f"raw vectors, softmax(beta q k^T - beta/2 ||k||^2) v:  off by {err_with_bias:.1e} (tolerance {tol_raw:.1e})")
@@ -147,7 +170,7 @@ assert err_with_bias <= tol_raw and err_no_bias > 0.1
 # %% [markdown]
 # ### A picture: $\beta$ is a bandwidth
 #
-# Keys on the unit circle at $T$ random angles $\theta_j$, scalar values
+# Keys on the unit circle at $N$ random angles $\theta_j$, scalar values
 # $v_j = f(\theta_j) + \text{noise}$ with noise standard deviation
 # $\sigma = 0.15$. On the circle
 # $\frac12\|q - k\|^2 = 1 - \cos\Delta\theta \approx \Delta\theta^2/2$, so the
@@ -156,7 +179,7 @@ assert err_with_bias <= tol_raw and err_no_bias > 0.1
 # error against $f$ as a function of $\beta$ has the U shape of a
 # bias-variance trade-off, with two ends we can predict:
 #
-# * $\beta \to 0$: every weight tends to $1/T$, so the prediction tends to the
+# * $\beta \to 0$: every weight tends to $1/N$, so the prediction tends to the
 #   sample mean $\bar v$ and the rmse to the spread of $f$ about it (about
 #   $0.79$ here). Quantitatively, the logits $-\frac\beta2\|q - k_j\|^2$ have
 #   a range of at most $2\beta$, so by the tilt bound of section 4 the
@@ -165,9 +188,9 @@ assert err_with_bias <= tol_raw and err_no_bias > 0.1
 #   is one noisy sample: the rmse tends to that of nearest-neighbour
 #   interpolation, about the noise level $\sigma$. This is where attention
 #   *follows the noise*. It needs a kernel much narrower than the spacing of
-#   the samples, $1/\sqrt\beta \ll 2\pi/T$, i.e.
-#   $\beta \gg (T/2\pi)^2$: about $2\,300$ for $T = 300$ and $25\,000$ for
-#   $T = 1000$.
+#   the samples, $1/\sqrt\beta \ll 2\pi/N$, i.e.
+#   $\beta \gg (N/2\pi)^2$: about $2\,300$ for $N = 300$ and $25\,000$ for
+#   $N = 1000$.
 # * In between, the kernel averages a few neighbours: less noise than one
 #   sample, little bias.
 #
@@ -184,10 +207,10 @@ def f_true(theta):
     return np.sin(2 * theta) + 0.5 * np.cos(theta)
 
 
-T_circle = 300 if SMALL else 1000
-theta = np.random.default_rng(60).uniform(0, 2 * np.pi, T_circle)
+N_circle = 300 if SMALL else 1000
+theta = np.random.default_rng(60).uniform(0, 2 * np.pi, N_circle)
 k_circle = np.column_stack([np.cos(theta), np.sin(theta)])
-v_circle = (f_true(theta) + 0.15 * np.random.default_rng(61).normal(size=T_circle))[:, None]
+v_circle = (f_true(theta) + 0.15 * np.random.default_rng(61).normal(size=N_circle))[:, None]
 theta_grid = np.linspace(0, 2 * np.pi, 400)
 q_grid = np.column_stack([np.cos(theta_grid), np.sin(theta_grid)])
 
@@ -219,17 +242,17 @@ ax.legend(fontsize=7)
 ax_u.loglog(betas_kr, rmse_kr, "o-", ms=3, label="rmse of kernel regression against $f$")
 ax_u.axhline(rmse_mean, color="tab:green", ls=":", label=f"$\\beta \\to 0$: the sample mean ({rmse_mean:.2f})")
 ax_u.axhline(rmse_nearest, color="tab:red", ls=":", label=f"$\\beta \\to \\infty$: the nearest sample ({rmse_nearest:.3f})")
-ax_u.axvline((T_circle / (2 * np.pi)) ** 2, color="gray", ls="--", lw=0.8, label="$\\beta = (T/2\\pi)^2$")
+ax_u.axvline((N_circle / (2 * np.pi)) ** 2, color="gray", ls="--", lw=0.8, label="$\\beta = (N/2\\pi)^2$")
 ax_u.scatter([beta_best], [rmse_best], s=80, facecolors="none", edgecolors="k", zorder=3,
              label=f"best: $\\beta = {beta_best:.3g}$, rmse {rmse_best:.3f}")
-ax_u.set(xlabel="$\\beta$", ylabel="rmse against $f$", title=f"bandwidth: too wide, too narrow, T = {T_circle}")
+ax_u.set(xlabel="$\\beta$", ylabel="rmse against $f$", title=f"bandwidth: too wide, too narrow, N = {N_circle}")
 rmse_ticks = [0.02, 0.05, 0.1, 0.2, 0.5, 1.0]  # labelled by hand: the default minor labels collide
 ax_u.set_yticks(rmse_ticks, [f"{t:g}" for t in rmse_ticks])
 ax_u.yaxis.set_minor_formatter(plt.NullFormatter())
 ax_u.legend(fontsize=7)
 plt.show()
 
-print(f"T = {T_circle}: best beta {beta_best:.3g} with rmse {rmse_best:.4f}; "
+print(f"N = {N_circle}: best beta {beta_best:.3g} with rmse {rmse_best:.4f}; "
       f"beta = {betas_kr[0]:g}: {rmse_kr[0]:.4f} (sample mean {rmse_mean:.4f}); "
       f"beta = {betas_kr[-1]:g}: {rmse_kr[-1]:.4f} (nearest sample {rmse_nearest:.4f})")
 print(f"beta = {betas_kr[0]:g}: max |prediction - sample mean| = {dev_small:.1e} <= tanh(beta/2) range(v) = {bound_small:.1e}")
@@ -240,7 +263,7 @@ assert dev_small <= bound_small
 # %% [markdown]
 # The measured U matches the two predicted ends: on the left the rmse of the
 # sample mean, on the right that of the nearest sample, about the noise
-# level, reached only well past $\beta = (T/2\pi)^2$. The best $\beta$ (a
+# level, reached only well past $\beta = (N/2\pi)^2$. The best $\beta$ (a
 # hundred or two here) is a kernel of standard deviation about $0.1$ rad,
 # wide enough to average some ten to twenty-five samples and narrow enough
 # to follow $f$; with more samples the best kernel is narrower and its rmse
@@ -251,39 +274,39 @@ assert dev_small <= bound_small
 #
 # Kernel regression keeps every sample. GMR summarises them: fit one
 # Gaussian mixture to the *joint* vectors $x_j = (k_j, v_j)$, with weights
-# $\pi_n$, means $(\mu^k_n, \mu^v_n)$ and covariances
-# $\Sigma_n = \begin{pmatrix}\Sigma^{kk}_n & \Sigma^{kv}_n\\ \Sigma^{vk}_n & \Sigma^{vv}_n\end{pmatrix}$,
+# $\pi_m$, means $(\mu^k_m, \mu^v_m)$ and covariances
+# $\Sigma_m = \begin{pmatrix}\Sigma^{kk}_m & \Sigma^{kv}_m\\ \Sigma^{vk}_m & \Sigma^{vv}_m\end{pmatrix}$,
 # then predict with the conditional mean of $v$ given $k = q$. By the law of
-# total expectation over the hidden component $n$,
+# total expectation over the hidden component $m$,
 #
 # $$
-# \mathbb E[v\mid q] = \sum_n p(n\mid q)\;\mathbb E[v\mid q, n],\qquad
-# p(n\mid q) = h_n(q) = \frac{\pi_n\,\mathcal N(q;\mu^k_n,\Sigma^{kk}_n)}{\sum_m \pi_m\,\mathcal N(q;\mu^k_m,\Sigma^{kk}_m)} ,
+# \mathbb E[v\mid q] = \sum_m p(m\mid q)\;\mathbb E[v\mid q, m],\qquad
+# p(m\mid q) = h_m(q) = \frac{\pi_m\,\mathcal N(q;\mu^k_m,\Sigma^{kk}_m)}{\sum_l \pi_l\,\mathcal N(q;\mu^k_l,\Sigma^{kk}_l)} ,
 # $$
 #
 # because the marginal of a Gaussian's key block is
-# $\mathcal N(\mu^k_n, \Sigma^{kk}_n)$. Within one component, $v$ given $k$ is
-# Gaussian with mean $\mu^v_n + \Sigma^{vk}_n(\Sigma^{kk}_n)^{-1}(q - \mu^k_n)$.
-# With **no cross-covariance** ($\Sigma^{vk}_n = 0$, e.g. a diagonal
-# covariance) that is just $\mu^v_n$, and
+# $\mathcal N(\mu^k_m, \Sigma^{kk}_m)$. Within one component, $v$ given $k$ is
+# Gaussian with mean $\mu^v_m + \Sigma^{vk}_m(\Sigma^{kk}_m)^{-1}(q - \mu^k_m)$.
+# With **no cross-covariance** ($\Sigma^{vk}_m = 0$, e.g. a diagonal
+# covariance) that is just $\mu^v_m$, and
 #
 # $$
-# \mathbb E[v\mid q] = \sum_n h_n(q)\,\mu^v_n .
+# \mathbb E[v\mid q] = \sum_m h_m(q)\,\mu^v_m .
 # $$
 #
-# `gmr.fit_joint_gmm` runs EM (lesson 7) with diagonal covariances on the
+# `gmr.fit_joint_gmm` runs EM with diagonal covariances on the
 # concatenated rows $[k, v]$; `gmr.joint_gmm_predict` evaluates the formula.
-# We check EM's log-likelihood never decreases, and we check the formula
+# EM is a black box here (lesson 7 derives it): we use, and check, only that
+# its log-likelihood never decreases. We check the formula
 # against the *definition* of a conditional mean,
-# $\int v\,p(q, v)\,dv / \int p(q, v)\,dv$, by quadrature over $v$. The
-# trapezoid rule on a Gaussian integrand converges faster than any power of
-# the step, and the grid reaches $12$ standard deviations beyond every
-# component ($e^{-72}$ of the mass left out), so what remains is rounding:
-# a few $u$ (machine epsilon) of the values' scale.
+# $\int v\,p(q, v)\,dv / \int p(q, v)\,dv$, by the trapezoid rule over
+# $v$, on a grid reaching $12$ standard deviations beyond every component:
+# what remains is rounding, and we allow $10^{-12}$. Why this tolerance:
+# `docs/floating_point.md`, section Lesson 6.
 
 # %%
-M_fit = 12
-fit = gmr.fit_joint_gmm(k_circle, v_circle, M_fit, n_iter=60 if SMALL else 200, seed=0)
+K_fit = 12
+fit = gmr.fit_joint_gmm(k_circle, v_circle, K_fit, n_iter=60 if SMALL else 200, seed=0)
 ll = fit.log_likelihood
 print(f"mean log-likelihood: {ll[0]:.3f} before EM, {ll[-1]:.3f} after {ll.size - 1} steps")
 print(f"largest decrease between steps: {max(0.0, -np.min(np.diff(ll))):.1e}")
@@ -294,9 +317,9 @@ def conditional_mean_by_quadrature(q, fit, n_grid=4001):
     """int v p(q, v) dv / int p(q, v) dv for a diagonal joint GMM with d_v = 1, by the trapezoid rule."""
     sd = np.sqrt(fit.value_variances[:, 0])
     y = np.linspace(np.min(fit.value_means[:, 0] - 12 * sd), np.max(fit.value_means[:, 0] + 12 * sd), n_grid)
-    log_key_part = gmm.log_gaussian_diag(q, fit.key_means, fit.key_variances) + np.log(fit.weights)  # (N_q, M)
+    log_key_part = gmm.log_gaussian_diag(q, fit.key_means, fit.key_variances) + np.log(fit.weights)  # (N_q, K)
     key_part = np.exp(log_key_part - log_key_part.max(axis=1, keepdims=True))  # a common factor per query
-    value_part = stats.norm.pdf(y[:, None], fit.value_means[:, 0], sd)  # (n_grid, M)
+    value_part = stats.norm.pdf(y[:, None], fit.value_means[:, 0], sd)  # (n_grid, K)
     joint = key_part @ value_part.T  # p(q, y) up to the factor, (N_q, n_grid)
     return integrate.trapezoid(joint * y, y, axis=1) / integrate.trapezoid(joint, y, axis=1)
 
@@ -306,17 +329,17 @@ quad = conditional_mean_by_quadrature(q_grid, fit)
 err_quad = np.max(np.abs(quad - gmr_pred))
 rmse_gmr = np.sqrt(np.mean((gmr_pred - f_true(theta_grid)) ** 2))
 print(f"joint_gmm_predict vs quadrature of the joint density: {err_quad:.1e}")
-print(f"rmse against f: GMR with {M_fit} components {rmse_gmr:.3f}; kernel regression at its best beta "
-      f"({beta_best:.3g}, {T_circle} components) {rmse_best:.3f}")
+print(f"rmse against f: GMR with {K_fit} components {rmse_gmr:.3f}; kernel regression at its best beta "
+      f"({beta_best:.3g}, {N_circle} components) {rmse_best:.3f}")
 assert err_quad < 1e-12
 
 fig, ax = plt.subplots(figsize=(8, 4))
 ax.scatter(theta, v_circle[:, 0], s=4, color="0.7", label="samples")
 ax.plot(theta_grid, f_true(theta_grid), "k--", lw=1, label="$f(\\theta)$")
-ax.plot(theta_grid, gmr_pred, color="tab:red", label=f"GMR, {M_fit} components")
+ax.plot(theta_grid, gmr_pred, color="tab:red", label=f"GMR, {K_fit} components")
 theta_means = np.mod(np.arctan2(fit.key_means[:, 1], fit.key_means[:, 0]), 2 * np.pi)
 ax.scatter(theta_means, fit.value_means[:, 0], s=400 * fit.weights, color="tab:red", edgecolors="k", zorder=3,
-           label="$(\\angle\\mu^k_n, \\mu^v_n)$, area $\\propto \\pi_n$")
+           label="$(\\angle\\mu^k_m, \\mu^v_m)$, area $\\propto \\pi_m$")
 ax.set(xlabel="angle $\\theta$", ylabel="$v$", title="GMR: a joint mixture and its conditional mean")
 ax.legend(fontsize=8)
 plt.show()
@@ -325,29 +348,29 @@ plt.show()
 # The red dots are the fitted components: a dozen summaries stand in for all
 # the samples, at a cost (the rmse printed above is several times kernel
 # regression's at its best $\beta$), and between them the prediction blends
-# neighbouring $\mu^v_n$ with the weights $h_n(q)$. (The blend is flat near each dot
+# neighbouring $\mu^v_m$ with the weights $h_m(q)$. (The blend is flat near each dot
 # because a diagonal mixture has no slope inside a component: section 5.)
 #
 # ## 3. Isotropic components: the OVQ read-out
 #
 # OVQ's mixture is simpler: every component has key covariance $I/\beta$. The
-# log of $\pi_n\,\mathcal N(q;\mu^k_n, I/\beta)$ is
+# log of $\pi_m\,\mathcal N(q;\mu^k_m, I/\beta)$ is
 #
 # $$
-# \log\pi_n - \tfrac d2\log\tfrac{2\pi}\beta - \tfrac\beta2\|q\|^2
-#   + \beta\,q\cdot\mu^k_n - \tfrac\beta2\|\mu^k_n\|^2 .
+# \log\pi_m - \tfrac d2\log\tfrac{2\pi}\beta - \tfrac\beta2\|q\|^2
+#   + \beta\,q\cdot\mu^k_m - \tfrac\beta2\|\mu^k_m\|^2 .
 # $$
 #
 # The second and third terms are common to all components and cancel in the
 # normalisation, so
 #
 # $$
-# h(q) = \operatorname{softmax}_n\Big(\beta\,q\cdot\mu^k_n - \tfrac\beta2\|\mu^k_n\|^2 + \log\pi_n\Big).
+# h(q) = \operatorname{softmax}_m\Big(\beta\,q\cdot\mu^k_m - \tfrac\beta2\|\mu^k_m\|^2 + \log\pi_m\Big).
 # $$
 #
 # Now two assumptions. (a) All centroid norms are equal, so
-# $-\frac\beta2\|\mu^k_n\|^2$ is a constant too and cancels. (b) The weights are
-# the counts, $\pi_n = c_n/\sum_m c_m$; then $\log\pi_n = \log c_n - \log\sum c$
+# $-\frac\beta2\|\mu^k_m\|^2$ is a constant too and cancels. (b) The weights are
+# the counts, $\pi_m = c_m/\sum_l c_l$; then $\log\pi_m = \log c_m - \log\sum c$
 # and the second part cancels. With $D_k$, $D_v$ the matrices of key and value
 # means,
 #
@@ -357,32 +380,32 @@ plt.show()
 #
 # the OVQ read-out (`gmr.ovq_readout`). `gmr.gmr_predict` evaluates the
 # left side from the full Gaussian log-density (with its constants), so both
-# checks below compare two different computations. The logits are of size
-# $\beta\|q-\mu\|^2/2 + \frac d2\log\frac{2\pi}{\beta}$ in `gmr_predict`; their
-# rounding, through the tilt bound of section 4, allows
-# $4u\,(2\beta + \frac d2|\log\frac{2\pi}\beta| + \max|\log\pi|)\cdot\operatorname{range}(\mu^v)$.
+# checks below compare two different computations. We allow
+# $4u\,(2\beta + \frac d2|\log\frac{2\pi}\beta| + \max|\log\pi|)\cdot\operatorname{range}(\mu^v)$:
+# the rounding of logits of that size, through the tilt bound of section 4.
+# Why this tolerance: `docs/floating_point.md`, section Lesson 6.
 
 # %%
 def softmax_form(q, key_means, value_means, weights, beta):
-    """sum_n h_n(q) mu^v_n with h = softmax(beta q.mu - beta/2 ||mu||^2 + log pi), written out."""
+    """sum_m h_m(q) mu^v_m with h = softmax(beta q.mu - beta/2 ||mu||^2 + log pi), written out."""
     logits = beta * q @ key_means.T - 0.5 * beta * np.sum(key_means**2, axis=1) + np.log(weights)
     return special.softmax(logits, axis=1) @ value_means
 
 
-d, M = 16, 40
+d, K = 16, 40
 rng = np.random.default_rng(63)
 worst_form, worst_reduction = 0.0, 0.0
 for beta in (1.0, 4.0, 16.0, 64.0):
-    directions = unit(rng.normal(size=(M, d)))
-    counts = rng.integers(1, 50, size=M)
+    directions = unit(rng.normal(size=(K, d)))
+    counts = rng.integers(1, 50, size=K)
     weights = counts / counts.sum()
-    value_means = rng.normal(size=(M, 3))
+    value_means = rng.normal(size=(K, 3))
     # queries: random directions, and some close to the centroids so that the softmax is peaked too
-    q = unit(np.concatenate([rng.normal(size=(400, d)), directions + 0.1 * rng.normal(size=(M, d))]))
-    tol = 4 * U_MACH * (2 * beta + 0.5 * d * abs(np.log(2 * np.pi / beta)) + np.max(np.abs(np.log(weights)))) \
+    q = unit(np.concatenate([rng.normal(size=(400, d)), directions + 0.1 * rng.normal(size=(K, d))]))
+    tol = 4 * U * (2 * beta + 0.5 * d * abs(np.log(2 * np.pi / beta)) + np.max(np.abs(np.log(weights)))) \
         * np.max(np.ptp(value_means, axis=0))
     # (i) the softmax form, with norms anywhere in [0.5, 1]
-    key_means = directions * rng.uniform(0.5, 1.0, size=(M, 1))
+    key_means = directions * rng.uniform(0.5, 1.0, size=(K, 1))
     err_form = np.max(np.abs(softmax_form(q, key_means, value_means, weights, beta)
                              - gmr.gmr_predict(q, key_means, value_means, weights, beta=beta)))
     # (ii) unit-norm centroids and pi = c / sum c: the OVQ read-out
@@ -405,17 +428,17 @@ assert worst_form <= 1.0 and worst_reduction <= 1.0
 # mean of unit vectors has norm below one unless they all coincide (by the
 # triangle inequality, with equality only for equal vectors), and the more
 # spread its keys, the shorter it is. The exact GMR keeps
-# $\delta_n = -\frac\beta2\|\mu^k_n\|^2$ in its logits; OVQ drops it, so
+# $t_m = -\frac\beta2\|\mu^k_m\|^2$ in its logits; OVQ drops it, so
 #
 # $$
-# \text{OVQ logit}_n = \text{GMR logit}_n + \tfrac\beta2\|\mu^k_n\|^2 ,
+# \text{OVQ logit}_m = \text{GMR logit}_m + \tfrac\beta2\|\mu^k_m\|^2 ,
 # \qquad
-# \frac{p^{\text{OVQ}}_m / p^{\text{OVQ}}_n}{p^{\text{GMR}}_m / p^{\text{GMR}}_n}
-#   = e^{\frac\beta2(\|\mu^k_m\|^2 - \|\mu^k_n\|^2)} :
+# \frac{p^{\text{OVQ}}_l / p^{\text{OVQ}}_m}{p^{\text{GMR}}_l / p^{\text{GMR}}_m}
+#   = e^{\frac\beta2(\|\mu^k_l\|^2 - \|\mu^k_m\|^2)} :
 # $$
 #
 # OVQ's weights are the GMR weights **tilted** by
-# $e^{-\delta_n} = e^{\frac\beta2\|\mu^k_n\|^2}$. *Longer* centroids (means
+# $e^{-t_m} = e^{\frac\beta2\|\mu^k_m\|^2}$. *Longer* centroids (means
 # of tight clusters of keys) get relatively *more* weight than the mixture
 # says, and shorter (diffuse) ones less. The raw keys of the current chunk,
 # which OVQ also puts in its softmax, have norm one, the largest possible:
@@ -426,10 +449,9 @@ assert worst_form <= 1.0 and worst_reduction <= 1.0
 # them. With the identity as value means the read-outs return the weights
 # themselves. The short centroid must get less weight under OVQ than under
 # GMR for every query, and the odds must change by exactly
-# $e^{-\frac\beta2(1 - 1/4)}$. The weights carry relative rounding errors of
-# a few $u$ times the size of the logits, at most
-# $L = 2\beta + \frac d2|\log\frac{2\pi}\beta| + \log 2$ here (section 3),
-# and the log of the odds ratio combines four of them: we allow $16uL$.
+# $e^{-\frac\beta2(1 - 1/4)}$, to $16uL$ with
+# $L = 2\beta + \frac d2|\log\frac{2\pi}\beta| + \log 2$ the size of the
+# logits. Why this tolerance: `docs/floating_point.md`, section Lesson 6.
 
 # %%
 key_two = np.array([[1.0, 0.0], [0.0, 0.5]])  # a long (tight) and a short (diffuse) centroid
@@ -441,7 +463,7 @@ for b in (1.0, 4.0, 16.0):
     p_gmr = gmr.gmr_predict(q_two, key_two, np.eye(2), np.array([0.5, 0.5]), beta=b)
     log_odds_change = np.log(p_ovq[:, 1] / p_ovq[:, 0]) - np.log(p_gmr[:, 1] / p_gmr[:, 0])
     predicted = -0.5 * b * (1.0 - 0.25)  # (beta/2)(||mu_short||^2 - ||mu_long||^2)
-    tol_tilt = 16 * U_MACH * (2 * b + abs(np.log(2 * np.pi / b)) + np.log(2))
+    tol_tilt = 16 * U * (2 * b + abs(np.log(2 * np.pi / b)) + np.log(2))
     worst_tilt = max(worst_tilt, np.max(np.abs(log_odds_change - predicted)) / tol_tilt)
     print(f"beta = {b:4.0f}: weight of the short centroid, GMR {p_gmr[:, 1].min():.1e}..{p_gmr[:, 1].max():.3f}, "
           f"OVQ {p_ovq[:, 1].min():.1e}..{p_ovq[:, 1].max():.3f}; log odds changed by "
@@ -452,10 +474,10 @@ assert worst_tilt <= 1
 
 # %% [markdown]
 # **A bound.** Let $p$ be a distribution over components and
-# $p'_n \propto p_n e^{\delta'_n}$ a tilt whose exponents have range
-# $r = \max\delta' - \min\delta'$. Take $A = \{n : p'_n > p_n\}$ and
-# $P = p(A)$. Inside $A$ the tilt is at most $e^{\max\delta'}$, outside at least
-# $e^{\min\delta'}$, so
+# $p'_m \propto p_m e^{t'_m}$ a tilt whose exponents have range
+# $r = \max t' - \min t'$. Take $A = \{m : p'_m > p_m\}$ and
+# $P = p(A)$. Inside $A$ the tilt is at most $e^{\max t'}$, outside at least
+# $e^{\min t'}$, so
 #
 # $$
 # p'(A) \le \frac{P e^{r}}{P e^{r} + 1 - P}, \qquad
@@ -464,13 +486,13 @@ assert worst_tilt <= 1
 # $$
 #
 # the maximum being at $P = 1/(1 + e^{r/2})$. The output moves by
-# $\sum_n (p'_n - p_n)\mu^v_n$; because $\sum_n (p'_n - p_n) = 0$ we may
-# subtract the midpoint of the $\mu^v_n$ in each coordinate, which leaves at
-# most $\sum_n|p'_n - p_n|\cdot\frac{\operatorname{range}}{2} = \mathrm{TV}\cdot\operatorname{range}$:
+# $\sum_m (p'_m - p_m)\mu^v_m$; because $\sum_m (p'_m - p_m) = 0$ we may
+# subtract the midpoint of the $\mu^v_m$ in each coordinate, which leaves at
+# most $\sum_m|p'_m - p_m|\cdot\frac{\operatorname{range}}{2} = \mathrm{TV}\cdot\operatorname{range}$:
 #
 # $$
-# \big|\text{OVQ}(q) - \text{GMR}(q)\big|_j \le \tanh\frac r4\;\big(\max_n\mu^v_{nj} - \min_n\mu^v_{nj}\big),
-# \qquad r = \frac\beta2\Big(\max_n\|\mu^k_n\|^2 - \min_n\|\mu^k_n\|^2\Big),
+# \big|\text{OVQ}(q) - \text{GMR}(q)\big|_j \le \tanh\frac r4\;\big(\max_m\mu^v_{mj} - \min_m\mu^v_{mj}\big),
+# \qquad r = \frac\beta2\Big(\max_m\|\mu^k_m\|^2 - \min_m\|\mu^k_m\|^2\Big),
 # $$
 #
 # for every query and every set of counts (`gmr.readout_gap_bound`). For
@@ -511,7 +533,7 @@ assert worst_tightness > 1 - 1e-4
 print(f"worst max-gap / bound over the four betas: {worst_tightness:.7f}")
 
 # %% [markdown]
-# **Typical configurations.** $M = 32$ random directions in $d = 16$, norms
+# **Typical configurations.** $K = 32$ random directions in $d = 16$, norms
 # drawn in $[1 - s, 1]$ (one at each end, so the squared-norm range is
 # $1 - (1-s)^2$), random counts and values; queries both random and near
 # centroids. The left panel sweeps $\beta$ for several spreads $s$, the right
@@ -522,18 +544,18 @@ print(f"worst max-gap / bound over the four betas: {worst_tightness:.7f}")
 # two read-outs (section 3).
 
 # %%
-def norm_spread_case(beta, s, seed, d=16, M=32, n_q=1000):
+def norm_spread_case(beta, s, seed, d=16, K=32, n_q=1000):
     r = np.random.default_rng(seed)
-    rho = 1 - s * r.random(M)
+    rho = 1 - s * r.random(K)
     rho[0], rho[1] = 1.0, 1.0 - s
-    key_means = unit(r.normal(size=(M, d))) * rho[:, None]
-    value_means = r.normal(size=(M, 1))
-    counts = r.integers(1, 20, size=M)
-    near = key_means[r.integers(0, M, n_q)] + 0.3 * r.normal(size=(n_q, d))
+    key_means = unit(r.normal(size=(K, d))) * rho[:, None]
+    value_means = r.normal(size=(K, 1))
+    counts = r.integers(1, 20, size=K)
+    near = key_means[r.integers(0, K, n_q)] + 0.3 * r.normal(size=(n_q, d))
     q = unit(np.concatenate([r.normal(size=(n_q, d)), near]))
     gap = np.max(np.abs(gmr.readout_gap(q, key_means, value_means, counts, beta=beta)))
     bound = gmr.readout_gap_bound(key_means, value_means, beta=beta)[0]
-    slack = 8 * U_MACH * beta * np.ptp(value_means)
+    slack = 8 * U * beta * np.ptp(value_means)
     return gap, bound, slack
 
 
@@ -586,19 +608,19 @@ assert gap0 <= slack0
 
 # %%
 rng = np.random.default_rng(64)
-d, T_stream, N_dict = 16, (1024 if SMALL else 8192), 64
+d, N_stream, n_max = 16, (1024 if SMALL else 8192), 64
 centres = unit(rng.normal(size=(24, d)))
-labels = rng.integers(0, 24, size=T_stream)
-k_stream = centres[labels] + 0.35 * rng.normal(size=(T_stream, d)) / np.sqrt(d) * rng.uniform(0.3, 3, size=(T_stream, 1))
-v_stream = rng.normal(size=(T_stream, 4))
-_, state = ovq.ovq_attention(k_stream, k_stream, v_stream, max_size=N_dict, chunk_size=64, return_state=True)
+labels = rng.integers(0, 24, size=N_stream)
+k_stream = centres[labels] + 0.35 * rng.normal(size=(N_stream, d)) / np.sqrt(d) * rng.uniform(0.3, 3, size=(N_stream, 1))
+v_stream = rng.normal(size=(N_stream, 4))
+_, state = ovq.ovq_attention(k_stream, k_stream, v_stream, max_size=n_max, chunk_size=64, return_state=True)
 n = state.size
 D_k, D_v, c = state.keys[:n], state.values[:n], state.counts[:n]
 norms = np.linalg.norm(D_k, axis=1)
 singletons = int(np.sum(c == 1))
-print(f"{n} centroids after {T_stream} tokens; norms from {norms.min():.3f} to {norms.max():.3f} "
+print(f"{n} centroids after {N_stream} tokens; norms from {norms.min():.3f} to {norms.max():.3f} "
       f"({singletons} centroids hold a single key, norm 1 to rounding)")
-q_test = unit(k_stream[rng.integers(0, T_stream, 2000)] + 0.1 * rng.normal(size=(2000, d)))
+q_test = unit(k_stream[rng.integers(0, N_stream, 2000)] + 0.1 * rng.normal(size=(2000, d)))
 print(" beta |  max |gap|  | bound (per coord, max) | gap / bound")
 gap_at = {}
 for b in (1.0, 4.0, 16.0, 64.0):
@@ -607,7 +629,7 @@ for b in (1.0, 4.0, 16.0, 64.0):
     gap_at[b] = gap.max()
     print(f"{b:5.0f} | {gap.max():11.2e} | {bound.max():22.2e} | {np.max(gap / bound):.3f}")
     assert np.all(gap <= bound)
-assert np.all(norms <= 1 + 4 * U_MACH) and norms.min() < 0.9  # means of unit keys: never longer than one
+assert np.all(norms <= 1 + 4 * U) and norms.min() < 0.9  # means of unit keys: never longer than one
 assert gap_at[4.0] > 1e-3  # at OVQ's default beta = sqrt(d) = 4 the dropped term is visible, not rounding
 print(f"beta = 4: the shortest centroid's odds against a unit-norm key, OVQ / GMR = exp(-2 (1 - rho^2)) = "
       f"{np.exp(-2 * (1 - norms.min() ** 2)):.2f}")
@@ -627,11 +649,11 @@ print(f"beta = 4: the shortest centroid's odds against a unit-norm key, OVQ / GM
 # ## 5. The dropped cross-covariance term
 #
 # With a full covariance per component, $v$ given $k = q$ inside component
-# $n$ has mean $\mu^v_n + \Sigma^{vk}_n(\Sigma^{kk}_n)^{-1}(q - \mu^k_n)$: each
+# $m$ has mean $\mu^v_m + \Sigma^{vk}_m(\Sigma^{kk}_m)^{-1}(q - \mu^k_m)$: each
 # component is a local *linear* model, and GMR blends lines, not constants:
 #
 # $$
-# \mathbb E[v\mid q] = \sum_n h_n(q)\Big(\mu^v_n + \Sigma^{vk}_n(\Sigma^{kk}_n)^{-1}(q - \mu^k_n)\Big).
+# \mathbb E[v\mid q] = \sum_m h_m(q)\Big(\mu^v_m + \Sigma^{vk}_m(\Sigma^{kk}_m)^{-1}(q - \mu^k_m)\Big).
 # $$
 #
 # OVQ's model has no cross-covariance, so it drops the second term. To see
@@ -697,13 +719,105 @@ plt.show()
 # |---|---|---|
 # | softmax attention $=$ Gaussian kernel regression on unit vectors | $d \in \{2, 16, 64\}$, $\beta$ up to 100 | $\le 4u\beta\,\mathrm{range}(v)$, i.e. $\sim10^{-15}$ |
 # | on raw vectors the key norms act as a per-key bias | with and without $-\frac\beta2\lVert k\rVert^2$ | rounding vs $O(1)$ |
-# | $\beta$ is a bandwidth: rmse against $f$ is U-shaped, from the sample mean ($\beta\to0$) to the nearest sample ($\beta\to\infty$) | $\beta$ from $10^{-3}$ to $10^8$ | best $0.046$ ($T = 300$), $0.021$ ($T = 1000$), below half of both ends |
+# | $\beta$ is a bandwidth: rmse against $f$ is U-shaped, from the sample mean ($\beta\to0$) to the nearest sample ($\beta\to\infty$) | $\beta$ from $10^{-3}$ to $10^8$ | best $0.046$ ($N = 300$), $0.021$ ($N = 1000$), below half of both ends |
 # | GMR $=$ conditional mean of the joint mixture (no cross-covariance) | quadrature of the joint density | $< 10^{-12}$ |
 # | isotropic GMR $=$ softmax with the norm term; $=$ OVQ read-out for unit norms, $\pi\propto c$ | `gmr_predict` vs written-out forms | rounding ($\sim10^{-15}$) |
-# | dropping the norm term tilts OVQ towards long centroids: odds $\times\, e^{\frac\beta2(\lVert\mu_m\rVert^2 - \lVert\mu_n\rVert^2)}$ | norms $1$ and $\tfrac12$, $\beta \in \{1, 4, 16\}$ | short centroid lighter at every query; odds to $16uL$ |
+# | dropping the norm term tilts OVQ towards long centroids: odds $\times\, e^{\frac\beta2(\lVert\mu_l\rVert^2 - \lVert\mu_m\rVert^2)}$ | norms $1$ and $\tfrac12$, $\beta \in \{1, 4, 16\}$ | short centroid lighter at every query; odds to $16uL$ |
 # | the dropped norm term costs at most $\tanh(r/4)\,\mathrm{range}(\mu^v)$ | sweeps in $\beta$ and in the norm spread; OVQ's own centroids | never above the bound; attained by two centroids |
 # | the dropped cross-covariance term matters with few components | full-covariance GMR vs without the term | rmse several times larger without it |
 #
 # Lesson 7 derives the update that builds the centroids (EM is a Newton
 # step; its online form is the running mean), and lesson 8 runs OVQ attention
 # itself.
+
+# %% [markdown]
+# ## Exercises
+#
+# Four exercises, graded ★ warm-up, ★★ core, ★★★ stretch. Each has a cell
+# for your answer and a check cell after it; until you answer, the check
+# prints that the exercise is not done yet, and a wrong answer stops with a
+# message that says what is off. Worked solutions are in
+# `tutorials/solutions/lesson_06.py`: try first.
+
+# %%
+from _course import check  # noqa: E402  (the exercises come after the lesson)
+
+# %% [markdown]
+# ### Exercise 6.1 ★ Nadaraya-Watson regression that does not overflow
+#
+# Write `nadaraya_watson(q, k, v, beta)`: the kernel regression of
+# section 1 with weights $\operatorname{softmax}_j(-\frac\beta2\|q - k_j\|^2)$,
+# for raw (not unit) queries `q` $(N_q, d)$, keys `k` $(N_k, d)$ and values
+# `v` $(N_k, d_v)$; return $(N_q, d_v)$. The check runs it at
+# $\beta = 1000$ on raw vectors, where every kernel value
+# $e^{-\frac\beta2\|q - k_j\|^2}$ underflows to $0$: make the weights come
+# out right anyway (hint: what can be subtracted from a row of logits
+# without changing its softmax?).
+
+# %%
+def nadaraya_watson(q, k, v, beta):
+    """sum_j softmax_j(-(beta/2)||q_i - k_j||^2) v_j for q (N_q, d), k (N_k, d), v (N_k, d_v): (N_q, d_v)."""
+    raise NotImplementedError("exercise 6.1")
+
+
+# %%
+check("6.1", nadaraya_watson)
+
+# %% [markdown]
+# ### Exercise 6.2 ★★ The exact GMR posterior of isotropic components
+#
+# Write `gmr_weights(q, key_means, weights, beta)`: the posterior $h(q)$ of
+# each of $K$ components with key covariance $I/\beta$, key means
+# $(K, d)$ and weights $\pi$ $(K,)$, at queries $(N_q, d)$; return
+# $(N_q, K)$. Drop only the terms that really cancel (section 3); keep the
+# one OVQ drops. It must stay finite at $\beta = 1000$.
+
+# %%
+def gmr_weights(q, key_means, weights, beta):
+    """h_m(q), the posterior of component m given the key q, for q (N_q, d): shape (N_q, K)."""
+    raise NotImplementedError("exercise 6.2")
+
+
+# %%
+check("6.2", gmr_weights)
+
+# %% [markdown]
+# ### Exercise 6.3 ★★ The bound on what dropping the norm term costs
+#
+# Write `readout_gap_bound(key_means, value_means, beta)`: the bound of
+# section 4 on $|\text{OVQ}(q) - \text{GMR}(q)|$, one number per value
+# coordinate, shape $(d_v,)$, for key means $(K, d)$ and value means
+# $(K, d_v)$. Before coding it, redo the maximisation over $P$ on paper:
+# where is the maximum, and why is the value range (not twice it, not half
+# of it) the right factor? The check also measures the gap on random
+# queries and on the two-centroid sweep, where your bound must be reached.
+
+# %%
+def readout_gap_bound(key_means, value_means, beta):
+    """tanh(r/4) times the range of each value coordinate: shape (d_v,)."""
+    raise NotImplementedError("exercise 6.3")
+
+
+# %%
+check("6.3", readout_gap_bound)
+
+# %% [markdown]
+# ### Exercise 6.4 ★★★ GMR with a key-value cross-covariance
+#
+# Scalar keys and values, $K$ components with weights $(K,)$, means
+# $(K, 2)$ (rows $(\mu^k_m, \mu^v_m)$) and full covariances $(K, 2, 2)$.
+# Write `gmr_full_predict(q, weights, means, covariances)`: the conditional
+# mean $\mathbb E[v \mid k = q]$ of section 5 for queries $q$ of shape
+# $(N_q,)$, same shape out. Derive the within-component conditional mean
+# yourself (the conditional of a bivariate Gaussian), and which variance
+# belongs in the posterior $h_m(q)$. The check compares with quadrature of
+# the joint density.
+
+# %%
+def gmr_full_predict(q, weights, means, covariances):
+    """E[v | k = q] of a full-covariance mixture over scalar (k, v), for q (N_q,): shape (N_q,)."""
+    raise NotImplementedError("exercise 6.4")
+
+
+# %%
+check("6.4", gmr_full_predict)

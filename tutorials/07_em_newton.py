@@ -22,6 +22,28 @@
 # This lesson shows where that rule comes from and in what sense it is a
 # second-order method.
 #
+# Notation follows `docs/glossary.md`; as in the EM literature, this lesson
+# indexes components by $n$ and data points by $i$.
+#
+# **You will learn to**
+#
+# - derive the gradient of the negative log-likelihood from the log-sum-exp,
+#   and check it by central differences at a predicted best step;
+# - derive the EM surrogate, check that it majorises the NLL, and identify
+#   $\beta N_n I$ as its Hessian (not the NLL's);
+# - show that the EM M-step is exactly one Newton step on the surrogate, and
+#   that Newton with the true Hessian can go uphill;
+# - explain $k$-means as the $\beta\to\infty$ limit of EM and the online
+#   running mean as the same update on summarised data;
+# - check that EM never increases the NLL, step by step.
+#
+# **Before this lesson**: lesson 1 (Gaussian mixtures, responsibilities as
+# the softmax of the log-joints, the log-sum-exp). From outside:
+# multivariable calculus (gradients, Hessians, Taylor's theorem), Newton's
+# method, Jensen's inequality and the KL divergence, and floating-point
+# rounding (`docs/floating_point.md`). No earlier exposure to EM is assumed:
+# this lesson derives it.
+#
 # **The claim.** Take an isotropic Gaussian mixture with fixed covariance
 # $I/\beta$ and fixed weights $\pi_n$, and its negative log-likelihood
 #
@@ -56,7 +78,7 @@ import numpy as np
 from refimpl import gmm
 
 SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
-U_MACH = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16
+U = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16 (not the surrogate U of section 2)
 print(f"small sizes: {SMALL}")
 
 # %% [markdown]
@@ -121,18 +143,11 @@ def resp_isotropic(x, means, beta, weights):
 # so at large $h$ the coordinate with the largest $|f'''|$ dominates it, and
 # the prediction uses that one.
 #
-# Two checks. (i) At $h = 10^{-2}$ rounding is negligible ($u|f|/h$ is below
-# $10^{-5}$ of the truncation part), and the next Taylor term is $O(h^2)$
-# relative, so the measured error must equal $h^2\max|f'''|/6$ to within
-# $5\%$. (ii) The best measured step must be within a factor $10$ of
-# $h^\star$. The factor: the steps are half a decade apart, so the best
-# *sampled* step can sit $10^{1/4} \approx 1.8$ from the minimum of the
-# measured curve; and the rounding part is $\kappa u|f|/h$ with a constant
-# $\kappa$ that is not exactly one (the rounding errors of $f(h)$ and
-# $f(-h)$ partly cancel; $\kappa$ is measured below at the smallest steps),
-# which moves the minimum by $\kappa^{1/3}$: at most a factor $2.2$ for
-# $\kappa$ anywhere in $[0.1, 10]$. Together about $4$; $10$ leaves a margin
-# and still rejects a prediction a decade off.
+# Two checks. (i) At $h = 10^{-2}$, where rounding is negligible, the
+# measured error must equal $h^2\max|f'''|/6$ to within $5\%$. (ii) The best
+# measured step must be within a factor $10$ of $h^\star$, and its error
+# below $3E(h^\star)$. Why these tolerances: `docs/floating_point.md`,
+# section Lesson 7.
 
 # %%
 def nll_along(idx, t):
@@ -162,14 +177,14 @@ fd_errors = np.array(fd_errors)
 f3 = np.array([third_derivative(idx, 1e-2) for idx in np.ndindex(means0.shape)])
 f3_half = np.array([third_derivative(idx, 5e-3) for idx in np.ndindex(means0.shape)])
 f3_max = np.max(np.abs(f3))
-h_star = (3 * U_MACH * abs(nll0) / f3_max) ** (1 / 3)
-err_star = 1.5 * U_MACH * abs(nll0) / h_star / g_max  # E(h*), relative to max |grad|
+h_star = (3 * U * abs(nll0) / f3_max) ** (1 / 3)
+err_star = 1.5 * U * abs(nll0) / h_star / g_max  # E(h*), relative to max |grad|
 h_best, best = steps[fd_errors.argmin()], fd_errors.min()
-model = (steps**2 * f3_max / 6 + U_MACH * abs(nll0) / steps) / g_max
+model = (steps**2 * f3_max / 6 + U * abs(nll0) / steps) / g_max
 at_1e2 = np.isclose(steps, 1e-2)
 truncation_ratio = fd_errors[at_1e2][0] / model[at_1e2][0]
 small_steps = steps <= 1e-8
-kappa = fd_errors[small_steps] * g_max * steps[small_steps] / (U_MACH * abs(nll0))
+kappa = fd_errors[small_steps] * g_max * steps[small_steps] / (U * abs(nll0))
 
 fig, ax = plt.subplots(figsize=(6.5, 4.2))
 ax.loglog(steps, fd_errors, "o-", label="central differences vs formula")
@@ -280,7 +295,7 @@ print(f"beta N_n = {np.round(hess_sur, 3)};  second differences of U agree to {e
 print(f"second differences of the NLL: {np.round(second_diff_nll, 3)}, off from beta N_n by {np.round(gap_nll, 3)} relative")
 assert err_tangent < 1e-13
 # second difference of a quadratic: no truncation; rounding ~ u |U| / h^2
-assert err_hess < 10 * U_MACH * abs(nll0) / h**2 / hess_sur.min()
+assert err_hess < 10 * U * abs(nll0) / h**2 / hess_sur.min()
 assert np.max(gap_nll) > 0.01  # beta N_n is the surrogate's curvature, not the NLL's
 
 # %% [markdown]
@@ -490,7 +505,7 @@ print(f"counts {counts} == cluster sizes {np.bincount(assign, minlength=K)}")
 print(f"running mean vs batch mean: {err_running:.1e}")
 assert np.array_equal(counts, np.bincount(assign, minlength=K))
 # each fold rounds a few times, relative u each: errors add up over the batches
-assert err_running <= 4 * n_chunks * U_MACH
+assert err_running <= 4 * n_chunks * U
 
 # %% [markdown]
 # ## 7. EM never increases the NLL
@@ -582,3 +597,90 @@ assert worst_chain <= 1e-12
 #
 # In OVQ attention (lesson 8) the centroids are updated with exactly the
 # running-mean rule of section 6, one sparse row per assigned key.
+
+# %% [markdown]
+# ## Exercises
+#
+# Four exercises, graded ★ warm-up, ★★ core, ★★★ stretch. Each has a cell
+# for your answer and a check cell after it; until you answer, the check
+# prints that the exercise is not done yet, and a wrong answer stops with a
+# message that says what is off. Worked solutions are in
+# `tutorials/solutions/lesson_07.py`: try first.
+
+# %%
+from _course import check  # noqa: E402  (the exercises come after the lesson)
+
+# %% [markdown]
+# ### Exercise 7.1 ★ The gradient of the NLL with respect to the means
+#
+# Write `nll_gradient(x, means, beta, weights)`: the gradient of the
+# isotropic NLL (covariance $I/\beta$, fixed weights) with respect to the
+# means, for points $(N, d)$, means $(K, d)$ and weights $(K,)$; return
+# $(K, d)$. Use section 1's derivation; you may call `gmm.responsibilities`
+# (with variances $1/\beta$) but not `gmm.isotropic_nll_gradient`.
+
+# %%
+def nll_gradient(x, means, beta, weights):
+    """d NLL / d mu_n for every component, for x (N, d), means (K, d): shape (K, d)."""
+    raise NotImplementedError("exercise 7.1")
+
+
+# %%
+check("7.1", nll_gradient)
+
+# %% [markdown]
+# ### Exercise 7.2 ★★ The true Hessian of the NLL
+#
+# Write `nll_hessian(x, means, beta, weights)`: the full Hessian of the NLL
+# with respect to the means, shape $(Kd, Kd)$, with rows and columns in the
+# order of `means.ravel()` (component $n$, coordinate $j$ at index
+# $nd + j$). Derive it from section 4: differentiate the gradient once more
+# and let the responsibilities move. The check compares with central
+# differences of the gradient; it rejects the surrogate Hessian
+# $\beta N_n I$ alone.
+
+# %%
+def nll_hessian(x, means, beta, weights):
+    """Hessian of the isotropic NLL in the means, for means (K, d): shape (K d, K d)."""
+    raise NotImplementedError("exercise 7.2")
+
+
+# %%
+check("7.2", nll_hessian)
+
+# %% [markdown]
+# ### Exercise 7.3 ★★ The running-mean update
+#
+# Write `running_mean_update(means, counts, x, assign)`: fold a batch `x`
+# $(B, d)$ with hard assignments `assign` $(B,)$ (integers in $[0, K)$) into
+# running means $(K, d)$ with counts $(K,)$, as in section 6; return the
+# pair `(new_means, new_counts)`. Rows that receive no point keep their mean
+# (even if their count is $0$), and a batch may be empty. The check folds a
+# stream in uneven batches and compares with the batch mean of each cluster.
+
+# %%
+def running_mean_update(means, counts, x, assign):
+    """(means', counts') after folding x (B, d) with assignments (B,) into means (K, d), counts (K,)."""
+    raise NotImplementedError("exercise 7.3")
+
+
+# %%
+check("7.3", running_mean_update)
+
+# %% [markdown]
+# ### Exercise 7.4 ★★★ A start where true Newton climbs and EM descends
+#
+# Build a failure case of Newton's method in one dimension. Set
+# `saddle_case = (x, means, weights)` with data `x` of shape $(N, 1)$,
+# $N \ge 20$, two components (`means` of shape $(2, 1)$, positive `weights`
+# summing to one) and $\beta = 1$, such that at this start the true Hessian
+# of the NLL is indefinite, a Newton step with it *raises* the NLL, and the
+# EM step lowers it. Section 4 has a two-dimensional example; think about
+# why it works (which configuration is a saddle, and where Newton jumps)
+# before you adapt it.
+
+# %%
+saddle_case = ...
+
+# %%
+check("7.4", saddle_case)

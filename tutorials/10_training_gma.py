@@ -16,6 +16,25 @@
 # %% [markdown]
 # # Lesson 10: Training GMA without a framework
 #
+# **You will learn to**
+#
+# - derive the shapes of a multi-head GMA layer (projections, heads, output
+#   projection) and write its forward from the single-head mechanism;
+# - check a hand-written backward against central finite differences, and
+#   justify the step and the tolerance;
+# - implement an AdamW step (bias correction, decoupled weight decay) and
+#   check it against `refimpl.optim`;
+# - train GMA's mixture by backpropagation and measure how its components
+#   are used (used components, usage entropy, NMI);
+# - check lesson 4's gradient bounds on a trained model.
+#
+# **Before this lesson**: lessons 2 and 4 (GMA, and its gradients through the
+# responsibilities). From outside the course: the chain rule and
+# backpropagation, the softmax cross-entropy loss, gradient-based
+# optimisation (SGD, Adam), and entropy and mutual information.
+#
+# Notation follows `docs/glossary.md`.
+#
 # Lessons 2 to 4 derived GMA's forward and backward. Here the Gaussian
 # mixture is *learned*: its means, variances and weights are trained by
 # backpropagation together with the rest of a small network, as in the GMA
@@ -24,24 +43,28 @@
 #
 # **The claims of this lesson.**
 #
-# 1. The model's backward, assembled from the pieces of `refimpl.model`
+# 1. The multi-head GMA layer (`refimpl.layers`) is the mechanism of lesson 2
+#    run once per head between learned projections; its backward, assembled
+#    from GMA's backward and the projections', agrees with central finite
+#    differences in the input and in every parameter.
+# 2. The model's backward, assembled from the pieces of `refimpl.model`
 #    (embedding, positions, layer norm, the mixer, MLP, head, cross-entropy),
 #    is the gradient of the loss: a finite-difference check along a random
 #    direction in the space of *all* parameters agrees, for every mixer.
-# 2. On ListOps-mini (nested MIN, MAX, MED and SUM_MOD expressions, 10
+# 3. On ListOps-mini (nested MIN, MAX, MED and SUM_MOD expressions, 10
 #    classes) the loss falls, and at full size GMA's test accuracy is at
 #    least 10 points above the majority class.
-# 3. Training decides how the tokens are shared among the components: we
+# 4. Training decides how the tokens are shared among the components: we
 #    watch the shares move, and count the components that take more than a
 #    stated share.
-# 4. The paper's interpretability metrics (used components, usage entropy,
+# 5. The paper's interpretability metrics (used components, usage entropy,
 #    NMI against token categories) on the trained model, next to the paper's
 #    numbers, and why they differ; the responsibilities over a sequence.
-# 5. Lesson 4's gradient bounds hold on the trained model, with the loss's
+# 6. Lesson 4's gradient bounds hold on the trained model, with the loss's
 #    own gradients.
 #
 # `TUTORIAL_SMALL=1` (set by CI) trains a tiny model for a few hundred steps:
-# claim 2's accuracy target is checked at full size only (about 5 minutes).
+# claim 3's accuracy target is checked at full size only (about 5 minutes).
 
 # %%
 import os
@@ -51,13 +74,127 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from refimpl import interpret, model, tasks, train
+from refimpl import gma, gmm, interpret, layers, model, tasks, train
+from refimpl.gradcheck import numerical_gradient, relative_error
 
 SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
 print(f"small sizes: {SMALL}")
 
 # %% [markdown]
-# ## 1. The model, and its backward assembled from the pieces
+# ## 1. From the mechanism to a layer
+#
+# Lessons 2 to 4 studied one GMA: given routing inputs $X_Q$, $X_K$ and
+# values $\mathbf V$, a mixture of $K$ Gaussians in $d_r$ dimensions mixes the
+# values. A network does not hand GMA its routing inputs: a **layer** makes
+# them from the residual stream $X$ ($N\times d_{\text{model}}$, one row per
+# token) by learned projections, runs $H$ GMAs side by side (the *heads*,
+# each with its own mixture), and projects their outputs back
+# (`refimpl.layers`; derivation in `docs/derivations/layers.md`). For one
+# sequence and head $h$,
+#
+# $$X_Q^{(h)} = XW_Q^{(h)},\quad X_K^{(h)} = XW_K^{(h)},\quad \mathbf V^{(h)} = XW_V^{(h)},\quad
+#   O^{(h)} = \operatorname{GMA}\bigl(X_Q^{(h)}, X_K^{(h)}, \mathbf V^{(h)};\ \mu^{(h)}, s^{(h)}, a^{(h)}\bigr),$$
+#
+# $$Y = \bigl[O^{(1)}\ \cdots\ O^{(H)}\bigr]\,W_O ,$$
+#
+# with $\sigma^{2(h)} = \operatorname{softplus}(s^{(h)}) + \sigma^2_{\min}$ and
+# $\pi^{(h)} = \operatorname{softmax}(a^{(h)})$. In the model of this lesson
+# each head is $d_h = d_{\text{model}}/H$ wide: its values have $d_v = d_h$
+# columns, and its routing inputs $d_r$ (`d_route`), usually fewer. The
+# shapes through the layer, for a batch of $B$ sequences:
+#
+# | what | shape | how |
+# | --- | --- | --- |
+# | input $x$ | $B\times N\times d_{\text{model}}$ | |
+# | $W_Q$, $W_K$; $W_V$; $W_O$ | $d_{\text{model}}\times Hd_r$; $d_{\text{model}}\times Hd_h$; $Hd_h\times d_{\text{model}}$ | head $h$ uses the $h$-th block of $d_r$ (or $d_h$) columns, of rows for $W_O$ |
+# | $X_Q$, $X_K$ | $B\times N\times H\times d_r$ | $xW_Q$, reshaped: the last axis split into $H$ blocks |
+# | $\mathbf V$ | $B\times N\times H\times d_h$ | $xW_V$, reshaped |
+# | $\mu^{(h)}$, $s^{(h)}$; $a^{(h)}$ | $K\times d_r$; $K$ | one mixture per head, shared by the $B$ sequences |
+# | $\Gamma_Q^{(h)}$, $\Gamma_K^{(h)}$ | $N\times K$ | per sequence and head |
+# | $O^{(h)}$ | $N\times d_h$ | GMA, per sequence and head |
+# | heads, concatenated | $B\times N\times Hd_h$ | |
+# | output $Y$ | $B\times N\times d_{\text{model}}$ | times $W_O$ |
+#
+# Here is that forward written out with lesson 2's GMA, one head at a time,
+# against `refimpl.layers.multihead_gma_forward`, on a tiny layer (with
+# $d_r \ne d_h$, so that a block taken with the wrong width would show).
+
+# %%
+B, N, d_model, H, d_r, K = 2, 5, 6, 2, 2, 3
+d_h = d_model // H
+lp = layers.init_multihead_gma(d_model, H, d_r, d_h, K, seed=3)
+rng = np.random.default_rng(10)
+lp = lp._replace(logits=rng.standard_normal((H, K)), raw_variances=lp.raw_variances + 0.3 * rng.standard_normal((H, K, d_r)))
+x = rng.standard_normal((B, N, d_model))
+print({f: a.shape for f, a in lp._asdict().items()})
+
+
+def layer_forward(x, p, causal=False):
+    """The multi-head layer from lesson 2's GMA: project, split into heads, mix per (sequence, head), concatenate, project."""
+    B, N, _ = x.shape
+    H, K, d_r = p.means.shape
+    d_h = p.W_v.shape[1] // H
+    xq = (x @ p.W_q).reshape(B, N, H, d_r)  # head h: columns h d_r .. (h + 1) d_r - 1
+    xk = (x @ p.W_k).reshape(B, N, H, d_r)
+    v = (x @ p.W_v).reshape(B, N, H, d_h)
+    heads = np.empty((B, N, H, d_h))
+    for b in range(B):
+        for h in range(H):
+            variances = gmm.variances_from_raw(p.raw_variances[h])  # softplus(s) + sigma^2_min
+            weights = gmm.softmax(p.logits[h])
+            heads[b, :, h] = gma.gma(xq[b, :, h], xk[b, :, h], v[b, :, h], p.means[h], variances, weights, causal=causal,
+                                     chunk_size=2)
+    return heads.reshape(B, N, H * d_h) @ p.W_o
+
+
+for causal in (False, True):
+    y_ref, _ = layers.multihead_gma_forward(x, lp, causal=causal, chunk_size=2)
+    err = relative_error(layer_forward(x, lp, causal), y_ref)
+    print(f"causal={causal}: the layer written out against refimpl.layers, relative difference {err:.1e}")
+    assert err < 1e-13  # the same operations in the same order: only rounding, a few u
+
+# %% [markdown]
+# The backward runs the same steps in reverse (`docs/derivations/layers.md`):
+# $dW_O = \sum_b O_b^\top G_b$ and $dO = GW_O^\top$; lesson 4's GMA backward
+# turns each head's block of $dO$ into $dX_Q^{(h)}$, $dX_K^{(h)}$,
+# $d\mathbf V^{(h)}$ and its mixture's gradients, **summed over the batch**,
+# since every sequence uses the same mixture; and the projections give
+# $dW_Q = \sum_b X_b^\top dX_{Q,b}$ (likewise $W_K$, $W_V$) and
+# $dX = dX_QW_Q^\top + dX_KW_K^\top + d\mathbf V W_V^\top$: three terms,
+# because $X$ feeds all three projections.
+#
+# The check: the loss $L = \sum G\odot Y$ with a fixed random $G$ has
+# gradient exactly what the backward returns for $G$; central differences
+# $\bigl(L(\theta + he_i) - L(\theta - he_i)\bigr)/2h$ estimate it entry by
+# entry. With $h = 10^{-6}$ their error is about $u|L|/h + h^2|L'''|$, near
+# $10^{-9}$ here, so a relative difference of $10^{-6}$ (to the largest
+# entry of each gradient) leaves a margin of hundreds while any wrong term
+# of the backward shows at order 1. Why this tolerance:
+# `docs/floating_point.md`, section Lesson 10.
+
+# %%
+G = rng.standard_normal((B, N, d_model))
+for causal in (False, True):
+    y, cache = layers.multihead_gma_forward(x, lp, causal=causal, chunk_size=2)
+    grads = layers.multihead_gma_backward(G, cache)
+
+    def loss_of(name, value, causal=causal):
+        if name == "x":
+            return float(np.sum(G * layers.multihead_gma(value, lp, causal=causal, chunk_size=2)))
+        return float(np.sum(G * layers.multihead_gma(x, lp._replace(**{name: value}), causal=causal, chunk_size=2)))
+
+    worst = 0.0
+    for name in ("x",) + layers.MultiheadGMAParams._fields:
+        point = x if name == "x" else getattr(lp, name)
+        numeric = numerical_gradient(lambda a, name=name: loss_of(name, a), point, h=1e-6)
+        err = relative_error(getattr(grads, name), numeric)
+        worst = max(worst, err)
+        assert err < 1e-6, (name, causal, err)
+    print(f"causal={causal}: backward of the layer against central differences, every input and parameter: "
+          f"worst relative difference {worst:.1e}")
+
+# %% [markdown]
+# ## 2. The model, and its backward assembled from the pieces
 #
 # Tokens are embedded, a learned position vector is added, and each block
 # is pre-norm residual: $x \leftarrow x + \mathrm{mixer}(\mathrm{LN}(x))$, then
@@ -71,8 +208,13 @@ print(f"small sizes: {SMALL}")
 # with its residual path adding the incoming gradient, then the positions'
 # and the embedding's (a scatter-add over the token ids). Each piece is
 # checked against finite differences in the test suite; here the whole
-# model is, along one random direction $u$ in the space of all parameters:
-# $\bigl(L(\theta + hu) - L(\theta - hu)\bigr)/2h \approx \nabla L\cdot u$.
+# model is, along one random direction $\xi$ in the space of all parameters:
+# $\bigl(L(\theta + h\xi) - L(\theta - h\xi)\bigr)/2h \approx \nabla L\cdot \xi$.
+# The finite difference is off by about $u|L|/h + h^2|L'''_\xi|/6$, a few
+# $10^{-9}$ relative here (the second term, with $L'''_\xi$ the third
+# derivative along $\xi$), while a wrong term of a backward shows at order
+# one; the check allows $10^{-6}$. Why this tolerance:
+# `docs/floating_point.md`, section Lesson 10.
 
 # %%
 cfg = model.ModelConfig(vocab_size=len(tasks.LISTOPS_TOKENS), max_len=12, d_model=8, n_heads=2, n_components=3,
@@ -90,20 +232,20 @@ for mixer in model.MIXERS:
     c = cfg._replace(mixer=mixer)
     p = model.init_params(c, seed=1)
     loss, _, _, grads = model.loss_and_grads(p, tokens, targets, c)
-    u = {k: rng.standard_normal(a.shape) for k, a in p.items()}
+    xi = {k: rng.standard_normal(a.shape) for k, a in p.items()}  # a random direction
     h = 1e-5
 
-    def loss_at(t, p=p, c=c, u=u):
-        return model.loss_and_grads({k: a + t * u[k] for k, a in p.items()}, tokens, targets, c)[0]
+    def loss_at(t, p=p, c=c, xi=xi):
+        return model.loss_and_grads({k: a + t * xi[k] for k, a in p.items()}, tokens, targets, c)[0]
 
     numeric = (loss_at(h) - loss_at(-h)) / (2 * h)
-    analytic = sum(float(np.sum(grads[k] * u[k])) for k in p)
+    analytic = sum(float(np.sum(grads[k] * xi[k])) for k in p)
     rel = abs(numeric - analytic) / abs(analytic)
     print(f"{mixer:8s}: loss {loss:.4f}, directional derivative {analytic:+.8f}, finite differences {numeric:+.8f}, relative error {rel:.1e}")
     assert rel < 1e-6
 
 # %% [markdown]
-# ## 2. ListOps-mini
+# ## 3. ListOps-mini
 #
 # Expressions nest the operators MIN, MAX, MED (the median; of an even
 # count, the lower middle value as an integer, like the original ListOps)
@@ -122,7 +264,7 @@ print("class frequencies:", np.round(balance, 3))
 print(f"majority-class rate (train): {tasks.majority_rate(y_train):.3f}")
 
 # %% [markdown]
-# ## 3. Training, with the mixture's usage recorded along the way
+# ## 4. Training, with the mixture's usage recorded along the way
 #
 # `refimpl.train` runs AdamW with warm-up, cosine decay, weight decay on the
 # weight matrices and clipping at global norm 1. A run can stop with a
@@ -176,7 +318,7 @@ if not SMALL:
     assert result.test_accuracy >= result.majority_rate + 0.10, (result.test_accuracy, result.majority_rate)
 
 # %% [markdown]
-# ## 4. How the components are used during training
+# ## 5. How the components are used during training
 #
 # Each column below is one moment of training; each row a component of
 # layer 0, head 0; the colour is its share $\bar\gamma_k$ of the validation
@@ -199,13 +341,13 @@ fig.colorbar(im, label="mean responsibility")
 plt.show()
 threshold = 0.1 / K
 used = (usage > threshold).sum(axis=-1)  # (segments, layers, heads)
-for stop, u in zip(segments, used[:, 0, :]):
-    print(f"step {stop:5d}: components with mean responsibility > 0.1/K, per head of layer 0: {[int(n) for n in u]} of {K}")
+for stop, n_used in zip(segments, used[:, 0, :]):
+    print(f"step {stop:5d}: components with mean responsibility > 0.1/K, per head of layer 0: {[int(n) for n in n_used]} of {K}")
 assert np.allclose(usage.sum(axis=-1), 1.0)
 assert used[-1].min() >= 1
 
 # %% [markdown]
-# ## 5. The paper's interpretability metrics
+# ## 6. The paper's interpretability metrics
 #
 # On the test sequences (non-padding tokens), for each head:
 #
@@ -213,8 +355,8 @@ assert used[-1].min() >= 1
 #   threshold. The paper does not say which threshold gave its 104 of 128;
 #   the count depends on it, so it is shown at several, as multiples of the
 #   uniform share $1/K$;
-# * **usage entropy** $H(\bar\gamma)/\log K$: 1 when every component takes the
-#   same share, 0 when one takes everything;
+# * **usage entropy** $-\sum_k\bar\gamma_k\log\bar\gamma_k\,/\log K$: 1 when
+#   every component takes the same share, 0 when one takes everything;
 # * **NMI** between the hard assignments $\arg\max_k\gamma_{ik}$ and the token
 #   categories (digit, operator, bracket; padding is left out here).
 
@@ -260,7 +402,7 @@ assert np.allclose(gamma_seq.sum(axis=1), 1.0)
 # inside a SUM_MOD are different tokens for the task).
 
 # %% [markdown]
-# ## 6. Lesson 4's bounds on the trained model
+# ## 7. Lesson 4's bounds on the trained model
 #
 # Lesson 4 bounded the gradients that flow through the responsibilities, in
 # terms of the spread of the upstream gradient $g = \partial L/\partial\gamma$
@@ -284,3 +426,130 @@ for layer, (queries, keys) in enumerate(result.bounds):
 # single token can come close to them; the bounds on $\partial L/\partial x$
 # and $\partial L/\partial\mu$ multiply by the radius $R$, set by the largest
 # norm and the smallest variance together, which no single token need meet.
+
+# %% [markdown]
+# ## What to remember
+#
+# * A layer is the mechanism between learned maps: project the residual
+#   stream to routing inputs and values, split the columns into $H$ heads of
+#   $d_r$ and $d_h$ columns, run GMA per (sequence, head), concatenate, and
+#   project back with $W_O$. Its backward is GMA's backward between the
+#   projections', with the mixture's gradients summed over the batch and
+#   three terms in $dX$.
+# * Check a backward against central differences with $h\approx10^{-6}$ in
+#   float64: the difference is then accurate to about $10^{-9}$, and any
+#   wrong term shows at order one.
+# * The mixture is trained like any weight: AdamW with bias correction and
+#   decoupled decay (not applied to the means, variances and weights).
+# * How the components end up used (counts above a threshold, usage
+#   entropy, NMI with token categories) is measured, not assumed; the
+#   counts depend on the threshold.
+# * Lesson 4's bounds hold on a trained model; the logit bounds come close,
+#   the bounds that multiply by $R$ are loose.
+
+# %% [markdown]
+# ## Exercises
+#
+# Four exercises, graded ★ warm-up, ★★ core, ★★★ stretch. Each has a cell
+# for your answer and a check cell below it; until you answer, the check
+# prints that the exercise is not done yet, and a wrong answer stops with a
+# message that says what is wrong. You may use `refimpl.gma` and
+# `refimpl.gmm` inside your answers (the single-head GMA and its backward),
+# but not `refimpl.layers`, `refimpl.optim` or the loss functions of
+# `refimpl.model`: those are what the checks compare with. Worked solutions
+# are in `tutorials/solutions/lesson_10.py`; try first.
+
+# %%
+from _course import check  # noqa: E402  (the exercises need it only here)
+
+# %% [markdown]
+# ### Exercise 10.1 ★ The cross-entropy backward
+#
+# The classifier's loss is the mean over the $B$ rows of
+# $-\log\operatorname{softmax}(z_b)_{y_b}$. Derive its gradient with respect
+# to the logits $z$ ($B\times C$) and write `cross_entropy_grad(logits,
+# targets)` returning it, shape $(B, C)$ (`targets` holds the class ids
+# $y_b$). The check uses logits of size up to $10^3$, so the softmax must
+# subtract each row's maximum, and compares with `refimpl.model` and with
+# central differences of the loss.
+
+# %%
+def cross_entropy_grad(logits, targets):
+    """dL/dlogits of the mean softmax cross-entropy over the rows; logits (B, C), targets (B,) ints; shape (B, C)."""
+    raise NotImplementedError("exercise 10.1")
+
+
+# %%
+check("10.1", cross_entropy_grad)
+
+# %% [markdown]
+# ### Exercise 10.2 ★★ One AdamW step
+#
+# Write `adamw_step(theta, g, m, v, t, lr, rho1, rho2, delta, weight_decay)`,
+# step $t = 1, 2, \dots$ of AdamW on one weight matrix $\theta$ with gradient
+# $g$ (no clipping), returning the new `(theta, m, v)`:
+#
+# $$m \leftarrow \rho_1 m + (1-\rho_1)g,\quad v \leftarrow \rho_2 v + (1-\rho_2)g^2,\quad
+#   \hat m = \frac{m}{1-\rho_1^t},\quad \hat v = \frac{v}{1-\rho_2^t},\quad
+#   \theta \leftarrow \theta - \eta\Bigl(\frac{\hat m}{\sqrt{\hat v}+\delta} + \lambda\theta\Bigr),$$
+#
+# with $\eta$ = `lr` and $\lambda$ = `weight_decay` (`refimpl.optim` names
+# $\rho_1, \rho_2, \delta$ `beta1`, `beta2`, `eps`). The check runs three
+# steps against `refimpl.optim.adam_step`, with and without decay, on
+# gradients from $10^{-7}$ to $10$ (where it matters whether $\delta$ is
+# added inside or outside the square root) and one entry with no gradient.
+# Why must the decay stay out of $g$?
+
+# %%
+def adamw_step(theta, g, m, v, t, lr, rho1, rho2, delta, weight_decay):
+    """One AdamW step (t = 1, 2, ...) on one weight matrix; returns (theta, m, v), each of theta's shape."""
+    raise NotImplementedError("exercise 10.2")
+
+
+# %%
+check("10.2", adamw_step)
+
+# %% [markdown]
+# ### Exercise 10.3 ★★ The multi-head layer's forward
+#
+# Write `multihead_forward(x, params)`: the bidirectional multi-head GMA
+# layer of section 1 on `x` ($B\times N\times d_{\text{model}}$), with
+# `params` a `refimpl.layers.MultiheadGMAParams` (fields `W_q`, `W_k`, `W_v`,
+# `W_o`, `means`, `raw_variances`, `logits`), returning
+# $B\times N\times d_{\text{model}}$. Use `refimpl.gma.gma` for each (sequence,
+# head), with variances $\operatorname{softplus}(s) + \sigma^2_{\min}$
+# (`refimpl.gmm.variances_from_raw`) and weights $\operatorname{softmax}(a)$
+# (`refimpl.gmm.softmax`). Mind which columns belong to head $h$. The check
+# uses $Hd_v \ne d_{\text{model}}$ and compares with `refimpl.layers`.
+
+# %%
+def multihead_forward(x, params):
+    """The multi-head GMA layer (bidirectional): x (B, N, d_model) -> (B, N, d_model)."""
+    raise NotImplementedError("exercise 10.3")
+
+
+# %%
+check("10.3", multihead_forward)
+
+# %% [markdown]
+# ### Exercise 10.4 ★★★ The multi-head layer's backward
+#
+# Write `multihead_backward(grad_out, x, params)`: the gradients of
+# $L = \sum G\odot Y$ ($G$ = `grad_out`, $Y$ the output of exercise 10.3) with
+# respect to `x` and to every parameter, as a dict with the keys `x`, `W_q`,
+# `W_k`, `W_v`, `W_o`, `means`, `raw_variances`, `logits`, each of the shape
+# of what it differentiates. Run the forward with `refimpl.gma.gma_forward`
+# (it takes the raw variances and the logits and returns a cache), then
+# reverse the steps as in section 1, with `refimpl.gma.gma_backward` for each
+# (sequence, head). The check compares with `refimpl.layers`, itself checked
+# against central differences in section 1; to debug, compare one gradient
+# at a time with `numerical_gradient` as section 1 does.
+
+# %%
+def multihead_backward(grad_out, x, params):
+    """Gradients of sum(grad_out * layer(x)): a dict x, W_q, W_k, W_v, W_o, means, raw_variances, logits."""
+    raise NotImplementedError("exercise 10.4")
+
+
+# %%
+check("10.4", multihead_backward)
