@@ -264,7 +264,9 @@ def _course_page() -> str:
         "",
         "## Which lesson needs which",
         "",
-        "An arrow from one lesson to another: read the first before the second.",
+        "An arrow from one lesson to another: read the first before the second. Orders that follow through "
+        "another lesson are not drawn (2 before 4, since 2 comes before 3 and 3 before 4); the table above "
+        "lists every lesson each one builds on.",
         "",
         f"```{{image}} {os.path.relpath(graph, DOCS)}",
         ":alt: the dependency graph of the lessons",
@@ -302,11 +304,14 @@ def _generated_sources(app, docname, source):
         source[0] = source[0].replace(FP_MARKER, includes)
     box = _lesson_box(docname)
     if box is not None:
+        # right under the lesson's title, the first line of its first cell
         nb = json.loads(source[0])
-        cell = {"cell_type": "markdown", "metadata": {}, "source": box}
-        if nb.get("nbformat_minor", 0) >= 5:
-            cell["id"] = "lesson-box"
-        nb["cells"].insert(1, cell)
+        first = nb["cells"][0]
+        text = "".join(first["source"]) if isinstance(first["source"], list) else first["source"]
+        title, _, rest = text.partition("\n")
+        if not title.startswith("# "):
+            raise ValueError(f"{docname}: the first cell does not open with the lesson's title")
+        first["source"] = f"{title}\n\n{box}\n{rest}"
         source[0] = json.dumps(nb)
 
 

@@ -63,11 +63,35 @@ def test_the_readme_shows_the_course_as_it_is():
     assert course.readme_section() in text, "tutorials/README.md is out of date: `python tutorials/course.py readme`"
 
 
+def _closure(needs):
+    """Every (earlier, later) pair that a graph of direct needs orders."""
+    pairs = set()
+    for n in needs:
+        todo, seen = list(needs[n]), set()
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                pairs.add((m, n))
+                todo.extend(needs[m])
+    return pairs
+
+
+def test_the_drawn_graph_keeps_every_order_and_no_implied_edge():
+    reduced = course.reduced_needs()
+    assert _closure(reduced) == _closure(course.NEEDS), "the picture loses or adds a reading order"
+    for n, needs in reduced.items():
+        for m in needs:
+            without = {k: tuple(x for x in v if (k, x) != (n, m)) for k, v in reduced.items()}
+            assert (m, n) not in _closure(without), f"the edge {m} -> {n} is implied by others"
+    assert course.reduced_needs_of({1: (), 2: (1,), 3: (1, 2)}) == {1: (), 2: (1,), 3: (2,)}
+
+
 def test_the_graph_draws_every_lesson_and_edge(tmp_path):
     svg = course.draw_graph(tmp_path / "graph.svg").read_text(encoding="utf-8")
     assert svg.startswith("<?xml") and "<svg" in svg
     mermaid = course.mermaid()
-    for n, needs in course.NEEDS.items():
+    for n, needs in course.reduced_needs().items():
         for m in needs:
             assert f"L{m} --> L{n}" in mermaid
-    assert mermaid.count("-->") == sum(len(v) for v in course.NEEDS.values())
+    assert mermaid.count("-->") == sum(len(v) for v in course.reduced_needs().values())

@@ -178,46 +178,73 @@ def measured_on() -> str:
 
 
 def mermaid() -> str:
-    """The dependency graph as a Mermaid flowchart (GitHub draws it in the README)."""
+    """The reading order as a Mermaid flowchart (GitHub draws it in the README), edges of :func:`reduced_needs`."""
     lines = ["```mermaid", "flowchart LR"]
     for n, script in lessons().items():
         lines.append(f'  L{n}["{n}. {script.stem[3:].replace("_", " ")}"]')
-    for n, needs in NEEDS.items():
+    for n, needs in reduced_needs().items():
         lines += [f"  L{m} --> L{n}" for m in needs]
     lines.append("```")
     return "\n".join(lines)
 
 
+def reduced_needs() -> dict[int, tuple[int, ...]]:
+    """``NEEDS`` without the orders another lesson implies (2 -> 4 when 2 -> 3 -> 4): the edges the picture draws."""
+    return reduced_needs_of(NEEDS)
+
+
+def reduced_needs_of(needs_of: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+    """The transitive reduction of a graph given as lesson -> the lessons it needs."""
+    def reachable(start: int) -> set[int]:
+        seen, todo = set(), list(needs_of[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(needs_of[m])
+        return seen
+
+    return {n: tuple(m for m in needs if not any(m in reachable(k) for k in needs if k != m))
+            for n, needs in needs_of.items()}
+
+
 def draw_graph(path: Path) -> Path:
-    """Draw the dependency graph (read an arrow's tail before its head) into ``path`` (SVG or PNG)."""
+    """Draw the reading order of the lessons into ``path`` (SVG or PNG): an arrow from a lesson to one that needs it.
+
+    Orders implied through another lesson are left out (:func:`reduced_needs`).
+    Lessons sit in columns by depth, ordered in each column by the mean height
+    of the lessons they need.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # columns by depth: a lesson sits one column right of the deepest lesson it needs
+    edges = reduced_needs()
     depth: dict[int, int] = {}
     for n in sorted(NEEDS):
         depth[n] = 1 + max((depth[m] for m in NEEDS[n]), default=-1)
-    columns: dict[int, list[int]] = {}
-    for n, d in depth.items():
-        columns.setdefault(d, []).append(n)
-    pos = {}
-    for d, members in columns.items():
-        for i, n in enumerate(members):
-            pos[n] = (d, (len(members) - 1) / 2 - i)
+    pos: dict[int, tuple[float, float]] = {}
+    for d in range(max(depth.values()) + 1):
+        column = [n for n in sorted(depth) if depth[n] == d]
+        mean_parent = {n: sum(pos[m][1] for m in edges[n]) / len(edges[n]) if edges[n] else 0.0 for n in column}
+        column.sort(key=lambda n: (-mean_parent[n], n))
+        for i, n in enumerate(column):
+            pos[n] = (d, (len(column) - 1) / 2 - i + 0.5 * (sum(mean_parent.values()) / len(column)))
     names = {n: script.stem[3:].replace("_", " ") for n, script in lessons().items()}
-    fig, ax = plt.subplots(figsize=(2.3 * (max(columns) + 1), 1.1 * max(len(m) for m in columns.values()) + 0.6))
-    for n, needs in NEEDS.items():
+    height = max(y for _, y in pos.values()) - min(y for _, y in pos.values())
+    fig, ax = plt.subplots(figsize=(2.4 * (max(depth.values()) + 1), 1.2 * height + 1.6))
+    boxes = {n: ax.text(x, y, f"{n}\n{names.get(n, '')}", ha="center", va="center", fontsize=9,
+                        bbox=dict(boxstyle="round,pad=0.45", fc="#e8f0fb", ec="#3465a4"))
+             for n, (x, y) in pos.items()}
+    fig.canvas.draw()  # the boxes get their sizes, so that the arrows end at their edges
+    for n, needs in edges.items():
         for m in needs:
             ax.annotate("", xy=pos[n], xytext=pos[m],
-                        arrowprops=dict(arrowstyle="-|>", color="0.45", lw=1.2, shrinkA=34, shrinkB=34,
-                                        connectionstyle="arc3,rad=0.08"))
-    for n, (x, y) in pos.items():
-        ax.text(x, y, f"{n}\n{names.get(n, '')}", ha="center", va="center", fontsize=9,
-                bbox=dict(boxstyle="round,pad=0.45", fc="#e8f0fb", ec="#3465a4"))
-    ax.set_xlim(-0.6, max(columns) + 0.6)
-    ax.set_ylim(min(y for _, y in pos.values()) - 0.6, max(y for _, y in pos.values()) + 0.6)
+                        arrowprops=dict(arrowstyle="-|>", color="0.4", lw=1.3, shrinkA=0, shrinkB=0,
+                                        patchA=boxes[m].get_bbox_patch(), patchB=boxes[n].get_bbox_patch()))
+    ax.set_xlim(-0.6, max(depth.values()) + 0.6)
+    ax.set_ylim(min(y for _, y in pos.values()) - 0.7, max(y for _, y in pos.values()) + 0.7)
     ax.axis("off")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, bbox_inches="tight", metadata={"Date": None} if path.suffix == ".svg" else None)
@@ -241,7 +268,9 @@ def readme_section() -> str:
         objectives_markdown("####"),
         "### Which lesson needs which",
         "",
-        "An arrow from a lesson to another: read the first before the second.",
+        "An arrow from a lesson to another: read the first before the second. Orders that follow through "
+        "another lesson are not drawn (2 before 4, since 2 comes before 3 and 3 before 4); the table lists "
+        "every lesson each one builds on.",
         "",
         mermaid(),
         "",
