@@ -291,9 +291,15 @@ def write_readme() -> bool:
     return new != text
 
 
-def _execute(notebook: Path, small: bool, timeout: float) -> float:
-    """Execute ``notebook`` in a fresh kernel of this Python, in its folder; return the seconds it took."""
-    import nbformat
+def execute(nb, timeout_func) -> None:
+    """Execute the notebook ``nb`` in place, in ``tutorials/``, in a fresh kernel of this very Python.
+
+    The kernel is ipykernel's built-in ``python3``, whose command jupyter_client
+    runs with ``sys.executable``; kernelspecs on disk (``~/.local/share/jupyter``,
+    other environments) are never used.  ``timeout_func(cell)`` gives each
+    cell's limit in seconds.  The kernel inherits this process's environment
+    (``TUTORIAL_SMALL``, ``PYTHONPATH``): callers set it.
+    """
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
@@ -302,15 +308,22 @@ def _execute(notebook: Path, small: bool, timeout: float) -> float:
     class ThisInterpreterKernel(KernelManager):
         @default("kernel_spec_manager")
         def _kernel_spec_manager_default(self):
-            return KernelSpecManager(kernel_dirs=[])
+            return KernelSpecManager(kernel_dirs=[])  # no kernel directories: only the built-in kernel
+
+    NotebookClient(nb, kernel_name="python3", kernel_manager_class=ThisInterpreterKernel, timeout_func=timeout_func,
+                   startup_timeout=120, resources={"metadata": {"path": str(HERE)}}).execute()
+
+
+def _time_lesson(notebook: Path, small: bool, timeout: float) -> float:
+    """Execute ``notebook`` at small or full size; return the seconds it took."""
+    import nbformat
 
     os.environ["TUTORIAL_SMALL"] = "1" if small else "0"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
     os.environ.pop("MPLBACKEND", None)
     nb = nbformat.read(notebook, as_version=4)
     start = time.monotonic()
-    NotebookClient(nb, kernel_name="python3", kernel_manager_class=ThisInterpreterKernel, timeout=int(timeout),
-                   resources={"metadata": {"path": str(HERE)}}).execute()
+    execute(nb, timeout_func=lambda cell: int(timeout))
     return time.monotonic() - start
 
 
@@ -322,9 +335,9 @@ def measure(selected: list[int], small_only: bool, timeout: float) -> None:
             continue
         notebook = script.with_suffix(".ipynb")
         entry = entries.setdefault(str(n), {})
-        entry["small_s"] = round(_execute(notebook, True, timeout), 1)
+        entry["small_s"] = round(_time_lesson(notebook, True, timeout), 1)
         if not small_only:
-            entry["full_s"] = round(_execute(notebook, False, timeout), 1)
+            entry["full_s"] = round(_time_lesson(notebook, False, timeout), 1)
         print(f"lesson {n}: {entry}", flush=True)
     times["date"] = date.today().isoformat()
     times["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, no GPU"
