@@ -11,19 +11,22 @@ on all alike; a time is the best of the rounds, a ratio is of best times,
 except the price of the exactness screen, a few percent of one call, which is
 the median over the rounds of the ratio of two calls made back to back):
 
-* ``gmm.responsibilities`` at N = 200000, K = 64, d = 32: its time, its GEMM
-  floor (the two products ``xc**2 @ p.T`` and ``xc @ (mc * p).T`` on whole
-  arrays, operands prepared beforehand), the ratio, scikit-learn's
+* the responsibilities at N = 200000, K = 64, d = 32: ``tuned.responsibilities``
+  (the fast path: the expansion of the square, screened), its GEMM floor (the
+  two products ``xc**2 @ p.T`` and ``xc @ (mc * p).T`` on whole arrays,
+  operands prepared beforehand), the ratio, scikit-learn's
   ``GaussianMixture(covariance_type="diag").predict_proba`` with the same
-  parameters, the price of the exactness screen (the core with and without
-  the refinement), float32 against float64, and the peak memory against the
-  unblocked formula;
-* GMA at N = 16384, K = 64, d_r = d_v = 64: ``gma.gma`` bidirectional and
-  causal, ``gma.gma_backward`` after ``gma.gma_forward``, each against the
+  parameters, ``gmm.responsibilities`` (the plain reference: the definition,
+  from the differences), the price of the exactness screen (the core with and
+  without the refinement), float32 against float64, and the peak memory
+  against the unblocked formula;
+* GMA at N = 16384, K = 64, d_r = d_v = 64: ``tuned.gma`` bidirectional and
+  causal, ``tuned.gma_backward`` after ``tuned.gma_forward``, each against the
   floor of its matrix products (forward: the four of the two
   responsibilities and the two of the mixing, ``Gamma_K^T V`` and
   ``Gamma_Q S``; backward: the four of the mixing's backward and four per
-  responsibility matrix), float32 against float64, peak memory;
+  responsibility matrix), the plain reference ``gma`` against it, float32
+  against float64, peak memory;
 * where the rest of the time goes: the rate of one element-wise pass and of
   ``exp`` over ``N x K`` entries in cache-sized blocks, against the GEMM rate;
 * accuracy on the spread-means example (two means near +1e4, one at -1e4,
@@ -48,7 +51,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_gma import make_inputs, peak_bytes as traced_peak  # noqa: E402  (this directory is sys.path[0])
-from refimpl import gma, gmm  # noqa: E402
+from refimpl import gma, gmm, numerics, tuned  # noqa: E402
 from refimpl.testing import exact_responsibilities, row_relative_error, sklearn_gmm, spread_means_example  # noqa: E402
 
 
@@ -137,36 +140,41 @@ def unblocked_responsibilities(x, means, variances, weights):
 
 
 def bench_responsibilities(n, K, d, repeats):
-    print(f"\n== gmm.responsibilities, N = {n}, K = {K}, d = {d} (best of {repeats} interleaved rounds)")
+    print(f"\n== responsibilities, N = {n}, K = {K}, d = {d} (best of {repeats} interleaved rounds)")
     fns, same = {}, {}
     for dtype in (np.float64, np.float32):
         x, means, variances, weights = gmm_inputs(n, K, d, dtype)
         log_w = np.log(weights)
         name = np.dtype(dtype).name
-        fns[f"{name} refimpl"] = lambda x=x, m=means, v=variances, w=weights: gmm.responsibilities(x, m, v, w)
+        fns[f"{name} tuned"] = lambda x=x, m=means, v=variances, w=weights: tuned.responsibilities(x, m, v, w)
         fns[f"{name} GEMM floor"] = responsibility_floor(x, means, variances)
-        fns[f"{name} core, refined"] = lambda x=x, m=means, v=variances, lw=log_w: gmm.posterior(x, m, v, lw)
-        fns[f"{name} core, expansion alone"] = lambda x=x, m=means, v=variances, lw=log_w: gmm.posterior(x, m, v, lw, refine=False)
+        fns[f"{name} core, refined"] = lambda x=x, m=means, v=variances, lw=log_w: tuned.posterior(x, m, v, lw)
+        fns[f"{name} core, expansion alone"] = lambda x=x, m=means, v=variances, lw=log_w: tuned.posterior(x, m, v, lw, refine=False)
+        fns[f"{name} plain reference"] = lambda x=x, m=means, v=variances, w=weights: gmm.responsibilities(x, m, v, w)
         if dtype == np.float64:
             model = sklearn_gmm(means, variances, weights)
             fns["float64 scikit-learn predict_proba"] = lambda x=x: model.predict_proba(x)
-        same[name] = np.array_equal(gmm.posterior(x, means, variances, log_w)[0], gmm.posterior(x, means, variances, log_w, refine=False)[0])
+        same[name] = np.array_equal(tuned.posterior(x, means, variances, log_w)[0], tuned.posterior(x, means, variances, log_w, refine=False)[0])
     t = timed_rounds(fns, repeats)
     for name in ("float64", "float32"):
         print(f"  {name}:")
-        print(f"    refimpl / GEMM floor:          {ratio(t, name + ' refimpl', name + ' GEMM floor'):9.2f}x   (target <= 1.5)")
+        print(f"    tuned / GEMM floor:            {ratio(t, name + ' tuned', name + ' GEMM floor'):9.2f}x   (target <= 1.5)")
         if name == "float64":
-            print(f"    scikit-learn / refimpl:        {ratio(t, 'float64 scikit-learn predict_proba', 'float64 refimpl'):9.2f}x   (target >= 3)")
+            print(f"    scikit-learn / tuned:          {ratio(t, 'float64 scikit-learn predict_proba', 'float64 tuned'):9.2f}x   (target >= 3)")
+            print(f"    scikit-learn / plain:          {ratio(t, 'float64 scikit-learn predict_proba', 'float64 plain reference'):9.2f}x")
+        print(f"    plain reference / tuned:       {ratio(t, name + ' plain reference', name + ' tuned'):9.2f}x   (the price of reading like the definition)")
         screen = paired_ratio(t, name + " core, refined", name + " core, expansion alone") - 1
         print(f"    cost of the exactness screen:  {screen:+9.1%}   (target <= 10%; median over the rounds)")
         print(f"    refined == expansion bit for bit:  {same[name]} (no entry needed recomputing)")
-    print(f"  float64 / float32 time:          {ratio(t, 'float64 refimpl', 'float32 refimpl'):9.2f}x   (target >= 1.7)")
+    print(f"  float64 / float32 time, tuned:   {ratio(t, 'float64 tuned', 'float32 tuned'):9.2f}x   (target >= 1.7)")
+    print(f"  float64 / float32 time, plain:   {ratio(t, 'float64 plain reference', 'float32 plain reference'):9.2f}x")
     x, means, variances, weights = gmm_inputs(n, K, d, np.float64)
-    blocked = traced_peak(lambda: gmm.responsibilities(x, means, variances, weights))
+    blocked = traced_peak(lambda: tuned.responsibilities(x, means, variances, weights))
+    definition = traced_peak(lambda: gmm.responsibilities(x, means, variances, weights))
     plain = traced_peak(lambda: unblocked_responsibilities(x, means, variances, weights))
     nk = n * K * 8
-    print(f"  peak memory, float64: row-blocked {mib(blocked)} ({blocked / nk:.2f} N x K arrays), "
-          f"unblocked formula {mib(plain)} ({plain / nk:.2f} N x K arrays)")
+    print(f"  peak memory, float64: tuned (row-blocked) {mib(blocked)} ({blocked / nk:.2f} N x K arrays), "
+          f"plain reference {mib(definition)} ({definition / nk:.2f}), unblocked expansion {mib(plain)} ({plain / nk:.2f})")
     return t
 
 
@@ -218,17 +226,20 @@ def bench_gma(n, K, d, repeats):
         variances = (np.logaddexp(0, inp["raw_variances"]) + 1e-6).astype(dtype)
         weights = np.exp(inp["logits"] - inp["logits"].max())
         weights = (weights / weights.sum()).astype(dtype)
-        out_b, cache_b = gma.gma_forward(**inp)
-        out_c, cache_c = gma.gma_forward(**inp, causal=True)
+        out_b, cache_b = tuned.gma_forward(**inp)
+        out_c, cache_c = tuned.gma_forward(**inp, causal=True)
         floor_f, floor_b = gma_floors(n, K, d, d, dtype)
         args = (inp["x_q"], inp["x_k"], inp["v"], inp["means"], variances, weights)
         name = np.dtype(dtype).name
-        fns[f"{name} bidirectional forward"] = lambda a=args: gma.gma(*a)
-        fns[f"{name} causal forward"] = lambda a=args: gma.gma(*a, causal=True)
+        fns[f"{name} bidirectional forward"] = lambda a=args: tuned.gma(*a)
+        fns[f"{name} causal forward"] = lambda a=args: tuned.gma(*a, causal=True)
         fns[f"{name} forward GEMM floor"] = floor_f
-        fns[f"{name} bidirectional backward"] = lambda o=out_b, c=cache_b: gma.gma_backward(o, c)
-        fns[f"{name} causal backward"] = lambda o=out_c, c=cache_c: gma.gma_backward(o, c)
+        fns[f"{name} bidirectional backward"] = lambda o=out_b, c=cache_b: tuned.gma_backward(o, c)
+        fns[f"{name} causal backward"] = lambda o=out_c, c=cache_c: tuned.gma_backward(o, c)
         fns[f"{name} backward GEMM floor"] = floor_b
+        fns[f"{name} plain bidirectional forward"] = lambda a=args: gma.gma(*a)
+        fns[f"{name} plain causal forward"] = lambda a=args: gma.gma(*a, causal=True)
+        fns[f"{name} plain bidirectional backward"] = lambda o=out_b, c=cache_b: gma.gma_backward(o, c)
     t = timed_rounds(fns, repeats)
     for name in ("float64", "float32"):
         print(f"  {name}:")
@@ -236,14 +247,16 @@ def bench_gma(n, K, d, repeats):
         print(f"    causal / floor:                {ratio(t, name + ' causal forward', name + ' forward GEMM floor'):9.2f}x   (target <= 3)")
         print(f"    backward / floor:              {ratio(t, name + ' bidirectional backward', name + ' backward GEMM floor'):9.2f}x   (target <= 3)")
         print(f"    causal backward / floor:       {ratio(t, name + ' causal backward', name + ' backward GEMM floor'):9.2f}x")
+        for op in ("bidirectional forward", "causal forward", "bidirectional backward"):
+            print(f"    plain / tuned, {op + ':':23s}{ratio(t, name + ' plain ' + op, name + ' ' + op):7.2f}x")
     for op in ("bidirectional forward", "causal forward", "bidirectional backward", "causal backward"):
         print(f"  float64 / float32, {op + ':':24s} {ratio(t, 'float64 ' + op, 'float32 ' + op):6.2f}x   (target >= 1.7)")
     inp = gma_inputs(n, K, d, d, np.float64)
     nk = n * K * 8
     for causal in (False, True):
-        fwd = traced_peak(lambda: gma.gma_forward(**inp, causal=causal))
-        out, cache = gma.gma_forward(**inp, causal=causal)
-        bwd = traced_peak(lambda: gma.gma_backward(out, cache))
+        fwd = traced_peak(lambda: tuned.gma_forward(**inp, causal=causal))
+        out, cache = tuned.gma_forward(**inp, causal=causal)
+        bwd = traced_peak(lambda: tuned.gma_backward(out, cache))
         label = "causal" if causal else "bidirectional"
         print(f"  peak memory, float64, {label:13s}: forward {mib(fwd)} ({fwd / nk:.2f} N x K arrays), "
               f"backward {mib(bwd)} ({bwd / nk:.2f})")
@@ -257,9 +270,9 @@ def bench_gma(n, K, d, repeats):
 
 def bench_rates(n, K, d, repeats):
     """The rate of the three kinds of work in the responsibilities, measured on the same machine now."""
-    print(f"\n== where the time goes: N x K = {n} x {K} entries, float64, blocks of {gmm._block_rows(K, d, np.float64)} rows")
+    rows = numerics.block_rows((4 * K + 2 * d) * 8)  # the blocks of refimpl.tuned: 4K + 2d numbers a row
+    print(f"\n== where the time goes: N x K = {n} x {K} entries, float64, blocks of {rows} rows")
     rng = np.random.default_rng(0)
-    rows = gmm._block_rows(K, d, np.float64)
     a = rng.normal(size=(rows, K))
     b = np.empty_like(a)
     x = rng.normal(size=(rows, d))
@@ -301,8 +314,9 @@ def accuracy():
     exact = exact_responsibilities(xs, ms_, vs, ws)
     with np.errstate(all="ignore"):
         errors = {
-            "refimpl responsibilities": row_relative_error(gmm.responsibilities(xs, ms_, vs, ws), exact),
-            "expansion alone (no refinement)": row_relative_error(gmm.posterior(xs, ms_, vs, np.log(ws), refine=False)[0], exact),
+            "gmm.responsibilities (definition)": row_relative_error(gmm.responsibilities(xs, ms_, vs, ws), exact),
+            "tuned.responsibilities (screened)": row_relative_error(tuned.responsibilities(xs, ms_, vs, ws), exact),
+            "expansion alone (no refinement)": row_relative_error(tuned.posterior(xs, ms_, vs, np.log(ws), refine=False)[0], exact),
             "scikit-learn predict_proba": row_relative_error(sklearn_gmm(ms_, vs, ws).predict_proba(xs), exact),
         }
     print("\n== spread means (two near +1e4, one at -1e4, variances 1e-8): largest relative error per row")

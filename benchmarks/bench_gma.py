@@ -12,7 +12,9 @@ Timing: the best of ``--repeats`` calls (``--softmax-repeats`` for the dense
 baseline, which takes seconds per call), measured with ``time.perf_counter``
 and no tracing active.  Memory: the peak that ``tracemalloc`` reports during
 one call (NumPy reports its array buffers to it), inputs excluded because
-they are created before tracing starts.
+they are created before tracing starts.  GMA runs on :mod:`refimpl.tuned`,
+the fast path that training and the experiments use (``bench_cpu.py`` times
+the plain reference beside it).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from refimpl import attention, gma, scan  # noqa: E402
+from refimpl import attention, scan  # noqa: E402
+from refimpl import tuned as gma  # noqa: E402  (the fast path; refimpl.gma is the plain reference)
 
 
 def make_inputs(n, K, d_r, d_v, seed=0):

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import numerics, validation
-from .scan import DEFAULT_CHUNK_SIZE, FeatureAttentionCache, scan_backward, scan_forward
+from .scan import DEFAULT_CHUNK_SIZE, FeatureAttentionCache, FeatureAttentionGrads, scan_backward, scan_forward
 
 __all__ = [
     "softmax_attention",
@@ -53,6 +53,9 @@ __all__ = [
     "linear_attention_backward",
     "LinearAttentionGrads",
     "LinearAttentionCache",
+    "feature_attention",
+    "feature_attention_forward",
+    "feature_attention_backward",
 ]
 
 
@@ -74,73 +77,6 @@ class SoftmaxAttentionCache(NamedTuple):
     scale: float
 
 
-# who is blamed, and the fix, when the scores of a row overflow
-_SCORE_NAMES = "scale, q, k"
-_SCORE_FIX = "lower scale or rescale q and k"
-
-
-def _check_attention(q, k, v, causal):
-    q, k, v = validation.check_qkv(q, k, v)
-    causal = validation.check_bool(causal, "causal")
-    validation.check_causal_lengths(q.shape[0], k.shape[0], causal, names=("q", "k"))
-    return q, k, v, causal
-
-
-def check_softmax_attention(q, k, v, scale, causal):
-    """The checks of :func:`softmax_attention_forward` (2-D ``q, k, v``); the GPU backends share it."""
-    q, k, v, causal = _check_attention(q, k, v, causal)
-    scale = 1.0 / np.sqrt(q.shape[1]) if scale is None else validation.check_positive_float(scale, "scale")
-    return q, k, v, scale, causal
-
-
-def check_batched_qkv(q, k, v) -> tuple:
-    """``q (..., N_q, d)``, ``k (..., N_k, d)``, ``v (..., N_k, d_v)`` with one leading shape; the GPU backends share it.
-
-    Returns ``(q, k, v, batch_shape)``, the arrays cast to their common float
-    dtype.  2-D arrays are checked by :func:`refimpl.validation.check_qkv`
-    (``batch_shape = ()``); with leading dimensions, every ``(..., N, d)``
-    slice must pass the same check, so the messages about the last two
-    dimensions are the 2-D ones.
-    """
-    if all(np.ndim(a) == 2 for a in (q, k, v)):
-        return validation.check_qkv(q, k, v) + ((),)
-    q, k, v = (validation.as_float_array(a, name, finite=False) for a, name in ((q, "q"), (k, "k"), (v, "v")))
-    if min(q.ndim, k.ndim, v.ndim) < 2 or not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and q.ndim == k.ndim == v.ndim):
-        raise ValueError(
-            f"q, k, v: expected arrays with the same leading (batch) dimensions, each at least a 2-D array "
-            f"(..., N_q, d), (..., N_k, d), (..., N_k, d_v); got shapes {q.shape}, {k.shape} and {v.shape}"
-        )
-    for a, name in ((q, "q"), (k, "k"), (v, "v")):
-        validation.check_finite(a, name)
-    # the 2-D checks of one (N, d) slice: zero-stride stand-ins of the last two dimensions (there may be no slice)
-    validation.check_qkv(*(np.broadcast_to(np.zeros((), a.dtype), a.shape[-2:]) for a in (q, k, v)))
-    dtype = validation.common_float_dtype(q, k, v)
-    return q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False), q.shape[:-2]
-
-
-def check_batched_softmax_attention(q, k, v, scale, causal):
-    """The checks of :func:`softmax_attention` (leading batch dimensions allowed); the GPU backends share it.
-
-    Returns ``(q, k, v, scale, causal, batch_shape)``.
-    """
-    q, k, v, batch_shape = check_batched_qkv(q, k, v)
-    causal = validation.check_bool(causal, "causal")
-    validation.check_causal_lengths(q.shape[-2], k.shape[-2], causal, names=("q", "k"))
-    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else validation.check_positive_float(scale, "scale")
-    return q, k, v, scale, causal, batch_shape
-
-
-def check_score_maxima(row_max) -> None:
-    """Refuse score rows whose maximum is not finite (overflow), as the forward's check of its logits; the GPU backends share it.
-
-    ``row_max`` holds the maximum score of every row, the rows of all
-    sequences counted in C order (row ``b N_q + i`` for query ``i`` of
-    sequence ``b``); the message is that of
-    :func:`refimpl.validation.check_softmax_logits` on those rows.
-    """
-    row_max = np.asarray(row_max)
-    bad = ~np.isfinite(row_max.ravel())
-    validation.check_overflowed_rows(int(np.sum(bad)), int(np.argmax(bad)) if bad.size else 0, row_max.dtype, _SCORE_NAMES, _SCORE_FIX)
 
 
 def _softmax_scores(q, k, scale, causal):
@@ -171,9 +107,9 @@ def softmax_attention_forward(q, k, v, *, scale=None, causal: bool = False):
     cache : SoftmaxAttentionCache
         The tuple ``(q, k, v, P, scale)`` with ``P`` the ``N_q x N_k`` attention matrix.
     """
-    q, k, v, scale, causal = check_softmax_attention(q, k, v, scale, causal)
+    q, k, v, scale, causal = validation.check_softmax_attention(q, k, v, scale, causal)
     scores = _softmax_scores(q, k, scale, causal)
-    validation.check_softmax_logits(scores, _SCORE_NAMES, _SCORE_FIX)
+    validation.check_softmax_logits(scores, validation.SCORE_NAMES, validation.SCORE_FIX)
     p = numerics.softmax(scores, axis=1)
     return p @ v, SoftmaxAttentionCache(q, k, v, p, scale)
 
@@ -198,8 +134,8 @@ def softmax_attention_backward(grad_out, cache) -> SoftmaxAttentionGrads:
     g = validation.check_grad_out(grad_out, (q.shape[0], v.shape[1]), ("N_q", "d_v"), p.dtype)
     dv = p.T @ g
     dp = g @ v.T
-    # softmax Jacobian row by row: dS = P * (dP - rowsum(P * dP))
-    ds = p * (dp - np.sum(p * dp, axis=1, keepdims=True))
+    # through the row softmax, then the scale: dS = scale P * (dP - rowsum(P * dP))
+    ds = numerics.softmax_backward(p, dp, axis=1)
     ds *= p.dtype.type(scale)
     return SoftmaxAttentionGrads(q=ds @ k, k=ds.T @ q, v=dv)
 
@@ -243,9 +179,9 @@ def softmax_attention(q, k, v, *, scale=None, causal: bool = False):
     """
     if all(np.ndim(a) == 2 for a in (q, k, v)):
         return softmax_attention_forward(q, k, v, scale=scale, causal=causal)[0]
-    q, k, v, scale, causal, batch_shape = check_batched_softmax_attention(q, k, v, scale, causal)
+    q, k, v, scale, causal, batch_shape = validation.check_batched_softmax_attention(q, k, v, scale, causal)
     out, row_max = _batched_softmax_attention(q, k, v, scale, causal, batch_shape)
-    check_score_maxima(row_max)
+    validation.check_score_maxima(row_max)
     return out
 
 
@@ -286,7 +222,8 @@ def elu_feature_map(x):
     ndarray
         Same shape and dtype.
     """
-    return _elu_feature_map(validation.as_float_array(x, "x"))
+    x = validation.as_float_array(x, "x")
+    return _elu_feature_map(x)
 
 
 def _elu_feature_map(x):
@@ -297,12 +234,6 @@ def _elu_feature_map(x):
 def _elu_feature_map_derivative(x):
     # d/dx (x + 1) = 1 for x > 0, d/dx exp(x) = exp(x) otherwise
     return np.where(x > 0, x.dtype.type(1), np.exp(np.minimum(x, 0)))
-
-
-def _check_linear_attention(q, k, v, causal, eps, chunk_size):
-    q, k, v, causal = _check_attention(q, k, v, causal)
-    causal, eps, chunk_size = validation.check_scan_options(causal, eps, chunk_size)
-    return q, k, v, causal, eps, chunk_size
 
 
 def linear_attention_forward(q, k, v, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
@@ -330,7 +261,7 @@ def linear_attention_forward(q, k, v, *, causal: bool = False, eps: float = 1e-6
     out : ndarray, shape (N_q, d_v)
     cache : LinearAttentionCache
     """
-    q, k, v, causal, eps, chunk_size = _check_linear_attention(q, k, v, causal, eps, chunk_size)
+    q, k, v, causal, eps, chunk_size = validation.check_linear_attention(q, k, v, causal, eps, chunk_size)
     out, features = scan_forward(_elu_feature_map(q), _elu_feature_map(k), v, causal, eps, chunk_size)
     validation.check_denominators(features.den, eps, ("q", "k"))
     return out, LinearAttentionCache(q, k, features)
@@ -371,3 +302,76 @@ def linear_attention(q, k, v, *, causal: bool = False, eps: float = 1e-6, chunk_
     """
     return linear_attention_forward(q, k, v, causal=causal, eps=eps, chunk_size=chunk_size)[0]
 
+
+# ---------------------------------------------------------------------------
+# Normalised attention with given feature maps
+# ---------------------------------------------------------------------------
+
+
+def feature_attention_forward(phi_q, phi_k, v, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """Normalised attention with given nonnegative feature maps, in linear time.
+
+    ``out_i = sum_j a_ij v_j / (sum_j a_ij + eps)`` with ``a_ij = phi_q_i . phi_k_j``
+    (``j <= i`` only when causal), computed without the ``N x N`` matrix
+    (the chunked causal scan of :mod:`refimpl.scan`).
+
+    Parameters
+    ----------
+    phi_q : array_like, shape (N_q, F)
+        Query features, all >= 0.
+    phi_k : array_like, shape (N_k, F)
+        Key features, all >= 0.
+    v : array_like, shape (N_k, d_v)
+        Values.
+    causal : bool, default False
+        Query ``t`` sees keys ``j <= t`` only (needs ``N_q == N_k``).
+    eps : float, default 1e-6
+        Added to every denominator (>= 0).  With 0, a query whose denominator
+        is 0 (no overlap with the keys it reads) is refused: its output is 0/0.
+    chunk_size : int, default 64
+        Tokens per chunk of the causal scan (>= 1); ignored when not causal.
+
+    Returns
+    -------
+    out : ndarray, shape (N_q, d_v)
+        Dtype of the inputs (float32 only if all are float32).
+    cache : FeatureAttentionCache
+        The inputs, the output and the denominators ``den`` (N_q,).
+    """
+    phi_q, phi_k, v, causal, eps, chunk_size = validation.check_feature_attention(phi_q, phi_k, v, causal, eps, chunk_size)
+    out, cache = scan_forward(phi_q, phi_k, v, causal, eps, chunk_size)
+    validation.check_denominators(cache.den, eps)
+    return out, cache
+
+
+def feature_attention_backward(grad_out, cache) -> FeatureAttentionGrads:
+    """Gradients of :func:`feature_attention_forward`; returns new arrays (nothing accumulates).
+
+    Parameters
+    ----------
+    grad_out : array_like, shape (N_q, d_v)
+        ``dL/d out``.
+    cache : FeatureAttentionCache
+        From :func:`feature_attention_forward`.
+
+    Returns
+    -------
+    FeatureAttentionGrads
+        Fields ``phi_q`` (N_q, F), ``phi_k`` (N_k, F), ``v`` (N_k, d_v).
+        The causal backward uses memory ``O(F d_v + C^2)`` beyond its inputs,
+        its outputs and ``[G / den, delta]`` (``N x (d_v + 1)``), like the
+        forward.
+    """
+    validation.check_instance(cache, "cache", FeatureAttentionCache, "the FeatureAttentionCache from feature_attention_forward")
+    g = validation.check_grad_out(grad_out, cache.out.shape, ("N_q", "d_v"), cache.out.dtype)
+    return scan_backward(g, cache)
+
+
+def feature_attention(phi_q, phi_k, v, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """Normalised feature-map attention; see :func:`feature_attention_forward`.
+
+    Returns
+    -------
+    ndarray, shape (N_q, d_v)
+    """
+    return feature_attention_forward(phi_q, phi_k, v, causal=causal, eps=eps, chunk_size=chunk_size)[0]

@@ -3,20 +3,16 @@ r"""Gaussian Mixture Attention (GMA): routing through a shared GMM, in linear ti
 Shapes: routing queries ``x_q`` are ``(N_q, d_r)``, routing keys ``x_k`` are
 ``(N_k, d_r)``, values ``v`` are ``(N_k, d_v)``; one GMM with ``K`` diagonal
 components (``means`` and ``variances`` ``(K, d_r)``, ``weights`` ``(K,)``)
-is shared by queries and keys.  Leading (batch) dimensions are accepted:
-``x_q (..., N_q, d_r)``, ``x_k (..., N_k, d_r)``, ``v (..., N_k, d_v)`` with
-one leading shape, and either one GMM shared by every sequence (the shapes
-above) or one per head (``means``, ``variances`` ``(H, K, d_r)``,
-``weights`` ``(H, K)``, ``H`` the last leading dimension); each sequence is
-then computed as on its own.  The derivations are in
+is shared by queries and keys.  The derivations are in
 ``docs/derivations/gma.md``; this docstring states the results.
 
-Forward
--------
-(``gma.md#bidirectional-mixing``, ``gma.md#causal-mixing``.)
-:math:`\Gamma_Q = \gamma(X_Q)` and :math:`\Gamma_K = \gamma(X_K)` are the
-GMM responsibilities (``N x K``, :func:`refimpl.gmm.posterior`).  Write,
-then read:
+Forward: route, write, read
+---------------------------
+(``gma.md#responsibilities``, ``gma.md#bidirectional-mixing``,
+``gma.md#causal-mixing``.)  Route every token through the mixture,
+:math:`\Gamma_Q = \gamma(X_Q)` and :math:`\Gamma_K = \gamma(X_K)`
+(``N x K`` responsibilities, :mod:`refimpl.gmm`); write the values into the
+``K`` slots, then read them back:
 
 .. math::
 
@@ -25,29 +21,29 @@ then read:
 
 which by associativity equals :math:`D^{-1}A\mathbf V` with the implicit affinity
 :math:`A = \Gamma_Q\Gamma_K^\top` (:func:`gma_dense`, the oracle).  Causal GMA
-uses the lower triangle of :math:`A`: it is causal linear attention with the
-feature maps :math:`\gamma`, so both variants run the scan of
-:mod:`refimpl.scan` (time :math:`O(NK(d_r+d_v) + NC(K+d_v))`, extra memory
-:math:`O(NK + K d_v + C^2)`).
+uses the lower triangle of :math:`A`: query :math:`t` reads the slots written
+by the keys :math:`j \le t`.  Both are the scan of :mod:`refimpl.scan` with the
+feature maps :math:`\gamma`, causal in chunks of ``C`` tokens.
+:class:`GMAState` and :func:`gma_step` carry the causal slots
+:math:`(\tilde V, Z)` of one head from one piece of a stream to the next,
+``O(K d_v)`` memory whatever the length: the decode form.
 
 Backward
 --------
-(``gma.md#backward-through-the-responsibilities``,
-``gma.md#parameter-gradients-as-matrix-products``.)  The scan's backward gives :math:`g = \partial L/\partial\gamma(x)` for every
-query and key token; with :math:`c_m = \gamma_m(g_m - \bar g)`,
-:math:`\bar g = \sum_m \gamma_m g_m`,
+The scan's backward gives :math:`g = \partial L/\partial\gamma(x)` for every
+query and key token; the gradients through the responsibilities are derived in
+``gma.md#backward-through-the-responsibilities``, and computed here from the
+differences :math:`x - \mu`, in row blocks; :func:`refimpl.tuned.gma_backward`
+computes the same sums as matrix products.
 
-.. math::
-
-    \frac{\partial L}{\partial x} = \sum_m c_m\frac{\mu_m - x}{\sigma_m^2},\quad
-    \frac{\partial L}{\partial\mu_m} = c_m\frac{x-\mu_m}{\sigma_m^2},\quad
-    \frac{\partial L}{\partial\sigma^2_{mj}} = c_m\frac{(x_j-\mu_{mj})^2-\sigma^2_{mj}}{2\sigma^4_{mj}},\quad
-    \frac{\partial L}{\partial a_m} = c_m,
-
-and :math:`\partial L/\partial s = \partial L/\partial\sigma^2\cdot\operatorname{sigmoid}(s)`,
-summed over the tokens of both :math:`X_Q` and :math:`X_K` as matrix products
-on :math:`X` and :math:`\mu` centred on the mean of the means (no
-``N x K x d_r`` tensor).
+Batches and heads
+-----------------
+Leading (batch) dimensions are accepted: ``x_q (..., N_q, d_r)``,
+``x_k (..., N_k, d_r)``, ``v (..., N_k, d_v)`` with one leading shape, and
+either one GMM shared by every sequence (the shapes above) or one per head
+(``means``, ``variances`` ``(H, K, d_r)``, ``weights`` ``(H, K)``, ``H`` the
+last leading dimension).  Each sequence is computed as on its own
+(:func:`forward_with`, :func:`backward_with`: the batch rule, written once).
 """
 
 from __future__ import annotations
@@ -57,18 +53,28 @@ from typing import NamedTuple
 import numpy as np
 from scipy.special import expit
 
-from . import numerics, validation
-from .gmm import posterior
-from .scan import DEFAULT_CHUNK_SIZE, FeatureAttentionCache, scan_backward, scan_forward
+from . import gmm, numerics, statefile, validation
+from .scan import DEFAULT_CHUNK_SIZE, FeatureAttentionCache, causal_recurrence, scan_backward, scan_forward
 
 __all__ = [
     "gma",
     "gma_dense",
     "gma_forward",
     "gma_backward",
+    "gma_step",
+    "GMAState",
     "GMAGrads",
     "GMACache",
     "GMABatchCache",
+    "GMAArguments",
+    "GMAForwardArguments",
+    "check_gma_arguments",
+    "check_gma_forward_arguments",
+    "check_gma_results",
+    "check_gma_grad_out",
+    "mixture_from_raw",
+    "forward_with",
+    "backward_with",
 ]
 
 
@@ -109,109 +115,54 @@ class GMABatchCache(NamedTuple):
 # ---------------------------------------------------------------------------
 
 
-def _leading_labels(leading):
-    """Dimension labels for the leading (batch) axes in shape messages: ``("...",)`` when there are any."""
-    return ("...",) if leading else ()
+class GMAArguments(NamedTuple):
+    """The arguments of :func:`gma`, checked and cast to one float dtype."""
+
+    x_q: np.ndarray
+    x_k: np.ndarray
+    v: np.ndarray
+    means: np.ndarray
+    variances: np.ndarray
+    weights: np.ndarray
+    causal: bool
+    eps: float
+    chunk_size: int
 
 
-def _check_tokens(x_q, x_k, v, causal):
-    x_q = validation.as_float_array(x_q, "x_q")
-    x_k = validation.as_float_array(x_k, "x_k")
-    v = validation.as_float_array(v, "v")
-    for a, name, labels in ((x_q, "x_q", "N_q, d_r"), (x_k, "x_k", "N_k, d_r"), (v, "v", "N_k, d_v")):
-        if a.ndim < 2:
-            raise ValueError(
-                f"{name}: expected a 2-D array ({labels}) or one with leading batch dimensions (..., {labels}), "
-                f"got shape {a.shape} ({a.ndim}-D)"
-            )
-    leading = x_q.shape[:-2]
-    for a, name in ((x_k, "x_k"), (v, "v")):
-        if a.shape[:-2] != leading:
-            raise ValueError(
-                f"x_q, {name}: expected arrays with the same leading (batch) dimensions, got a {x_q.ndim}-D array "
-                f"of shape {x_q.shape} and a {a.ndim}-D array of shape {a.shape}"
-            )
-    lead = _leading_labels(leading)
-    validation.check_shape(x_k, "x_k", leading + (None, x_q.shape[-1]), lead + ("N_k", "d_r"))
-    validation.check_shape(v, "v", leading + (x_k.shape[-2], None), lead + ("N_k", "d_v"))
-    if 0 in leading:
-        raise ValueError(f"x_q, x_k: expected at least one sequence, got leading (batch) dimensions {leading}")
-    if x_q.shape[-2] < 1 or x_k.shape[-2] < 1:
-        raise ValueError(f"x_q, x_k: expected at least one token each, got shapes {x_q.shape} and {x_k.shape}")
-    validation.check_causal_lengths(x_q.shape[-2], x_k.shape[-2], causal, names=("x_q", "x_k"))
-    return x_q, x_k, v
+class GMAForwardArguments(NamedTuple):
+    """The arguments of :func:`gma_forward`, checked and cast to one float dtype."""
+
+    x_q: np.ndarray
+    x_k: np.ndarray
+    v: np.ndarray
+    means: np.ndarray
+    raw_variances: np.ndarray
+    logits: np.ndarray
+    causal: bool
+    eps: float
+    min_variance: float
+    chunk_size: int
 
 
-def _check_components(means, second, second_name, leading, d_r):
-    """``means`` and ``variances`` (or ``raw_variances``): ``(K, d_r)`` shared, or ``(H, K, d_r)`` one GMM per head."""
-    means = validation.as_float_array(means, "means")
-    per_head = means.ndim == 3 and len(leading) > 0
-    if means.ndim != 2 and not per_head:
-        head = (
-            f", or a 3-D array (H, K, d_r) with H = {leading[-1]} (the last leading dimension of x_q), one GMM per head"
-            if leading
-            else "; a 3-D array (H, K, d_r), one GMM per head, needs x_q with a head axis (..., H, N_q, d_r)"
-        )
-        raise ValueError(f"means: expected a 2-D array (K, d_r) shared by every sequence{head}, got shape {means.shape} ({means.ndim}-D)")
-    if per_head and means.shape[0] != leading[-1]:
-        raise ValueError(
-            f"means: a 3-D array (H, K, d_r) holds one GMM per head, so H must be the last leading dimension of x_q, "
-            f"{leading[-1]}; got a 3-D array of shape {means.shape} (pass a 2-D array (K, d_r) to share one GMM)"
-        )
-    labels = ("H", "K", "d_r") if per_head else ("K", "d_r")
-    validation.check_shape(means, "means", ((leading[-1],) if per_head else ()) + (None, d_r), labels)
-    validation.check_nonempty(means[0] if per_head else means, "means")
-    second = validation.as_float_array(second, second_name)
-    if second.ndim != means.ndim:
-        raise ValueError(
-            f"{second_name}: expected a {means.ndim}-D array ({', '.join(labels)}) like means, "
-            f"got shape {second.shape} ({second.ndim}-D)"
-        )
-    validation.check_shape(second, second_name, means.shape, labels)
-    return means, second
-
-
-def _check_mixture_vector(a, name, means):
-    """``weights`` or ``logits``: ``(K,)`` for a shared GMM, ``(H, K)`` for one GMM per head; checked for ndim and shape."""
-    a = validation.as_float_array(a, name)
-    labels = ("H", "K") if means.ndim == 3 else ("K",)
-    if a.ndim != means.ndim - 1:
-        raise ValueError(
-            f"{name}: expected a {means.ndim - 1}-D array ({', '.join(labels)}{',' if len(labels) == 1 else ''}) like means, "
-            f"got shape {a.shape} ({a.ndim}-D)"
-        )
-    validation.check_shape(a, name, means.shape[:-1], labels)
-    return a
-
-
-def _cast(*arrays):
-    dtype = validation.common_float_dtype(*arrays)
-    return tuple(a.astype(dtype, copy=False) for a in arrays)
-
-
-def check_gma_arguments(x_q, x_k, v, means, variances, weights, causal, eps, chunk_size):
-    """The checks of :func:`gma`, returning its arguments cast to one dtype; the GPU backends share them."""
+def check_gma_arguments(x_q, x_k, v, means, variances, weights, causal, eps, chunk_size) -> GMAArguments:
+    """The checks of :func:`gma`: a :class:`GMAArguments` in one dtype; the GPU backends share them."""
     causal, eps, chunk_size = validation.check_scan_options(causal, eps, chunk_size)
-    x_q, x_k, v = _check_tokens(x_q, x_k, v, causal)
-    means, variances = _check_components(means, variances, "variances", x_q.shape[:-2], x_q.shape[-1])
+    x_q, x_k, v = validation.check_gma_tokens(x_q, x_k, v, causal)
+    means, variances = validation.check_gma_mixture(x_q, means, variances, "variances")
     validation.check_positive(variances, "variances")
-    if means.ndim == 2:
-        weights = validation.check_weights(weights, means.shape[0])
-    else:
-        weights = _check_mixture_vector(weights, "weights", means)
-        for h in range(weights.shape[0]):
-            validation.check_probability_vector(weights[h], f"weights[{h}]")
-    return _cast(x_q, x_k, v, means, variances, weights) + (causal, eps, chunk_size)
+    weights = validation.check_gma_weights(weights, means)
+    return GMAArguments(*validation.common_dtype_arrays(x_q, x_k, v, means, variances, weights), causal, eps, chunk_size)
 
 
-def check_gma_forward_arguments(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size):
-    """The checks of :func:`gma_forward`, returning its arguments cast to one dtype; the GPU backends share them."""
+def check_gma_forward_arguments(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size) -> GMAForwardArguments:
+    """The checks of :func:`gma_forward`: a :class:`GMAForwardArguments` in one dtype; the GPU backends share them."""
     causal, eps, chunk_size = validation.check_scan_options(causal, eps, chunk_size)
     min_variance = validation.check_positive_float(min_variance, "min_variance")
-    x_q, x_k, v = _check_tokens(x_q, x_k, v, causal)
-    means, raw_variances = _check_components(means, raw_variances, "raw_variances", x_q.shape[:-2], x_q.shape[-1])
-    logits = _check_mixture_vector(logits, "logits", means)
-    return _cast(x_q, x_k, v, means, raw_variances, logits) + (causal, eps, min_variance, chunk_size)
+    x_q, x_k, v = validation.check_gma_tokens(x_q, x_k, v, causal)
+    means, raw_variances = validation.check_gma_mixture(x_q, means, raw_variances, "raw_variances")
+    logits = validation.check_like_means(logits, "logits", means, means.ndim - 1)
+    arrays = validation.common_dtype_arrays(x_q, x_k, v, means, raw_variances, logits)
+    return GMAForwardArguments(*arrays, causal, eps, min_variance, chunk_size)
 
 
 def check_gma_results(min_quad_q, min_quad_k, den, eps):
@@ -223,43 +174,58 @@ def check_gma_results(min_quad_q, min_quad_k, den, eps):
 
 def check_gma_grad_out(grad_out, out_shape, dtype):
     """The upstream gradient of :func:`gma_backward` for an output of ``out_shape``; the GPU backends share it."""
-    labels = _leading_labels(out_shape[:-2]) + ("N_q", "d_v")
+    labels = ("...",) * (len(out_shape) > 2) + ("N_q", "d_v")
     return validation.check_grad_out(grad_out, tuple(out_shape), labels, dtype)
 
 
-def _check_gma_dense(gamma_q, gamma_k, v, causal, eps):
-    gamma_q = validation.as_float_array(gamma_q, "gamma_q", ndim=2)
-    gamma_k = validation.as_float_array(gamma_k, "gamma_k", ndim=2)
-    v = validation.as_float_array(v, "v", ndim=2)
-    validation.check_shape(gamma_k, "gamma_k", (None, gamma_q.shape[1]), ("N_k", "K"))
-    validation.check_shape(v, "v", (gamma_k.shape[0], None), ("N_k", "d_v"))
-    validation.check_nonnegative(gamma_q, "gamma_q", "responsibilities")
-    validation.check_nonnegative(gamma_k, "gamma_k", "responsibilities")
-    causal = validation.check_bool(causal, "causal")
-    eps = validation.check_positive_float(eps, "eps", allow_zero=True)
-    validation.check_causal_lengths(gamma_q.shape[0], gamma_k.shape[0], causal, names=("gamma_q", "gamma_k"))
-    return _cast(gamma_q, gamma_k, v) + (causal, eps)
-
-
 # ---------------------------------------------------------------------------
-# Forward: responsibilities, then the shared linear-time scan
+# Forward
 # ---------------------------------------------------------------------------
 
 
-def _gma(x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size):
-    """Core: ``(out, gamma_q, gamma_k, mixing, min_quad_q, min_quad_k)``; the caller checks the last three."""
-    gamma_q, min_quad_q = posterior(x_q, means, variances, log_weights)
-    gamma_k, min_quad_k = posterior(x_k, means, variances, log_weights)
-    # O = (Gamma_Q Gamma_K^T V) / (Gamma_Q Gamma_K^T 1 + eps), by the scan
-    out, mixing = scan_forward(gamma_q, gamma_k, v, causal, eps, chunk_size)
-    return out, gamma_q, gamma_k, mixing, min_quad_q, min_quad_k
+def _responsibilities(x, means, variances, log_weights):
+    """``(gamma (N, K), min_quad (N,))``: the softmax over the components of the log joint (:mod:`refimpl.gmm`)."""
+    logits, min_quad = gmm.log_joint(x, means, variances, log_weights)
+    return numerics.softmax(logits, axis=1), min_quad
 
 
-def _gmm_of(idx, means, second, third):
-    """The GMM of the sequence at leading index ``idx``: head ``idx[-1]`` of per-head parameters, else the shared one."""
-    if means.ndim == 2:
-        return means, second, third
-    return means[idx[-1]], second[idx[-1]], third[idx[-1]]
+def mixture_from_raw(raw_variances, logits, min_variance):
+    """Core: ``(variances, log_weights)`` of the learnable parameterisation, any leading (head) axes."""
+    # sigma^2 = softplus(s) + sigma2_min
+    variances = numerics.softplus(raw_variances) + raw_variances.dtype.type(min_variance)
+    # log pi = log_softmax(a), never log(softmax(a)): a weight of 1e-320 keeps its log
+    return variances, numerics.log_softmax(logits, axis=-1)
+
+
+def forward_with(responsibilities, x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size, raw_variances=None, keep=True):
+    """GMA's forward on checked arguments, sequence by sequence, routed by ``responsibilities``: ``(out, cache)``.
+
+    The batch rule, written once for this module and :mod:`refimpl.tuned`:
+    the sequence at leading index ``idx`` uses head ``idx[-1]``'s GMM when
+    the GMM is given per head (``means`` 3-D), else the shared one, and is
+    computed as on its own.  ``responsibilities(x, means, variances,
+    log_weights)`` returns ``(gamma, min_quad)``; the results of every
+    sequence are checked once, at the end (:func:`check_gma_results`).
+    ``cache`` is a :class:`GMACache` for 2-D inputs, a
+    :class:`GMABatchCache` otherwise, ``None`` when ``keep`` is false.
+    """
+    leading = x_q.shape[:-2]
+    out = np.empty(x_q.shape[:-1] + v.shape[-1:], dtype=x_q.dtype)
+    caches, checks = [], []
+    for idx in np.ndindex(leading):
+        h = idx[-1:] if means.ndim == 3 else ()  # the head's GMM, or the shared one
+        gamma_q, min_quad_q = responsibilities(x_q[idx], means[h], variances[h], log_weights[h])
+        gamma_k, min_quad_k = responsibilities(x_k[idx], means[h], variances[h], log_weights[h])
+        # write V~ = Gamma_K^T V and Z = Gamma_K^T 1, read O = Gamma_Q V~ / (Gamma_Q Z + eps); causal: prefix sums
+        out[idx], mixing = scan_forward(gamma_q, gamma_k, v[idx], causal, eps, chunk_size)
+        checks.append((min_quad_q, min_quad_k, mixing.den))
+        if keep:
+            raw = None if raw_variances is None else raw_variances[h]
+            caches.append(GMACache(x_q[idx], x_k[idx], means[h], raw, variances[h], gamma_q, gamma_k, mixing))
+    check_gma_results(*(np.concatenate(c) for c in zip(*checks)), eps)
+    if not keep:
+        return out, None
+    return out, (caches[0] if not leading else GMABatchCache(leading, means.ndim == 3, tuple(caches)))
 
 
 def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
@@ -299,25 +265,12 @@ def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: fl
         time (plus ``O(N C (K + d_v))`` for the within-chunk blocks when
         causal) without an ``N x N`` matrix.  Dtype of the inputs.
     """
-    x_q, x_k, v, means, variances, weights, causal, eps, chunk_size = check_gma_arguments(
-        x_q, x_k, v, means, variances, weights, causal, eps, chunk_size
-    )
+    a = check_gma_arguments(x_q, x_k, v, means, variances, weights, causal, eps, chunk_size)
     # a zero weight is a component that never wins: log 0 = -inf
     with np.errstate(divide="ignore"):
-        log_weights = np.log(weights)
-    if x_q.ndim == 2:
-        out, _, _, mixing, min_quad_q, min_quad_k = _gma(x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size)
-        check_gma_results(min_quad_q, min_quad_k, mixing.den, eps)
-        return out
-    # one sequence at a time, each with its head's GMM (or the shared one)
-    out = np.empty(x_q.shape[:-1] + v.shape[-1:], dtype=x_q.dtype)
-    mq, mk, den = [], [], []
-    for idx in np.ndindex(x_q.shape[:-2]):
-        gmm = _gmm_of(idx, means, variances, log_weights)
-        out[idx], _, _, mixing, min_quad_q, min_quad_k = _gma(x_q[idx], x_k[idx], v[idx], *gmm, causal, eps, chunk_size)
-        mq.append(min_quad_q), mk.append(min_quad_k), den.append(mixing.den)
-    check_gma_results(np.concatenate(mq), np.concatenate(mk), np.concatenate(den), eps)
-    return out
+        log_weights = np.log(a.weights)
+    args = (a.x_q, a.x_k, a.v, a.means, a.variances, log_weights, a.causal, a.eps, a.chunk_size)
+    return forward_with(_responsibilities, *args, keep=False)[0]
 
 
 def gma_dense(gamma_q, gamma_k, v, *, causal: bool = False, eps: float = 1e-6):
@@ -343,7 +296,7 @@ def gma_dense(gamma_q, gamma_k, v, *, causal: bool = False, eps: float = 1e-6):
     -------
     ndarray, shape (N_q, d_v)
     """
-    gamma_q, gamma_k, v, causal, eps = _check_gma_dense(gamma_q, gamma_k, v, causal, eps)
+    gamma_q, gamma_k, v, causal, eps = validation.check_gma_dense(gamma_q, gamma_k, v, causal, eps)
     # A_ij = gamma_q_i . gamma_k_j = P(z_i = z_j)
     affinity = gamma_q @ gamma_k.T
     if causal:
@@ -351,16 +304,6 @@ def gma_dense(gamma_q, gamma_k, v, *, causal: bool = False, eps: float = 1e-6):
     den = affinity.sum(axis=1) + affinity.dtype.type(eps)
     validation.check_denominators(den, eps, ("gamma_q", "gamma_k"))
     return (affinity @ v) / den[:, None]
-
-
-def _gma_forward(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size):
-    """Core of :func:`gma_forward`: ``(out, cache, min_quad_q, min_quad_k)``; the caller checks the last two and ``den``."""
-    # sigma^2 = softplus(s) + sigma2_min
-    variances = numerics.softplus(raw_variances) + raw_variances.dtype.type(min_variance)
-    # log pi = log_softmax(a), never log(softmax(a)): a weight of 1e-320 keeps its log
-    log_weights = numerics.log_softmax(logits)
-    out, gamma_q, gamma_k, mixing, min_quad_q, min_quad_k = _gma(x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size)
-    return out, GMACache(x_q, x_k, means, raw_variances, variances, gamma_q, gamma_k, mixing), min_quad_q, min_quad_k
 
 
 def gma_forward(
@@ -408,24 +351,10 @@ def gma_forward(
         GMABatchCache holding the leading shape, whether the GMM is per head,
         and one GMACache per sequence.
     """
-    args = check_gma_forward_arguments(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size)
-    x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size = args
-    if x_q.ndim == 2:
-        out, cache, min_quad_q, min_quad_k = _gma_forward(*args)
-        check_gma_results(min_quad_q, min_quad_k, cache.mixing.den, cache.mixing.eps)
-        return out, cache
-    # one sequence at a time, each with its head's GMM (or the shared one), each keeping its own GMACache
-    out = np.empty(x_q.shape[:-1] + v.shape[-1:], dtype=x_q.dtype)
-    caches, mq, mk = [], [], []
-    for idx in np.ndindex(x_q.shape[:-2]):
-        gmm = _gmm_of(idx, means, raw_variances, logits)
-        out[idx], cache, min_quad_q, min_quad_k = _gma_forward(
-            x_q[idx], x_k[idx], v[idx], *gmm, causal, eps, min_variance, chunk_size
-        )
-        caches.append(cache), mq.append(min_quad_q), mk.append(min_quad_k)
-    den = np.concatenate([c.mixing.den for c in caches])
-    check_gma_results(np.concatenate(mq), np.concatenate(mk), den, eps)
-    return out, GMABatchCache(x_q.shape[:-2], means.ndim == 3, tuple(caches))
+    a = check_gma_forward_arguments(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size)
+    variances, log_weights = mixture_from_raw(a.raw_variances, a.logits, a.min_variance)
+    args = (a.x_q, a.x_k, a.v, a.means, variances, log_weights, a.causal, a.eps, a.chunk_size)
+    return forward_with(_responsibilities, *args, raw_variances=a.raw_variances)
 
 
 # ---------------------------------------------------------------------------
@@ -433,87 +362,68 @@ def gma_forward(
 # ---------------------------------------------------------------------------
 
 
-def _responsibility_backward(x, gamma, grad_gamma, means, variances, centre):
+def _responsibility_backward(x, gamma, grad_gamma, means, variances):
     """Push ``dL/dgamma`` (N, K) through ``gamma = softmax(l(x))``: ``(dx, dmeans, dvariances, dlogits)``.
 
-    Read as whole-array lines, with ``c = gamma * (grad_gamma - sum_m gamma_m grad_gamma_m)``
-    and ``xc = x - centre``::
-
-        dx = c @ (mc p) - xc * (c @ p)
-        dmeans = (c.T @ xc - c.sum(0)[:, None] mc) p
-        dvariances = (c.T @ xc**2 - 2 mc (c.T @ xc) + (mc**2 - sigma^2) c.sum(0)[:, None]) p^2 / 2
-
-    Evaluated a block of rows at a time (:func:`refimpl.numerics.block_rows`):
-    the ``N x K`` and ``N x d_r`` intermediates of a block stay in cache, and
-    the three sums over the rows (``c.sum(0)``, ``c.T @ xc``, ``c.T @ xc**2``)
-    are accumulated block by block.
+    From the differences ``x_i - mu_m`` (``gma.md#backward-through-the-responsibilities``),
+    a block of rows at a time to bound the memory of the ``N x K x d_r``
+    differences; the sums over the tokens accumulate block by block.
     """
+    # c_im = dL/dl_im = gamma_im (g_im - sum_m gamma_im g_im): the softmax backward
+    c = numerics.softmax_backward(gamma, grad_gamma, axis=1)
     n, d = x.shape
-    dtype = x.dtype
-    # x - mu is invariant under the common shift by the centre of the means
-    mc = means - centre
     prec = 1.0 / variances
-    mc_prec = mc * prec
     dx = np.empty_like(x)
-    csum = np.zeros(means.shape[0], dtype=dtype)  # sum_i c_im
-    ctx = np.zeros(means.shape, dtype=dtype)  # sum_i c_im xc_i
-    ctx2 = np.zeros(means.shape, dtype=dtype)  # sum_i c_im xc_i^2
-    rows = numerics.block_rows((2 * means.shape[0] + 3 * d) * dtype.itemsize)
+    dmeans = np.zeros_like(means)
+    sq = np.zeros_like(means)  # sum_i c_im ((x_ij - mu_mj)^2 - sigma2_mj)
+    rows = max(1, numerics.BLOCK_BYTES // (means.size * x.dtype.itemsize))
     for a in range(0, n, rows):
-        b = min(a + rows, n)
-        gam, grad = gamma[a:b], grad_gamma[a:b]
-        # dL/dl_m = gamma_m (g_m - gbar) with gbar = sum_m gamma_m g_m (softmax Jacobian)
-        gbar = (gam * grad) @ np.ones(gam.shape[1], dtype=dtype)
-        c = grad - gbar[:, None]
-        c *= gam
-        xc = x[a:b] - centre
-        csum += np.ones(b - a, dtype=dtype) @ c
-        ctx += c.T @ xc
+        cb = c[a : a + rows]
+        diff = x[a : a + rows, None, :] - means[None, :, :]  # (B, K, d_r): x_i - mu_m
+        u = diff * prec  # (x_i - mu_m) / sigma_m^2
         # dL/dx_i = sum_m c_im (mu_m - x_i) / sigma_m^2
-        np.matmul(c, mc_prec, out=dx[a:b])
-        dx[a:b] -= xc * (c @ prec)
-        xc *= xc
-        ctx2 += c.T @ xc
-    # dL/dmu_m = sum_i c_im (x_i - mu_m) / sigma_m^2
-    dmeans = (ctx - csum[:, None] * mc) * prec
-    # dL/dsigma2_mj = sum_i c_im ((x_ij - mu_mj)^2 - sigma2_mj) / (2 sigma2_mj^2), (x - mu)^2 expanded
-    sq = ctx2 - 2.0 * mc * ctx + (mc * mc - variances) * csum[:, None]
+        dx[a : a + rows] = -np.einsum("bm,bmj->bj", cb, u)
+        # dL/dmu_m = sum_i c_im (x_i - mu_m) / sigma_m^2
+        dmeans += np.einsum("bm,bmj->mj", cb, u)
+        sq += np.einsum("bm,bmj->mj", cb, diff * diff - variances)
+    # dL/dsigma2_mj = sum_i c_im ((x_ij - mu_mj)^2 - sigma2_mj) / (2 sigma2_mj^2)
     dvariances = 0.5 * sq * prec * prec
-    # dL/da_k = c_k: the -pi_k sum_m c_m term of the log-softmax Jacobian vanishes
-    return dx, dmeans, dvariances, csum
+    # dL/da_m = sum_i c_im: the -pi_m sum_k c_ik term of the log-softmax Jacobian vanishes (rows of c sum to 0)
+    return dx, dmeans, dvariances, c.sum(axis=0)
 
 
-def _gma_backward(g, cache):
-    """Core of :func:`gma_backward` (``g`` of the cache's dtype)."""
-    dgamma = scan_backward(g, cache.mixing)
-    means, variances = cache.means, cache.variances
-    centre = means.mean(axis=0)
-    dx_q, dmu_q, dvar_q, da_q = _responsibility_backward(cache.x_q, cache.gamma_q, dgamma.phi_q, means, variances, centre)
-    dx_k, dmu_k, dvar_k, da_k = _responsibility_backward(cache.x_k, cache.gamma_k, dgamma.phi_k, means, variances, centre)
-    # sigma2 = softplus(s) + sigma2_min: dsigma2/ds = sigmoid(s)
-    draw = (dvar_q + dvar_k) * expit(cache.raw_variances)
-    return GMAGrads(x_q=dx_q, x_k=dx_k, v=dgamma.v, means=dmu_q + dmu_k, raw_variances=draw, logits=da_q + da_k)
+def backward_with(responsibility_backward, grad_out, cache) -> GMAGrads:
+    """GMA's backward, sequence by sequence, through ``responsibility_backward``: :class:`GMAGrads`.
 
-
-def _gma_batch_backward(g, cache):
-    """Core of :func:`gma_backward` for a :class:`GMABatchCache`: the 2-D core per sequence, parameter gradients summed in order."""
-    first = cache.caches[0]
-    heads = (cache.leading[-1],) if cache.per_head else ()
-    dtype = first.gamma_q.dtype
-    dx_q = np.empty(cache.leading + first.x_q.shape, dtype=dtype)
-    dx_k = np.empty(cache.leading + first.x_k.shape, dtype=dtype)
-    dv = np.empty(cache.leading + first.mixing.v.shape, dtype=dtype)
-    dmeans = np.zeros(heads + first.means.shape, dtype=dtype)
-    draw = np.zeros(heads + first.raw_variances.shape, dtype=dtype)
-    dlogits = np.zeros(heads + first.means.shape[:1], dtype=dtype)
-    for idx, c in zip(np.ndindex(cache.leading), cache.caches):
-        grads = _gma_backward(g[idx], c)
-        dx_q[idx], dx_k[idx], dv[idx] = grads.x_q, grads.x_k, grads.v
-        # per head: the sum over the sequences of that head; shared: over every sequence
-        h = idx[-1:] if cache.per_head else ()
-        dmeans[h] += grads.means
-        draw[h] += grads.raw_variances
-        dlogits[h] += grads.logits
+    The batch rule of :func:`gma_backward`, written once for this module and
+    :mod:`refimpl.tuned`.  ``responsibility_backward(x, gamma, dgamma, means,
+    variances)`` returns ``(dx, dmeans, dvariances, dlogits)``; the parameter
+    gradients of each sequence go to its head's GMM (every sequence's to the
+    shared one), added in the order of the sequences.
+    """
+    validation.check_instance(cache, "cache", (GMACache, GMABatchCache), "the GMACache or GMABatchCache from gma_forward")
+    batched = isinstance(cache, GMABatchCache)
+    leading, caches = (cache.leading, cache.caches) if batched else ((), (cache,))
+    per_head, first = batched and cache.per_head, caches[0]
+    g = check_gma_grad_out(grad_out, leading + first.mixing.out.shape, first.gamma_q.dtype)
+    dx_q = np.empty(leading + first.x_q.shape, dtype=g.dtype)
+    dx_k = np.empty(leading + first.x_k.shape, dtype=g.dtype)
+    dv = np.empty(leading + first.mixing.v.shape, dtype=g.dtype)
+    heads = leading[-1:] if per_head else ()
+    dmeans = np.zeros(heads + first.means.shape, dtype=g.dtype)
+    draw = np.zeros(heads + first.means.shape, dtype=g.dtype)
+    dlogits = np.zeros(heads + first.means.shape[:1], dtype=g.dtype)
+    for idx, c in zip(np.ndindex(leading), caches):
+        # through the mixing: dL/dGamma_Q, dL/dGamma_K and dL/dV (the scan's backward)
+        dgamma = scan_backward(g[idx], c.mixing)
+        dx_q[idx], dmu_q, dvar_q, da_q = responsibility_backward(c.x_q, c.gamma_q, dgamma.phi_q, c.means, c.variances)
+        dx_k[idx], dmu_k, dvar_k, da_k = responsibility_backward(c.x_k, c.gamma_k, dgamma.phi_k, c.means, c.variances)
+        dv[idx] = dgamma.v
+        h = idx[-1:] if per_head else ()  # the GMM this sequence used
+        dmeans[h] += dmu_q + dmu_k
+        # sigma2 = softplus(s) + sigma2_min: dsigma2/ds = sigmoid(s)
+        draw[h] += (dvar_q + dvar_k) * expit(c.raw_variances)
+        dlogits[h] += da_q + da_k
     return GMAGrads(x_q=dx_q, x_k=dx_k, v=dv, means=dmeans, raw_variances=draw, logits=dlogits)
 
 
@@ -537,10 +447,117 @@ def gma_backward(grad_out, cache) -> GMAGrads:
         the sequences of each head).  When the same array is passed as
         ``x_q`` and ``x_k`` its gradient is ``x_q + x_k``.
     """
-    validation.check_instance(cache, "cache", (GMACache, GMABatchCache), "the GMACache or GMABatchCache from gma_forward")
-    if isinstance(cache, GMACache):
-        g = check_gma_grad_out(grad_out, cache.mixing.out.shape, cache.gamma_q.dtype)
-        return _gma_backward(g, cache)
-    first = cache.caches[0]
-    g = check_gma_grad_out(grad_out, cache.leading + first.mixing.out.shape, first.gamma_q.dtype)
-    return _gma_batch_backward(g, cache)
+    return backward_with(_responsibility_backward, grad_out, cache)
+
+
+# ---------------------------------------------------------------------------
+# Streaming: the causal state of one head, and the decode step
+# ---------------------------------------------------------------------------
+
+_FORMAT = "refimpl.gma.GMAState"
+_FORMAT_VERSION = 1
+
+
+class GMAState:
+    """The causal GMA state of one head after ``tokens_seen`` tokens: the slot sums and normalisers; immutable.
+
+    Parameters
+    ----------
+    slots : array_like, shape (K, d_v)
+        ``V~ = sum_j gamma(x_k_j) v_j^T`` over the tokens seen.
+    norms : array_like, shape (K,)
+        ``Z = sum_j gamma(x_k_j)``, all >= 0; same float dtype as ``slots``.
+    tokens_seen : int
+        How many tokens the sums hold (>= 0).
+
+    Notes
+    -----
+    The constructor copies its arrays and marks the copies read-only: every
+    :func:`gma_step` returns a new state.  Memory is ``K (d_v + 1)`` floats
+    whatever ``tokens_seen`` is (:attr:`nbytes`).
+    """
+
+    __slots__ = ("_slots", "_norms", "_tokens_seen")
+
+    def __init__(self, slots, norms, tokens_seen):
+        slots, norms, self._tokens_seen = validation.check_gma_state(slots, norms, tokens_seen)
+        self._slots, self._norms = np.array(slots, copy=True), np.array(norms, copy=True)
+        self._slots.flags.writeable = self._norms.flags.writeable = False
+
+    slots = property(lambda self: self._slots, doc="``V~``, shape (K, d_v), read-only.")
+    norms = property(lambda self: self._norms, doc="``Z``, shape (K,), read-only.")
+    tokens_seen = property(lambda self: self._tokens_seen, doc="Tokens folded into the state.")
+    K = property(lambda self: self._slots.shape[0], doc="Components (slots).")
+    d_v = property(lambda self: self._slots.shape[1], doc="Value dimension.")
+    dtype = property(lambda self: self._slots.dtype, doc="Float dtype of the sums.")
+    nbytes = property(lambda self: int(self._slots.nbytes + self._norms.nbytes), doc="Bytes held: ``K (d_v + 1)`` floats.")
+
+    @classmethod
+    def empty(cls, K, d_v, dtype=np.float64) -> "GMAState":
+        """The state before any token: zeros, ``tokens_seen = 0``."""
+        K = validation.check_int(K, "K", minimum=1)
+        d_v = validation.check_int(d_v, "d_v", minimum=1)
+        dtype = validation.check_float_dtype(dtype, "dtype")
+        return cls(np.zeros((K, d_v), dtype), np.zeros(K, dtype), 0)
+
+    def __repr__(self) -> str:
+        return f"GMAState(K={self.K}, d_v={self.d_v}, tokens_seen={self.tokens_seen}, dtype={self.dtype})"
+
+    def save(self, path) -> None:
+        """Write the state to ``path`` as an uncompressed ``.npz`` (no pickles), exactly at that path."""
+        statefile.save(path, _FORMAT, _FORMAT_VERSION, slots=self._slots, norms=self._norms, tokens_seen=self._tokens_seen)
+
+    @classmethod
+    def load(cls, path) -> "GMAState":
+        """Read a state written by :meth:`save`, refusing a truncated, foreign or inconsistent file.
+
+        Raises ``FileNotFoundError`` if ``path`` does not exist and
+        ``ValueError`` naming the file and the problem otherwise, as
+        :meth:`refimpl.ovq.OVQState.load` does (:mod:`refimpl.statefile`).
+        """
+        f = statefile.load(path, _FORMAT, _FORMAT_VERSION, "GMAState", ("slots", "norms"), ("tokens_seen",))
+        try:
+            return cls(f["slots"], f["norms"], f["tokens_seen"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: invalid GMAState: {e}") from e
+
+
+def gma_step(x_q, x_k, v, means, variances, weights, *, state=None, eps: float = 1e-6):
+    """Causal GMA on the next tokens of a stream, from the state of the tokens before them: the decode step.
+
+    Token ``t`` of this piece writes its key into the slots, then its query
+    reads them: ``out_t = gamma(x_q_t) V~_t / (gamma(x_q_t) . Z_t + eps)`` with
+    ``V~_t``, ``Z_t`` the sums over every token of the stream up to ``t``
+    (:func:`refimpl.scan.causal_recurrence`).  Feeding a stream in pieces,
+    one token or many at a time, gives what ``gma(..., causal=True)`` gives
+    on the whole stream, to rounding.
+
+    Parameters
+    ----------
+    x_q, x_k : array_like, shape (N, d_r)
+        Routing queries and keys of the new tokens.
+    v : array_like, shape (N, d_v)
+    means, variances : array_like, shape (K, d_r)
+    weights : array_like, shape (K,)
+        One head's GMM, as in :func:`gma`.
+    state : GMAState, optional
+        The sums of the tokens before these (not modified); an empty stream
+        by default.
+    eps : float, default 1e-6
+
+    Returns
+    -------
+    out : ndarray, shape (N, d_v)
+    state : GMAState
+        After the last of these tokens; ``O(K d_v)`` whatever the length.
+    """
+    a = check_gma_arguments(x_q, x_k, v, means, variances, weights, True, eps, DEFAULT_CHUNK_SIZE)
+    a, state = validation.check_gma_step(a, state, GMAState)
+    with np.errstate(divide="ignore"):
+        log_weights = np.log(a.weights)
+    gamma_q, min_quad_q = _responsibilities(a.x_q, a.means, a.variances, log_weights)
+    gamma_k, min_quad_k = _responsibilities(a.x_k, a.means, a.variances, log_weights)
+    # V~_t = V~_{t-1} + gamma_k_t v_t^T, Z_t = Z_{t-1} + gamma_k_t; out_t = gamma_q_t V~_t / (gamma_q_t . Z_t + eps)
+    out, den, (slots, norms) = causal_recurrence(gamma_q, gamma_k, a.v, a.eps, (state.slots, state.norms))
+    check_gma_results(min_quad_q, min_quad_k, den, a.eps)
+    return out, GMAState(slots, norms, state.tokens_seen + a.x_q.shape[0])

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import numerics, validation
-from .gmm import em_step, log_likelihood, log_posterior
+from .gmm import em_step, log_joint, log_likelihood
 
 __all__ = [
     "kernel_regression",
@@ -55,17 +55,6 @@ __all__ = [
 
 # Elements of the (rows x N_k x d) difference tensor formed at a time by kernel_regression.
 _BLOCK_ELEMENTS = 1 << 22
-
-
-def _check_key_value_means(q, key_means, value_means, names=("key_means", "value_means")):
-    q = validation.as_float_array(q, "q", ndim=2)
-    key_means = validation.as_float_array(key_means, names[0], ndim=2)
-    value_means = validation.as_float_array(value_means, names[1], ndim=2)
-    validation.check_shape(key_means, names[0], (None, q.shape[1]), ("M", "d"))
-    M = key_means.shape[0]
-    validation.check_nonempty(key_means, names[0], symbol="M")
-    validation.check_shape(value_means, names[1], (M, None), ("M", "d_v"))
-    return q, key_means, value_means
 
 
 def kernel_regression(q, k, v, *, beta):
@@ -94,8 +83,7 @@ def kernel_regression(q, k, v, *, beta):
     independent of :func:`refimpl.attention.softmax_attention`.  On unit
     vectors the two agree: ``softmax_attention(q, k, v, scale=beta)``.
     """
-    q, k, v = validation.check_qkv(q, k, v)
-    beta = validation.check_positive_float(beta, "beta")
+    q, k, v, beta = validation.check_kernel_regression(q, k, v, beta)
     n_q, n_k = q.shape[0], k.shape[0]
     half_beta = q.dtype.type(0.5 * beta)
     logits = np.empty((n_q, n_k), dtype=q.dtype)
@@ -113,10 +101,10 @@ def _checked_conditional_mean(q, key_means, key_variances, weights, value_means)
     """``E[v | q] = sum_m h_m(q) mu^v_m`` of checked arrays, with the boundary's check of the posterior."""
     with np.errstate(divide="ignore"):
         log_w = np.log(weights)
-    # log h_m(q) = log pi_m + log N(q; mu^k_m, diag key_variances_m) - logsumexp_m'(...)
-    log_h, min_quad = log_posterior(q, key_means, key_variances, log_w)
+    # h_m(q) = softmax_m(log pi_m + log N(q; mu^k_m, diag key_variances_m))
+    logits, min_quad = log_joint(q, key_means, key_variances, log_w)
     validation.check_scaled_distances(min_quad, "q")
-    return np.exp(log_h) @ value_means
+    return numerics.softmax(logits, axis=1) @ value_means
 
 
 def gmr_predict(q, key_means, value_means, weights, *, beta):
@@ -145,14 +133,8 @@ def gmr_predict(q, key_means, value_means, weights, *, beta):
     (:func:`refimpl.gmm.log_gaussian_diag` with variances ``1/beta``) plus
     ``log pi``, normalised by a per-row log-sum-exp; no cross-covariance.
     """
-    q, key_means, value_means = _check_key_value_means(q, key_means, value_means)
-    beta = validation.check_positive_float(beta, "beta")
-    weights = validation.as_float_array(weights, "weights", ndim=1)
-    validation.check_shape(weights, "weights", (key_means.shape[0],), ("M",))
-    validation.check_probability_vector(weights, "weights")
-    dtype = validation.common_float_dtype(q, key_means, value_means, weights)
-    q, key_means, value_means, weights = (a.astype(dtype, copy=False) for a in (q, key_means, value_means, weights))
-    variances = np.full(key_means.shape, 1.0 / beta, dtype=dtype)
+    q, key_means, value_means, weights, beta = validation.check_gmr_predict(q, key_means, value_means, weights, beta)
+    variances = np.full(key_means.shape, 1.0 / beta, dtype=q.dtype)
     return _checked_conditional_mean(q, key_means, variances, weights, value_means)
 
 
@@ -178,12 +160,8 @@ def ovq_readout(q, key_means, value_means, counts, *, beta, count_bias: bool = T
     -------
     ndarray, shape (N_q, d_v)
     """
-    q, key_means, value_means = _check_key_value_means(q, key_means, value_means)
-    beta = validation.check_positive_float(beta, "beta")
-    counts = validation.check_counts(counts, "counts", (key_means.shape[0],), ("M",), positive=True)
-    count_bias = validation.check_bool(count_bias, "count_bias")
-    dtype = validation.common_float_dtype(q, key_means, value_means)
-    q, key_means, value_means = (a.astype(dtype, copy=False) for a in (q, key_means, value_means))
+    q, key_means, value_means, counts, beta, count_bias = validation.check_ovq_readout(q, key_means, value_means, counts, beta, count_bias)
+    dtype = q.dtype
     logits = q @ key_means.T
     logits *= dtype.type(beta)
     if count_bias:
@@ -203,11 +181,13 @@ def readout_gap(q, key_means, value_means, counts, *, beta):
     ndarray, shape (N_q, d_v)
         Zero up to rounding when all ``||key_means[m]||`` are equal.
     """
-    q, key_means, value_means = _check_key_value_means(q, key_means, value_means)
-    counts = validation.check_counts(counts, "counts", (key_means.shape[0],), ("M",), positive=True)
-    weights = counts.astype(np.float64) / np.sum(counts, dtype=np.float64)
+    q, key_means, value_means, counts = validation.check_key_value_counts(q, key_means, value_means, counts)
+    beta = validation.check_positive_float(beta, "beta")
     ovq = ovq_readout(q, key_means, value_means, counts, beta=beta)
-    exact = gmr_predict(q, key_means, value_means, weights.astype(ovq.dtype), beta=beta)
+    # gmr_predict with pi = c / sum(c) and the isotropic key covariance I / beta
+    weights = (counts.astype(np.float64) / np.sum(counts, dtype=np.float64)).astype(ovq.dtype)
+    q, key_means, value_means = validation.common_dtype_arrays(q, key_means, value_means)
+    exact = _checked_conditional_mean(q, key_means, np.full(key_means.shape, 1.0 / beta, dtype=q.dtype), weights, value_means)
     return ovq - exact
 
 
@@ -230,11 +210,7 @@ def readout_gap_bound(key_means, value_means, *, beta):
         ``1e-15`` times the range of the value means, e.g. when the bound is 0
         for centroids of equal norm).
     """
-    key_means = validation.as_float_array(key_means, "key_means", ndim=2)
-    value_means = validation.as_float_array(value_means, "value_means", ndim=2)
-    validation.check_nonempty(key_means, "key_means", symbol="M")
-    validation.check_shape(value_means, "value_means", (key_means.shape[0], None), ("M", "d_v"))
-    beta = validation.check_positive_float(beta, "beta")
+    key_means, value_means, beta = validation.check_readout_gap_bound(key_means, value_means, beta)
     sq = np.sum(key_means * key_means, axis=1)
     r = 0.5 * beta * (np.max(sq) - np.min(sq))
     # TV(p, p') <= tanh(r/4) when log(p'/p) has range r; sum_m (p_m - p'_m) = 0
@@ -276,18 +252,10 @@ def fit_joint_gmm(k, v, n_components, *, n_iter: int = 50, reg_covar: float = 1e
         Means, variances and weights split at column ``d``, and the mean
         log-likelihood trace (non-decreasing: EM never increases the NLL).
     """
-    k = validation.as_float_array(k, "k", ndim=2)
-    v = validation.as_float_array(v, "v", ndim=2)
-    validation.check_shape(v, "v", (k.shape[0], None), ("T", "d_v"))
+    k, v, M, n_iter, reg_covar, seed = validation.check_fit_joint_gmm(k, v, n_components, n_iter, reg_covar, seed)
     T, d = k.shape
-    M = validation.check_int(n_components, "n_components", minimum=1)
-    if M > T:
-        raise ValueError(f"n_components: expected at most T = {T} components (one per row), got {M}")
-    n_iter = validation.check_int(n_iter, "n_iter", minimum=0)
-    reg_covar = validation.check_positive_float(reg_covar, "reg_covar", allow_zero=True)
-    seed = validation.check_int(seed, "seed", minimum=0)
-    dtype = validation.common_float_dtype(k, v)
-    x = np.concatenate([k, v], axis=1).astype(dtype, copy=False)
+    dtype = k.dtype
+    x = np.concatenate([k, v], axis=1)
     rng = np.random.default_rng(seed)
     means = x[rng.choice(T, size=M, replace=False)].copy()
     variances = np.tile(np.var(x, axis=0) + reg_covar, (M, 1)).astype(dtype)
@@ -329,17 +297,5 @@ def joint_gmm_predict(q, fit: JointGMM):
         marginals ``N(q; mu^k_m, diag key_variances_m)``: a diagonal joint
         covariance has no cross-covariance, so nothing else enters.
     """
-    if not isinstance(fit, JointGMM):
-        raise TypeError(f"fit: expected a JointGMM from fit_joint_gmm, got {type(fit).__name__}")
-    q, key_means, value_means = _check_key_value_means(q, fit.key_means, fit.value_means, ("fit.key_means", "fit.value_means"))
-    key_variances = validation.as_float_array(fit.key_variances, "fit.key_variances", ndim=2)
-    validation.check_shape(key_variances, "fit.key_variances", key_means.shape, ("M", "d"))
-    validation.check_positive(key_variances, "fit.key_variances")
-    weights = validation.as_float_array(fit.weights, "fit.weights", ndim=1)
-    validation.check_shape(weights, "fit.weights", (key_means.shape[0],), ("M",))
-    validation.check_probability_vector(weights, "fit.weights")
-    dtype = validation.common_float_dtype(q, key_means, value_means, key_variances, weights)
-    q, key_means, value_means, key_variances, weights = (
-        a.astype(dtype, copy=False) for a in (q, key_means, value_means, key_variances, weights)
-    )
+    q, key_means, value_means, key_variances, weights = validation.check_joint_gmm_predict(q, fit, JointGMM)
     return _checked_conditional_mean(q, key_means, key_variances, weights, value_means)

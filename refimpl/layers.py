@@ -54,7 +54,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import gmm, validation
-from .gma import gma_backward, gma_forward
+from .tuned import gma_backward, gma_forward
 from .scan import DEFAULT_CHUNK_SIZE
 
 __all__ = [

@@ -5,11 +5,10 @@ One head, one sequence of :math:`N` tokens: ``q, k`` are ``(N, d)``, ``v`` is
 value dictionary :math:`D_v` ``(n_max, d_v)``, integer counts :math:`c`
 ``(n_max,)``, the number :math:`n \le n_{\max}` of active rows and the number
 of tokens seen :math:`t`; only rows below :math:`n` are read.  The capacity
-:math:`n_{\max}` is the argument ``max_size`` (notation: ``docs/glossary.md``;
-a few local names in the code still call the sequence length ``T`` and the
-capacity ``N``).  The contract and its derivations are in
-``docs/derivations/ovq_gmr.md``; this docstring states the results and the
-conventions that make the reference reproducible bit for bit.
+:math:`n_{\max}` is the argument ``max_size`` (notation: ``docs/glossary.md``).
+The contract and its derivations are in ``docs/derivations/ovq_gmr.md``; this
+docstring states the results and the conventions that make the reference
+reproducible bit for bit.
 
 Predict, then update, chunk by chunk
 ------------------------------------
@@ -59,7 +58,7 @@ Conventions this module fixes (bit-for-bit reproducible):
   for both ``init`` values; the other keys join centroid 0 and are merged by
   the chosen rule, like the members of any existing centroid.
 * Within a chunk the sums :math:`\sum_{S_m} x_i` of the running mean are
-  accumulated in token order (:func:`refimpl.gmm.merge_running_means`), and
+  accumulated in token order (:func:`refimpl.gmm.running_mean_update`), and
   the constant-rate steps are applied in token order;
   :mod:`refimpl.ovq_oracle` does the same arithmetic in loops.
 
@@ -80,8 +79,9 @@ phases: the update in reverse (:func:`_update_backward`: for the running mean
 :math:`\bar x_i \mathrel{+}= \bar D'[m]/c'_m`, :math:`\bar D[m] = (c_m/c'_m)\bar D'[m]`;
 for constant :math:`\eta`, :math:`\bar x_{(j)} \mathrel{+}= \eta(1-\eta)^{|S_m|-j}\bar D'[m]`,
 :math:`\bar D[m] = (1-\eta)^{|S_m|}\bar D'[m]`; a seeded row passes its
-gradient to its seed), the read-out softmax (:func:`_readout_backward`), and
-the unit normalisation (:func:`_unit_rows_backward`,
+gradient to its seed), the read-out softmax (:func:`_readout_backward`, through
+:func:`refimpl.numerics.softmax_backward`), and the unit normalisation
+(:func:`_unit_rows_backward`,
 :math:`\bar x = (\bar{\hat x} - \hat x(\hat x\cdot\bar{\hat x}))/\|x\|`).
 
 VQ attention
@@ -95,14 +95,11 @@ through its codes, :math:`\beta\hat q_a\cdot D_k[z_b]`, :math:`b\le a`.
 
 from __future__ import annotations
 
-import inspect
-import zipfile
 from typing import NamedTuple
 
 import numpy as np
 
-from . import numerics, validation
-from .gmm import merge_running_means
+from . import gmm, numerics, statefile, validation
 
 __all__ = [
     "NORM_EPS",
@@ -136,28 +133,28 @@ _FORMAT_VERSION = 1
 
 
 def _check_dictionary_size(t, max_size, growth):
-    N = validation.check_int(max_size, "max_size", minimum=1)
+    n_max = validation.check_int(max_size, "max_size", minimum=1)
     growth = validation.check_option(growth, "growth", GROWTHS)
     if not isinstance(t, (np.ndarray, list, tuple)):
-        return validation.check_int(t, "t", minimum=0), N, growth
+        return validation.check_int(t, "t", minimum=0), n_max, growth
     t = np.asarray(t)
     if not np.issubdtype(t.dtype, np.integer) or t.dtype == bool:
         raise TypeError(f"t: expected integers, got dtype {t.dtype}")
     if t.size and np.min(t) < 0:
         raise ValueError(f"t: expected token counts >= 0, got minimum {np.min(t)}")
-    t = t.astype(np.int64)
-    if t.size and np.max(t) > (np.iinfo(np.int64).max - N) // N:
-        raise ValueError(f"t: t * max_size overflows int64 (max t = {np.max(t)}, max_size = {N})")
-    return t, N, growth
+    if t.size and np.max(t) > (np.iinfo(np.int64).max - n_max) // n_max:
+        raise ValueError(f"t: t * max_size overflows int64 (max t = {np.max(t)}, max_size = {n_max})")
+    return t.astype(np.int64), n_max, growth
 
 
-def _growth(t, N, growth):
-    # plateau: max(1, floor(t N / (t + N))) <= N - 1, in exact integer arithmetic; linear: min(t, N); 0 before any token
+def _growth(t, n_max, growth):
+    # plateau: max(1, floor(t n_max / (t + n_max))) <= n_max - 1, in exact integer arithmetic;
+    # linear: min(t, n_max); 0 before any token
     if isinstance(t, int):
         if t == 0:
             return 0
-        return min(t, N) if growth == "linear" else max(1, (t * N) // (t + N))
-    size = np.minimum(t, N) if growth == "linear" else np.maximum(1, (t * N) // (t + N))
+        return min(t, n_max) if growth == "linear" else max(1, (t * n_max) // (t + n_max))
+    size = np.minimum(t, n_max) if growth == "linear" else np.maximum(1, (t * n_max) // (t + n_max))
     return np.where(t == 0, 0, size)
 
 
@@ -182,7 +179,8 @@ def dictionary_size(t, max_size, growth: str = "plateau"):
         0 for ``t = 0`` (an empty stream), otherwise at least 1.  Computed in
         integers, so the floor is exact.
     """
-    return _growth(*_check_dictionary_size(t, max_size, growth))
+    t, n_max, growth = _check_dictionary_size(t, max_size, growth)
+    return _growth(t, n_max, growth)
 
 
 def _unit_rows(x):
@@ -212,7 +210,10 @@ def unit_rows(x):
     ndarray, shape (N, d)
         Same dtype as ``x``; a zero row stays zero.
     """
-    return _unit_rows(validation.as_float_array(x, "x", ndim=2))[0]
+    x = validation.as_float_array(x, "x", ndim=2)
+    return _unit_rows(x)[0]
+
+
 # ---------------------------------------------------------------------------
 # The state
 # ---------------------------------------------------------------------------
@@ -221,35 +222,6 @@ def unit_rows(x):
 def _readonly(a):
     a.flags.writeable = False
     return a
-
-
-def _check_state(keys, values, counts, size, tokens_seen):
-    keys = validation.as_float_array(keys, "keys", ndim=2)
-    values = validation.as_float_array(values, "values", ndim=2)
-    N = keys.shape[0]
-    if N < 1 or keys.shape[1] < 1:
-        raise ValueError(f"keys: expected shape (N, d) with N >= 1 and d >= 1, got {keys.shape}")
-    validation.check_shape(values, "values", (N, None), ("N", "d_v"))
-    if keys.dtype != values.dtype:
-        raise TypeError(f"values: expected the dtype of keys ({keys.dtype}), got {values.dtype}")
-    counts = np.asarray(counts)
-    if counts.dtype == bool or not np.issubdtype(counts.dtype, np.integer):
-        raise TypeError(f"counts: expected integers (int64), got dtype {counts.dtype}")
-    validation.check_shape(counts, "counts", (N,), ("N",))
-    size = validation.check_int(size, "size", minimum=0)
-    if size > N:
-        raise ValueError(f"size: expected at most N = {N} (the rows of keys), got {size}")
-    tokens_seen = validation.check_int(tokens_seen, "tokens_seen", minimum=0)
-    if np.any(counts < 0):
-        raise ValueError(f"counts: expected nonnegative counts, got minimum {np.min(counts)}")
-    if np.any(counts[:size] < 1):
-        raise ValueError(f"counts: every active row (< size = {size}) needs a count >= 1, got minimum {np.min(counts[:size])}")
-    if np.any(counts[size:] != 0):
-        raise ValueError(f"counts: rows >= size = {size} are unused and must have count 0, got {int(np.sum(counts[size:] != 0))} nonzero")
-    total = int(np.sum(counts, dtype=np.int64))
-    if total != tokens_seen:
-        raise ValueError(f"counts: expected sum(counts) == tokens_seen = {tokens_seen}, got {total}")
-    return keys, values, counts, size, tokens_seen
 
 
 class OVQState:
@@ -268,6 +240,11 @@ class OVQState:
     tokens_seen : int
         ``t``; must equal ``sum(counts)``.
 
+    Raises
+    ------
+    TypeError, ValueError
+        If an argument breaks one of these invariants (the message names it).
+
     Notes
     -----
     The constructor copies its arrays and marks the copies read-only, so a
@@ -279,7 +256,28 @@ class OVQState:
     __slots__ = ("_keys", "_values", "_counts", "_size", "_tokens_seen")
 
     def __init__(self, keys, values, counts, size, tokens_seen):
-        keys, values, counts, size, tokens_seen = _check_state(keys, values, counts, size, tokens_seen)
+        # the invariants of the class docstring, each refused with its own message
+        keys, values = validation.as_float_array(keys, "keys", ndim=2), validation.as_float_array(values, "values", ndim=2)
+        n_max = keys.shape[0]
+        if n_max < 1 or keys.shape[1] < 1:
+            raise ValueError(f"keys: expected shape (n_max, d) with n_max >= 1 and d >= 1, got {keys.shape}")
+        validation.check_shape(values, "values", (n_max, None), ("n_max", "d_v"))
+        if keys.dtype != values.dtype:
+            raise TypeError(f"values: expected the dtype of keys ({keys.dtype}), got {values.dtype}")
+        counts = np.asarray(counts)
+        if counts.dtype == bool or not np.issubdtype(counts.dtype, np.integer):
+            raise TypeError(f"counts: expected integers (int64), got dtype {counts.dtype}")
+        validation.check_counts(counts, "counts", (n_max,), ("n_max",))
+        size = validation.check_int(size, "size", minimum=0)
+        if size > n_max:
+            raise ValueError(f"size: expected at most n_max = {n_max} (the rows of keys), got {size}")
+        tokens_seen = validation.check_int(tokens_seen, "tokens_seen", minimum=0)
+        if np.any(counts[:size] < 1):
+            raise ValueError(f"counts: every active row (< size = {size}) needs a count >= 1, got minimum {np.min(counts[:size])}")
+        if np.any(counts[size:] != 0):
+            raise ValueError(f"counts: rows >= size = {size} are unused and must have count 0, got {int(np.sum(counts[size:] != 0))} nonzero")
+        if np.sum(counts, dtype=np.int64) != tokens_seen:
+            raise ValueError(f"counts: expected sum(counts) == tokens_seen = {tokens_seen}, got {int(np.sum(counts, dtype=np.int64))}")
         self._keys = _readonly(np.array(keys, copy=True))
         self._values = _readonly(np.array(values, copy=True))
         self._counts = _readonly(counts.astype(np.int64, copy=True))
@@ -304,11 +302,9 @@ class OVQState:
     @classmethod
     def empty(cls, max_size, d, d_v, dtype=np.float64) -> "OVQState":
         """The state before any token: zeros, ``size = tokens_seen = 0``."""
-        N = validation.check_int(max_size, "max_size", minimum=1)
-        d = validation.check_int(d, "d", minimum=1)
-        d_v = validation.check_int(d_v, "d_v", minimum=1)
+        n_max, d, d_v = (validation.check_int(x, name, minimum=1) for x, name in ((max_size, "max_size"), (d, "d"), (d_v, "d_v")))
         dtype = validation.check_float_dtype(dtype, "dtype")
-        return cls(np.zeros((N, d), dtype), np.zeros((N, d_v), dtype), np.zeros(N, np.int64), 0, 0)
+        return cls(np.zeros((n_max, d), dtype), np.zeros((n_max, d_v), dtype), np.zeros(n_max, np.int64), 0, 0)
 
     def __repr__(self) -> str:
         return (
@@ -317,18 +313,9 @@ class OVQState:
         )
 
     def save(self, path) -> None:
-        """Write the state to ``path`` as an uncompressed ``.npz`` (no pickles), exactly at that path."""
-        with open(path, "wb") as f:
-            np.savez(
-                f,
-                format=np.array(_FORMAT),
-                version=np.array(_FORMAT_VERSION, dtype=np.int64),
-                keys=self._keys,
-                values=self._values,
-                counts=self._counts,
-                size=np.array(self._size, dtype=np.int64),
-                tokens_seen=np.array(self._tokens_seen, dtype=np.int64),
-            )
+        """Write the state to ``path`` as an uncompressed ``.npz`` (no pickles), exactly at that path (:mod:`refimpl.statefile`)."""
+        statefile.save(path, _FORMAT, _FORMAT_VERSION, keys=self._keys, values=self._values, counts=self._counts,
+                       size=self._size, tokens_seen=self._tokens_seen)
 
     @classmethod
     def load(cls, path) -> "OVQState":
@@ -340,45 +327,26 @@ class OVQState:
             If ``path`` does not exist.
         ValueError
             If the file is not a complete ``.npz``, lacks a field, is of
-            another format or version, or holds arrays that break an
-            invariant (shapes, dtypes, negative counts, ``sum(counts) !=
-            tokens_seen``, ``size`` above the rows, ...).  The message names
-            the file and the problem.
+            another format or version (:func:`refimpl.statefile.load`), or
+            holds arrays that break an invariant (shapes, dtypes, negative
+            counts, ``sum(counts) != tokens_seen``, ``size`` above the rows,
+            ...).  The message names the file and the problem.
         """
-        fields = ("format", "version", "keys", "values", "counts", "size", "tokens_seen")
+        f = statefile.load(path, _FORMAT, _FORMAT_VERSION, "OVQState", ("keys", "values", "counts"), ("size", "tokens_seen"))
         try:
-            data = np.load(path, allow_pickle=False)
-            if not isinstance(data, np.lib.npyio.NpzFile):  # a .npy file holds one bare array
-                raise ValueError(f"expected an .npz archive of named fields, got a single {type(data).__name__}")
-            with data:
-                missing = [f for f in fields if f not in data.files]
-                if missing:
-                    raise ValueError(f"missing field(s) {missing}")
-                arrays = {f: data[f] for f in fields}
-        except FileNotFoundError:
-            raise
-        except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError) as e:
-            raise ValueError(f"{path}: not a complete OVQState file ({type(e).__name__}: {e})") from e
-        if arrays["format"].shape != () or str(arrays["format"]) != _FORMAT:
-            raise ValueError(f"{path}: expected format {_FORMAT!r}, got {arrays['format']!r}")
-        for f in ("version", "size", "tokens_seen"):
-            a = arrays[f]
-            if a.shape != () or not np.issubdtype(a.dtype, np.integer):
-                raise ValueError(f"{path}: field {f!r} must be one integer, got dtype {a.dtype} shape {a.shape}")
-        if int(arrays["version"]) != _FORMAT_VERSION:
-            raise ValueError(f"{path}: expected version {_FORMAT_VERSION}, got {int(arrays['version'])}")
-        try:
-            return cls(arrays["keys"], arrays["values"], arrays["counts"], int(arrays["size"]), int(arrays["tokens_seen"]))
+            return cls(f["keys"], f["values"], f["counts"], f["size"], f["tokens_seen"])
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: invalid OVQState: {e}") from e
 
 
 # ---------------------------------------------------------------------------
-# Validation of a call
+# The arguments of a call
 # ---------------------------------------------------------------------------
 
 
-class _Params(NamedTuple):
+class OVQParams(NamedTuple):
+    """The checked options of :func:`ovq_attention` (``eta`` is ``learning_rate``)."""
+
     max_size: int
     chunk_size: int
     beta: float
@@ -389,107 +357,86 @@ class _Params(NamedTuple):
     seed: int
 
 
-def _check_learning_rate(learning_rate):
-    if learning_rate is None:
-        return None
-    eta = validation.check_positive_float(learning_rate, "learning_rate")
-    if eta > 1:
-        raise ValueError(
-            f"learning_rate: expected a constant step in (0, 1] (D += eta (x - D) token by token), or None for "
-            f"the adaptive 1/c running mean, got {eta!r}"
-        )
-    return eta
+class OVQArguments(NamedTuple):
+    """What :func:`check_ovq_arguments` returns: the arrays cast to ``dtype``, the options, the incoming state."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    params: OVQParams
+    state: OVQState | None
+    dtype: np.dtype
 
 
-def _check_stream_state(state, N, C, T, d, d_v, growth):
-    if not isinstance(state, OVQState):
-        raise TypeError(f"state: expected an OVQState (or None), got {type(state).__name__}")
-    if state.max_size != N:
-        raise ValueError(f"state: has N = {state.max_size} rows but max_size = {N}; pass max_size={state.max_size}")
+def _check_tokens(q, k, v):
+    """``q, k (N, d)`` and ``v (N, d_v)`` with ``N, d >= 1``: one dtype, shape and finiteness check per array."""
+    q, k, v = (validation.as_float_array(x, name, ndim=2) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    if q.shape[0] < 1 or q.shape[1] < 1:
+        raise ValueError(f"q: expected shape (N, d) with N >= 1 and d >= 1, got {q.shape}")
+    validation.check_shape(k, "k", q.shape, ("N", "d"))
+    validation.check_shape(v, "v", (q.shape[0], None), ("N", "d_v"))
+    return q, k, v
+
+
+def _check_stream_state(state, params, N, d, d_v):
+    validation.check_instance(state, "state", OVQState, "an OVQState (or None)")
+    if state.max_size != params.max_size:
+        raise ValueError(f"state: has n_max = {state.max_size} rows but max_size = {params.max_size}; pass max_size={state.max_size}")
     if state.d != d:
         raise ValueError(f"state: holds keys of dimension d = {state.d}, but q and k have d = {d}")
     if state.d_v != d_v:
         raise ValueError(f"state: holds values of dimension d_v = {state.d_v}, but v has d_v = {d_v}")
-    # n_new = n' - n <= L: the first chunk must be able to seed the rows growth asks for
+    # n' - n <= L: the first chunk must be able to seed the rows growth asks for
     # (after it, n >= growth(t) and growth rises by at most one per token)
-    L = min(C, T)
-    needed = _growth(state.tokens_seen + L, N, growth)
-    if needed - state.size > L:
-        raise ValueError(
-            f"state: size = {state.size} after tokens_seen = {state.tokens_seen} is too small for growth={growth!r}: "
-            f"the first chunk of {L} tokens would need {needed - state.size} new centroids; a state that "
-            f"ovq_attention returned with this growth has size >= dictionary_size(tokens_seen, max_size, growth) "
-            f"= {_growth(state.tokens_seen, N, growth)}"
-        )
+    L = min(params.chunk_size, N)
+    needed = _growth(state.tokens_seen + L, params.max_size, params.growth) - state.size
+    if needed > L:
+        least = _growth(state.tokens_seen, params.max_size, params.growth)
+        raise ValueError(f"state: size = {state.size} after tokens_seen = {state.tokens_seen} is too small for growth={params.growth!r}: "
+                         f"the first chunk of {L} tokens would need {needed} new centroids; a state that ovq_attention returned "
+                         f"with this growth has size >= dictionary_size(tokens_seen, max_size, growth) = {least}")
 
 
-def _ovq_arguments(
-    q,
-    k,
-    v,
-    *,
-    max_size,
-    chunk_size,
-    beta=None,
-    growth: str = "plateau",
-    init: str = "spread",
-    count_bias: bool = True,
-    learning_rate=None,
-    seed: int = 0,
-    state: OVQState | None = None,
-):
-    """The arguments of :func:`ovq_attention` and :func:`ovq_attention_forward`, declared once: their signature."""
+def check_ovq_arguments(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state):
+    """Check the arguments of :func:`ovq_attention` and :func:`ovq_attention_forward`; the GPU backends share it.
 
-
-def check_call(caller, q, k, v, options):
-    """Bind ``options`` to :func:`_ovq_arguments` (Python's own errors, naming ``caller``), check every value; the GPU backends share it."""
-    try:
-        bound = inspect.signature(_ovq_arguments).bind(q, k, v, **options)
-    except TypeError as e:
-        raise TypeError(f"{caller}() {e}") from None
-    bound.apply_defaults()
-    args = bound.arguments
-    q = validation.as_float_array(q, "q", ndim=2)
-    k = validation.as_float_array(k, "k", ndim=2)
-    v = validation.as_float_array(v, "v", ndim=2)
-    T, d = q.shape
-    if T < 1 or d < 1:
-        raise ValueError(f"q: expected shape (T, d) with T >= 1 and d >= 1, got {q.shape}")
-    validation.check_shape(k, "k", (T, d), ("T", "d"))
-    validation.check_shape(v, "v", (T, None), ("T", "d_v"))
+    Returns
+    -------
+    OVQArguments
+        ``q, k, v`` cast to ``dtype``, the common dtype of the arrays and of
+        ``state.keys``; ``params``, the checked options; ``state`` as given.
+    """
+    q, k, v = _check_tokens(q, k, v)
     if v.shape[1] < 1:
-        raise ValueError(f"v: expected shape (T, d_v) with d_v >= 1, got {v.shape}")
-    p = _Params(
-        max_size=validation.check_int(args["max_size"], "max_size", minimum=1),
-        chunk_size=validation.check_int(args["chunk_size"], "chunk_size", minimum=1),
-        beta=float(np.sqrt(d)) if args["beta"] is None else validation.check_positive_float(args["beta"], "beta"),
-        growth=validation.check_option(args["growth"], "growth", GROWTHS),
-        init=validation.check_option(args["init"], "init", INITS),
-        count_bias=validation.check_bool(args["count_bias"], "count_bias"),
-        eta=_check_learning_rate(args["learning_rate"]),
-        seed=validation.check_int(args["seed"], "seed", minimum=0),
-    )
-    arrays, state = [q, k, v], args["state"]
+        raise ValueError(f"v: expected shape (N, d_v) with d_v >= 1, got {v.shape}")
+    max_size = validation.check_int(max_size, "max_size", minimum=1)
+    chunk_size = validation.check_int(chunk_size, "chunk_size", minimum=1)
+    beta = float(np.sqrt(q.shape[1])) if beta is None else validation.check_positive_float(beta, "beta")
+    growth = validation.check_option(growth, "growth", GROWTHS)
+    init = validation.check_option(init, "init", INITS)
+    count_bias = validation.check_bool(count_bias, "count_bias")
+    eta = None if learning_rate is None else validation.check_positive_float(learning_rate, "learning_rate")
+    if eta is not None and eta > 1:
+        raise ValueError(f"learning_rate: expected a constant step in (0, 1] (D += eta (x - D) token by token), "
+                         f"or None for the adaptive 1/c running mean, got {eta!r}")
+    params = OVQParams(max_size, chunk_size, beta, growth, init, count_bias, eta, validation.check_int(seed, "seed", minimum=0))
     if state is not None:
-        _check_stream_state(state, p.max_size, p.chunk_size, T, d, v.shape[1], p.growth)
-        arrays.append(state.keys)
-    dtype = validation.common_float_dtype(*arrays)
-    q, k, v = (a.astype(dtype, copy=False) for a in (q, k, v))
-    return q, k, v, p, state, dtype
+        _check_stream_state(state, params, q.shape[0], q.shape[1], v.shape[1])
+    dtype = validation.common_float_dtype(q, k, v, *([] if state is None else [state.keys]))
+    tokens = q.shape[0] + (0 if state is None else state.tokens_seen)
+    validation.check_value_sums(v, tokens, dtype, None if state is None else state.values)
+    return OVQArguments(q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False), params, state, dtype)
 
 
 def check_overflow(overflow, state, dtype):
     """Refuse the rows ``overflow = (rows, first row)`` whose logits overflowed; the GPU backends share it."""
     # who can make beta q.D_k overflow: beta itself, or a passed-in state with huge keys
-    names, fixes = ["beta"], ["lower beta"]
-    if state is not None:
-        names.append("state")
-        fixes.append("pass a state whose keys have norms about 1")
-    validation.check_overflowed_rows(*overflow, dtype, ", ".join(names), " or ".join(fixes))
+    names, fix = ("beta", "lower beta") if state is None else ("beta, state", "lower beta or pass a state whose keys have norms about 1")
+    validation.check_overflowed_rows(*overflow, dtype, names, fix)
 
 
 # ---------------------------------------------------------------------------
-# Cores: one chunk is a read-out, a plan (grow + assign), an update
+# One chunk: a read-out, a plan (grow + assign), an update
 # ---------------------------------------------------------------------------
 
 
@@ -544,12 +491,11 @@ def _member_ranks(rows):
     return ranks
 
 
-def _constant_rate_update(D, x, rows, eta):
-    # D[m] <- D[m] + eta (x_i - D[m]) for each i in S_m, token by token in token order;
+def _constant_rate_update(D, x, rows, ranks, eta):
+    # D[m] <- D[m] + eta (x_i - D[m]) for each i in S_m, token by token in token order; ranks = _member_ranks(rows):
     # round r applies the r-th member of every centroid at once (one key per centroid per round)
     D = D.copy()
     eta = D.dtype.type(eta)
-    ranks = _member_ranks(rows)
     for r in range(int(ranks.max()) + 1 if ranks.size else 0):
         sel = ranks == r
         m = rows[sel]
@@ -570,12 +516,13 @@ def _update_chunk(Dk, Dv, counts, khat, vc, rows, seeded, seeds, n, eta):
     added = np.bincount(a, minlength=counts.shape[0]).astype(np.int64)
     if eta is None:
         # exact running mean: (c D + sum_S x) / (c + |S|), sums in token order
-        new_k, new_counts = merge_running_means(Dk, counts, khat[keep], a)
-        new_v, _ = merge_running_means(Dv, counts, vc[keep], a)
+        new_k, new_counts = gmm.running_mean_update(Dk, counts, khat[keep], a)
+        new_v, _ = gmm.running_mean_update(Dv, counts, vc[keep], a)
     else:
         # constant step: an exponential moving average of the members, in token order
-        new_k = _constant_rate_update(Dk, khat[keep], a, eta)
-        new_v = _constant_rate_update(Dv, vc[keep], a, eta)
+        ranks = _member_ranks(a)
+        new_k = _constant_rate_update(Dk, khat[keep], a, ranks, eta)
+        new_v = _constant_rate_update(Dv, vc[keep], a, ranks, eta)
         new_counts = counts + added
     return new_k, new_v, new_counts, counts, added
 
@@ -594,12 +541,6 @@ class _ChunkRecord(NamedTuple):
     added: np.ndarray  # (n_max,) |S_m|
 
 
-def _initial_state(state, N, d, d_v, dtype):
-    if state is None:
-        return np.zeros((N, d), dtype), np.zeros((N, d_v), dtype), np.zeros(N, np.int64), 0, 0
-    return state.keys.astype(dtype), state.values.astype(dtype), state.counts.copy(), state.size, state.tokens_seen
-
-
 def _count_overflow(overflow, logits, start):
     # (rows so far whose logits have no finite maximum, the first of them): O(1) memory, checked by the caller
     bad = ~np.isfinite(np.max(logits, axis=1))
@@ -609,18 +550,28 @@ def _count_overflow(overflow, logits, start):
     return n_bad + int(np.sum(bad)), first
 
 
-def _run(q, k, v, p: _Params, state, dtype, record: bool):
+# ---------------------------------------------------------------------------
+# The forward: predict, then update, chunk by chunk
+# ---------------------------------------------------------------------------
+
+
+def _ovq_chunks(q, k, v, p, state, record):
     """Core: ``(out, (D_k, D_v, c, n, t), records, overflow)``; the caller checks ``overflow = (rows, first row)``."""
-    T, d = q.shape
-    d_v = v.shape[1]
-    N, C = p.max_size, p.chunk_size
-    Dk, Dv, counts, n, t = _initial_state(state, N, d, d_v, dtype)
-    out = np.empty((T, d_v), dtype=dtype)
+    N, d = q.shape
+    d_v, dtype = v.shape[1], q.dtype
+    n_max, C = p.max_size, p.chunk_size
+    if state is None:
+        Dk, Dv, counts = np.zeros((n_max, d), dtype), np.zeros((n_max, d_v), dtype), np.zeros(n_max, np.int64)
+        n, t = 0, 0
+    else:
+        Dk, Dv, counts = state.keys.astype(dtype), state.values.astype(dtype), state.counts.copy()
+        n, t = state.size, state.tokens_seen
+    out = np.empty((N, d_v), dtype=dtype)
     overflow = (0, -1)
     records = [] if record else None
     masks = {}
-    for s in range(0, T, C):
-        e = min(s + C, T)
+    for s in range(0, N, C):
+        e = min(s + C, N)
         L = e - s
         if L not in masks:
             masks[L] = np.triu(np.ones((L, L), dtype=bool), k=1)
@@ -634,9 +585,9 @@ def _run(q, k, v, p: _Params, state, dtype, record: bool):
         values = np.concatenate([Dv[:n], vc]) if n else vc
         with np.errstate(invalid="ignore"):  # an overflowed row (refused by the caller) gives NaN, not a warning
             out[s:e] = numerics.softmax(logits, axis=1) @ values
-        # grow: n' = max(n, growth(t + L, N))
+        # grow: n' = max(n, growth(t + L, n_max))
         t_next = t + L
-        n_next = max(n, _growth(t_next, N, p.growth))
+        n_next = max(n, _growth(t_next, n_max, p.growth))
         # assign and update
         rows, seeded, seeds = _plan_chunk(khat, Dk, n, n_next - n, p.init, p.seed, t)
         new_k, new_v, new_counts, counts_mid, added = _update_chunk(Dk, Dv, counts, khat, vc, rows, seeded, seeds, n, p.eta)
@@ -646,18 +597,8 @@ def _run(q, k, v, p: _Params, state, dtype, record: bool):
     return out, (Dk, Dv, counts, n, t), records, overflow
 
 
-# ---------------------------------------------------------------------------
-# Public API
-# ---------------------------------------------------------------------------
-
-
-def _options_signature(func, *extra):
-    """``func``'s signature as users see it: those of :func:`_ovq_arguments`, then ``extra``."""
-    params = list(inspect.signature(_ovq_arguments).parameters.values())
-    return inspect.Signature(params + list(extra), return_annotation=inspect.signature(func).return_annotation)
-
-
-def ovq_attention(q, k, v, *, return_state: bool = False, **options):
+def ovq_attention(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread", count_bias=True,
+                  learning_rate=None, seed=0, state=None, return_state=False):
     """Online vector-quantized attention, causal, chunk by chunk.
 
     Parameters
@@ -709,16 +650,11 @@ def ovq_attention(q, k, v, *, return_state: bool = False, **options):
     equals one call bit for bit; :mod:`refimpl.ovq_oracle` is the
     token-by-token version of the same contract.
     """
-    q, k, v, p, state, dtype = check_call("ovq_attention", q, k, v, options)
+    a = check_ovq_arguments(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state)
     return_state = validation.check_bool(return_state, "return_state")
-    out, new_state, _, overflow = _run(q, k, v, p, state, dtype, record=False)
-    check_overflow(overflow, state, dtype)
+    out, new_state, _, overflow = _ovq_chunks(a.q, a.k, a.v, a.params, a.state, record=False)
+    check_overflow(overflow, a.state, a.dtype)
     return (out, OVQState(*new_state)) if return_state else out
-
-
-ovq_attention.__signature__ = _options_signature(
-    ovq_attention, inspect.Parameter("return_state", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=bool)
-)
 
 
 class OVQCache(NamedTuple):
@@ -727,7 +663,7 @@ class OVQCache(NamedTuple):
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
-    params: _Params
+    params: OVQParams
     records: list
     state: OVQState  #: the state after the call
 
@@ -740,7 +676,8 @@ class OVQGrads(NamedTuple):
     v: np.ndarray
 
 
-def ovq_attention_forward(q, k, v, **options):
+def ovq_attention_forward(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread", count_bias=True,
+                          learning_rate=None, seed=0, state=None):
     """:func:`ovq_attention`, keeping what the backward needs.
 
     Parameters are those of :func:`ovq_attention`, without ``return_state``.
@@ -755,13 +692,15 @@ def ovq_attention_forward(q, k, v, **options):
         backward holds fixed) and ``cache.records[j].dict_keys`` the
         dictionary it was assigned against.
     """
-    q, k, v, p, state, dtype = check_call("ovq_attention_forward", q, k, v, options)
-    out, new_state, records, overflow = _run(q, k, v, p, state, dtype, record=True)
-    check_overflow(overflow, state, dtype)
-    return out, OVQCache(q, k, v, p, records, OVQState(*new_state))
+    a = check_ovq_arguments(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state)
+    out, new_state, records, overflow = _ovq_chunks(a.q, a.k, a.v, a.params, a.state, record=True)
+    check_overflow(overflow, a.state, a.dtype)
+    return out, OVQCache(a.q, a.k, a.v, a.params, records, OVQState(*new_state))
 
 
-ovq_attention_forward.__signature__ = _options_signature(ovq_attention_forward)
+# ---------------------------------------------------------------------------
+# The backward, with the assignments held fixed
+# ---------------------------------------------------------------------------
 
 
 def _update_backward(rec, gDk, gDv, khat, eta, L, d_v):
@@ -806,39 +745,11 @@ def _readout_backward(rec, G, qhat, khat, vc, beta):
     logits, keys = _chunk_logits(qhat, khat, rec.dict_keys, rec.log_c, beta, mask)
     P = numerics.softmax(logits, axis=1)
     values = np.concatenate([rec.dict_values, vc]) if rec.n else vc
-    dP = G @ values.T
-    # softmax Jacobian row by row: dl = P * (dP - rowsum(P * dP)); masked entries have P = 0
-    dl = P * (dP - np.sum(P * dP, axis=1, keepdims=True))
+    # out = P values: dP = G values^T; the softmax backward gives dl (masked entries have P = 0)
+    dl = numerics.softmax_backward(P, G @ values.T, axis=1)
     dl *= qhat.dtype.type(beta)
     # l = beta q^ keys^T: dq^ = beta dl keys, dkeys = beta dl^T q^; out = P values: dvalues = P^T G
     return dl @ keys, dl.T @ qhat, P.T @ G
-
-
-def _ovq_backward(g_out, cache):
-    """Core of :func:`ovq_attention_backward` (``g_out`` checked, of the forward's dtype)."""
-    q, k, v, p = cache.q, cache.k, cache.v, cache.params
-    dtype = q.dtype
-    gq, gk, gv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
-    # adjoint of the state after the chunk being visited; the loss does not read the final state
-    gDk = np.zeros((p.max_size, q.shape[1]), dtype=dtype)
-    gDv = np.zeros((p.max_size, v.shape[1]), dtype=dtype)
-    for rec in reversed(cache.records):
-        s, e, n = rec.start, rec.stop, rec.n
-        qhat, q_norms = _unit_rows(q[s:e])
-        khat, k_norms = _unit_rows(k[s:e])
-        # (1) the update, in reverse
-        gDk, gDv, g_khat, g_vc = _update_backward(rec, gDk, gDv, khat, p.eta, e - s, v.shape[1])
-        # (2) the read-out against the dictionary the chunk saw
-        g_qhat, g_keys, g_values = _readout_backward(rec, g_out[s:e], qhat, khat, v[s:e], p.beta)
-        gDk[:n] += g_keys[:n]
-        gDv[:n] += g_values[:n]
-        g_khat += g_keys[n:]
-        g_vc += g_values[n:]
-        # (3) the unit normalisation
-        gq[s:e] = _unit_rows_backward(g_qhat, qhat, q_norms)
-        gk[s:e] = _unit_rows_backward(g_khat, khat, k_norms)
-        gv[s:e] = g_vc
-    return OVQGrads(q=gq, k=gk, v=gv)
 
 
 def ovq_attention_backward(grad_out, cache: OVQCache) -> OVQGrads:
@@ -859,8 +770,29 @@ def ovq_attention_backward(grad_out, cache: OVQCache) -> OVQGrads:
         incoming ``state``, if any, is a constant.
     """
     validation.check_instance(cache, "cache", OVQCache, "the OVQCache from ovq_attention_forward")
-    g_out = validation.check_grad_out(grad_out, cache.v.shape, ("T", "d_v"), cache.q.dtype)
-    return _ovq_backward(g_out, cache)
+    g_out = validation.check_grad_out(grad_out, cache.v.shape, ("N", "d_v"), cache.q.dtype)
+    q, k, v, p = cache.q, cache.k, cache.v, cache.params
+    gq, gk, gv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    # adjoint of the state after the chunk being visited; the loss does not read the final state
+    gDk = np.zeros((p.max_size, q.shape[1]), dtype=q.dtype)
+    gDv = np.zeros((p.max_size, v.shape[1]), dtype=q.dtype)
+    for rec in reversed(cache.records):
+        s, e, n = rec.start, rec.stop, rec.n
+        qhat, q_norms = _unit_rows(q[s:e])
+        khat, k_norms = _unit_rows(k[s:e])
+        # (1) the update, in reverse
+        gDk, gDv, g_khat, g_vc = _update_backward(rec, gDk, gDv, khat, p.eta, e - s, v.shape[1])
+        # (2) the read-out against the dictionary the chunk saw
+        g_qhat, g_keys, g_values = _readout_backward(rec, g_out[s:e], qhat, khat, v[s:e], p.beta)
+        gDk[:n] += g_keys[:n]
+        gDv[:n] += g_values[:n]
+        g_khat += g_keys[n:]
+        g_vc += g_values[n:]
+        # (3) the unit normalisation
+        gq[s:e] = _unit_rows_backward(g_qhat, qhat, q_norms)
+        gk[s:e] = _unit_rows_backward(g_khat, khat, k_norms)
+        gv[s:e] = g_vc
+    return OVQGrads(q=gq, k=gk, v=gv)
 
 
 # ---------------------------------------------------------------------------
@@ -868,55 +800,28 @@ def ovq_attention_backward(grad_out, cache: OVQCache) -> OVQGrads:
 # ---------------------------------------------------------------------------
 
 
-def check_vq_call(q, k, v, codebook, chunk_size, beta):
-    """Check the arguments of :func:`vq_attention`: ``(q, k, v, codebook, C, beta)`` in one dtype; the GPU backends share it."""
-    q = validation.as_float_array(q, "q", ndim=2)
-    k = validation.as_float_array(k, "k", ndim=2)
-    v = validation.as_float_array(v, "v", ndim=2)
+class VQArguments(NamedTuple):
+    """What :func:`check_vq_arguments` returns: the arrays in one dtype, ``C`` and ``beta``."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    codebook: np.ndarray
+    chunk_size: int
+    beta: float
+
+
+def check_vq_arguments(q, k, v, codebook, chunk_size, beta):
+    """Check the arguments of :func:`vq_attention`, cast to one dtype; the GPU backends share it."""
+    q, k, v = _check_tokens(q, k, v)
     codebook = validation.as_float_array(codebook, "codebook", ndim=2)
-    T, d = q.shape
-    if T < 1 or d < 1:
-        raise ValueError(f"q: expected shape (T, d) with T >= 1 and d >= 1, got {q.shape}")
-    validation.check_shape(k, "k", (T, d), ("T", "d"))
-    validation.check_shape(v, "v", (T, None), ("T", "d_v"))
-    validation.check_shape(codebook, "codebook", (None, d), ("S", "d"))
+    validation.check_shape(codebook, "codebook", (None, q.shape[1]), ("S", "d"))
     validation.check_nonempty(codebook, "codebook", what="code", symbol="S")
-    C = validation.check_int(chunk_size, "chunk_size", minimum=1)
-    beta = float(np.sqrt(d)) if beta is None else validation.check_positive_float(beta, "beta")
+    chunk_size = validation.check_int(chunk_size, "chunk_size", minimum=1)
+    beta = float(np.sqrt(q.shape[1])) if beta is None else validation.check_positive_float(beta, "beta")
     dtype = validation.common_float_dtype(q, k, v, codebook)
-    q, k, v, codebook = (a.astype(dtype, copy=False) for a in (q, k, v, codebook))
-    return q, k, v, codebook, C, beta
-
-
-def _vq(q, k, v, codebook, C, beta):
-    """Core of :func:`vq_attention`: ``(out, overflow)``; the caller checks ``overflow = (rows, first row)``."""
-    T, S, dtype = q.shape[0], codebook.shape[0], q.dtype
-    b = dtype.type(beta)
-    value_means = np.zeros((S, v.shape[1]), dtype=dtype)
-    counts = np.zeros(S, dtype=np.int64)
-    out = np.empty((T, v.shape[1]), dtype=dtype)
-    overflow = (0, -1)
-    for s in range(0, T, C):
-        e = min(s + C, T)
-        L = e - s
-        qhat, _ = _unit_rows(q[s:e])
-        khat, _ = _unit_rows(k[s:e])
-        # nearest code by dot product; argmax takes the lowest index on ties
-        z = np.argmax(khat @ codebook.T, axis=1)
-        with np.errstate(divide="ignore"):
-            # log L_m: -inf for codes no earlier chunk used
-            log_counts = np.log(counts.astype(dtype))
-        past = b * (qhat @ codebook.T) + log_counts
-        current = b * (qhat @ codebook[z].T)
-        current[np.triu_indices(L, k=1)] = -np.inf
-        logits = np.concatenate([past, current], axis=1)
-        overflow = _count_overflow(overflow, logits, s)
-        with np.errstate(invalid="ignore"):  # an overflowed row (refused by the caller) gives NaN, not a warning
-            P = numerics.softmax(logits, axis=1)
-        out[s:e] = P[:, :S] @ value_means + P[:, S:] @ v[s:e]
-        # U_m / L_m: running mean of the values each code summarises
-        value_means, counts = merge_running_means(value_means, counts, v[s:e], z)
-    return out, overflow
+    validation.check_value_sums(v, q.shape[0], dtype)
+    return VQArguments(*(x.astype(dtype, copy=False) for x in (q, k, v, codebook)), chunk_size, beta)
 
 
 def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
@@ -946,7 +851,32 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
     ``beta q^ . D_k[m] + log L_m`` (codes with ``L_m = 0`` get ``-inf``); the
     current chunk is read causally with ``beta q^_a . D_k[z_b]``, ``b <= a``.
     """
-    q, k, v, codebook, C, beta = check_vq_call(q, k, v, codebook, chunk_size, beta)
-    out, overflow = _vq(q, k, v, codebook, C, beta)
-    validation.check_overflowed_rows(*overflow, q.dtype, "beta, codebook", "lower beta or rescale the codebook")
+    q, k, v, codebook, C, beta = check_vq_arguments(q, k, v, codebook, chunk_size, beta)
+    N, S, dtype = q.shape[0], codebook.shape[0], q.dtype
+    b = dtype.type(beta)
+    value_means = np.zeros((S, v.shape[1]), dtype=dtype)
+    counts = np.zeros(S, dtype=np.int64)
+    out = np.empty((N, v.shape[1]), dtype=dtype)
+    overflow = (0, -1)
+    for s in range(0, N, C):
+        e = min(s + C, N)
+        L = e - s
+        qhat, _ = _unit_rows(q[s:e])
+        khat, _ = _unit_rows(k[s:e])
+        # nearest code by dot product; argmax takes the lowest index on ties
+        z = np.argmax(khat @ codebook.T, axis=1)
+        with np.errstate(divide="ignore"):
+            # log L_m: -inf for codes no earlier chunk used
+            log_counts = np.log(counts.astype(dtype))
+        past = b * (qhat @ codebook.T) + log_counts
+        current = b * (qhat @ codebook[z].T)
+        current[np.triu_indices(L, k=1)] = -np.inf
+        logits = np.concatenate([past, current], axis=1)
+        overflow = _count_overflow(overflow, logits, s)
+        with np.errstate(invalid="ignore"):  # an overflowed row (refused below) gives NaN, not a warning
+            P = numerics.softmax(logits, axis=1)
+        out[s:e] = P[:, :S] @ value_means + P[:, S:] @ v[s:e]
+        # U_m / L_m: running mean of the values each code summarises
+        value_means, counts = gmm.running_mean_update(value_means, counts, v[s:e], z)
+    validation.check_overflowed_rows(*overflow, dtype, "beta, codebook", "lower beta or rescale the codebook")
     return out

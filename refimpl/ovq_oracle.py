@@ -1,9 +1,9 @@
 """Token-by-token loop oracles for OVQ and VQ attention, written straight from the contract.
 
-The contract is ``docs/derivations/ovq_gmr.md`` (notation: ``docs/glossary.md``;
+The contract is ``docs/derivations/ovq_gmr.md`` (notation: ``docs/glossary.md``:
 the sequence has ``N`` tokens and the dictionary at most ``n_max = max_size``
-rows, which the local names below call ``T`` and ``N``).  Plain Python loops over
-tokens, centroids and chunk keys; NumPy only for the arithmetic on one row at
+rows, ``n`` of them in use).  Plain Python loops over tokens, centroids and
+chunk keys; NumPy only for the arithmetic on one row at
 a time.  No matrix products, no sorting by ``argsort``, no ``np.add.at``: each
 step is the sentence of the contract it implements, so that
 :mod:`refimpl.ovq` (vectorised within a chunk) can be checked against it.
@@ -54,8 +54,8 @@ def _check_qkv(q, k, v):
     q = validation.as_float_array(q, "q", ndim=2)
     k = validation.as_float_array(k, "k", ndim=2)
     v = validation.as_float_array(v, "v", ndim=2)
-    validation.check_shape(k, "k", q.shape, ("T", "d"))
-    validation.check_shape(v, "v", (q.shape[0], None), ("T", "d_v"))
+    validation.check_shape(k, "k", q.shape, ("N", "d"))
+    validation.check_shape(v, "v", (q.shape[0], None), ("N", "d_v"))
     dtype = np.result_type(q, k, v)
     return q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False), dtype
 
@@ -77,10 +77,10 @@ def _unit(x):
     return x / max(np.sqrt(np.sum(x * x)), 1e-12)
 
 
-def _growth(t, N, growth):
+def _growth(t, n_max, growth):
     if growth == "linear":
-        return min(t, N)
-    return max(1, (t * N) // (t + N))
+        return min(t, n_max)
+    return max(1, (t * n_max) // (t + n_max))
 
 
 def ovq_attention_loop(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread",
@@ -99,17 +99,17 @@ def ovq_attention_loop(q, k, v, *, max_size, chunk_size, beta=None, growth="plat
     """
     q, k, v, dtype = _check_qkv(q, k, v)
     beta = _check_options(max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, q.shape[1])
-    T, d = q.shape
+    N, d = q.shape
     d_v = v.shape[1]
-    N, C = max_size, chunk_size
-    Dk = np.zeros((N, d), dtype=dtype)
-    Dv = np.zeros((N, d_v), dtype=dtype)
-    c = [0] * N
+    n_max, C = max_size, chunk_size
+    Dk = np.zeros((n_max, d), dtype=dtype)
+    Dv = np.zeros((n_max, d_v), dtype=dtype)
+    c = [0] * n_max
     n, t = 0, 0
-    out = np.zeros((T, d_v), dtype=dtype)
+    out = np.zeros((N, d_v), dtype=dtype)
 
-    for s in range(0, T, C):
-        e = min(s + C, T)
+    for s in range(0, N, C):
+        e = min(s + C, N)
         L = e - s
         qh = [_unit(q[s + a]) for a in range(L)]
         kh = [_unit(k[s + a]) for a in range(L)]
@@ -135,7 +135,7 @@ def ovq_attention_loop(q, k, v, *, max_size, chunk_size, beta=None, growth="plat
 
         # Grow
         t_next = t + L
-        n_next = max(n, _growth(t_next, N, growth))
+        n_next = max(n, _growth(t_next, n_max, growth))
         n_new = n_next - n
 
         # Assign
@@ -217,12 +217,12 @@ def vq_attention_loop(q, k, v, codebook, *, chunk_size, beta=None):
     beta = math.sqrt(q.shape[1]) if beta is None else validation.check_positive_float(beta, "beta")
     dtype = np.result_type(dtype, codebook)
     q, k, v, codebook = (a.astype(dtype, copy=False) for a in (q, k, v, codebook))
-    T, d = q.shape
+    N, d = q.shape
     d_v = v.shape[1]
     S = codebook.shape[0]
     L_count = [0] * S
     U = [np.zeros(d_v, dtype=dtype) for _ in range(S)]  # sum of values per code
-    out = np.zeros((T, d_v), dtype=dtype)
+    out = np.zeros((N, d_v), dtype=dtype)
 
     def code(x):
         best, best_m = None, None
@@ -232,8 +232,8 @@ def vq_attention_loop(q, k, v, codebook, *, chunk_size, beta=None):
                 best, best_m = sim, m
         return best_m
 
-    for s in range(0, T, chunk_size):
-        e = min(s + chunk_size, T)
+    for s in range(0, N, chunk_size):
+        e = min(s + chunk_size, N)
         z = [code(_unit(k[i])) for i in range(s, e)]
         for a in range(e - s):
             qa = _unit(q[s + a])

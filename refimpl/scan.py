@@ -35,10 +35,16 @@ The derivations are in ``docs/derivations/scan.md``; the results:
   chunked like the forward (and, like it, with :math:`[\tilde G, \delta]` against
   :math:`[\mathbf V, \mathbf 1]`, so that :math:`[R, r]` is one running sum).
 
-:func:`scan_forward` and :func:`scan_backward` are the cores (no validation,
-no raise; the caller checks the returned denominators);
-:func:`feature_attention_forward` and :func:`feature_attention_backward`
-are the checked public functions.
+:func:`causal_recurrence` and :func:`causal_recurrence_backward` state the
+causal form token by token, one loop each, the way the recurrence is written
+(``scan.md#causal-form``); the chunked scan computes the same numbers in
+blocks of ``C`` tokens, and the tests check that the two agree.
+
+Everything here is a core (no validation, no raise; the caller checks the
+returned denominators): linear attention and GMA call these functions, and
+:func:`refimpl.attention.feature_attention_forward` and
+:func:`refimpl.attention.feature_attention_backward` are the checked public
+functions for given feature maps.
 """
 
 from __future__ import annotations
@@ -47,15 +53,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import validation
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "FeatureAttentionCache",
     "FeatureAttentionGrads",
-    "feature_attention",
-    "feature_attention_forward",
-    "feature_attention_backward",
+    "write",
+    "read",
+    "causal_recurrence",
+    "causal_recurrence_backward",
     "scan_forward",
     "scan_backward",
 ]
@@ -66,7 +72,7 @@ while the per-chunk matrix products are large enough to run at BLAS speed."""
 
 
 class FeatureAttentionGrads(NamedTuple):
-    """Gradients of the loss with respect to the inputs of :func:`feature_attention_forward`."""
+    """Gradients of the loss with respect to the feature maps and the values of :func:`scan_forward`."""
 
     phi_q: np.ndarray
     phi_k: np.ndarray
@@ -74,7 +80,7 @@ class FeatureAttentionGrads(NamedTuple):
 
 
 class FeatureAttentionCache(NamedTuple):
-    """What :func:`feature_attention_backward` needs from the forward pass."""
+    """What :func:`scan_backward` needs from :func:`scan_forward`."""
 
     phi_q: np.ndarray
     phi_k: np.ndarray
@@ -91,20 +97,57 @@ class FeatureAttentionCache(NamedTuple):
 # ---------------------------------------------------------------------------
 
 
-def _ones_column_buffer(rows, d_v, dtype):
-    """A ``(rows, d_v + 1)`` work array whose last column holds ones: ``[v_c, 1]`` once ``v_c`` is copied in."""
-    buf = np.empty((rows, d_v + 1), dtype=dtype)
-    buf[:, -1] = 1
-    return buf
+def write(phi_k, v):
+    """Core: the state of the bidirectional form, ``S = Phi_K^T V`` (F, d_v) and ``z = Phi_K^T 1`` (F,).
+
+    (Phi_Q Phi_K^T) V = Phi_Q (Phi_K^T V): an ``F x d_v`` memory instead of an ``N x N`` matrix.
+    """
+    return phi_k.T @ v, phi_k.sum(axis=0)
 
 
-def _bidirectional_forward(phi_q, phi_k, v, eps):
-    # (Phi_Q Phi_K^T) V = Phi_Q (Phi_K^T V): an F x d_v memory instead of an N x N matrix
-    s = phi_k.T @ v
-    z = phi_k.sum(axis=0)
+def read(phi_q, s, z, eps):
+    """Core: ``out_i = phi_q_i^T S / (phi_q_i . z + eps)`` (N_q, d_v), and the denominators ``den`` (N_q,)."""
     den = phi_q @ z + phi_q.dtype.type(eps)
     with np.errstate(divide="ignore", invalid="ignore"):  # den = 0 only with eps = 0: the caller refuses it
         return (phi_q @ s) / den[:, None], den
+
+
+def causal_recurrence(phi_q, phi_k, v, eps, state=None):
+    """Core: the causal form token by token, ``S_t = S_{t-1} + phi_k_t v_t^T``, ``z_t = z_{t-1} + phi_k_t``.
+
+    ``out_t = phi_q_t^T S_t / (phi_q_t . z_t + eps)``: query ``t`` reads the
+    keys ``j <= t``.  One loop over the tokens, ``O(F d_v)`` per token.
+
+    Parameters
+    ----------
+    phi_q, phi_k : ndarray, shape (N, F)
+    v : ndarray, shape (N, d_v)
+    eps : float
+    state : tuple (S, z), optional
+        ``S`` (F, d_v) and ``z`` (F,) of the tokens before these; zeros by
+        default (not modified).
+
+    Returns
+    -------
+    out : ndarray, shape (N, d_v)
+    den : ndarray, shape (N,)
+    state : tuple (S, z)
+        After the last token.
+    """
+    n, f = phi_k.shape
+    dtype = phi_q.dtype
+    s = np.zeros((f, v.shape[1]), dtype) if state is None else np.array(state[0], dtype=dtype)
+    z = np.zeros(f, dtype) if state is None else np.array(state[1], dtype=dtype)
+    out = np.empty((n, v.shape[1]), dtype)
+    den = np.empty(n, dtype)
+    for t in range(n):
+        # the state after token t: S_t = S_{t-1} + phi_k_t v_t^T, z_t = z_{t-1} + phi_k_t
+        s += np.outer(phi_k[t], v[t])
+        z += phi_k[t]
+        den[t] = phi_q[t] @ z + dtype.type(eps)
+        with np.errstate(divide="ignore", invalid="ignore"):  # den = 0 only with eps = 0: the caller refuses it
+            out[t] = (phi_q[t] @ s) / den[t]
+    return out, den, (s, z)
 
 
 def _causal_forward(phi_q, phi_k, v, eps, chunk_size):
@@ -112,7 +155,8 @@ def _causal_forward(phi_q, phi_k, v, eps, chunk_size):
     dtype = phi_q.dtype
     out = np.empty((n, v.shape[1]), dtype=dtype)
     den = np.empty(n, dtype=dtype)
-    v1 = _ones_column_buffer(chunk_size, v.shape[1], dtype)  # [v_c, 1]: the last column of every product below is the normaliser's
+    # [v_c, 1] (the values of a chunk are copied in): the last column of every product below is the normaliser's
+    v1 = np.ones((chunk_size, v.shape[1] + 1), dtype=dtype)
     s1 = np.zeros((f, v1.shape[1]), dtype=dtype)  # [S, z] = sum over earlier chunks of phi_k_j [v_j, 1]^T
     upper = ~np.tri(chunk_size, dtype=bool)  # j > t within a chunk: set to 0 (not multiplied: inf * 0 is NaN)
     for a in range(0, n, chunk_size):
@@ -133,25 +177,20 @@ def _causal_forward(phi_q, phi_k, v, eps, chunk_size):
 
 
 def scan_forward(phi_q, phi_k, v, causal, eps, chunk_size):
-    """Core of :func:`feature_attention_forward` (checked inputs of one dtype; no raise).
+    """Core: normalised feature-map attention, bidirectional (write, then read) or causal (the chunked scan).
 
-    Returns ``(out, cache)``; the caller checks ``cache.den``
-    (:func:`refimpl.validation.check_denominators`).
+    Inputs checked, of one dtype (``phi_q (N_q, F)``, ``phi_k (N_k, F)``,
+    ``v (N_k, d_v)``); no raise.  Returns ``(out, cache)``; the caller checks
+    ``cache.den`` (:func:`refimpl.validation.check_denominators`).
     """
+    # a chunk longer than the sequence is the sequence: C x C work arrays never exceed N x N
+    chunk_size = max(1, min(chunk_size, phi_q.shape[0]))
     if causal:
         out, den = _causal_forward(phi_q, phi_k, v, eps, chunk_size)
     else:
-        out, den = _bidirectional_forward(phi_q, phi_k, v, eps)
+        # write the keys into the state, then read it with the queries
+        out, den = read(phi_q, *write(phi_k, v), eps)
     return out, FeatureAttentionCache(phi_q, phi_k, v, out, den, causal, eps, chunk_size)
-
-
-def _scaled_grads(g, c):
-    """``[G / den, delta]`` with ``delta_i = -(g_i . out_i) / den_i``, ``(N_q, d_v + 1)``."""
-    g1 = np.empty((g.shape[0], g.shape[1] + 1), dtype=g.dtype)
-    np.divide(g, c.den[:, None], out=g1[:, :-1])
-    # out_i = num_i / den_i: d den_i = -(g_i . num_i) / den_i^2 = -(g_i . out_i) / den_i
-    g1[:, -1] = -np.sum(g * c.out, axis=1) / c.den
-    return g1
 
 
 def _bidirectional_backward(g, c):
@@ -159,8 +198,8 @@ def _bidirectional_backward(g, c):
     gn = g / den[:, None]
     # out_i = num_i / den_i: d den_i = -(g_i . num_i) / den_i^2 = -(g_i . out_i) / den_i
     delta = -np.sum(g * out, axis=1) / den
-    s = phi_k.T @ v
-    z = phi_k.sum(axis=0)
+    # the state the forward wrote: S = Phi_K^T V, z = Phi_K^T 1
+    s, z = phi_k.T @ v, phi_k.sum(axis=0)
     ds = phi_q.T @ gn
     dz = phi_q.T @ delta
     dphi_q = gn @ s.T + delta[:, None] * z[None, :]
@@ -173,8 +212,12 @@ def _causal_backward(g, c):
     n, f = phi_k.shape
     dtype = phi_q.dtype
     v = c.v
-    v1 = _ones_column_buffer(chunk_size, v.shape[1], dtype)  # [v_c, 1]
-    g1 = _scaled_grads(g, c)  # [gn, delta]: gn_t . v_j + delta_t = g1_t . [v_j, 1]
+    v1 = np.ones((chunk_size, v.shape[1] + 1), dtype=dtype)  # [v_c, 1]
+    # g1 = [gn, delta] with gn = G / den and delta_t = -(g_t . out_t) / den_t, so that gn_t . v_j + delta_t = g1_t . [v_j, 1]
+    # (out_t = num_t / den_t: d den_t = -(g_t . num_t) / den_t^2 = -(g_t . out_t) / den_t)
+    g1 = np.empty((g.shape[0], g.shape[1] + 1), dtype=dtype)
+    np.divide(g, c.den[:, None], out=g1[:, :-1])
+    g1[:, -1] = -np.sum(g * c.out, axis=1) / c.den
     dphi_q = np.empty_like(phi_q)
     dphi_k = np.empty_like(phi_k)
     dv = np.empty_like(v)
@@ -212,94 +255,38 @@ def _causal_backward(g, c):
     return FeatureAttentionGrads(phi_q=dphi_q, phi_k=dphi_k, v=dv)
 
 
+def causal_recurrence_backward(g, cache):
+    """Core: the backward of :func:`causal_recurrence`, token by token (``g`` (N, d_v) checked, of the cache's dtype).
+
+    With ``gn_t = g_t / den_t`` and ``delta_t = -(g_t . out_t) / den_t``
+    (``scan.md#backward-causal``): a forward sweep gives
+    ``dphi_q_t = S_t gn_t + z_t delta_t`` from the prefix sums, a reverse sweep
+    the suffix sums ``R_t = sum_{j >= t} phi_q_j gn_j^T``,
+    ``r_t = sum_{j >= t} phi_q_j delta_j``, and ``dphi_k_t = R_t v_t + r_t``,
+    ``dv_t = R_t^T phi_k_t``.  ``cache`` is a :class:`FeatureAttentionCache`
+    of a causal forward.
+    """
+    phi_q, phi_k, v = cache.phi_q, cache.phi_k, cache.v
+    n, f = phi_k.shape
+    dtype = phi_q.dtype
+    gn = g / cache.den[:, None]
+    # out_t = num_t / den_t: d den_t = -(g_t . out_t) / den_t
+    delta = -np.sum(g * cache.out, axis=1) / cache.den
+    dphi_q, dphi_k, dv = np.empty_like(phi_q), np.empty_like(phi_k), np.empty_like(v)
+    s, z = np.zeros((f, v.shape[1]), dtype), np.zeros(f, dtype)
+    for t in range(n):
+        s += np.outer(phi_k[t], v[t])
+        z += phi_k[t]
+        dphi_q[t] = s @ gn[t] + z * delta[t]
+    r_mat, r = np.zeros((f, v.shape[1]), dtype), np.zeros(f, dtype)
+    for t in reversed(range(n)):
+        r_mat += np.outer(phi_q[t], gn[t])
+        r += phi_q[t] * delta[t]
+        dphi_k[t] = r_mat @ v[t] + r
+        dv[t] = r_mat.T @ phi_k[t]
+    return FeatureAttentionGrads(phi_q=dphi_q, phi_k=dphi_k, v=dv)
+
+
 def scan_backward(g, cache):
-    """Core of :func:`feature_attention_backward` (``g`` checked, of the cache's dtype; no raise)."""
+    """Core: the gradients of :func:`scan_forward` (``g`` checked, of the cache's dtype; no raise)."""
     return _causal_backward(g, cache) if cache.causal else _bidirectional_backward(g, cache)
-
-
-# ---------------------------------------------------------------------------
-# Public functions
-# ---------------------------------------------------------------------------
-
-
-def _check_features(phi_q, phi_k, v, causal, eps, chunk_size):
-    phi_q = validation.as_float_array(phi_q, "phi_q", ndim=2)
-    phi_k = validation.as_float_array(phi_k, "phi_k", ndim=2)
-    v = validation.as_float_array(v, "v", ndim=2)
-    validation.check_shape(phi_k, "phi_k", (None, phi_q.shape[1]), ("N_k", "F"))
-    validation.check_shape(v, "v", (phi_k.shape[0], None), ("N_k", "d_v"))
-    validation.check_nonnegative(phi_q, "phi_q")
-    validation.check_nonnegative(phi_k, "phi_k")
-    causal, eps, chunk_size = validation.check_scan_options(causal, eps, chunk_size)
-    validation.check_causal_lengths(phi_q.shape[0], phi_k.shape[0], causal)
-    dtype = validation.common_float_dtype(phi_q, phi_k, v)
-    return phi_q.astype(dtype, copy=False), phi_k.astype(dtype, copy=False), v.astype(dtype, copy=False), causal, eps, chunk_size
-
-
-def feature_attention_forward(phi_q, phi_k, v, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """Normalised attention with given nonnegative feature maps, in linear time.
-
-    ``out_i = sum_j a_ij v_j / (sum_j a_ij + eps)`` with ``a_ij = phi_q_i . phi_k_j``
-    (``j <= i`` only when causal), computed without the ``N x N`` matrix
-    (the chunked causal scan of the module docstring).
-
-    Parameters
-    ----------
-    phi_q : array_like, shape (N_q, F)
-        Query features, all >= 0.
-    phi_k : array_like, shape (N_k, F)
-        Key features, all >= 0.
-    v : array_like, shape (N_k, d_v)
-        Values.
-    causal : bool, default False
-        Query ``t`` sees keys ``j <= t`` only (needs ``N_q == N_k``).
-    eps : float, default 1e-6
-        Added to every denominator (>= 0).  With 0, a query whose denominator
-        is 0 (no overlap with the keys it reads) is refused: its output is 0/0.
-    chunk_size : int, default 64
-        Tokens per chunk of the causal scan (>= 1); ignored when not causal.
-
-    Returns
-    -------
-    out : ndarray, shape (N_q, d_v)
-        Dtype of the inputs (float32 only if all are float32).
-    cache : FeatureAttentionCache
-        The inputs, the output and the denominators ``den`` (N_q,).
-    """
-    phi_q, phi_k, v, causal, eps, chunk_size = _check_features(phi_q, phi_k, v, causal, eps, chunk_size)
-    out, cache = scan_forward(phi_q, phi_k, v, causal, eps, chunk_size)
-    validation.check_denominators(cache.den, eps)
-    return out, cache
-
-
-def feature_attention_backward(grad_out, cache) -> FeatureAttentionGrads:
-    """Gradients of :func:`feature_attention_forward`; returns new arrays (nothing accumulates).
-
-    Parameters
-    ----------
-    grad_out : array_like, shape (N_q, d_v)
-        ``dL/d out``.
-    cache : FeatureAttentionCache
-        From :func:`feature_attention_forward`.
-
-    Returns
-    -------
-    FeatureAttentionGrads
-        Fields ``phi_q`` (N_q, F), ``phi_k`` (N_k, F), ``v`` (N_k, d_v).
-        The causal backward uses memory ``O(F d_v + C^2)`` beyond its inputs,
-        its outputs and ``[G / den, delta]`` (``N x (d_v + 1)``), like the
-        forward.
-    """
-    validation.check_instance(cache, "cache", FeatureAttentionCache, "the FeatureAttentionCache from feature_attention_forward")
-    g = validation.check_grad_out(grad_out, cache.out.shape, ("N_q", "d_v"), cache.out.dtype)
-    return scan_backward(g, cache)
-
-
-def feature_attention(phi_q, phi_k, v, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """Normalised feature-map attention; see :func:`feature_attention_forward`.
-
-    Returns
-    -------
-    ndarray, shape (N_q, d_v)
-    """
-    return feature_attention_forward(phi_q, phi_k, v, causal=causal, eps=eps, chunk_size=chunk_size)[0]

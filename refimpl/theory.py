@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import gmm, validation
+from . import gmm, numerics, validation
 
 __all__ = [
     "LipschitzBounds",
@@ -101,23 +101,6 @@ class GradientBounds(NamedTuple):
 
 
 # ---------------------------------------------------------------------------
-# Validation
-# ---------------------------------------------------------------------------
-
-
-def _check_responsibilities(gamma, name, K=None):
-    gamma = validation.as_float_array(gamma, name, ndim=2)
-    if K is not None:
-        validation.check_shape(gamma, name, (None, K), ("N", "K"))
-    validation.check_nonnegative(gamma, name, "responsibilities")
-    tol = float(np.sqrt(np.finfo(gamma.dtype).eps)) * max(1, gamma.shape[1])
-    worst = float(np.max(np.abs(gamma.sum(axis=1) - 1))) if gamma.size else 0.0
-    if worst > tol:
-        raise ValueError(f"{name}: expected rows that sum to 1 (within {tol:.1e}), got a row off by {worst:.2e}")
-    return gamma
-
-
-# ---------------------------------------------------------------------------
 # Lipschitz continuity of the responsibility map
 # ---------------------------------------------------------------------------
 
@@ -140,19 +123,7 @@ def bound_radius(means, variances, bound_x, *, min_variance=None) -> float:
     -------
     float
     """
-    means = validation.as_float_array(means, "means", ndim=2)
-    variances = validation.as_float_array(variances, "variances", ndim=2)
-    validation.check_shape(variances, "variances", means.shape, ("K", "d"))
-    validation.check_positive(variances, "variances")
-    bound_x = validation.check_positive_float(bound_x, "bound_x", allow_zero=True)
-    floor = float(np.min(variances))
-    if min_variance is not None:
-        min_variance = validation.check_positive_float(min_variance, "min_variance")
-        if min_variance > floor:
-            raise ValueError(
-                f"min_variance: expected a floor <= the smallest variance {floor!r}, got {min_variance!r}"
-            )
-        floor = min_variance
+    means, variances, bound_x, floor = validation.check_bound_radius(means, variances, bound_x, min_variance)
     b_mu = float(np.max(np.linalg.norm(means.astype(np.float64), axis=1)))
     return (bound_x + b_mu) / floor
 
@@ -189,7 +160,11 @@ def responsibility_jacobian(x, means, variances, weights):
         Dtype of the inputs.  Forms ``N x K x d`` numbers: for analysis, not for the mechanism.
     """
     x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
-    gamma = gmm.responsibilities(x, means, variances, weights)
+    return _jacobian(gmm.responsibilities(x, means, variances, weights), x, means, variances)
+
+
+def _jacobian(gamma, x, means, variances):
+    """``J(x_i)`` (N, K, d) from the responsibilities ``gamma`` (N, K) of checked arrays."""
     # u_m = d l_m / dx = (mu_m - x) / sigma_m^2
     u = (means[None, :, :] - x[:, None, :]) / variances[None, :, :]
     ubar = np.einsum("nk,nkd->nd", gamma, u)
@@ -206,7 +181,8 @@ def jacobian_spectral_norms(x, means, variances, weights):
     -------
     ndarray, shape (N,)
     """
-    jac = responsibility_jacobian(x, means, variances, weights)
+    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
+    jac = _jacobian(gmm.responsibilities(x, means, variances, weights), x, means, variances)
     return np.linalg.norm(jac, ord=2, axis=(1, 2))
 
 
@@ -225,11 +201,7 @@ def sample_ball(n, d, radius, rng):
     -------
     ndarray, shape (n, d)
     """
-    n = validation.check_int(n, "n", minimum=0)
-    d = validation.check_int(d, "d", minimum=1)
-    radius = validation.check_positive_float(radius, "radius", allow_zero=True)
-    if not isinstance(rng, np.random.Generator):
-        raise TypeError(f"rng: expected a numpy.random.Generator, got {type(rng).__name__}")
+    n, d, radius, rng = validation.check_sample_ball(n, d, radius, rng)
     direction = rng.normal(size=(n, d))
     direction /= np.maximum(np.linalg.norm(direction, axis=1, keepdims=True), np.finfo(float).tiny)
     # P(||x|| <= r) = (r / radius)^d for the uniform law, so ||x|| = radius U^(1/d)
@@ -282,16 +254,11 @@ def empirical_lipschitz(means, variances, weights, bound_x, *, n_points: int = 1
         Both are lower bounds on the true constant, to compare with
         :func:`lipschitz_bounds`.
     """
-    means = validation.as_float_array(means, "means", ndim=2)
-    bound_x = validation.check_positive_float(bound_x, "bound_x", allow_zero=True)
-    n_points = validation.check_int(n_points, "n_points", minimum=1)
-    n_pairs = validation.check_int(n_pairs, "n_pairs", minimum=1)
-    seed = validation.check_seed(seed, "seed")
-    # analysis in float64: the points are drawn in float64 whatever the dtype of the mixture
-    _, means, variances, weights = validation.check_gmm(np.zeros((1, means.shape[1])), means, variances, weights)
-    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    args = validation.check_empirical_lipschitz(means, variances, weights, bound_x, n_points, n_pairs, seed)
+    means, variances, weights, bound_x, n_points, n_pairs, rng = args
     pts = _probe_points(means, variances, bound_x, n_points, rng)
-    jac_max = float(np.max(jacobian_spectral_norms(pts, means, variances, weights)))
+    jac = _jacobian(gmm.responsibilities(pts, means, variances, weights), pts, means, variances)
+    jac_max = float(np.max(np.linalg.norm(jac, ord=2, axis=(1, 2))))
 
     x = _probe_points(means, variances, bound_x, n_pairs, rng)
     scale = max(bound_x, 1e-12)
@@ -334,14 +301,10 @@ def per_token_gradients(x, means, variances, weights, grad_resp) -> PerTokenGrad
         ``logits`` (N, K): ``c_im = gamma_im (g_im - gbar_i)``.  Summed over
         tokens these are the gradients :func:`refimpl.gma.gma_backward` returns.
     """
-    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
-    g = validation.as_float_array(grad_resp, "grad_resp", ndim=2)
-    validation.check_shape(g, "grad_resp", (x.shape[0], means.shape[0]), ("N", "K"))
-    dtype = validation.common_float_dtype(x, g)
-    x, means, variances, weights, g = (a.astype(dtype, copy=False) for a in (x, means, variances, weights, g))
+    x, means, variances, weights, g = validation.check_per_token_gradients(x, means, variances, weights, grad_resp)
     gamma = gmm.responsibilities(x, means, variances, weights)
-    # dL/dl_m = gamma_m (g_m - gbar): the softmax Jacobian
-    c = gamma * (g - np.sum(gamma * g, axis=1, keepdims=True))
+    # dL/dl_m = gamma_m (g_m - gbar): the softmax backward
+    c = numerics.softmax_backward(gamma, g, axis=1)
     u = (means[None, :, :] - x[:, None, :]) / variances[None, :, :]
     return PerTokenGradients(
         x=np.einsum("nk,nkd->nd", c, u),
@@ -369,10 +332,7 @@ def gradient_bounds(gamma, grad_resp, radius) -> GradientBounds:
         ``logits`` (N,) = ``range(g_i) / 4``; ``logits_modulated`` (N, K) =
         ``gamma_im (1 - gamma_im) range(g_i)``.
     """
-    gamma = _check_responsibilities(gamma, "gamma")
-    g = validation.as_float_array(grad_resp, "grad_resp", ndim=2)
-    validation.check_shape(g, "grad_resp", gamma.shape, ("N", "K"))
-    radius = validation.check_positive_float(radius, "radius", allow_zero=True)
+    gamma, g, radius = validation.check_gradient_bounds(gamma, grad_resp, radius)
     rng_g = np.ptp(g, axis=1)
     return GradientBounds(
         x=0.5 * rng_g * radius,
@@ -401,11 +361,7 @@ def affinity(gamma_q, gamma_k, *, causal: bool = False):
     -------
     ndarray, shape (N_q, N_k)
     """
-    gamma_q = _check_responsibilities(gamma_q, "gamma_q")
-    gamma_k = _check_responsibilities(gamma_k, "gamma_k", K=gamma_q.shape[1])
-    causal = validation.check_bool(causal, "causal")
-    if causal and gamma_q.shape[0] != gamma_k.shape[0]:
-        raise ValueError(f"causal=True needs N_q == N_k, got {gamma_q.shape[0]} and {gamma_k.shape[0]}")
+    gamma_q, gamma_k, causal = validation.check_affinity(gamma_q, gamma_k, causal)
     a = gamma_q @ gamma_k.T
     return np.tril(a) if causal else a
 
@@ -421,8 +377,7 @@ def affinity_by_enumeration(gamma_q, gamma_k):
     -------
     ndarray, shape (N_q, N_k)
     """
-    gamma_q = _check_responsibilities(gamma_q, "gamma_q")
-    gamma_k = _check_responsibilities(gamma_k, "gamma_k", K=gamma_q.shape[1])
+    gamma_q, gamma_k = validation.check_responsibility_pair(gamma_q, gamma_k)
     K = gamma_q.shape[1]
     out = np.zeros((gamma_q.shape[0], gamma_k.shape[0]), dtype=validation.common_float_dtype(gamma_q, gamma_k))
     same = np.eye(K, dtype=bool)
@@ -449,11 +404,8 @@ def affinity_by_sampling(gamma_q, gamma_k, n_samples: int, seed=0):
     -------
     ndarray, shape (N_q, N_k)
     """
-    gamma_q = _check_responsibilities(gamma_q, "gamma_q")
-    gamma_k = _check_responsibilities(gamma_k, "gamma_k", K=gamma_q.shape[1])
-    n_samples = validation.check_int(n_samples, "n_samples", minimum=1)
-    seed = validation.check_seed(seed, "seed")
-    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    gamma_q, gamma_k = validation.check_responsibility_pair(gamma_q, gamma_k)
+    n_samples, rng = validation.check_int(n_samples, "n_samples", minimum=1), validation.check_rng(seed)
     K = gamma_q.shape[1]
 
     def draw(gamma):
@@ -481,12 +433,8 @@ def slot_means(gamma_k, v):
     ndarray, shape (K, d_v)
         Each row is a convex combination of the rows of ``v``.
     """
-    gamma_k = _check_responsibilities(gamma_k, "gamma_k")
-    v = validation.as_float_array(v, "v", ndim=2)
-    validation.check_shape(v, "v", (gamma_k.shape[0], None), ("N_k", "d_v"))
+    gamma_k, v = validation.check_slot_means(gamma_k, v)
     z = gamma_k.sum(axis=0)
-    if np.any(z <= 0):
-        raise ValueError(f"gamma_k: every slot needs a positive mass, got column sums with minimum {np.min(z)}")
     return (gamma_k.T @ v) / z[:, None]
 
 
@@ -504,8 +452,7 @@ def mixing_weights(gamma_q, gamma_k, *, eps: float = 1e-6):
     ndarray, shape (N_q, K)
         Nonnegative rows summing to ``1 - eps / (gamma_q_i . Z + eps)``.
     """
-    gamma_q = _check_responsibilities(gamma_q, "gamma_q")
-    gamma_k = _check_responsibilities(gamma_k, "gamma_k", K=gamma_q.shape[1])
+    gamma_q, gamma_k = validation.check_responsibility_pair(gamma_q, gamma_k)
     eps = validation.check_positive_float(eps, "eps", allow_zero=True)
     z = gamma_k.sum(axis=0)
     weighted = gamma_q * z[None, :]
@@ -531,9 +478,7 @@ def isotropic_router_logits(x, means, variance, weights):
         ``softmax`` of these rows equals the responsibilities of the GMM with
         ``variances = variance`` everywhere (module docstring).
     """
-    variance = validation.check_positive_float(variance, "variance")
-    means = validation.as_float_array(means, "means", ndim=2)
-    x, means, _, weights = validation.check_gmm(x, means, np.full(means.shape, variance, dtype=means.dtype), weights)
+    x, means, variance, weights = validation.check_isotropic_router(x, means, variance, weights)
     with np.errstate(divide="ignore"):
         log_w = np.log(weights)
     # -||x - mu||^2 / (2 s) = x . mu / s - ||mu||^2 / (2 s) - ||x||^2 / (2 s); the last is common to the row

@@ -1,8 +1,13 @@
-"""Input validation shared by every public function of :mod:`refimpl`.
+"""The argument checks of every public function of :mod:`refimpl`, in one place.
 
 Validation happens once, at the public boundary: each public function makes
-one call to a ``_check_*`` helper for its signature (in its own module, or
-here when several modules share the signature), and then does only math.
+one call to the checker of its signature, and then does only math.  The
+checkers live here, grouped by the module they serve (the primitives first,
+then the signatures of :mod:`refimpl.gmm`, :mod:`refimpl.gma`,
+:mod:`refimpl.attention`, :mod:`refimpl.gmr` and :mod:`refimpl.theory`), so
+that the modules of the mechanisms read as their derivations; a checker that
+returns many values returns a named tuple.  :mod:`refimpl.ovq` keeps the
+checks of its options and its state beside them.
 The computational cores never raise; where a result can only be judged after
 computing it (an overflowed distance, a zero denominator), the core returns
 the quantity and the public function checks it with one of the
@@ -20,12 +25,14 @@ from __future__ import annotations
 
 import numbers
 import operator
+from collections import namedtuple
 
 import numpy as np
 
 __all__ = [
     "as_float_array",
     "common_float_dtype",
+    "common_dtype_arrays",
     "check_ndim",
     "check_shape",
     "check_finite",
@@ -47,6 +54,7 @@ __all__ = [
     "check_scan_options",
     "check_gmm",
     "check_qkv",
+    "check_feature_maps",
     "check_weights",
     "check_softmax_logits",
     "check_overflowed_rows",
@@ -115,6 +123,12 @@ def common_float_dtype(*arrays) -> np.dtype:
     input is float32, float64 as soon as one input is float64.
     """
     return np.result_type(*arrays)
+
+
+def common_dtype_arrays(*arrays) -> tuple:
+    """The arrays cast to :func:`common_float_dtype` of all of them (no copy for those already of it)."""
+    dtype = common_float_dtype(*arrays)
+    return tuple(a.astype(dtype, copy=False) for a in arrays)
 
 
 def check_ndim(arr: np.ndarray, name: str, ndim: int) -> None:
@@ -353,6 +367,528 @@ def check_qkv(q, k, v) -> tuple:
         raise ValueError(f"q, k: expected at least one row each, got shapes {q.shape} and {k.shape}")
     dtype = common_float_dtype(q, k, v)
     return q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False)
+
+
+def check_feature_maps(phi_q, phi_k, v, names=("phi_q", "phi_k"), labels=("N_k", "F"), what=None) -> tuple:
+    """Nonnegative feature maps ``phi_q (N_q, F)``, ``phi_k (N_k, F)`` and values ``v (N_k, d_v)``, cast to one dtype.
+
+    ``names`` are the arguments' names, ``labels`` the dimension labels of
+    ``phi_k``, ``what`` the word for the features in the message of a negative
+    entry (the default of :func:`check_nonnegative` when ``None``).
+    """
+    phi_q = as_float_array(phi_q, names[0], ndim=2)
+    phi_k = as_float_array(phi_k, names[1], ndim=2)
+    v = as_float_array(v, "v", ndim=2)
+    check_shape(phi_k, names[1], (None, phi_q.shape[1]), labels)
+    check_shape(v, "v", (phi_k.shape[0], None), ("N_k", "d_v"))
+    for a, name in ((phi_q, names[0]), (phi_k, names[1])):
+        check_nonnegative(a, name, *(() if what is None else (what,)))
+    return common_dtype_arrays(phi_q, phi_k, v)
+
+
+# ---------------------------------------------------------------------------
+# The signatures of refimpl.gmm
+# ---------------------------------------------------------------------------
+
+
+def check_softplus_values(y) -> np.ndarray:
+    """``y`` of :func:`refimpl.gmm.softplus_inverse`: finite floats, all > 0."""
+    y = as_float_array(y, "y")
+    if np.any(y <= 0):
+        raise ValueError(f"y: softplus takes only positive values, got minimum {np.min(y)}")
+    return y
+
+
+def check_raw_from_variances(variances, min_variance) -> tuple:
+    """``(variances, min_variance)`` of :func:`refimpl.gmm.raw_from_variances`: ``variances > min_variance > 0``."""
+    variances = as_float_array(variances, "variances")
+    min_variance = check_positive_float(min_variance, "min_variance")
+    if np.any(variances <= min_variance):
+        raise ValueError(
+            f"variances: expected values > min_variance = {min_variance}, got minimum {np.min(variances)}"
+        )
+    return variances, min_variance
+
+
+def check_points_and_means(x, means) -> tuple:
+    """Points ``x (N, d)`` and ``means (K, d)``, ``K >= 1``, cast to one dtype."""
+    x = as_float_array(x, "x", ndim=2)
+    means = as_float_array(means, "means", ndim=2)
+    check_shape(means, "means", (None, x.shape[1]), ("K", "d"))
+    check_nonempty(means, "means")
+    return common_dtype_arrays(x, means)
+
+
+def check_isotropic_gmm(x, means, beta, weights) -> tuple:
+    """``(x, means, variances, weights)`` of an isotropic GMM with covariance ``I / beta``; uniform weights for ``None``."""
+    x, means = check_points_and_means(x, means)
+    beta = check_positive_float(beta, "beta")
+    K = means.shape[0]
+    weights = np.full(K, 1.0 / K, dtype=x.dtype) if weights is None else check_weights(weights, K)
+    x, means, weights = common_dtype_arrays(x, means, weights)
+    return x, means, np.full(means.shape, 1.0 / beta, dtype=x.dtype), weights
+
+
+def check_running_mean(means, counts, x, assignments) -> tuple:
+    """``(means (K, d), counts (K,), x (B, d), assignments (B,))`` of :func:`refimpl.gmm.running_mean_update`."""
+    means = as_float_array(means, "means", ndim=2)
+    x = as_float_array(x, "x", ndim=2)
+    check_shape(x, "x", (None, means.shape[1]), ("B", "d"))
+    counts = check_counts(counts, "counts", (means.shape[0],), ("K",))
+    assignments = np.asarray(assignments)
+    if not np.issubdtype(assignments.dtype, np.integer):
+        raise TypeError(f"assignments: expected integers, got dtype {assignments.dtype}")
+    check_shape(assignments, "assignments", (x.shape[0],), ("B",))
+    if assignments.size and (assignments.min() < 0 or assignments.max() >= means.shape[0]):
+        raise ValueError(
+            f"assignments: expected indices in [0, {means.shape[0]}), got range "
+            f"[{assignments.min()}, {assignments.max()}]"
+        )
+    dtype = common_float_dtype(means, x)
+    return means.astype(dtype, copy=False), counts, x.astype(dtype, copy=False), assignments
+
+
+# ---------------------------------------------------------------------------
+# The signatures of refimpl.gma
+# ---------------------------------------------------------------------------
+
+
+def check_gma_tokens(x_q, x_k, v, causal) -> tuple:
+    """``x_q (..., N_q, d_r)``, ``x_k (..., N_k, d_r)``, ``v (..., N_k, d_v)``: one leading shape, a token at least each."""
+    x_q, x_k, v = (as_float_array(a, name) for a, name in ((x_q, "x_q"), (x_k, "x_k"), (v, "v")))
+    for a, name, labels in ((x_q, "x_q", "N_q, d_r"), (x_k, "x_k", "N_k, d_r"), (v, "v", "N_k, d_v")):
+        if a.ndim < 2:
+            raise ValueError(
+                f"{name}: expected a 2-D array ({labels}) or one with leading batch dimensions (..., {labels}), "
+                f"got shape {a.shape} ({a.ndim}-D)"
+            )
+    leading = x_q.shape[:-2]
+    for a, name in ((x_k, "x_k"), (v, "v")):
+        if a.shape[:-2] != leading:
+            raise ValueError(
+                f"x_q, {name}: expected arrays with the same leading (batch) dimensions, got a {x_q.ndim}-D array "
+                f"of shape {x_q.shape} and a {a.ndim}-D array of shape {a.shape}"
+            )
+    lead = ("...",) * bool(leading)
+    check_shape(x_k, "x_k", leading + (None, x_q.shape[-1]), lead + ("N_k", "d_r"))
+    check_shape(v, "v", leading + (x_k.shape[-2], None), lead + ("N_k", "d_v"))
+    if 0 in leading:
+        raise ValueError(f"x_q, x_k: expected at least one sequence, got leading (batch) dimensions {leading}")
+    if x_q.shape[-2] < 1 or x_k.shape[-2] < 1:
+        raise ValueError(f"x_q, x_k: expected at least one token each, got shapes {x_q.shape} and {x_k.shape}")
+    check_causal_lengths(x_q.shape[-2], x_k.shape[-2], causal, names=("x_q", "x_k"))
+    return x_q, x_k, v
+
+
+def check_gma_mixture(x_q, means, second, second_name) -> tuple:
+    """``means`` and ``variances`` (or ``raw_variances``): ``(K, d_r)`` shared, or ``(H, K, d_r)`` one GMM per head."""
+    leading = x_q.shape[:-2]
+    means = as_float_array(means, "means")
+    per_head = means.ndim == 3 and len(leading) > 0
+    if means.ndim != 2 and not per_head:
+        head = (
+            f", or a 3-D array (H, K, d_r) with H = {leading[-1]} (the last leading dimension of x_q), one GMM per head"
+            if leading
+            else "; a 3-D array (H, K, d_r), one GMM per head, needs x_q with a head axis (..., H, N_q, d_r)"
+        )
+        raise ValueError(f"means: expected a 2-D array (K, d_r) shared by every sequence{head}, got shape {means.shape} ({means.ndim}-D)")
+    if per_head and means.shape[0] != leading[-1]:
+        raise ValueError(
+            f"means: a 3-D array (H, K, d_r) holds one GMM per head, so H must be the last leading dimension of x_q, "
+            f"{leading[-1]}; got a 3-D array of shape {means.shape} (pass a 2-D array (K, d_r) to share one GMM)"
+        )
+    labels = ("H", "K", "d_r")[3 - means.ndim :]
+    check_shape(means, "means", means.shape[:-2] + (None, x_q.shape[-1]), labels)
+    check_nonempty(means[0] if per_head else means, "means")
+    return means, check_like_means(second, second_name, means, means.ndim)
+
+
+def check_like_means(a, name, means, ndim) -> np.ndarray:
+    """``a`` of ``ndim`` dimensions and the shape ``means.shape[:ndim]``: the variances, or the per-head weights and logits."""
+    a = as_float_array(a, name)
+    labels = ("H", "K", "d_r")[3 - means.ndim :][:ndim]
+    if a.ndim != ndim:
+        listed = ", ".join(labels) + ("," if len(labels) == 1 else "")
+        raise ValueError(f"{name}: expected a {ndim}-D array ({listed}) like means, got shape {a.shape} ({a.ndim}-D)")
+    check_shape(a, name, means.shape[:ndim], labels)
+    return a
+
+
+def check_gma_weights(weights, means) -> np.ndarray:
+    """GMA's ``weights``: ``(K,)`` for a shared GMM, ``(H, K)`` for one per head (``means`` 3-D); each row a probability vector."""
+    if means.ndim == 2:
+        return check_weights(weights, means.shape[0])
+    weights = check_like_means(weights, "weights", means, 2)
+    for h in range(weights.shape[0]):
+        check_probability_vector(weights[h], f"weights[{h}]")
+    return weights
+
+
+def check_gma_dense(gamma_q, gamma_k, v, causal, eps) -> tuple:
+    """``(gamma_q, gamma_k, v, causal, eps)`` of :func:`refimpl.gma.gma_dense`: nonnegative responsibilities."""
+    gamma_q, gamma_k, v = check_feature_maps(gamma_q, gamma_k, v, ("gamma_q", "gamma_k"), ("N_k", "K"), "responsibilities")
+    causal = check_bool(causal, "causal")
+    eps = check_positive_float(eps, "eps", allow_zero=True)
+    check_causal_lengths(gamma_q.shape[0], gamma_k.shape[0], causal, names=("gamma_q", "gamma_k"))
+    return gamma_q, gamma_k, v, causal, eps
+
+
+def check_gma_state(slots, norms, tokens_seen) -> tuple:
+    """The sums of a :class:`refimpl.gma.GMAState`: ``slots (K, d_v)``, ``norms (K,)`` >= 0 of one dtype, ``tokens_seen >= 0``."""
+    slots = as_float_array(slots, "slots", ndim=2)
+    norms = as_float_array(norms, "norms", ndim=1)
+    if min(slots.shape) < 1:
+        raise ValueError(f"slots: expected shape (K, d_v) with K >= 1 and d_v >= 1, got {slots.shape}")
+    check_shape(norms, "norms", slots.shape[:1], ("K",))
+    if norms.dtype != slots.dtype:
+        raise TypeError(f"norms: expected the dtype of slots ({slots.dtype}), got {norms.dtype}")
+    check_nonnegative(norms, "norms", "sums of responsibilities")
+    return slots, norms, check_int(tokens_seen, "tokens_seen", minimum=0)
+
+
+def check_gma_step(args, state, state_type) -> tuple:
+    """``(args, state)`` of :func:`refimpl.gma.gma_step`: checked :func:`refimpl.gma.gma` arguments of one sequence, and a state that fits.
+
+    ``state`` ``None`` is an empty stream (``state_type.empty``).  A float64
+    state makes the computation float64, as float64 inputs do.
+    """
+    if args.x_q.ndim != 2:
+        raise ValueError(f"x_q: gma_step streams one sequence of one head, expected shape (N, d_r), got {args.x_q.shape}")
+    K, d_v = args.means.shape[0], args.v.shape[1]
+    state = state_type.empty(K, d_v, args.x_q.dtype) if state is None else check_instance(state, "state", state_type, "a GMAState (or None)")
+    if (state.K, state.d_v) != (K, d_v):
+        raise ValueError(f"state: holds K = {state.K} slots of d_v = {state.d_v}, but the GMM has K = {K} and v has d_v = {d_v}")
+    dtype = common_float_dtype(args.x_q, state.slots)
+    return args._replace(**{f: getattr(args, f).astype(dtype, copy=False) for f in ("x_q", "x_k", "v", "means", "variances", "weights")}), state
+
+
+# ---------------------------------------------------------------------------
+# The signatures of refimpl.attention
+# ---------------------------------------------------------------------------
+
+
+def check_batched_qkv(q, k, v) -> tuple:
+    """``q (..., N_q, d)``, ``k (..., N_k, d)``, ``v (..., N_k, d_v)`` with one leading shape; the GPU backends share it.
+
+    Returns ``(q, k, v, batch_shape)``, the arrays cast to their common float
+    dtype.  2-D arrays are checked by :func:`check_qkv`
+    (``batch_shape = ()``); with leading dimensions, every ``(..., N, d)``
+    slice must pass the same check, so the messages about the last two
+    dimensions are the 2-D ones.
+    """
+    if all(np.ndim(a) == 2 for a in (q, k, v)):
+        return check_qkv(q, k, v) + ((),)
+    q, k, v = (as_float_array(a, name, finite=False) for a, name in ((q, "q"), (k, "k"), (v, "v")))
+    if min(q.ndim, k.ndim, v.ndim) < 2 or not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and q.ndim == k.ndim == v.ndim):
+        raise ValueError(
+            f"q, k, v: expected arrays with the same leading (batch) dimensions, each at least a 2-D array "
+            f"(..., N_q, d), (..., N_k, d), (..., N_k, d_v); got shapes {q.shape}, {k.shape} and {v.shape}"
+        )
+    for a, name in ((q, "q"), (k, "k"), (v, "v")):
+        check_finite(a, name)
+    # the 2-D checks of one (N, d) slice: zero-stride stand-ins of the last two dimensions (there may be no slice)
+    check_qkv(*(np.broadcast_to(np.zeros((), a.dtype), a.shape[-2:]) for a in (q, k, v)))
+    dtype = common_float_dtype(q, k, v)
+    return q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False), q.shape[:-2]
+
+
+def check_attention_qkv(q, k, v, causal) -> tuple:
+    """``(q, k, v, causal)`` of one sequence (:func:`check_qkv`), with as many queries as keys when causal."""
+    q, k, v = check_qkv(q, k, v)
+    causal = check_bool(causal, "causal")
+    check_causal_lengths(q.shape[0], k.shape[0], causal, names=("q", "k"))
+    return q, k, v, causal
+
+
+LinearAttentionArguments = namedtuple("LinearAttentionArguments", "q k v causal eps chunk_size")
+
+
+def check_linear_attention(q, k, v, causal, eps, chunk_size) -> LinearAttentionArguments:
+    """The arguments of :func:`refimpl.attention.linear_attention_forward`, checked."""
+    q, k, v, causal = check_attention_qkv(q, k, v, causal)
+    causal, eps, chunk_size = check_scan_options(causal, eps, chunk_size)
+    return LinearAttentionArguments(q, k, v, causal, eps, chunk_size)
+
+
+FeatureAttentionArguments = namedtuple("FeatureAttentionArguments", "phi_q phi_k v causal eps chunk_size")
+
+
+def check_feature_attention(phi_q, phi_k, v, causal, eps, chunk_size) -> FeatureAttentionArguments:
+    """The arguments of :func:`refimpl.attention.feature_attention_forward`, checked."""
+    phi_q, phi_k, v = check_feature_maps(phi_q, phi_k, v)
+    causal, eps, chunk_size = check_scan_options(causal, eps, chunk_size)
+    check_causal_lengths(phi_q.shape[0], phi_k.shape[0], causal)
+    return FeatureAttentionArguments(phi_q, phi_k, v, causal, eps, chunk_size)
+
+
+#: Who is blamed, and the fix, when the scores of a row of softmax attention overflow.
+SCORE_NAMES = "scale, q, k"
+SCORE_FIX = "lower scale or rescale q and k"
+
+
+def check_softmax_attention(q, k, v, scale, causal):
+    """The checks of :func:`refimpl.attention.softmax_attention_forward` (2-D ``q, k, v``); the GPU backends share it."""
+    q, k, v, causal = check_attention_qkv(q, k, v, causal)
+    scale = 1.0 / np.sqrt(q.shape[1]) if scale is None else check_positive_float(scale, "scale")
+    return q, k, v, scale, causal
+
+
+BatchedSoftmaxAttentionArguments = namedtuple("BatchedSoftmaxAttentionArguments", "q k v scale causal batch_shape")
+
+
+def check_batched_softmax_attention(q, k, v, scale, causal) -> BatchedSoftmaxAttentionArguments:
+    """The checks of :func:`refimpl.attention.softmax_attention` (leading batch dimensions allowed); the GPU backends share it.
+
+    Returns ``(q, k, v, scale, causal, batch_shape)``.
+    """
+    q, k, v, batch_shape = check_batched_qkv(q, k, v)
+    causal = check_bool(causal, "causal")
+    check_causal_lengths(q.shape[-2], k.shape[-2], causal, names=("q", "k"))
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else check_positive_float(scale, "scale")
+    return BatchedSoftmaxAttentionArguments(q, k, v, scale, causal, batch_shape)
+
+
+def check_score_maxima(row_max) -> None:
+    """Refuse score rows whose maximum is not finite (overflow), as the forward's check of its logits; the GPU backends share it.
+
+    ``row_max`` holds the maximum score of every row, the rows of all
+    sequences counted in C order (row ``b N_q + i`` for query ``i`` of
+    sequence ``b``); the message is that of
+    :func:`check_softmax_logits` on those rows.
+    """
+    row_max = np.asarray(row_max)
+    bad = ~np.isfinite(row_max.ravel())
+    check_overflowed_rows(int(np.sum(bad)), int(np.argmax(bad)) if bad.size else 0, row_max.dtype, SCORE_NAMES, SCORE_FIX)
+
+
+# ---------------------------------------------------------------------------
+# The signatures of refimpl.gmr
+# ---------------------------------------------------------------------------
+
+
+def check_key_value_means(q, key_means, value_means, names=("key_means", "value_means")) -> tuple:
+    """Queries ``q (N_q, d)``, key means ``(M, d)`` and value means ``(M, d_v)``, ``M >= 1`` (not cast)."""
+    q = as_float_array(q, "q", ndim=2)
+    key_means = as_float_array(key_means, names[0], ndim=2)
+    value_means = as_float_array(value_means, names[1], ndim=2)
+    check_shape(key_means, names[0], (None, q.shape[1]), ("M", "d"))
+    M = key_means.shape[0]
+    check_nonempty(key_means, names[0], symbol="M")
+    check_shape(value_means, names[1], (M, None), ("M", "d_v"))
+    return q, key_means, value_means
+
+
+def check_kernel_regression(q, k, v, beta) -> tuple:
+    """``(q, k, v, beta)`` of :func:`refimpl.gmr.kernel_regression`."""
+    return check_qkv(q, k, v) + (check_positive_float(beta, "beta"),)
+
+
+def check_mixture_weights(weights, name, M) -> np.ndarray:
+    """A probability vector of length ``M`` (the components of a mixture), named ``name``."""
+    weights = as_float_array(weights, name, ndim=1)
+    check_shape(weights, name, (M,), ("M",))
+    check_probability_vector(weights, name)
+    return weights
+
+
+def check_gmr_predict(q, key_means, value_means, weights, beta) -> tuple:
+    """``(q, key_means, value_means, weights, beta)`` of :func:`refimpl.gmr.gmr_predict`, cast to one dtype."""
+    q, key_means, value_means = check_key_value_means(q, key_means, value_means)
+    beta = check_positive_float(beta, "beta")
+    weights = check_mixture_weights(weights, "weights", key_means.shape[0])
+    return common_dtype_arrays(q, key_means, value_means, weights) + (beta,)
+
+
+def check_key_value_counts(q, key_means, value_means, counts) -> tuple:
+    """``(q, key_means, value_means, counts)``: :func:`check_key_value_means` and positive counts ``(M,)``."""
+    q, key_means, value_means = check_key_value_means(q, key_means, value_means)
+    return q, key_means, value_means, check_counts(counts, "counts", (key_means.shape[0],), ("M",), positive=True)
+
+
+OVQReadoutArguments = namedtuple("OVQReadoutArguments", "q key_means value_means counts beta count_bias")
+
+
+def check_ovq_readout(q, key_means, value_means, counts, beta, count_bias) -> OVQReadoutArguments:
+    """``(q, key_means, value_means, counts, beta, count_bias)`` of :func:`refimpl.gmr.ovq_readout`, cast to one dtype."""
+    q, key_means, value_means = check_key_value_means(q, key_means, value_means)
+    beta = check_positive_float(beta, "beta")
+    counts = check_counts(counts, "counts", (key_means.shape[0],), ("M",), positive=True)
+    count_bias = check_bool(count_bias, "count_bias")
+    return OVQReadoutArguments(*(common_dtype_arrays(q, key_means, value_means) + (counts, beta, count_bias)))
+
+
+def check_readout_gap_bound(key_means, value_means, beta) -> tuple:
+    """``(key_means, value_means, beta)`` of :func:`refimpl.gmr.readout_gap_bound`."""
+    key_means = as_float_array(key_means, "key_means", ndim=2)
+    value_means = as_float_array(value_means, "value_means", ndim=2)
+    check_nonempty(key_means, "key_means", symbol="M")
+    check_shape(value_means, "value_means", (key_means.shape[0], None), ("M", "d_v"))
+    return key_means, value_means, check_positive_float(beta, "beta")
+
+
+FitJointGMMArguments = namedtuple("FitJointGMMArguments", "k v n_components n_iter reg_covar seed")
+
+
+def check_fit_joint_gmm(k, v, n_components, n_iter, reg_covar, seed) -> FitJointGMMArguments:
+    """``(k, v, M, n_iter, reg_covar, seed)`` of :func:`refimpl.gmr.fit_joint_gmm`, ``k`` and ``v`` of one dtype."""
+    k = as_float_array(k, "k", ndim=2)
+    v = as_float_array(v, "v", ndim=2)
+    check_shape(v, "v", (k.shape[0], None), ("T", "d_v"))
+    T = k.shape[0]
+    M = check_int(n_components, "n_components", minimum=1)
+    if M > T:
+        raise ValueError(f"n_components: expected at most T = {T} components (one per row), got {M}")
+    n_iter = check_int(n_iter, "n_iter", minimum=0)
+    reg_covar = check_positive_float(reg_covar, "reg_covar", allow_zero=True)
+    return FitJointGMMArguments(*(common_dtype_arrays(k, v) + (M, n_iter, reg_covar, check_int(seed, "seed", minimum=0))))
+
+
+def check_joint_gmm_predict(q, fit, fit_type) -> tuple:
+    """``(q, key_means, value_means, key_variances, weights)`` of a fitted joint GMM ``fit`` (a ``fit_type``), one dtype."""
+    if not isinstance(fit, fit_type):
+        raise TypeError(f"fit: expected a JointGMM from fit_joint_gmm, got {type(fit).__name__}")
+    q, key_means, value_means = check_key_value_means(q, fit.key_means, fit.value_means, ("fit.key_means", "fit.value_means"))
+    key_variances = as_float_array(fit.key_variances, "fit.key_variances", ndim=2)
+    check_shape(key_variances, "fit.key_variances", key_means.shape, ("M", "d"))
+    check_positive(key_variances, "fit.key_variances")
+    weights = check_mixture_weights(fit.weights, "fit.weights", key_means.shape[0])
+    return common_dtype_arrays(q, key_means, value_means, key_variances, weights)
+
+
+
+
+# ---------------------------------------------------------------------------
+# The signatures of refimpl.theory
+# ---------------------------------------------------------------------------
+
+
+def check_responsibilities(gamma, name, K=None) -> np.ndarray:
+    """Responsibilities ``(N, K)``: nonnegative rows that sum to one (within ``sqrt(u) K``)."""
+    gamma = as_float_array(gamma, name, ndim=2)
+    if K is not None:
+        check_shape(gamma, name, (None, K), ("N", "K"))
+    check_nonnegative(gamma, name, "responsibilities")
+    tol = float(np.sqrt(np.finfo(gamma.dtype).eps)) * max(1, gamma.shape[1])
+    worst = float(np.max(np.abs(gamma.sum(axis=1) - 1))) if gamma.size else 0.0
+    if worst > tol:
+        raise ValueError(f"{name}: expected rows that sum to 1 (within {tol:.1e}), got a row off by {worst:.2e}")
+    return gamma
+
+
+def check_responsibility_pair(gamma_q, gamma_k) -> tuple:
+    """Query and key responsibilities ``(N_q, K)``, ``(N_k, K)``."""
+    gamma_q = check_responsibilities(gamma_q, "gamma_q")
+    return gamma_q, check_responsibilities(gamma_k, "gamma_k", K=gamma_q.shape[1])
+
+
+def check_rng(seed, name: str = "seed") -> np.random.Generator:
+    """A ``numpy.random.Generator``: ``seed`` itself, or one seeded with it (:func:`check_seed`)."""
+    seed = check_seed(seed, name)
+    return seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+
+
+def check_bound_radius(means, variances, bound_x, min_variance) -> tuple:
+    """``(means, variances, bound_x, floor)`` of :func:`refimpl.theory.bound_radius`; ``floor`` is the variance floor."""
+    means = as_float_array(means, "means", ndim=2)
+    variances = as_float_array(variances, "variances", ndim=2)
+    check_shape(variances, "variances", means.shape, ("K", "d"))
+    check_positive(variances, "variances")
+    bound_x = check_positive_float(bound_x, "bound_x", allow_zero=True)
+    floor = float(np.min(variances))
+    if min_variance is not None:
+        min_variance = check_positive_float(min_variance, "min_variance")
+        if min_variance > floor:
+            raise ValueError(f"min_variance: expected a floor <= the smallest variance {floor!r}, got {min_variance!r}")
+        floor = min_variance
+    return means, variances, bound_x, floor
+
+
+def check_sample_ball(n, d, radius, rng) -> tuple:
+    """``(n, d, radius, rng)`` of :func:`refimpl.theory.sample_ball`."""
+    n = check_int(n, "n", minimum=0)
+    d = check_int(d, "d", minimum=1)
+    radius = check_positive_float(radius, "radius", allow_zero=True)
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng: expected a numpy.random.Generator, got {type(rng).__name__}")
+    return n, d, radius, rng
+
+
+EmpiricalLipschitzArguments = namedtuple("EmpiricalLipschitzArguments", "means variances weights bound_x n_points n_pairs rng")
+
+
+def check_empirical_lipschitz(means, variances, weights, bound_x, n_points, n_pairs, seed) -> EmpiricalLipschitzArguments:
+    """``(means, variances, weights, bound_x, n_points, n_pairs, rng)`` of :func:`refimpl.theory.empirical_lipschitz`."""
+    means = as_float_array(means, "means", ndim=2)
+    bound_x = check_positive_float(bound_x, "bound_x", allow_zero=True)
+    n_points = check_int(n_points, "n_points", minimum=1)
+    n_pairs = check_int(n_pairs, "n_pairs", minimum=1)
+    rng = check_rng(seed)
+    # analysis in float64: the points are drawn in float64 whatever the dtype of the mixture
+    _, means, variances, weights = check_gmm(np.zeros((1, means.shape[1])), means, variances, weights)
+    return EmpiricalLipschitzArguments(means, variances, weights, bound_x, n_points, n_pairs, rng)
+
+
+def check_per_token_gradients(x, means, variances, weights, grad_resp) -> tuple:
+    """``(x, means, variances, weights, grad_resp)`` of :func:`refimpl.theory.per_token_gradients`, one dtype."""
+    x, means, variances, weights = check_gmm(x, means, variances, weights)
+    g = as_float_array(grad_resp, "grad_resp", ndim=2)
+    check_shape(g, "grad_resp", (x.shape[0], means.shape[0]), ("N", "K"))
+    return common_dtype_arrays(x, means, variances, weights, g)
+
+
+def check_gradient_bounds(gamma, grad_resp, radius) -> tuple:
+    """``(gamma, grad_resp, radius)`` of :func:`refimpl.theory.gradient_bounds`."""
+    gamma = check_responsibilities(gamma, "gamma")
+    g = as_float_array(grad_resp, "grad_resp", ndim=2)
+    check_shape(g, "grad_resp", gamma.shape, ("N", "K"))
+    return gamma, g, check_positive_float(radius, "radius", allow_zero=True)
+
+
+def check_affinity(gamma_q, gamma_k, causal) -> tuple:
+    """``(gamma_q, gamma_k, causal)`` of :func:`refimpl.theory.affinity`."""
+    gamma_q, gamma_k = check_responsibility_pair(gamma_q, gamma_k)
+    causal = check_bool(causal, "causal")
+    if causal and gamma_q.shape[0] != gamma_k.shape[0]:
+        raise ValueError(f"causal=True needs N_q == N_k, got {gamma_q.shape[0]} and {gamma_k.shape[0]}")
+    return gamma_q, gamma_k, causal
+
+
+def check_slot_means(gamma_k, v) -> tuple:
+    """``(gamma_k, v)`` of :func:`refimpl.theory.slot_means`: every slot with a positive mass."""
+    gamma_k = check_responsibilities(gamma_k, "gamma_k")
+    v = as_float_array(v, "v", ndim=2)
+    check_shape(v, "v", (gamma_k.shape[0], None), ("N_k", "d_v"))
+    z = gamma_k.sum(axis=0)
+    if np.any(z <= 0):
+        raise ValueError(f"gamma_k: every slot needs a positive mass, got column sums with minimum {np.min(z)}")
+    return gamma_k, v
+
+
+def check_isotropic_router(x, means, variance, weights) -> tuple:
+    """``(x, means, variance, weights)`` of :func:`refimpl.theory.isotropic_router_logits`."""
+    variance = check_positive_float(variance, "variance")
+    means = as_float_array(means, "means", ndim=2)
+    x, means, _, weights = check_gmm(x, means, np.full(means.shape, variance, dtype=means.dtype), weights)
+    return x, means, variance, weights
+
+
+def check_value_sums(v, tokens: int, dtype, state_values=None) -> None:
+    """Refuse values whose running mean could overflow ``dtype``: OVQ and VQ add up to ``tokens`` of them before dividing.
+
+    The exact running mean is ``(c D + sum_S v) / (c + |S|)``, whose numerator
+    is at most ``tokens * max|v|`` in magnitude (``state_values``, the value
+    dictionary of a state passed in, count as values).  Below that bound
+    nothing overflows; above it the result could be ``inf``.
+    """
+    vmax = float(np.max(np.abs(v), initial=0.0))
+    if state_values is not None:
+        vmax = max(vmax, float(np.max(np.abs(state_values), initial=0.0)))
+    if vmax * tokens > float(np.finfo(dtype).max):
+        hint = ", or compute in float64" if np.dtype(dtype) == np.float32 else ""
+        raise ValueError(
+            f"v: the running means of the values add up to {tokens} values before dividing, and with magnitudes up to "
+            f"{vmax:.3g} that sum would overflow {np.dtype(dtype)}; rescale v{hint}"
+        )
 
 
 # ---------------------------------------------------------------------------

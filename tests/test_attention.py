@@ -76,7 +76,7 @@ def test_softmax_attention_backward_matches_finite_differences(causal, n):
 @pytest.mark.parametrize("n,chunk", [(1, 8), (7, 8), (37, 8), (63, 64), (64, 64), (65, 64), (130, 64), (20, 1), (20, 20), (20, 500)])
 def test_causal_scan_matches_dense_tril_and_token_recurrence(n, chunk):
     pq, pk, v = features(n, n, n, 5, 3)
-    out = S.feature_attention(pq, pk, v, causal=True, chunk_size=chunk)
+    out = A.feature_attention(pq, pk, v, causal=True, chunk_size=chunk)
     np.testing.assert_allclose(out, dense_normalised(pq, pk, v, True, 1e-6), **TOL[np.float64])
     np.testing.assert_allclose(out, recurrence(pq, pk, v, 1e-6), **TOL[np.float64])
 
@@ -84,14 +84,14 @@ def test_causal_scan_matches_dense_tril_and_token_recurrence(n, chunk):
 @pytest.mark.parametrize("n_q,n_k,F", [(1, 1, 1), (7, 11, 4), (40, 3, 2)])
 def test_bidirectional_matches_dense(n_q, n_k, F):
     pq, pk, v = features(3, n_q, n_k, F, 2)
-    np.testing.assert_allclose(S.feature_attention(pq, pk, v), dense_normalised(pq, pk, v, False, 1e-6), **TOL[np.float64])
+    np.testing.assert_allclose(A.feature_attention(pq, pk, v), dense_normalised(pq, pk, v, False, 1e-6), **TOL[np.float64])
 
 
 def test_causal_scan_does_not_depend_on_chunk_size():
     pq, pk, v = features(4, 101, 101, 6, 5)
-    ref = S.feature_attention(pq, pk, v, causal=True, chunk_size=1)
+    ref = A.feature_attention(pq, pk, v, causal=True, chunk_size=1)
     for chunk in (2, 7, 64, 100, 101, 1000):
-        np.testing.assert_allclose(S.feature_attention(pq, pk, v, causal=True, chunk_size=chunk), ref, rtol=1e-13, atol=1e-14)
+        np.testing.assert_allclose(A.feature_attention(pq, pk, v, causal=True, chunk_size=chunk), ref, rtol=1e-13, atol=1e-14)
 
 
 @pytest.mark.parametrize(
@@ -101,19 +101,19 @@ def test_causal_scan_does_not_depend_on_chunk_size():
 def test_scan_backward_matches_finite_differences(causal, n_q, n_k, F, chunk):
     pq, pk, v = features(5, n_q, n_k, F, 3)
     pq, pk = pq + 0.1, pk + 0.1  # stay away from the nonnegativity boundary under +-h
-    out, cache = S.feature_attention_forward(pq, pk, v, causal=causal, chunk_size=chunk)
+    out, cache = A.feature_attention_forward(pq, pk, v, causal=causal, chunk_size=chunk)
     g = np.random.default_rng(6).normal(size=out.shape)
-    grads = S.feature_attention_backward(g, cache)
-    fd = fd_gradients(lambda *a: S.feature_attention(*a, causal=causal, chunk_size=chunk), [pq, pk, v], g)
+    grads = A.feature_attention_backward(g, cache)
+    fd = fd_gradients(lambda *a: A.feature_attention(*a, causal=causal, chunk_size=chunk), [pq, pk, v], g)
     assert_grads_close(grads, fd)
 
 
 def test_backward_returns_new_arrays_and_does_not_accumulate():
     pq, pk, v = features(7, 12, 12, 3, 2)
-    out, cache = S.feature_attention_forward(pq, pk, v, causal=True, chunk_size=5)
+    out, cache = A.feature_attention_forward(pq, pk, v, causal=True, chunk_size=5)
     g = np.ones_like(out)
-    first = S.feature_attention_backward(g, cache)
-    second = S.feature_attention_backward(g, cache)
+    first = A.feature_attention_backward(g, cache)
+    second = A.feature_attention_backward(g, cache)
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)
         assert not np.shares_memory(a, b)
@@ -126,8 +126,8 @@ def test_causal_scan_memory_has_no_n_by_features_by_dv_or_n_by_n_allocation():
     pq, pk, v = features(8, n, n, F, d_v)
     tracemalloc.start()
     try:
-        out, cache = S.feature_attention_forward(pq, pk, v, causal=True, chunk_size=64)
-        S.feature_attention_backward(out, cache)
+        out, cache = A.feature_attention_forward(pq, pk, v, causal=True, chunk_size=64)
+        A.feature_attention_backward(out, cache)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -140,11 +140,11 @@ def test_causal_scan_memory_has_no_n_by_features_by_dv_or_n_by_n_allocation():
 @pytest.mark.parametrize("causal", [False, True])
 def test_scan_dtype_follows_input(dtype, causal):
     pq, pk, v = features(9, 50, 50, 4, 3)
-    out, cache = S.feature_attention_forward(pq.astype(dtype), pk.astype(dtype), v.astype(dtype), causal=causal, chunk_size=16)
+    out, cache = A.feature_attention_forward(pq.astype(dtype), pk.astype(dtype), v.astype(dtype), causal=causal, chunk_size=16)
     assert out.dtype == dtype
     np.testing.assert_allclose(out, dense_normalised(pq, pk, v, causal, 1e-6), **TOL[dtype])
-    grads = S.feature_attention_backward(np.ones(out.shape, dtype), cache)
-    ref = S.feature_attention_backward(np.ones(out.shape), S.feature_attention_forward(pq, pk, v, causal=causal, chunk_size=16)[1])
+    grads = A.feature_attention_backward(np.ones(out.shape, dtype), cache)
+    ref = A.feature_attention_backward(np.ones(out.shape), A.feature_attention_forward(pq, pk, v, causal=causal, chunk_size=16)[1])
     for a, b in zip(grads, ref):
         assert a.dtype == dtype
         np.testing.assert_allclose(a, b, **TOL[dtype])
@@ -225,7 +225,7 @@ def test_inputs_are_not_mutated():
 def test_bad_options_get_clear_errors(kwargs, exc, match):
     pq, pk, v = features(14, 5, 5, 2, 2)
     with pytest.raises(exc, match=match):
-        S.feature_attention(pq, pk, v, **kwargs)
+        A.feature_attention(pq, pk, v, **kwargs)
     with pytest.raises(exc, match=match):
         A.linear_attention(pq, pk, v, **kwargs)
 
@@ -233,13 +233,13 @@ def test_bad_options_get_clear_errors(kwargs, exc, match):
 def test_bad_arrays_get_clear_errors():
     pq, pk, v = features(15, 5, 6, 2, 2)
     with pytest.raises(ValueError, match="causal=True needs as many queries as keys"):
-        S.feature_attention(pq, pk, v, causal=True)
+        A.feature_attention(pq, pk, v, causal=True)
     with pytest.raises(ValueError, match="phi_k: expected nonnegative features"):
-        S.feature_attention(pq, -pk, v)
+        A.feature_attention(pq, -pk, v)
     with pytest.raises(ValueError, match=r"v: expected shape \(N_k, d_v\)"):
-        S.feature_attention(pq, pk, v[:-1])
+        A.feature_attention(pq, pk, v[:-1])
     with pytest.raises(ValueError, match=r"phi_k: expected shape \(N_k, F\)"):
-        S.feature_attention(pq, pk[:, :1], v)
+        A.feature_attention(pq, pk[:, :1], v)
     with pytest.raises(TypeError, match="q: expected a real floating-point array"):
         A.linear_attention(np.ones((3, 2), int), pk[:3], v[:3])
     out, cache = A.linear_attention_forward(pq, pk, v)

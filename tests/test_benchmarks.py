@@ -22,8 +22,10 @@ EXPECTED = {
         "speed-up of OVQ over dense causal attention",
     ],
     "bench_cpu.py": [
-        "refimpl / GEMM floor",
-        "scikit-learn / refimpl",
+        "tuned / GEMM floor",
+        "scikit-learn / tuned",
+        "plain reference / tuned",
+        "plain / tuned, bidirectional forward",
         "cost of the exactness screen",
         "refined == expansion bit for bit:  True",
         "float64 / float32",

@@ -1,8 +1,9 @@
-"""The row-blocked and chunked fast paths give the results of the unblocked formulas.
+"""The row-blocked and chunked paths give the results of the unblocked formulas.
 
-``refimpl.gmm`` evaluates the log-joint a block of rows at a time and the
-causal scan of ``refimpl.scan`` carries the normaliser as an extra value
-column.  Here each is compared with the one-line formula it optimises,
+``refimpl.tuned`` evaluates the expanded log-joint a block of rows at a time,
+``refimpl.gmm`` and ``refimpl.gma`` take the differences ``x - mu`` a block
+of rows at a time, and the causal scan of ``refimpl.scan`` carries the
+normaliser as an extra value column.  Here each is compared with the one-line formula it optimises,
 evaluated on whole arrays: at block boundaries, with N not a multiple of the
 block size, for N = 1 and K = 1, in float64 and float32.  A different
 blocking may change the order in which BLAS adds the terms of a product, so
@@ -15,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from refimpl import gma, gmm, numerics, scan
+from refimpl import gma, gmm, numerics, scan, tuned
 from refimpl.testing import exact_responsibilities, row_relative_error, spread_means_example
 
 DTYPES = [np.float64, np.float32]
@@ -60,23 +61,30 @@ def test_blocked_log_joint_is_the_formula_at_every_blocking(n, K, d, dtype):
     want, q, s = formula(x, means, variances, log_weights)
     tol = model_bound(x, s)
     for rows in block_sizes(n):
-        logits, min_quad = gmm.log_joint(x, means, variances, log_weights, refine=False, block_rows=rows)
+        logits, min_quad = tuned.log_joint(x, means, variances, log_weights, refine=False, block_rows=rows)
         assert logits.dtype == dtype and min_quad.dtype == dtype
         assert np.all(np.abs(logits - want) <= tol), rows
         assert np.all(np.abs(min_quad - q.min(axis=1)) <= 2 * tol.max(axis=1)), rows
 
 
+def tuned_blocks(monkeypatch, rows, K, d, dtype):
+    """Make refimpl.tuned's responsibilities take ``rows`` rows per block (their work arrays hold 4K + 2d numbers a row)."""
+    monkeypatch.setattr(numerics, "BLOCK_BYTES", rows * (4 * K + 2 * d) * np.dtype(dtype).itemsize)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 200])
-def test_blocked_posteriors_are_the_softmax_of_the_formula(n, dtype):
+def test_blocked_posteriors_are_the_softmax_of_the_formula(monkeypatch, n, dtype):
     x, means, variances, log_weights = problem(n, 9, 6, dtype, seed=1)
-    want, _, _ = formula(x, means, variances, log_weights)
+    weights = np.exp(log_weights)
+    want, _, _ = formula(x, means, variances, np.log(weights))
     u = np.finfo(dtype).eps
     shifted = want - want.max(axis=1, keepdims=True)
     gamma_want = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
     for rows in (1, 7, 64, n):
-        gamma, _ = gmm.posterior(x, means, variances, log_weights, block_rows=rows)
-        log_gamma, _ = gmm.log_posterior(x, means, variances, log_weights, block_rows=rows)
+        tuned_blocks(monkeypatch, rows, 9, 6, dtype)
+        gamma = tuned.responsibilities(x, means, variances, weights)
+        log_gamma = tuned.log_responsibilities(x, means, variances, weights)
         assert gamma.dtype == dtype and log_gamma.dtype == dtype
         np.testing.assert_allclose(gamma, gamma_want, rtol=0, atol=200 * u)
         np.testing.assert_allclose(np.exp(log_gamma), gamma, rtol=0, atol=200 * u)
@@ -86,34 +94,48 @@ def test_blocked_posteriors_are_the_softmax_of_the_formula(n, dtype):
 def test_the_default_blocking_covers_every_row_of_a_long_input():
     """N several default blocks long and not a multiple of one: no row is skipped or written twice."""
     K, d = 2, 1
-    rows = gmm._block_rows(K, d, np.float64)
+    rows = numerics.block_rows((4 * K + 2 * d) * 8)
     n = 3 * rows + 5
     x, means, variances, log_weights = problem(n, K, d, np.float64, seed=2)
     want, q, s = formula(x, means, variances, log_weights)
-    logits, min_quad = gmm.log_joint(x, means, variances, log_weights)
+    logits, min_quad = tuned.log_joint(x, means, variances, log_weights)
     assert np.all(np.abs(logits - want) <= model_bound(x, s))
     np.testing.assert_allclose(min_quad, q.min(axis=1), rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 40])
-def test_the_refinement_is_exact_whatever_the_blocking(rows):
+def test_the_refinement_is_exact_whatever_the_blocking(monkeypatch, rows):
     """The spread-means counterexample needs recomputation in every row: blocks must not lose any."""
     x, means, variances, weights = spread_means_example()
     exact = exact_responsibilities(x, means, variances, weights)
-    gamma, min_quad = gmm.posterior(x, means, variances, np.log(weights), block_rows=rows)
+    tuned_blocks(monkeypatch, rows, *means.shape, x.dtype)
+    gamma = tuned.responsibilities(x, means, variances, weights)
     assert row_relative_error(gamma, exact) < 1e-12
-    full, min_full = gmm.posterior(x, means, variances, np.log(weights), block_rows=len(x))
+    _, min_quad = tuned.log_joint(x, means, variances, np.log(weights), block_rows=rows)
+    _, min_full = tuned.log_joint(x, means, variances, np.log(weights), block_rows=len(x))
     np.testing.assert_array_equal(min_quad, min_full)  # recomputed from the differences: no BLAS, no blocking effect
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 7, 40])
+def test_the_definition_does_not_depend_on_the_blocks(monkeypatch, rows, dtype):
+    """refimpl.gmm takes the differences of a block of rows at a time (K d numbers a row): every blocking, the same bits."""
+    x, means, variances, log_weights = problem(45, 7, 5, dtype, seed=rows)
+    whole = gmm.log_joint(x, means, variances, log_weights)
+    monkeypatch.setattr(numerics, "BLOCK_BYTES", rows * 7 * 5 * np.dtype(dtype).itemsize)
+    blocked = gmm.log_joint(x, means, variances, log_weights)
+    for w, b in zip(whole, blocked):
+        np.testing.assert_array_equal(b, w)
+
+
 def test_block_rows_follow_the_cache_budget():
-    assert gmm._block_rows(64, 32, np.float64) * (4 * 64 + 2 * 32) * 8 <= numerics.BLOCK_BYTES
-    assert gmm._block_rows(64, 32, np.float32) == 2 * gmm._block_rows(64, 32, np.float64)
-    assert gmm._block_rows(10**6, 10**6, np.float64) == 1
+    assert numerics.block_rows((4 * 64 + 2 * 32) * 8) * (4 * 64 + 2 * 32) * 8 <= numerics.BLOCK_BYTES
+    assert numerics.block_rows((4 * 64 + 2 * 32) * 4) == 2 * numerics.block_rows((4 * 64 + 2 * 32) * 8)
+    assert numerics.block_rows(10**12) == 1
 
 
 # ---------------------------------------------------------------------------
-# numerics: the row-wise fast paths against NumPy's plain reductions
+# refimpl.tuned's row reductions against refimpl.numerics' plain ones
 # ---------------------------------------------------------------------------
 
 
@@ -122,8 +144,10 @@ def test_row_max_by_argmax_equals_the_max_reduction():
     with np.errstate(invalid="ignore"):
         want = np.max(a, axis=1, keepdims=True)
     want = np.where(np.isfinite(want), want, 0)
-    np.testing.assert_array_equal(numerics.row_max(a, axis=1), want)
-    np.testing.assert_array_equal(numerics.row_max(a.T, axis=0), want.T)
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(numerics.row_max(a, axis=1), want)
+        np.testing.assert_array_equal(numerics.row_max(a.T, axis=0), want.T)
+    np.testing.assert_array_equal(tuned.row_max(a), want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -131,13 +155,14 @@ def test_softmax_in_place_equals_softmax_out_of_place(dtype):
     a = np.random.default_rng(3).normal(size=(17, 9)).astype(dtype) * 30
     want = numerics.softmax(a, axis=1)
     b = a.copy()
-    got = numerics.softmax(b, axis=1, out=b)
+    got = tuned.softmax_rows(b)
     assert got is b
-    np.testing.assert_array_equal(got, want)
+    # the row sums differ only in the order of the additions, and the division is a multiplication by 1 / sum
+    np.testing.assert_allclose(got, want, rtol=4 * np.finfo(dtype).eps, atol=0)
     ref = np.exp(a - a.max(axis=1, keepdims=True))
     np.testing.assert_allclose(want, ref / ref.sum(axis=1, keepdims=True), rtol=20 * np.finfo(dtype).eps)
     c = a.copy()
-    np.testing.assert_array_equal(numerics.log_softmax(c, axis=1, out=c), numerics.log_softmax(a, axis=1))
+    np.testing.assert_allclose(tuned.log_softmax_rows(c), numerics.log_softmax(a, axis=1), rtol=4 * np.finfo(dtype).eps, atol=4 * np.finfo(dtype).eps)
 
 
 # ---------------------------------------------------------------------------
@@ -169,29 +194,31 @@ def test_causal_scan_is_the_formula_at_chunk_boundaries(n, chunk, dtype):
         np.testing.assert_allclose(getattr(got, name), getattr(ref, name), rtol=rtol, atol=rtol)
 
 
-def test_gma_float32_stays_float32_on_the_fast_paths():
+@pytest.mark.parametrize("module", [gma, tuned], ids=["gma", "tuned"])
+def test_gma_float32_stays_float32(module):
     x, means, variances, log_weights = problem(70, 5, 4, np.float32)
     v = np.ones((70, 3), dtype=np.float32)
-    out, cache = gma.gma_forward(x, x, v, means, variances, log_weights, causal=True, chunk_size=16)
+    out, cache = module.gma_forward(x, x, v, means, variances, log_weights, causal=True, chunk_size=16)
     assert out.dtype == np.float32 and cache.gamma_q.dtype == np.float32
-    grads = gma.gma_backward(np.ones_like(out), cache)
+    grads = module.gma_backward(np.ones_like(out), cache)
     assert all(g.dtype == np.float32 for g in grads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, rows", [(1, 1), (23, 1), (23, 2), (23, 5), (64, 7)])
-def test_blocked_gma_backward_does_not_depend_on_the_blocks(monkeypatch, n, rows, dtype):
+@pytest.mark.parametrize("module, row_numbers", [(gma, lambda K, d: K * d), (tuned, lambda K, d: 2 * K + 3 * d)], ids=["gma", "tuned"])
+def test_blocked_gma_backward_does_not_depend_on_the_blocks(monkeypatch, module, row_numbers, n, rows, dtype):
     """The responsibility backward accumulates its sums over blocks of rows: blocks of 1, 2, 5, 7 rows give the whole-array result."""
     K, d = 6, 4
     x, means, raw_variances, logits = problem(n, K, d, dtype, seed=n + rows)
     rng = np.random.default_rng(rows)
     x_k = rng.normal(size=(n, d)).astype(dtype)
     v = rng.normal(size=(n, 3)).astype(dtype)
-    out, cache = gma.gma_forward(x, x_k, v, means, raw_variances, logits, causal=True, chunk_size=4)
+    out, cache = module.gma_forward(x, x_k, v, means, raw_variances, logits, causal=True, chunk_size=4)
     g = rng.normal(size=out.shape).astype(dtype)
-    whole = gma.gma_backward(g, cache)  # one block: n rows are far below the default budget
-    monkeypatch.setattr(numerics, "BLOCK_BYTES", rows * (2 * K + 3 * d) * np.dtype(dtype).itemsize)
-    blocked = gma.gma_backward(g, cache)
+    whole = module.gma_backward(g, cache)  # one block: n rows are far below the default budget
+    monkeypatch.setattr(numerics, "BLOCK_BYTES", rows * row_numbers(K, d) * np.dtype(dtype).itemsize)
+    blocked = module.gma_backward(g, cache)
     rtol = 1e-12 if dtype == np.float64 else 2e-5
     for name in whole._fields:
         w, b = getattr(whole, name), getattr(blocked, name)

@@ -22,8 +22,8 @@ device = pytest.mark.skipif(not OK, reason=f"no CUDA device for CuPy: {WHY}")
 STATE_FIELDS = ("keys", "values", "counts", "size", "tokens_seen")
 
 
-def _inputs(rng, T, d=3, dv=2, dtype=np.float64):
-    return tuple(rng.normal(size=(T, w)).astype(dtype) for w in (d, d, dv))
+def _inputs(rng, N, d=3, dv=2, dtype=np.float64):
+    return tuple(rng.normal(size=(N, w)).astype(dtype) for w in (d, d, dv))
 
 
 def _same_state(ours, ref):
@@ -54,9 +54,9 @@ def _same_error(f, g, exc=ValueError):
 @pytest.mark.parametrize("init, seed", [("spread", 0), ("random", 0), ("random", 1), ("random", 7)])
 def test_ovq_matches_refimpl_bit_for_bit(init, seed, growth, dtype):
     rng = np.random.default_rng(seed + 10 * (growth == "linear"))
-    T = 11
-    q, k, v = _inputs(rng, T, dtype=dtype)
-    for chunk in (1, 3, T + 5):
+    N = 11
+    q, k, v = _inputs(rng, N, dtype=dtype)
+    for chunk in (1, 3, N + 5):
         for count_bias in (True, False):
             for lr in (None, 0.3, 1.0):
                 kw = dict(max_size=5, chunk_size=chunk, growth=growth, init=init, seed=seed, count_bias=count_bias, learning_rate=lr)
@@ -130,8 +130,6 @@ def test_ovq_errors_match_refimpl():
     base = dict(max_size=4, chunk_size=2)
     ours = lambda *a, **kw: ovq.ovq_attention_xp(np, *a, **kw)
     cases = [
-        ((q, k, v), dict(chunk_size=2), TypeError),  # max_size missing
-        ((q, k, v), dict(base, foo=1), TypeError),
         ((q, k, v), dict(base, growth="cubic"), ValueError),
         ((q, k, v), dict(base, init="kmeans++"), ValueError),
         ((q, k, v), dict(base, learning_rate=1.5), ValueError),
@@ -150,7 +148,10 @@ def test_ovq_errors_match_refimpl():
     ]
     for args, kw, exc in cases:
         _same_error(lambda: ours(*args, **kw), lambda: ref_ovq.ovq_attention(*args, **kw), exc)
-    # bad states: another N, another d or d_v, one that lags behind its growth
+    # a missing or an unknown keyword: Python's message names the function, the same in both
+    for kw in (dict(chunk_size=2), dict(base, foo=1)):
+        _same_error(lambda: ck.ovq_attention(q, k, v, **kw), lambda: ref_ovq.ovq_attention(q, k, v, **kw), TypeError)
+    # bad states: another n_max, another d or d_v, one that lags behind its growth
     _, state = ref_ovq.ovq_attention(q, k, v, return_state=True, **base)
     lagging = ref_ovq.OVQState(np.ones((4, 3)), np.ones((4, 2)), [100, 0, 0, 0], 1, 100)
     for args, kw in (
@@ -175,10 +176,10 @@ def test_ovq_overflow_is_refused_like_refimpl():
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize("T, S, chunk", [(1, 1, 4), (7, 3, 1), (10, 4, 3), (9, 5, 20)])
-def test_vq_matches_refimpl_bit_for_bit(T, S, chunk, dtype):
-    rng = np.random.default_rng(T * S + chunk)
-    q, k, v = _inputs(rng, T, dtype=dtype)
+@pytest.mark.parametrize("N, S, chunk", [(1, 1, 4), (7, 3, 1), (10, 4, 3), (9, 5, 20)])
+def test_vq_matches_refimpl_bit_for_bit(N, S, chunk, dtype):
+    rng = np.random.default_rng(N * S + chunk)
+    q, k, v = _inputs(rng, N, dtype=dtype)
     codebook = rng.normal(size=(S, 3)).astype(dtype)
     for beta in (None, 2.5):
         out = ovq.vq_attention_xp(np, q, k, v, codebook, chunk_size=chunk, beta=beta)
@@ -211,6 +212,8 @@ def test_vq_errors_match_refimpl():
 
 def test_signatures_are_refimpls():
     assert inspect.signature(ck.ovq_attention) == inspect.signature(ref_ovq.ovq_attention)
+    xp_params = list(inspect.signature(ovq.ovq_attention_xp).parameters.values())
+    assert xp_params[0].name == "xp" and xp_params[1:] == list(inspect.signature(ref_ovq.ovq_attention).parameters.values())
     assert list(inspect.signature(ck.vq_attention).parameters) == list(inspect.signature(ref_ovq.vq_attention).parameters)
     assert "ovq_attention" in ck.__all__ and "vq_attention" in ck.__all__
 

@@ -5,7 +5,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from refimpl import gma, gmm, scan
+from refimpl import attention, gma, gmm
 from refimpl.testing import GMA_FIELDS, TOL, assert_close_f32, fd_gradients, gma_problem, sklearn_gmm
 
 
@@ -370,5 +370,5 @@ def test_gma_uses_the_shared_scan():
     args = constrained(gma_problem(26, 13, 13, 4))
     gq, gk = gammas(*args)
     np.testing.assert_array_equal(
-        gma.gma(*args, causal=True, chunk_size=5), scan.feature_attention(gq, gk, args[2], causal=True, chunk_size=5)
+        gma.gma(*args, causal=True, chunk_size=5), attention.feature_attention(gq, gk, args[2], causal=True, chunk_size=5)
     )

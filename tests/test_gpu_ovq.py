@@ -18,9 +18,9 @@ TOL64 = dict(rtol=1e-10, atol=1e-12)
 TOL32 = dict(rtol=1e-5, atol=1e-6)
 
 
-def qkv(seed, T, d=3, d_v=2, dtype=np.float64):
+def qkv(seed, N, d=3, d_v=2, dtype=np.float64):
     rng = np.random.default_rng(seed)
-    return [rng.normal(size=(T, n)).astype(dtype) for n in (d, d, d_v)]
+    return [rng.normal(size=(N, n)).astype(dtype) for n in (d, d, d_v)]
 
 
 def assert_state_close(state, ref, tol):
@@ -36,7 +36,7 @@ def ids(kw):
     return ",".join(f"{k}={v}" for k, v in kw.items()) or "default"
 
 
-# (T, chunk_size, max_size, d, options): chunk sizes 1, 3, 5 and > T, T not a multiple of C, T = 1, N = 1
+# (N, chunk_size, max_size, d, options): chunk sizes 1, 3, 5 and > N, N not a multiple of C, N = 1, n_max = 1
 CASES = [
     (9, 3, 5, 3, {}),
     (5, 1, 4, 2, {"growth": "linear"}),
@@ -50,12 +50,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("T, C, N, d, kw", CASES, ids=[f"T{c[0]}-C{c[1]}-N{c[2]}-{ids(c[4])}" for c in CASES])
-def test_ovq_matches_refimpl_float64(T, C, N, d, kw):
-    q, k, v = qkv(T * 7 + C, T, d=d)
-    out, state = gpu_ovq.ovq_attention(q, k, v, max_size=N, chunk_size=C, return_state=True, **kw)
-    ref_out, ref_state = ovq.ovq_attention(q, k, v, max_size=N, chunk_size=C, return_state=True, **kw)
-    assert isinstance(out, np.ndarray) and out.dtype == np.float64 and out.shape == (T, 2)
+@pytest.mark.parametrize("N, C, n_max, d, kw", CASES, ids=[f"N{c[0]}-C{c[1]}-n_max{c[2]}-{ids(c[4])}" for c in CASES])
+def test_ovq_matches_refimpl_float64(N, C, n_max, d, kw):
+    q, k, v = qkv(N * 7 + C, N, d=d)
+    out, state = gpu_ovq.ovq_attention(q, k, v, max_size=n_max, chunk_size=C, return_state=True, **kw)
+    ref_out, ref_state = ovq.ovq_attention(q, k, v, max_size=n_max, chunk_size=C, return_state=True, **kw)
+    assert isinstance(out, np.ndarray) and out.dtype == np.float64 and out.shape == (N, 2)
     np.testing.assert_allclose(out, ref_out, **TOL64)
     assert_state_close(state, ref_state, TOL64)
 
@@ -207,10 +207,10 @@ def test_overflowing_logits_are_refused_like_refimpl():
 # --- VQ attention -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("T, C, S", [(5, 1, 4), (10, 3, 10), (7, 9, 1)])
-def test_vq_matches_refimpl_float64(T, C, S):
+@pytest.mark.parametrize("N, C, S", [(5, 1, 4), (10, 3, 10), (7, 9, 1)])
+def test_vq_matches_refimpl_float64(N, C, S):
     """S = 10 codes: two tiles of codes in the assignment and in the read-out."""
-    q, k, v = qkv(T + 31 * C, T)
+    q, k, v = qkv(N + 31 * C, N)
     codebook = np.random.default_rng(C).normal(size=(S, 3))
     out = gpu_ovq.vq_attention(q, k, v, codebook, chunk_size=C)
     assert isinstance(out, np.ndarray) and out.dtype == np.float64

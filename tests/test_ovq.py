@@ -12,9 +12,9 @@ from refimpl.ovq_oracle import ovq_attention_loop, vq_attention_loop
 from refimpl.testing import TOL, assert_same_state, assignment_plan
 
 
-def qkv(seed, T, d=4, d_v=3, dtype=np.float64):
+def qkv(seed, N, d=4, d_v=3, dtype=np.float64):
     rng = np.random.default_rng(seed)
-    return [rng.normal(size=(T, n)).astype(dtype) for n in (d, d, d_v)]
+    return [rng.normal(size=(N, n)).astype(dtype) for n in (d, d, d_v)]
 
 
 SWITCHES = [
@@ -26,7 +26,7 @@ SWITCHES = [
     {"beta": 7.5},
 ]
 
-SIZES = [  # (T, chunk_size, max_size): T not a multiple of C, C = 1, N = 1, T = 1, C > T
+SIZES = [  # (N, chunk_size, max_size): N not a multiple of C, C = 1, n_max = 1, N = 1, C > N
     (61, 8, 12),
     (40, 1, 6),
     (33, 5, 1),
@@ -38,29 +38,29 @@ SIZES = [  # (T, chunk_size, max_size): T not a multiple of C, C = 1, N = 1, T =
 # --- loop oracle == vectorised -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("T, C, N", SIZES)
+@pytest.mark.parametrize("N, C, n_max", SIZES)
 @pytest.mark.parametrize("kw", SWITCHES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "default")
-def test_vectorised_equals_loop_oracle(T, C, N, kw):
-    q, k, v = qkv(T * 31 + C, T)
-    out, state = ovq.ovq_attention(q, k, v, max_size=N, chunk_size=C, return_state=True, **kw)
-    ref_out, ref_state = ovq_attention_loop(q, k, v, max_size=N, chunk_size=C, **kw)
+def test_vectorised_equals_loop_oracle(N, C, n_max, kw):
+    q, k, v = qkv(N * 31 + C, N)
+    out, state = ovq.ovq_attention(q, k, v, max_size=n_max, chunk_size=C, return_state=True, **kw)
+    ref_out, ref_state = ovq_attention_loop(q, k, v, max_size=n_max, chunk_size=C, **kw)
     assert_same_state(state, ref_state)
     np.testing.assert_allclose(out, ref_out, **TOL[np.float64])
 
 
 @given(
-    T=st.integers(1, 40),
+    N=st.integers(1, 40),
     C=st.integers(1, 12),
-    N=st.integers(1, 15),
+    n_max=st.integers(1, 15),
     d=st.integers(1, 5),
     d_v=st.integers(1, 4),
     kw=st.sampled_from(SWITCHES),
     seed=st.integers(0, 2**16),
 )
-def test_vectorised_equals_loop_oracle_at_awkward_sizes(T, C, N, d, d_v, kw, seed):
-    q, k, v = qkv(seed, T, d=d, d_v=d_v)
-    out, state = ovq.ovq_attention(q, k, v, max_size=N, chunk_size=C, return_state=True, **kw)
-    ref_out, ref_state = ovq_attention_loop(q, k, v, max_size=N, chunk_size=C, **kw)
+def test_vectorised_equals_loop_oracle_at_awkward_sizes(N, C, n_max, d, d_v, kw, seed):
+    q, k, v = qkv(seed, N, d=d, d_v=d_v)
+    out, state = ovq.ovq_attention(q, k, v, max_size=n_max, chunk_size=C, return_state=True, **kw)
+    ref_out, ref_state = ovq_attention_loop(q, k, v, max_size=n_max, chunk_size=C, **kw)
     assert_same_state(state, ref_state)
     np.testing.assert_allclose(out, ref_out, **TOL[np.float64])
 
@@ -123,14 +123,14 @@ def test_zero_key_and_query_stay_finite():
 
 @pytest.mark.parametrize("kw", SWITCHES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "default")
 def test_streaming_in_uneven_pieces_equals_one_call(kw):
-    C, N, T = 6, 10, 6 * 13 + 4
-    q, k, v = qkv(6, T)
-    full_out, full_state = ovq.ovq_attention(q, k, v, max_size=N, chunk_size=C, return_state=True, **kw)
+    C, n_max, N = 6, 10, 6 * 13 + 4
+    q, k, v = qkv(6, N)
+    full_out, full_state = ovq.ovq_attention(q, k, v, max_size=n_max, chunk_size=C, return_state=True, **kw)
     # pieces of 2, 5, 1 and 5 chunks, the last one ragged (5 C + 4 tokens)
-    bounds = [0, 2 * C, 7 * C, 8 * C, T]
+    bounds = [0, 2 * C, 7 * C, 8 * C, N]
     state, outs = None, []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        o, state = ovq.ovq_attention(q[lo:hi], k[lo:hi], v[lo:hi], max_size=N, chunk_size=C, state=state, return_state=True, **kw)
+        o, state = ovq.ovq_attention(q[lo:hi], k[lo:hi], v[lo:hi], max_size=n_max, chunk_size=C, state=state, return_state=True, **kw)
         outs.append(o)
     assert np.array_equal(np.concatenate(outs), full_out)
     assert_same_state(state, full_state)
@@ -159,16 +159,16 @@ def test_a_ragged_piece_restarts_the_chunk_grid():
 
 @pytest.mark.parametrize("kw", [{}, {"init": "random", "seed": 3}, {"learning_rate": 0.2}])
 def test_save_load_then_continue_equals_one_call(tmp_path, kw):
-    C, N, T = 5, 9, 73
-    q, k, v = qkv(9, T)
-    full_out, full_state = ovq.ovq_attention(q, k, v, max_size=N, chunk_size=C, return_state=True, **kw)
+    C, n_max, N = 5, 9, 73
+    q, k, v = qkv(9, N)
+    full_out, full_state = ovq.ovq_attention(q, k, v, max_size=n_max, chunk_size=C, return_state=True, **kw)
     cut = 6 * C
-    first, state = ovq.ovq_attention(q[:cut], k[:cut], v[:cut], max_size=N, chunk_size=C, return_state=True, **kw)
+    first, state = ovq.ovq_attention(q[:cut], k[:cut], v[:cut], max_size=n_max, chunk_size=C, return_state=True, **kw)
     path = tmp_path / "ovq_state.npz"
     state.save(path)
     loaded = ovq.OVQState.load(path)
     assert_same_state(loaded, state)
-    second, final = ovq.ovq_attention(q[cut:], k[cut:], v[cut:], max_size=N, chunk_size=C, state=loaded, return_state=True, **kw)
+    second, final = ovq.ovq_attention(q[cut:], k[cut:], v[cut:], max_size=n_max, chunk_size=C, state=loaded, return_state=True, **kw)
     assert np.array_equal(np.concatenate([first, second]), full_out)
     assert_same_state(final, full_state)
 
@@ -230,9 +230,9 @@ def test_load_refuses_a_missing_file(tmp_path):
     [
         (lambda st: {"counts": st.counts + (np.arange(8) == 0)}, r"sum\(counts\) == tokens_seen"),
         (lambda st: {"counts": np.where(np.arange(8) == 0, -1, st.counts)}, "nonnegative"),
-        (lambda st: {"size": np.array(9)}, "at most N = 8"),
-        (lambda st: {"values": st.values[:5]}, r"values: expected shape \(N, d_v\)"),
-        (lambda st: {"counts": st.counts[:7]}, r"counts: expected shape \(N,\)"),
+        (lambda st: {"size": np.array(9)}, "at most n_max = 8"),
+        (lambda st: {"values": st.values[:5]}, r"values: expected shape \(n_max, d_v\)"),
+        (lambda st: {"counts": st.counts[:7]}, r"counts: expected shape \(n_max,\)"),
         (lambda st: {"counts": st.counts.astype(np.float64)}, "integers"),
         (lambda st: {"keys": np.where(np.arange(8)[:, None] == 0, np.nan, st.keys)}, "finite"),
         (lambda st: {"keys": st.keys.astype(np.float32)}, "dtype of keys"),
@@ -288,23 +288,23 @@ def test_constructor_copies_its_arrays():
 
 @pytest.mark.parametrize("growth", ["plateau", "linear"])
 def test_size_counts_and_tokens_follow_the_growth_function(growth):
-    T, C, N = 130, 9, 20
-    q, k, v = qkv(14, T)
-    _, cache = ovq.ovq_attention_forward(q, k, v, max_size=N, chunk_size=C, growth=growth)
+    N, C, n_max = 130, 9, 20
+    q, k, v = qkv(14, N)
+    _, cache = ovq.ovq_attention_forward(q, k, v, max_size=n_max, chunk_size=C, growth=growth)
     st = cache.state
-    expected = max(ovq.dictionary_size(min(s + C, T), N, growth) for s in range(0, T, C))
-    assert st.size == expected and st.tokens_seen == T
-    assert st.counts.sum() == T and np.all(st.counts[: st.size] >= 1) and np.all(st.counts[st.size :] == 0)
-    assert np.array_equal(st.counts, np.bincount(assignment_plan(cache), minlength=N))
+    expected = max(ovq.dictionary_size(min(s + C, N), n_max, growth) for s in range(0, N, C))
+    assert st.size == expected and st.tokens_seen == N
+    assert st.counts.sum() == N and np.all(st.counts[: st.size] >= 1) and np.all(st.counts[st.size :] == 0)
+    assert np.array_equal(st.counts, np.bincount(assignment_plan(cache), minlength=n_max))
     # every token updates exactly one row: the rows of its chunk's plan
     for rec in cache.records:
         assert rec.rows.shape == (rec.stop - rec.start,)
 
 
-def test_state_memory_is_constant_in_T():
+def test_state_memory_is_constant_in_N():
     sizes = []
-    for T in (50, 500):
-        q, k, v = qkv(15, T, d=8, d_v=6)
+    for N in (50, 500):
+        q, k, v = qkv(15, N, d=8, d_v=6)
         _, st = ovq.ovq_attention(q, k, v, max_size=16, chunk_size=10, return_state=True)
         sizes.append(st.nbytes)
     assert sizes[0] == sizes[1] == 16 * (8 + 6) * 8 + 16 * 8
@@ -474,7 +474,7 @@ def test_dictionary_size_values():
     assert ovq.dictionary_size(1, 8) == 1
     assert ovq.dictionary_size(8, 8) == 4
     assert ovq.dictionary_size(56, 8) == 7
-    assert ovq.dictionary_size(10**9, 8) == 7  # floor(t N / (t + N)) < N: the plateau never reaches N
+    assert ovq.dictionary_size(10**9, 8) == 7  # floor(t n_max / (t + n_max)) < n_max: the plateau never reaches n_max
     assert ovq.dictionary_size(5, 8, "linear") == 5 and ovq.dictionary_size(50, 8, "linear") == 8
     assert ovq.dictionary_size(3, 1) == 1
 
@@ -515,14 +515,14 @@ def _call(**changes):
 @pytest.mark.parametrize(
     "changes, exc, match",
     [
-        ({"k": np.ones((9, 4))}, ValueError, r"k: expected shape \(T, d\)"),
-        ({"v": np.ones((11, 3))}, ValueError, r"v: expected shape \(T, d_v\)"),
+        ({"k": np.ones((9, 4))}, ValueError, r"k: expected shape \(N, d\)"),
+        ({"v": np.ones((11, 3))}, ValueError, r"v: expected shape \(N, d_v\)"),
         ({"q": np.ones(10)}, ValueError, "q: expected a 2-D array"),
         ({"q": np.full((10, 4), np.nan)}, ValueError, "q: expected finite values"),
         ({"v": np.full((10, 3), np.inf)}, ValueError, "v: expected finite values"),
         ({"q": np.ones((10, 4), dtype=np.int64)}, TypeError, "q: expected a real floating-point array"),
         ({"k": np.ones((10, 4), dtype=complex)}, TypeError, "k: .*complex"),
-        ({"q": np.ones((0, 4)), "k": np.ones((0, 4)), "v": np.ones((0, 3))}, ValueError, "T >= 1"),
+        ({"q": np.ones((0, 4)), "k": np.ones((0, 4)), "v": np.ones((0, 3))}, ValueError, "N >= 1"),
         ({"max_size": 0}, ValueError, "max_size: expected an integer >= 1"),
         ({"chunk_size": 0}, ValueError, "chunk_size: expected an integer >= 1"),
         ({"chunk_size": 2.0}, TypeError, "chunk_size: expected an integer"),
@@ -534,7 +534,7 @@ def _call(**changes):
         ({"count_bias": 1}, TypeError, "count_bias: expected True or False"),
         ({"return_state": "yes"}, TypeError, "return_state"),
         ({"state": {"keys": 1}}, TypeError, "state: expected an OVQState"),
-        ({"state": ovq.OVQState.empty(5, 4, 3)}, ValueError, "state: has N = 5 rows but max_size = 4"),
+        ({"state": ovq.OVQState.empty(5, 4, 3)}, ValueError, "state: has n_max = 5 rows but max_size = 4"),
         ({"state": ovq.OVQState.empty(4, 2, 3)}, ValueError, "state: holds keys of dimension d = 2"),
         ({"state": ovq.OVQState.empty(4, 4, 1)}, ValueError, "state: holds values of dimension d_v = 1"),
     ],
@@ -547,7 +547,7 @@ def test_invalid_inputs_are_refused_with_a_message_naming_the_argument(changes, 
 @pytest.mark.parametrize(
     "args, match",
     [
-        ((np.ones((2, 3)), np.ones((2, 1)), [1, 1], 3, 2), "size: expected at most N = 2"),
+        ((np.ones((2, 3)), np.ones((2, 1)), [1, 1], 3, 2), "size: expected at most n_max = 2"),
         ((np.ones((2, 3)), np.ones((2, 1)), [1, 0], 2, 1), "every active row"),
         ((np.ones((2, 3)), np.ones((3, 1)), [1, 0], 1, 1), "values: expected shape"),
         ((np.ones((2, 3)), np.ones((2, 1)), [1.0, 0.0], 1, 1), "counts: expected integers"),
@@ -562,10 +562,10 @@ def test_state_constructor_checks_its_invariants(args, match):
 # --- VQ baseline ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("T, C, S", [(29, 6, 5), (12, 1, 3), (7, 10, 1)])
-def test_vq_attention_equals_its_loop_oracle(T, C, S):
-    q, k, v = qkv(27 + T, T)
-    codebook = np.random.default_rng(T).normal(size=(S, 4))
+@pytest.mark.parametrize("N, C, S", [(29, 6, 5), (12, 1, 3), (7, 10, 1)])
+def test_vq_attention_equals_its_loop_oracle(N, C, S):
+    q, k, v = qkv(27 + N, N)
+    codebook = np.random.default_rng(N).normal(size=(S, 4))
     np.testing.assert_allclose(vq_attention_loop(q, k, v, codebook, chunk_size=C), ovq.vq_attention(q, k, v, codebook, chunk_size=C), **TOL[np.float64])
 
 
@@ -606,21 +606,21 @@ def test_both_entry_points_share_one_signature_and_name_themselves_in_errors():
     assert fwd.parameters["growth"].default == "plateau" and att.parameters["learning_rate"].default is None
     with pytest.raises(TypeError, match=r"^ovq_attention\(\) got an unexpected keyword argument 'learnig_rate'"):
         ovq.ovq_attention(q, k, v, max_size=2, chunk_size=2, learnig_rate=0.1)
-    with pytest.raises(TypeError, match=r"^ovq_attention_forward\(\) missing a required argument: 'max_size'"):
+    with pytest.raises(TypeError, match=r"^ovq_attention_forward\(\) missing 1 required keyword-only argument: 'max_size'"):
         ovq.ovq_attention_forward(q, k, v, chunk_size=2)
 
 
-@pytest.mark.parametrize("N", [1, 2, 3, 8, 64, 1000])
-def test_plateau_never_reaches_N_and_reaches_N_minus_1_exactly_at_N_times_N_minus_1(N):
-    """floor(tN/(t+N)) < N for every t, so with plateau growth row N - 1 is never used (for N >= 2)."""
-    assert ovq.dictionary_size(10**15, N) == max(1, N - 1)
-    if N >= 2:
-        t = N * (N - 1)
-        assert ovq.dictionary_size(t, N) == N - 1
-        assert ovq.dictionary_size(t - 1, N) == max(1, N - 2)
-    assert ovq.dictionary_size(10**15, N, "linear") == N
+@pytest.mark.parametrize("n_max", [1, 2, 3, 8, 64, 1000])
+def test_plateau_never_reaches_n_max_and_reaches_n_max_minus_1_exactly_at_n_max_times_n_max_minus_1(n_max):
+    """floor(t n_max/(t+n_max)) < n_max for every t, so with plateau growth row n_max - 1 is never used (for n_max >= 2)."""
+    assert ovq.dictionary_size(10**15, n_max) == max(1, n_max - 1)
+    if n_max >= 2:
+        t = n_max * (n_max - 1)
+        assert ovq.dictionary_size(t, n_max) == n_max - 1
+        assert ovq.dictionary_size(t - 1, n_max) == max(1, n_max - 2)
+    assert ovq.dictionary_size(10**15, n_max, "linear") == n_max
     # a real stream: the last row stays empty under plateau growth
-    if 2 <= N <= 8:
-        q, k, v = qkv(29, 40 * N * N)
-        _, st = ovq.ovq_attention(q, k, v, max_size=N, chunk_size=4, return_state=True)
-        assert st.size == N - 1 and st.counts[N - 1] == 0 and np.all(st.keys[N - 1] == 0)
+    if 2 <= n_max <= 8:
+        q, k, v = qkv(29, 40 * n_max * n_max)
+        _, st = ovq.ovq_attention(q, k, v, max_size=n_max, chunk_size=4, return_state=True)
+        assert st.size == n_max - 1 and st.counts[n_max - 1] == 0 and np.all(st.keys[n_max - 1] == 0)

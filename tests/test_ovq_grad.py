@@ -10,10 +10,10 @@ from refimpl.testing import TOL, assignment_plan
 H = 1e-6
 
 
-def setup(seed, T, d, d_v):
+def setup(seed, N, d, d_v):
     rng = np.random.default_rng(seed)
-    inputs = {"q": rng.normal(size=(T, d)), "k": rng.normal(size=(T, d)), "v": rng.normal(size=(T, d_v))}
-    return inputs, rng.normal(size=(T, d_v))
+    inputs = {"q": rng.normal(size=(N, d)), "k": rng.normal(size=(N, d)), "v": rng.normal(size=(N, d_v))}
+    return inputs, rng.normal(size=(N, d_v))
 
 
 def finite_differences(inputs, G, name, kw):
@@ -31,21 +31,21 @@ def finite_differences(inputs, G, name, kw):
 
 
 CASES = [
-    # (T, d, d_v, max_size, chunk_size, switches)
-    (13, 3, 2, 5, 4, {}),  # T not a multiple of C
+    # (N, d, d_v, max_size, chunk_size, switches)
+    (13, 3, 2, 5, 4, {}),  # N not a multiple of C
     (12, 3, 2, 4, 4, {"learning_rate": 0.2}),
     (10, 2, 3, 6, 3, {"count_bias": False, "growth": "linear"}),
     (11, 3, 2, 6, 3, {"init": "random", "seed": 4, "beta": 5.0}),
     (9, 2, 2, 4, 1, {}),  # chunk_size = 1
     (10, 3, 2, 1, 4, {}),  # max_size = 1: one centroid takes every key
-    (1, 3, 2, 3, 4, {}),  # T = 1
+    (1, 3, 2, 3, 4, {}),  # N = 1
 ]
 
 
-@pytest.mark.parametrize("T, d, d_v, N, C, kw", CASES)
-def test_backward_matches_central_differences(T, d, d_v, N, C, kw):
-    inputs, G = setup(100 + T + N, T, d, d_v)
-    kw = dict(kw, max_size=N, chunk_size=C)
+@pytest.mark.parametrize("N, d, d_v, n_max, C, kw", CASES)
+def test_backward_matches_central_differences(N, d, d_v, n_max, C, kw):
+    inputs, G = setup(100 + N + n_max, N, d, d_v)
+    kw = dict(kw, max_size=n_max, chunk_size=C)
     _, cache = ovq.ovq_attention_forward(**inputs, **kw)
     grads = ovq.ovq_attention_backward(G, cache)
     for name in ("q", "k", "v"):
@@ -101,7 +101,7 @@ def test_float32_backward_against_float64():
 def test_backward_validates_its_inputs():
     inputs, G = setup(12, 6, 3, 2)
     _, cache = ovq.ovq_attention_forward(**inputs, max_size=3, chunk_size=2)
-    with pytest.raises(ValueError, match=r"grad_out: expected shape \(T, d_v\)"):
+    with pytest.raises(ValueError, match=r"grad_out: expected shape \(N, d_v\)"):
         ovq.ovq_attention_backward(G[:5], cache)
     with pytest.raises(ValueError, match="grad_out: expected finite values"):
         ovq.ovq_attention_backward(np.full_like(G, np.nan), cache)

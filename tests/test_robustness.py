@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from refimpl import attention, gma, gmm, gmr, layers, ovq, scan
+from refimpl import attention, gma, gmm, gmr, layers, ovq
 from refimpl.testing import assert_close_f32
 
 EPS64 = np.finfo(np.float64).eps
@@ -97,7 +97,7 @@ def test_gma_stays_finite_normalised_and_in_the_hull(case, causal):
     # tokens and means changes nothing, so the gradients of x_q, x_k and the means cancel
     assert_euler(grads.v, v, g, out, rtol=1e-12)
     # sum_m c_m = sum_m gamma_m (g_m - gbar) = 0 up to the rounding of the terms gamma_m g_m
-    dgamma = scan.feature_attention_backward(g, cache.mixing)
+    dgamma = attention.feature_attention_backward(g, cache.mixing)
     terms = np.sum(cache.gamma_q * np.abs(dgamma.phi_q)) + np.sum(cache.gamma_k * np.abs(dgamma.phi_k))
     assert abs(grads.logits.sum()) <= 4 * K * EPS64 * terms + 1e-300
     shift = grads.x_q.sum(axis=0) + grads.x_k.sum(axis=0) + grads.means.sum(axis=0)

@@ -90,8 +90,12 @@ def test_the_core_scan_sees_the_cores():
     """The scan is not vacuous: it finds the known cores, and a raise inside one of them."""
     gmm = ast.parse((ROOT / "refimpl" / "gmm.py").read_text())
     names = {f.name for f in _cores(gmm)}
-    assert {"log_joint", "log_posterior", "posterior", "merge_running_means", "_expanded_half_quadratic_form", "_entries_to_recompute"} <= names
-    assert "_check_isotropic" not in names and "responsibilities" not in names
+    assert {"log_joint", "m_step", "_log_weights", "_nearest_means"} <= names
+    assert "responsibilities" not in names
+    tuned = ast.parse((ROOT / "refimpl" / "tuned.py").read_text())
+    assert {"log_joint", "spoiled_logits", "suspect_rows", "_block_log_joint", "_responsibility_backward"} <= {f.name for f in _cores(tuned)}
+    validation = ast.parse((ROOT / "refimpl" / "validation.py").read_text())
+    assert not {f.name for f in _cores(validation)} & {"check_gmm", "check_gma_tokens"}
     bad = ast.parse('def _core(x):\n    if x:\n        raise ValueError("x")\n    return x\n')
     assert [f.name for f in _cores(bad) if _raises(f)] == ["_core"]
 
@@ -177,3 +181,197 @@ def test_the_loop_oracle_uses_nothing_of_the_code_it_checks():
         elif isinstance(node, ast.Import):
             imported |= {a.name for a in node.names}
     assert imported <= {"validation", "math", "numpy", "typing", "__future__"}, imported
+
+
+# ---------------------------------------------------------------------------
+# The spec path: how many calls from a public function to its math, and how much of a module is validation
+# ---------------------------------------------------------------------------
+
+#: The modules that state the mechanisms and their theory: read to check a formula, so kept plain.  (The
+#: model built on them, refimpl.layers and refimpl.model, runs on refimpl.tuned; the argument checks of every
+#: public function are in refimpl.validation.)
+SPEC_MODULES = ("numerics", "gmm", "scan", "attention", "gma", "ovq", "ovq_oracle", "gmr", "theory")
+#: The most calls a public function of a spec module may go through to reach its math.
+MAX_CALL_DEPTH = 3
+#: The largest share of a spec module's function lines that may be argument checking.
+MAX_VALIDATION_SHARE = 0.30
+
+
+def _is_check(name: str) -> bool:
+    return re.match(r"_?check_", name) is not None
+
+
+def _module_functions(root: Path):
+    """``{(module, function): ast node}`` of the top-level functions of ``refimpl/*.py``, and each module's imports."""
+    functions, imports = {}, {}
+    for path in sorted((root / "refimpl").glob("*.py")):
+        mod = path.stem
+        tree = ast.parse(path.read_text(), filename=str(path))
+        names = {}  # local name -> ("module", mod) or ("function", (mod, name))
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and (node.level == 1 or (node.module or "").startswith("refimpl")):
+                source = (node.module or "").removeprefix("refimpl").lstrip(".")
+                for alias in node.names:
+                    local = alias.asname or alias.name
+                    names[local] = ("module", alias.name) if not source else ("function", (source, alias.name))
+            elif isinstance(node, ast.FunctionDef):
+                functions[(mod, node.name)] = node
+        imports[mod] = names
+    return functions, imports
+
+
+def _callees(mod, node, functions, imports):
+    """The refimpl functions that ``node`` calls or passes on (a function handed to another is called by it)."""
+    out = set()
+    names = imports[mod]
+    for sub in ast.walk(node):
+        target = None
+        if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load):
+            if (mod, sub.id) in functions:
+                target = (mod, sub.id)
+            elif names.get(sub.id, ("", None))[0] == "function":
+                target = names[sub.id][1]
+        elif isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name):
+            kind, what = names.get(sub.value.id, ("", None))
+            if kind == "module":
+                target = (what, sub.attr)
+        if target is None or target not in functions or target == (mod, node.name):
+            continue
+        # argument checks are not the path to the math
+        if target[0] == "validation" or _is_check(target[1]):
+            continue
+        out.add(target)
+    return out
+
+
+def call_depths(root: Path = ROOT) -> dict:
+    """``{(module, function): depth}``: the longest chain of calls from each refimpl function to code that calls none."""
+    functions, imports = _module_functions(root)
+    graph = {key: _callees(key[0], node, functions, imports) for key, node in functions.items()}
+    depth = {}
+
+    def visit(key, stack):
+        if key in depth:
+            return depth[key]
+        if key in stack:  # recursion: the cycle adds nothing
+            return 0
+        stack.add(key)
+        depth[key] = max((1 + visit(c, stack) for c in graph[key]), default=0)
+        stack.discard(key)
+        return depth[key]
+
+    for key in graph:
+        visit(key, set())
+    return depth
+
+
+def _public_functions(root: Path, mod: str):
+    tree = ast.parse((root / "refimpl" / f"{mod}.py").read_text())
+    exported = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            exported = set(ast.literal_eval(node.value))
+    return [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in exported and not _is_check(n.name)]
+
+
+def _code_lines(node) -> set:
+    """The line numbers of ``node``'s body that hold code: no docstring, blank line or comment."""
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+        body = body[1:]
+    lines = set()
+    for stmt in body:
+        for sub in ast.walk(stmt):
+            if hasattr(sub, "lineno") and not (isinstance(sub, ast.Constant) and isinstance(sub.value, str) and sub.lineno != getattr(sub, "end_lineno", sub.lineno)):
+                lines.update(range(sub.lineno, (getattr(sub, "end_lineno", None) or sub.lineno) + 1))
+    return lines
+
+
+def _validation_lines(node) -> set:
+    """The code lines of ``node`` that check arguments: a whole checker, or the statements that call one or raise."""
+    if _is_check(node.name):
+        return _code_lines(node)
+    lines = set()
+    for stmt in ast.walk(node):
+        if not isinstance(stmt, ast.stmt) or stmt is node:
+            continue
+        checks = isinstance(stmt, (ast.Raise, ast.Assert)) or (
+            isinstance(stmt, ast.If) and all(isinstance(s, ast.Raise) for s in stmt.body) and not stmt.orelse
+        )
+        if not checks and isinstance(stmt, (ast.Expr, ast.Assign, ast.Return)):
+            for call in ast.walk(stmt):
+                if isinstance(call, ast.Call):
+                    f = call.func
+                    name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                    owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else ""
+                    if owner == "validation" or _is_check(name):
+                        checks = True
+        if checks:
+            lines.update(range(stmt.lineno, stmt.end_lineno + 1))
+    return lines
+
+
+def validation_share(root: Path, mod: str) -> tuple:
+    """``(validation lines, function lines)`` of ``refimpl/mod.py``: code lines of every function and method."""
+    tree = ast.parse((root / "refimpl" / f"{mod}.py").read_text())
+    total, checking = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            code = _code_lines(node)
+            total |= code
+            checking |= _validation_lines(node) & code
+    return len(checking), len(total)
+
+
+@pytest.mark.parametrize("mod", SPEC_MODULES)
+def test_public_functions_reach_their_math_in_few_calls(mod):
+    depth = call_depths()
+    deep = {f: depth[(mod, f)] for f in _public_functions(ROOT, mod) if depth[(mod, f)] > MAX_CALL_DEPTH}
+    assert not deep, f"refimpl/{mod}.py: public functions more than {MAX_CALL_DEPTH} calls from their math: {deep}"
+
+
+@pytest.mark.parametrize("mod", SPEC_MODULES)
+def test_validation_is_a_minor_part_of_each_spec_module(mod):
+    checking, total = validation_share(ROOT, mod)
+    assert checking <= MAX_VALIDATION_SHARE * total, f"refimpl/{mod}.py: {checking} of {total} function lines check arguments"
+
+
+def test_the_depth_and_share_measures_see_what_they_measure():
+    """The two measures are not vacuous: a chain of four calls is depth 4, a checker's lines all count as validation."""
+    src = (
+        "from . import validation\n"
+        "def a(x):\n    validation.check_finite(x, 'x')\n    return b(x)\n"
+        "def b(x):\n    return c(x) + 1\n"
+        "def c(x):\n    return d(x)\n"
+        "def d(x):\n    return e(x)\n"
+        "def e(x):\n    return x\n"
+        "def _check_y(y):\n    if y < 0:\n        raise ValueError('y')\n    return y\n"
+    )
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "refimpl").mkdir()
+        (Path(tmp) / "refimpl" / "toy.py").write_text(src)
+        (Path(tmp) / "refimpl" / "validation.py").write_text("def check_finite(x, name):\n    return x\n")
+        depth = call_depths(Path(tmp))
+        assert depth[("toy", "a")] == 4 and depth[("toy", "e")] == 0
+        checking, total = validation_share(Path(tmp), "toy")
+        # a: 2 lines (1 check), b..e: 1 each, _check_y: 3 lines, all checking
+        assert (checking, total) == (4, 9)
+
+
+def structure_report(root: Path = ROOT) -> str:
+    """The table ``python tests/test_structure.py [ROOT]`` prints: call depth of each public function, validation share."""
+    depth = call_depths(root)
+    lines = ["module       validation share   public functions deeper than 1 (depth)"]
+    for mod in SPEC_MODULES:
+        if not (root / "refimpl" / f"{mod}.py").exists():
+            continue
+        checking, total = validation_share(root, mod)
+        deep = ", ".join(f"{f} {depth[(mod, f)]}" for f in _public_functions(root, mod) if depth[(mod, f)] > 1)
+        lines.append(f"{mod:<12} {checking:>4}/{total:<4} {checking / max(total, 1):>5.0%}   {deep}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(structure_report(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT))

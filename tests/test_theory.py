@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linprog, minimize
 
-from refimpl import gma, gmm, scan, theory
+from refimpl import attention, gma, gmm, theory
 
 SQRT2 = np.sqrt(2.0)
 # The bound holds for the exact values; the computed ones carry rounding of a few ulps.
@@ -291,7 +291,7 @@ def test_per_token_gradients_sum_to_gma_backward(causal):
     out, cache = gma.gma_forward(x_q, x_k, v, means, raw, logits, causal=causal, chunk_size=5)
     g = rng.normal(size=out.shape)
     grads = gma.gma_backward(g, cache)
-    dgamma = scan.feature_attention_backward(g, cache.mixing)
+    dgamma = attention.feature_attention_backward(g, cache.mixing)
     weights = gmm.softmax(logits)
     pq = theory.per_token_gradients(x_q, means, cache.variances, weights, dgamma.phi_q)
     pk = theory.per_token_gradients(x_k, means, cache.variances, weights, dgamma.phi_k)

@@ -80,7 +80,7 @@ import sklearn
 from scipy import special
 from sklearn.mixture import GaussianMixture
 
-from refimpl import gmm
+from refimpl import gmm, tuned
 
 SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
 U = np.finfo(np.float64).eps  # machine epsilon u = 2^-52 = 2.2e-16, the spacing of float64 numbers near 1
@@ -347,7 +347,8 @@ assert np.max(np.abs(resp_ours.sum(axis=1) - 1)) <= 8 * U
 #
 # A first remedy costs nothing: $(x - \mu)^2$ does not change if $x$ and $\mu$
 # are shifted by the same vector $c$. Take $c$ = the mean of the component
-# means, as `refimpl.gmm` does. When the components sit close together, after
+# means, as `refimpl.tuned` does (the fast path of the reference, which keeps
+# the two matrix products). When the components sit close together, after
 # the shift both $x - c$ and $\mu - c$ are small for the points near them,
 # where the posterior is sensitive, and the cancellation is gone.
 #
@@ -420,13 +421,16 @@ assert err_centred.max() < 1e-12  # centring removes the growth when the means s
 # each row, $\max_k|\hat\gamma_{ik} - \gamma_{ik}|\,/\max_k\gamma_{ik}$, for
 # three computations:
 #
-# - the centred expansion alone: `gmm.log_joint(..., refine=False)` returns
+# - the centred expansion alone: `tuned.log_joint(..., refine=False)` returns
 #   its logits, then a softmax;
 # - scikit-learn's `GaussianMixture(covariance_type="diag")`, not fitted but
 #   with its parameters set by hand (`means_`, `covariances_`, `weights_`, and
 #   `precisions_cholesky_` $= 1/\sigma$ elementwise, the Cholesky factor of a
 #   diagonal precision matrix), `predict_proba`;
-# - `gmm.responsibilities`.
+# - `gmm.responsibilities`, the definition evaluated from the differences
+#   $x - \mu$ (no expansion, so nothing cancels);
+# - `tuned.responsibilities`, the centred expansion with the repair this
+#   section derives.
 
 # %%
 def reference_log_joint(x, means, variances, weights):
@@ -451,7 +455,7 @@ def row_error(resp, ref):
 
 
 def centred_expansion_responsibilities(x, means, variances, weights):
-    logits, _ = gmm.log_joint(x, means, variances, np.log(weights), refine=False)
+    logits, _ = tuned.log_joint(x, means, variances, np.log(weights), refine=False)
     return gmm.softmax(logits, axis=1)
 
 
@@ -463,12 +467,13 @@ def sklearn_mixture(means, variances, weights):
 
 
 def three_ways(x, means, variances, weights):
-    """Row errors of the centred expansion, scikit-learn and refimpl against the reference."""
+    """Row errors of the centred expansion, scikit-learn, refimpl.gmm and refimpl.tuned against the reference."""
     ref, q = reference_responsibilities(x, means, variances, weights)
     return {
         "centred expansion": row_error(centred_expansion_responsibilities(x, means, variances, weights), ref),
         "scikit-learn": row_error(sklearn_mixture(means, variances, weights).predict_proba(x), ref),
-        "refimpl": row_error(gmm.responsibilities(x, means, variances, weights), ref),
+        "refimpl.gmm": row_error(gmm.responsibilities(x, means, variances, weights), ref),
+        "refimpl.tuned": row_error(tuned.responsibilities(x, means, variances, weights), ref),
     }
 
 
@@ -507,9 +512,11 @@ assert err_cx["scikit-learn"].max() > 0.1, (
 # (version 1.9 at the time of writing) evaluates the same expansion without
 # even the shift,
 # `sum(means**2 * precisions) - 2 X @ (means * precisions).T + X**2 @ precisions.T`,
-# and fails the same way. `refimpl.gmm` is right to the last digits; the rest
-# of this section says how large the expansion's error is, and how
-# `refimpl.gmm` repairs it without giving up the matrix products.
+# and fails the same way. `refimpl.gmm` is right to the last digits: it
+# evaluates the definition, whose terms are all $\ge 0$. It pays for that with
+# $N \times K \times d$ differences, $d$ times the work of a matrix product.
+# The rest of this section says how large the expansion's error is, and how
+# `refimpl.tuned` repairs it without giving up the matrix products.
 #
 # ### How large the error is: a rounding model
 #
@@ -537,7 +544,7 @@ assert err_cx["scikit-learn"].max() > 0.1, (
 # $$
 #
 # and that of the definition, evaluated from the differences, by
-# $\frac{d+3}{2}\,u\,q_{ik}$. `refimpl.gmm` uses the model
+# $\frac{d+3}{2}\,u\,q_{ik}$. `refimpl.tuned` uses the model
 # $(4 + \sqrt d)\,u\,s_{ik}$ (and $(4+\sqrt d)\,u\,q_{ik}$ for the
 # definition), which contains the worst case up to $d = 7$, so for $d = 3$
 # here. Why these bounds: `docs/floating_point.md`, section Lesson 1. The
@@ -630,13 +637,13 @@ plt.show()
 #
 # The model tells, for every entry, how wrong the expansion can be, and a
 # logit $\ell_{ik}$ carries $-q_{ik}/2$, hence at most
-# $e_{ik} = \tfrac12(4 + \sqrt d)\,u\,s_{ik}$ of error. `gmm.log_joint`
+# $e_{ik} = \tfrac12(4 + \sqrt d)\,u\,s_{ik}$ of error. `tuned.log_joint`
 # recomputes an entry from its differences $x_i - \mu_k$ (the definition,
 # $O(d)$ work) when two things hold:
 #
 # 1. **cancellation may have spoiled it**: $e_{ik}$ exceeds
-#    `gmm.EXACT_LOGIT_TOL` $\cdot\,u = 2048u\approx4.5\times10^{-13}$, and
-#    $s_{ik} >$ `gmm.CANCELLATION_RATIO` $\cdot\,q_{ik} = 16\,q_{ik}$ (more than
+#    `tuned.EXACT_LOGIT_TOL` $\cdot\,u = 2048u\approx4.5\times10^{-13}$, and
+#    $s_{ik} >$ `tuned.CANCELLATION_RATIO` $\cdot\,q_{ik} = 16\,q_{ik}$ (more than
 #    four bits lost to cancellation; below that ratio the expansion is within
 #    16 times the definition's own error);
 # 2. **it may lie near its row maximum**: within `window` of
@@ -644,7 +651,7 @@ plt.show()
 #    only uses entries the model vouches for. For a posterior the window is
 #    $\log(K/(2048u))$: an entry further below carries less than $2048u/K$ of
 #    the largest weight, whatever its error. With `window=np.inf` (the
-#    default of `gmm.log_joint`, used for log-densities) every spoiled entry
+#    default of `tuned.log_joint`, used for log-densities) every spoiled entry
 #    is recomputed.
 #
 # A screen in $O(Nd)$ clears the rows where no entry can be spoiled, so
@@ -660,7 +667,8 @@ plt.show()
 # $2048u$, or recomputed with the definition's own error, small while their
 # distances $q$ stay below 100 (checked below), so every row is within
 # $2\times2048u\approx9.1\times10^{-13}$ of the reference: we assert
-# $10^{-12}$ for `refimpl.gmm`, on the counterexample and at every spread, and
+# $10^{-12}$ for `refimpl.gmm` and `refimpl.tuned`, on the counterexample and
+# at every spread, and
 # that the centred expansion misses it once the spread exceeds $10^3$
 # standard deviations. Why this tolerance: `docs/floating_point.md`, section
 # Lesson 1.
@@ -669,7 +677,7 @@ plt.show()
 def q_sharing(x, means, variances, weights):
     """q_ik of the entries whose logit lies within log(K / (2048 u)) of the row maximum (else nan), and their count."""
     log_joint, q = reference_log_joint(x, means, variances, weights)
-    window = np.log(len(weights) / (gmm.EXACT_LOGIT_TOL * U))
+    window = np.log(len(weights) / (tuned.EXACT_LOGIT_TOL * U))
     near = log_joint >= log_joint.max(axis=1, keepdims=True) - window
     return np.where(near, q, np.nan).astype(float), near.sum(axis=1)
 
@@ -683,17 +691,17 @@ print(f"largest q near a row maximum, all inputs: {q_share:.0f}; the definition'
       f"(4 + sqrt d) u q / 2 = {kappa * q_share / 2:.1e}")
 assert kappa * q_share / 2 < 1e-13  # the premise of the 1e-12 tolerance
 
-by_spread = {name: np.zeros(len(spreads)) for name in ("centred expansion", "scikit-learn", "refimpl")}
+by_spread = {name: np.zeros(len(spreads)) for name in ("centred expansion", "scikit-learn", "refimpl.gmm", "refimpl.tuned")}
 for j, (S, case) in enumerate(spread_cases):
     for name, e in three_ways(*case).items():
         by_spread[name][j // n_trials] = max(by_spread[name][j // n_trials], e.max())
-print("spread S | worst row error: centred expansion | scikit-learn | refimpl")
+print("spread S | worst row error: centred expansion | scikit-learn | refimpl.gmm | refimpl.tuned")
 for j in range(0, len(spreads), 2):
     print(f"  {spreads[j]:6.0e} | {by_spread['centred expansion'][j]:33.1e} | {by_spread['scikit-learn'][j]:12.1e} | "
-          f"{by_spread['refimpl'][j]:.1e}")
+          f"{by_spread['refimpl.gmm'][j]:11.1e} | {by_spread['refimpl.tuned'][j]:.1e}")
 
 fig, ax = plt.subplots(figsize=(7, 4))
-for name, style in (("centred expansion", "o-"), ("scikit-learn", "s--"), ("refimpl", "^-")):
+for name, style in (("centred expansion", "o-"), ("scikit-learn", "s--"), ("refimpl.gmm", "^-"), ("refimpl.tuned", "v:")):
     ax.loglog(spreads, np.maximum(by_spread[name], 1e-17), style, label=name)
 ax.axhline(1e-12, color="0.5", ls=":", label="$10^{-12}$, the tolerance")
 ax.set(xlabel="spread of the pairs of components $S$ (standard deviations)",
@@ -701,15 +709,17 @@ ax.set(xlabel="spread of the pairs of components $S$ (standard deviations)",
 ax.legend(loc="upper left")
 plt.show()
 
-assert err_cx["refimpl"].max() < 1e-12  # the counterexample, right to rounding
-assert np.all(by_spread["refimpl"] < 1e-12)  # every spread, up to 1e8 sd
+for name in ("refimpl.gmm", "refimpl.tuned"):
+    assert err_cx[name].max() < 1e-12  # the counterexample, right to rounding
+    assert np.all(by_spread[name] < 1e-12)  # every spread, up to 1e8 sd
 assert np.all(by_spread["centred expansion"][spreads >= 1e3] > 1e-12)  # centring alone does not reach it
 assert by_spread["centred expansion"][-1] > 0.1  # and at 1e8 sd it has no correct digit
 
 # %% [markdown]
 # The centred expansion's error grows like the size of its terms, $u S^2$,
 # and reaches order one at $S\approx10^8$; scikit-learn's follows it (its
-# terms are larger still, as it does not centre). `refimpl.gmm` stays at the
+# terms are larger still, as it does not centre). `refimpl.gmm` (the
+# definition) and `refimpl.tuned` (the repaired expansion) stay at the
 # rounding level of the definition at every spread. What the check does not
 # show: float32 (there $u = 1.2\times10^{-7}$ and the same screen applies with
 # its own $u$), and $d$ well above 7, where the $\sqrt d$ model is the typical
@@ -870,7 +880,7 @@ err_sklearn_adv = np.max(np.abs(sklearn_mixture(ma, va, wa).predict_proba(xa) - 
 print(f"scikit-learn {sklearn.__version__} on the adversarial mixture: max |error| {err_sklearn_adv:.2g}")
 print(f"refimpl on the adversarial mixture: max |error| {err_ours:.1e}")
 print(f"counterexample of section 3, worst row error: scikit-learn {err_cx['scikit-learn'].max():.2g}, "
-      f"refimpl {err_cx['refimpl'].max():.1e}")
+      f"refimpl {err_cx['refimpl.gmm'].max():.1e}")
 assert err_ours <= tol_adv
 assert err_sklearn_adv > 0.1, (
     f"scikit-learn {sklearn.__version__} is accurate on the adversarial mixture (max error {err_sklearn_adv:.1e}): "
@@ -960,7 +970,7 @@ check("1.2", stable_responsibilities)
 # $2 \le K \le 20$, $d \le 10$. The check requires that the problem is well
 # posed (the definition in float64 and `gmm.responsibilities` agree with an
 # extended-precision reference to $10^{-12}$ per row) and that the centred
-# expansion (`gmm.log_joint(..., refine=False)`, then a softmax) is wrong by
+# expansion (`tuned.log_joint(..., refine=False)`, then a softmax) is wrong by
 # more than $0.1$ of the largest entry in some row. Hints: section 3, "Centring
 # is not enough: means far apart". Make the terms $s_{ik}$ huge while the
 # distances $q_{ik}$ that decide a posterior stay small, so that $s/q$ is

@@ -473,17 +473,14 @@ plt.show()
 # slopes are 1 and 2 once the leading term dominates.
 #
 # GMA's constant $c$ is not small. `refimpl.gmm` computes the
-# responsibilities in blocks of rows, and the work arrays of one block are
-# sized to stay in a core's cache: a little over 2 MiB in all at $K = 32$,
-# $d_r = 8$ (less when all $N$ rows fit in one block; see
-# `docs/performance_gma.md`). While the keys' responsibilities are computed,
-# these 2 MiB sit on top of two $N \times K$ arrays (the queries'
-# responsibilities and the keys' being written); later the scan holds about
-# four arrays of $N \times 32$ numbers (both sets of responsibilities, the
-# output and the scan's work) and little else. The peak is the larger of the
-# two phases, and the 2 MiB hold most of it until $2 \times 8NK$ bytes reach
-# them, at $N \approx 4000$. Near there GMA's local log-log slope falls well
-# below 1 (to about one half between $N = 2048$ and $4096$).
+# responsibilities from the differences $x - \mu$, as they are defined, a block
+# of rows at a time: the $B \times K \times d_r$ differences of one block take
+# at most 2 MiB (`refimpl.numerics.BLOCK_BYTES`; less when all $N$ rows fit
+# in one block). At the peak GMA holds about five arrays of $N \times 32$
+# numbers: the output ($d_v = 32$), the queries' responsibilities, and the
+# keys' logits while their softmax is formed (the shifted logits, their
+# exponentials and the result). Below $N \approx 4000$ the 2 MiB of the block
+# outweigh them, and near there GMA's local log-log slope falls well below 1.
 # GMA is cheap, so its series runs a few doublings beyond the explicit form's
 # (whose $N \times N$ matrix limits it), far enough for the linear term to
 # dominate; the two methods are compared at the sizes they share.
@@ -566,9 +563,8 @@ for i, n in enumerate(Ns_gma):  # the explicit form's columns stop at its larges
 # * **Local slopes** of $\log(\text{peak})$ against $\log N$ between the two
 #   largest sizes of each series. They approach 1 and 2 from below: the
 #   lower-order terms still hold part of the peak. For GMA that is the
-#   constant of a little over 2 MiB, the work arrays of the row blocks in
-#   which `refimpl.gmm` computes the responsibilities (blocks sized to stay
-#   in cache; see `docs/performance_gma.md`); it holds most of the peak below
+#   constant of 2 MiB, the differences of one block of rows in
+#   `refimpl.gmm`; it holds most of the peak below
 #   $N \approx 4000$, which is why GMA's series runs to larger $N$ before its
 #   slope is measured. For the explicit form it is the linear terms. At the
 #   largest sizes of each series that pulls the slope down by less than 0.1,
@@ -577,17 +573,17 @@ for i, n in enumerate(Ns_gma):  # the explicit form's columns stop at its larges
 # * **A quadratic fit** $\text{peak} \approx aN^2 + bN + c$ (least squares in
 #   relative error), each over its own series. For the explicit form, $a$
 #   should be 8 bytes: exactly one float64 $N\times N$ matrix is alive at the
-#   peak. For GMA the fit runs over its sizes from $N = 4096$ on, where the
-#   scan's four $N \times K$ arrays hold the peak: below that the peak is the
-#   other phase, with its 2 MiB, and no single smooth curve follows the switch
-#   from one phase to the other. There $b$ should be about four $N \times K$
+#   peak. For GMA the fit runs over its sizes from $N = 4096$ on, where its
+#   five $N \times K$ arrays hold the peak: below that the block of
+#   differences does, and no single smooth curve follows the switch
+#   from one to the other. There $b$ should be about five $N \times K$
 #   arrays per token, $c$ small, and the quadratic term should explain (almost)
 #   nothing of the peak at GMA's largest $N$.
 
 # %%
 slope_gma = np.log(peak_gma[-1] / peak_gma[-2]) / np.log(Ns_gma[-1] / Ns_gma[-2])
 slope_dense = np.log(peak_dense[-1] / peak_dense[-2]) / np.log(Ns[-1] / Ns[-2])
-tail = Ns_gma >= 4096  # 2 x 8NK bytes outweigh the block work arrays from here on: the scan holds the peak
+tail = Ns_gma >= 4096  # the N x K arrays outweigh the block of differences from here on
 a_g, b_g, c_g = np.polyfit(Ns_gma[tail], peak_gma[tail], 2, w=1 / peak_gma[tail])
 a_d, b_d, c_d = np.polyfit(Ns, peak_dense, 2, w=1 / peak_dense)
 time_slope_gma = np.polyfit(np.log(Ns_gma[-3:]), np.log(time_gma[-3:]), 1)[0]
@@ -606,12 +602,13 @@ assert 0.9 <= slope_gma <= 1.02
 assert 1.9 <= slope_dense <= 2.02
 assert abs(a_d - 8.0) <= 0.08  # one N x N float64 matrix, within 1%
 assert abs(a_g) * Ns_gma[-1] ** 2 <= 0.02 * peak_gma[-1]
+assert 4.5 <= b_g / (8 * K_c) <= 5.5  # about five N x K float64 arrays per token
 assert peak_dense[-1] >= 8.0 * Ns[-1] ** 2 > 10 * peak_gma[i_c]
 
 # %% [markdown]
 # What this does and does not show. Memory is deterministic and the asserted
 # numbers are the same on every machine with the same NumPy: GMA's peak grows
-# linearly (about four $N\times K$ arrays per token), the explicit form's
+# linearly (about five $N\times K$ arrays per token), the explicit form's
 # quadratically, with exactly one $N \times N$ matrix at its peak. **Times are
 # printed, not asserted**: they depend on the machine, on the BLAS and its
 # threads, and on whatever else runs; on a shared machine a single slow call

@@ -65,7 +65,7 @@
 #    allocated by the computation, plus the inputs.
 # 4. Causal GMA *is* causal linear attention (Katharopoulos et al., 2020)
 #    with the responsibilities as feature map: the two share one
-#    implementation in `refimpl.scan.feature_attention`, and linear
+#    implementation in `refimpl.attention.feature_attention`, and linear
 #    attention with $\phi = \operatorname{elu} + 1$ is the same scan with
 #    another feature map.
 #
@@ -83,7 +83,7 @@ import tracemalloc
 import matplotlib.pyplot as plt
 import numpy as np
 
-from refimpl import attention, gma, gmm, scan
+from refimpl import attention, gma, gmm
 
 SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
 U = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16 (not the guard eps = 1e-6)
@@ -250,13 +250,13 @@ def causal_gma_from_routing(x_q, x_k, v):
     """Responsibilities, then the chunked scan: causal GMA as gma.gma computes it."""
     gq = gmm.responsibilities(x_q, means_m, variances_m, weights_m)
     gk = gmm.responsibilities(x_k, means_m, variances_m, weights_m)
-    return scan.feature_attention(gq, gk, v, causal=True)
+    return attention.feature_attention(gq, gk, v, causal=True)
 
 
 peak_scan, peak_full = [], []
 for n in Ns_scan:
     gq_m, gk_m, v_m = problem(n)
-    peak_scan.append(traced_peak(lambda: scan.feature_attention(gq_m, gk_m, v_m, causal=True)))
+    peak_scan.append(traced_peak(lambda: attention.feature_attention(gq_m, gk_m, v_m, causal=True)))
     xq_m, xk_m = r.normal(size=(n, d_r_m)), r.normal(size=(n, d_r_m))
     peak_full.append(traced_peak(lambda: causal_gma_from_routing(xq_m, xk_m, v_m)))
 peaks = {name: np.array(p, float) for name, p in peaks.items()}
@@ -432,7 +432,7 @@ for c in chunk_sizes:
     best = np.inf
     for _ in range(3 if c >= 8 else 1):
         t0 = time.perf_counter()
-        scan.feature_attention(gq_t, gk_t, v_t, causal=True, chunk_size=int(c))
+        attention.feature_attention(gq_t, gk_t, v_t, causal=True, chunk_size=int(c))
         best = min(best, time.perf_counter() - t0)
     times.append(best)
 times = np.array(times)
@@ -461,12 +461,12 @@ print(f"fastest chunk size here: {chunk_sizes[times.argmin()]}; C = 1 is {times[
 # with the feature map $\phi(x) = \operatorname{elu}(x) + 1$ of dimension $d$.
 # Causal GMA is exactly this with $\phi_Q = \gamma(X_Q)$, $\phi_K = \gamma(X_K)$
 # of dimension $K$. `refimpl` has one implementation of the scan,
-# `scan.feature_attention`, and both mechanisms call it. We check the
+# `attention.feature_attention`, and both mechanisms call it. We check the
 # identities from both sides, against the independent forms of this notebook
 # (the token loop and the explicit `tril` form):
 
 # %%
-out_feat = scan.feature_attention(gamma_q, gamma_k, v, causal=True)
+out_feat = attention.feature_attention(gamma_q, gamma_k, v, causal=True)
 q_lin, k_lin = rng.normal(size=(N, d_r)), rng.normal(size=(N, d_r))
 phi_q_lin, phi_k_lin = attention.elu_feature_map(q_lin), attention.elu_feature_map(k_lin)
 out_lin = attention.linear_attention(q_lin, k_lin, v, causal=True)
@@ -474,7 +474,7 @@ out_lin_tril = gma.gma_dense(phi_q_lin, phi_k_lin, v, causal=True)  # tril(phi_Q
 errors = {
     "causal gma  vs feature_attention(gamma_Q, gamma_K)": np.max(np.abs(out_ref - out_feat)),
     "feature_attention(gamma) vs tril(A) form": np.max(np.abs(out_feat - out_tril)),
-    "linear_attention vs feature_attention(elu + 1)": np.max(np.abs(out_lin - scan.feature_attention(phi_q_lin, phi_k_lin, v, causal=True))),
+    "linear_attention vs feature_attention(elu + 1)": np.max(np.abs(out_lin - attention.feature_attention(phi_q_lin, phi_k_lin, v, causal=True))),
     "linear_attention vs token loop with phi = elu + 1": np.max(np.abs(out_lin - causal_gma_recurrence(phi_q_lin, phi_k_lin, v))),
     "linear_attention vs tril(phi_Q phi_K^T) form": np.max(np.abs(out_lin - out_lin_tril)),
     "linear_attention vs this notebook's chunked scan": np.max(np.abs(out_lin - causal_gma_chunked(phi_q_lin, phi_k_lin, v, 13))),

@@ -69,7 +69,7 @@ import os
 import matplotlib.pyplot as plt
 import numpy as np
 
-from refimpl import gma, gmm, scan, theory
+from refimpl import attention, gma, gmm, theory
 
 SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
 U = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16 (not the guard eps = 1e-6)
@@ -165,9 +165,9 @@ def mixing_backward(G, gq, gk, v, eps=EPS_DEN):
 
 
 d_gq, d_gk, dv_mix = mixing_backward(G, gamma_q, gamma_k, params["v"])
-mix_ref = scan.feature_attention_backward(G, cache.mixing)  # refimpl's mixing backward
+mix_ref = attention.feature_attention_backward(G, cache.mixing)  # refimpl's mixing backward
 err_mix = max(np.max(np.abs(d_gq - mix_ref.phi_q)), np.max(np.abs(d_gk - mix_ref.phi_k)), np.max(np.abs(dv_mix - mix_ref.v)))
-print(f"mixing backward vs refimpl.scan.feature_attention_backward: {err_mix:.1e}")
+print(f"mixing backward vs refimpl.attention.feature_attention_backward: {err_mix:.1e}")
 assert err_mix <= 1e-13  # the same few products in the same order: agreement to a few u of O(1) numbers
 
 # %% [markdown]
@@ -403,7 +403,7 @@ xs_q, xs_k, vs = 1.5 * r.normal(size=(N_s, d_s)), 1.5 * r.normal(size=(N_s, d_s)
 means_s, raw_s, logits_s = 1.5 * r.normal(size=(K_s, d_s)), r.normal(size=(K_s, d_s)) - 1.5, r.normal(size=K_s)
 out_s, cache_s = gma.gma_forward(xs_q, xs_k, vs, means_s, raw_s, logits_s)
 G_s = r.normal(size=out_s.shape)
-g_resp = scan.feature_attention_backward(G_s, cache_s.mixing)  # dL/dGamma_Q, dL/dGamma_K
+g_resp = attention.feature_attention_backward(G_s, cache_s.mixing)  # dL/dGamma_Q, dL/dGamma_K
 gam = np.concatenate([cache_s.gamma_q, cache_s.gamma_k])
 g_all = np.concatenate([g_resp.phi_q, g_resp.phi_k])
 c_all = gam * (g_all - np.sum(gam * g_all, axis=1, keepdims=True))
@@ -528,7 +528,7 @@ plt.show()
 def bound_ratios(x_q, x_k, v, means, raw, logits, G_up, seed_label):
     out_b, cache_b = gma.gma_forward(x_q, x_k, v, means, raw, logits)
     grads_b = gma.gma_backward(G_up, cache_b)
-    g_b = scan.feature_attention_backward(G_up, cache_b.mixing)
+    g_b = attention.feature_attention_backward(G_up, cache_b.mixing)
     var_b, w_b = cache_b.variances, gmm.weights_from_logits(logits)
     b_x = max(np.linalg.norm(x_q, axis=1).max(), np.linalg.norm(x_k, axis=1).max())
     R = theory.bound_radius(means, var_b, b_x)
@@ -640,7 +640,7 @@ check("4.1", guard_gradient)
 # values the reverse prefix sums $R_j$, $r_j$ (exercise 3.2 met the same
 # suffix sums). `np.cumsum` on a reversed array computes them; an
 # $N\times K\times d_v$ array is fine here. The check compares with
-# `refimpl.scan.feature_attention_backward` (causal, chunks of 3 tokens),
+# `refimpl.attention.feature_attention_backward` (causal, chunks of 3 tokens),
 # entry by entry, and names the first wrong one.
 
 # %%

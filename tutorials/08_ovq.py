@@ -153,12 +153,12 @@ print(f"small sizes: {SMALL}")
 
 # %%
 rng = np.random.default_rng(8)
-N_toy, C_toy, beta_toy = 5, 4, 2.0
+nmax_toy, C_toy, beta_toy = 5, 4, 2.0
 angles = rng.uniform(0, 2 * np.pi, 8)
 k_toy = np.column_stack([np.cos(angles), np.sin(angles)]) * rng.uniform(0.5, 2, size=(8, 1))  # any length
 q_toy = np.column_stack([np.cos(angles + 0.3), np.sin(angles + 0.3)])
 v_toy = np.round(rng.normal(size=(8, 2)), 2)
-toy = dict(max_size=N_toy, chunk_size=C_toy, beta=beta_toy, return_state=True)
+toy = dict(max_size=nmax_toy, chunk_size=C_toy, beta=beta_toy, return_state=True)
 
 _, before = ovq.ovq_attention(q_toy[:4], k_toy[:4], v_toy[:4], **toy)  # after chunk 0
 out_ref, after = ovq.ovq_attention(q_toy, k_toy, v_toy, **toy)  # after chunk 1
@@ -196,7 +196,7 @@ assert err_out <= 8 * U * np.max(np.abs(v_toy))
 
 # grow
 t_next = before.tokens_seen + L
-n_next = max(n, ovq.dictionary_size(t_next, N_toy))  # max(1, floor(t n_max / (t + n_max)))
+n_next = max(n, ovq.dictionary_size(t_next, nmax_toy))  # max(1, floor(t n_max / (t + n_max)))
 n_add = n_next - n
 # assign: nearest centroid by dot product; the worst-represented keys seed
 sims = kh @ Dk.T
@@ -287,10 +287,10 @@ def plan_chunk(kh_chunk, Dk, n, n_add):
 
 
 eta = 0.5
-Dk_c, Dv_c, c_c, n_c, t_c = np.zeros((N_toy, 2)), np.zeros((N_toy, 2)), np.zeros(N_toy, dtype=np.int64), 0, 0
+Dk_c, Dv_c, c_c, n_c, t_c = np.zeros((nmax_toy, 2)), np.zeros((nmax_toy, 2)), np.zeros(nmax_toy, dtype=np.int64), 0, 0
 for lo in (0, 4):
     kh_c, v_c = unit(k_toy[lo : lo + C_toy]), v_toy[lo : lo + C_toy]
-    n_next_c = max(n_c, ovq.dictionary_size(t_c + C_toy, N_toy))
+    n_next_c = max(n_c, ovq.dictionary_size(t_c + C_toy, nmax_toy))
     rows_c, seeds_c = plan_chunk(kh_c, Dk_c, n_c, n_next_c - n_c)
     for j, i in enumerate(seeds_c):  # seeds first: a centroid starts at its key, count 1
         Dk_c[n_c + j], Dv_c[n_c + j], c_c[n_c + j] = kh_c[i], v_c[i], 1
@@ -333,16 +333,16 @@ print(f"learning_rate={bad} is refused: {message}")
 
 # %%
 rng = np.random.default_rng(81)
-T_or, d_or, dv_or, N_or, C_or = (61, 4, 3, 12, 8) if SMALL else (301, 6, 3, 40, 16)
-q_or, k_or, v_or = rng.normal(size=(T_or, d_or)), rng.normal(size=(T_or, d_or)), rng.normal(size=(T_or, dv_or))
-tol_or = 4 * U * (np.sqrt(d_or) + np.log(T_or)) * np.max(np.ptp(v_or, axis=0)) + (N_or + C_or) * U * np.max(np.abs(v_or))
+N_or, d_or, dv_or, nmax_or, C_or = (61, 4, 3, 12, 8) if SMALL else (301, 6, 3, 40, 16)
+q_or, k_or, v_or = rng.normal(size=(N_or, d_or)), rng.normal(size=(N_or, d_or)), rng.normal(size=(N_or, dv_or))
+tol_or = 4 * U * (np.sqrt(d_or) + np.log(N_or)) * np.max(np.ptp(v_or, axis=0)) + (nmax_or + C_or) * U * np.max(np.abs(v_or))
 switches = [{}, {"growth": "linear"}, {"init": "random", "seed": 3}, {"count_bias": False}, {"learning_rate": 0.05}]
 for kw in switches:
     start = time.perf_counter()
-    out_loop, st_loop = ovq_attention_loop(q_or, k_or, v_or, max_size=N_or, chunk_size=C_or, **kw)
+    out_loop, st_loop = ovq_attention_loop(q_or, k_or, v_or, max_size=nmax_or, chunk_size=C_or, **kw)
     t_loop = time.perf_counter() - start
     start = time.perf_counter()
-    out_vec, st_vec = ovq.ovq_attention(q_or, k_or, v_or, max_size=N_or, chunk_size=C_or, return_state=True, **kw)
+    out_vec, st_vec = ovq.ovq_attention(q_or, k_or, v_or, max_size=nmax_or, chunk_size=C_or, return_state=True, **kw)
     t_vec = time.perf_counter() - start
     bitwise = (np.array_equal(st_loop.keys, st_vec.keys) and np.array_equal(st_loop.values, st_vec.values)
                and np.array_equal(st_loop.counts, st_vec.counts)
@@ -423,9 +423,9 @@ for kw in switches:
 
 # %%
 # n <= n_max - 1, reached first at t = n_max (n_max - 1), in exact integers
-for N_ in range(2, 65):
-    assert ovq.dictionary_size(N_ * (N_ - 1), N_) == N_ - 1 == ovq.dictionary_size(10**15, N_)
-    assert N_ == 2 or ovq.dictionary_size(N_ * (N_ - 1) - 1, N_) == N_ - 2
+for n_max in range(2, 65):
+    assert ovq.dictionary_size(n_max * (n_max - 1), n_max) == n_max - 1 == ovq.dictionary_size(10**15, n_max)
+    assert n_max == 2 or ovq.dictionary_size(n_max * (n_max - 1) - 1, n_max) == n_max - 2
 # on a stream: with n_max = 8 the plateau stops at 7 rows after 56 tokens, and row 7 stays empty
 rng = np.random.default_rng(83)
 q_pl, k_pl, v_pl = rng.normal(size=(400, 4)), rng.normal(size=(400, 4)), rng.normal(size=(400, 2))
@@ -434,62 +434,62 @@ _, st_lin = ovq.ovq_attention(q_pl, k_pl, v_pl, max_size=8, chunk_size=4, growth
 print(f"n_max = 8, N = 400: plateau uses {st_pl.size} rows (count of row 7: {st_pl.counts[7]}), linear {st_lin.size}")
 assert st_pl.size == 7 and st_pl.counts[7] == 0 and not np.any(st_pl.keys[7]) and st_lin.size == 8
 
-N_g, C_g = 1024, 64
-t = np.arange(1, 64 * N_g + 1)
-n_plateau = ovq.dictionary_size(t, N_g, "plateau")
-n_linear = ovq.dictionary_size(t, N_g, "linear")
-crp = N_g * (special.digamma(N_g + t) - special.digamma(N_g))
+nmax_g, C_g = 1024, 64
+t = np.arange(1, 64 * nmax_g + 1)
+n_plateau = ovq.dictionary_size(t, nmax_g, "plateau")
+n_linear = ovq.dictionary_size(t, nmax_g, "linear")
+crp = nmax_g * (special.digamma(nmax_g + t) - special.digamma(nmax_g))
 
 # the defining formula, in exact Python integers, and n <= n_max - 1, and monotone
-every = range(1, 64 * N_g + 1, 1 if not SMALL else 7)
-formula_ok = all(int(n_plateau[s - 1]) == max(1, (s * N_g) // (s + N_g)) for s in every)
-assert formula_ok and n_plateau.max() <= N_g - 1 and np.all(np.diff(n_plateau) >= 0)
-assert np.array_equal(n_linear, np.minimum(t, N_g))
+every = range(1, 64 * nmax_g + 1, 1 if not SMALL else 7)
+formula_ok = all(int(n_plateau[s - 1]) == max(1, (s * nmax_g) // (s + nmax_g)) for s in every)
+assert formula_ok and n_plateau.max() <= nmax_g - 1 and np.all(np.diff(n_plateau) >= 0)
+assert np.array_equal(n_linear, np.minimum(t, nmax_g))
 # the CRP closed form is the sum it stands for
-assert np.allclose(crp[: 4 * N_g], np.cumsum(N_g / (N_g + np.arange(4 * N_g))), rtol=1e-12)
+assert np.allclose(crp[: 4 * nmax_g], np.cumsum(nmax_g / (nmax_g + np.arange(4 * nmax_g))), rtol=1e-12)
 
-x = t / N_g
-shortfall = N_g * (np.log1p(x) - x / (1 + x))
+x = t / nmax_g
+shortfall = nmax_g * (np.log1p(x) - x / (1 + x))
 worst_tables = np.max(np.abs((crp - n_plateau) - shortfall))
 print(f"|(E - n) - n_max g(t/n_max)| over t <= 64 n_max: at most {worst_tables:.2f} tables (bound 2)")
 assert worst_tables < 2
 
 # per chunk: the plateau's increments, the curve's exact increment and slope, the CRP's expected new tables
-t0 = np.arange(0, 64 * N_g, C_g)
-dn = ovq.dictionary_size(t0 + C_g, N_g) - ovq.dictionary_size(t0, N_g)
-f_increment = C_g * N_g**2 / ((N_g + t0) * (N_g + t0 + C_g))  # f(t + C) - f(t)
-slope_increment = C_g * (N_g / (N_g + t0)) ** 2  # C f'(t)
-crp_new = np.sum(N_g / (N_g + np.arange(64 * N_g)).reshape(-1, C_g), axis=1)  # sum_{i=t}^{t+C-1} n_max / (n_max + i)
+t0 = np.arange(0, 64 * nmax_g, C_g)
+dn = ovq.dictionary_size(t0 + C_g, nmax_g) - ovq.dictionary_size(t0, nmax_g)
+f_increment = C_g * nmax_g**2 / ((nmax_g + t0) * (nmax_g + t0 + C_g))  # f(t + C) - f(t)
+slope_increment = C_g * (nmax_g / (nmax_g + t0)) ** 2  # C f'(t)
+crp_new = np.sum(nmax_g / (nmax_g + np.arange(64 * nmax_g)).reshape(-1, C_g), axis=1)  # sum_{i=t}^{t+C-1} n_max / (n_max + i)
 ratio = f_increment / crp_new
-bound_inc = 1 + slope_increment * C_g / (N_g + t0 + C_g)
+bound_inc = 1 + slope_increment * C_g / (nmax_g + t0 + C_g)
 print(f"|increment - (f(t+C) - f(t))| for t >= 2: at most {np.max(np.abs(dn - f_increment)[t0 >= 2]):.2f} (< 1)")
 print(f"|increment - C (n_max/(n_max+t))^2| / bound: at most {np.max(np.abs(dn - slope_increment) / bound_inc):.2f} (< 1)")
 assert np.all(np.abs(dn - f_increment)[t0 >= 2] < 1)
 assert np.all(np.abs(dn - slope_increment) < bound_inc)
-assert np.all((N_g / (N_g + t0 + C_g) <= ratio) & (ratio <= N_g / (N_g + t0)))
-assert np.all(ratio[t0 <= N_g / 9 - C_g] >= 0.9) and np.all(ratio[t0 >= N_g / 9] < 0.9)  # agree only for t << n_max
+assert np.all((nmax_g / (nmax_g + t0 + C_g) <= ratio) & (ratio <= nmax_g / (nmax_g + t0)))
+assert np.all(ratio[t0 <= nmax_g / 9 - C_g] >= 0.9) and np.all(ratio[t0 >= nmax_g / 9] < 0.9)  # agree only for t << n_max
 for frac in (1 / 9, 1.0, 16.0):
-    j = np.argmin(np.abs(t0 - frac * N_g))
-    print(f"t = {t0[j] / N_g:5.2f} n_max: plateau adds {dn[j]:3d}, f(t+C) - f(t) = {f_increment[j]:5.1f}, "
+    j = np.argmin(np.abs(t0 - frac * nmax_g))
+    print(f"t = {t0[j] / nmax_g:5.2f} n_max: plateau adds {dn[j]:3d}, f(t+C) - f(t) = {f_increment[j]:5.1f}, "
           f"C (n_max/(n_max+t))^2 = {slope_increment[j]:5.1f}, CRP expects {crp_new[j]:5.1f} new tables "
-          f"(ratio {ratio[j]:.3f}, n_max/(n_max+t) = {N_g / (N_g + t0[j]):.3f})")
+          f"(ratio {ratio[j]:.3f}, n_max/(n_max+t) = {nmax_g / (nmax_g + t0[j]):.3f})")
 
 fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(15, 4))
-ax0.plot(x, n_linear / N_g, label="linear $\\min(t, n_{\\max})$")
-ax0.plot(x, n_plateau / N_g, label="plateau $\\lfloor t\\,n_{\\max}/(t+n_{\\max})\\rfloor \\leq n_{\\max}-1$")
-ax0.plot(x, crp / N_g, "--", label="CRP $E(t) = n_{\\max}(\\psi(n_{\\max}+t) - \\psi(n_{\\max}))$")
+ax0.plot(x, n_linear / nmax_g, label="linear $\\min(t, n_{\\max})$")
+ax0.plot(x, n_plateau / nmax_g, label="plateau $\\lfloor t\\,n_{\\max}/(t+n_{\\max})\\rfloor \\leq n_{\\max}-1$")
+ax0.plot(x, crp / nmax_g, "--", label="CRP $E(t) = n_{\\max}(\\psi(n_{\\max}+t) - \\psi(n_{\\max}))$")
 ax0.axhline(1, color="0.6", lw=0.8)
-ax0.set(xscale="log", xlabel="$t / n_{\\max}$", ylabel="centroids / $n_{\\max}$", title=f"dictionary size, $n_{{\\max}} = {N_g}$")
+ax0.set(xscale="log", xlabel="$t / n_{\\max}$", ylabel="centroids / $n_{\\max}$", title=f"dictionary size, $n_{{\\max}} = {nmax_g}$")
 ax0.legend(fontsize=8)
-ax1.loglog(t0[1:] / N_g, dn[1:], ".", ms=3, label="plateau: actual increment per chunk")
-ax1.loglog(t0[1:] / N_g, slope_increment[1:], label="$C(n_{\\max}/(n_{\\max}+t))^2$ (the slope)")
-ax1.loglog(t0[1:] / N_g, crp_new[1:], "--", label="CRP: expected new tables per chunk")
+ax1.loglog(t0[1:] / nmax_g, dn[1:], ".", ms=3, label="plateau: actual increment per chunk")
+ax1.loglog(t0[1:] / nmax_g, slope_increment[1:], label="$C(n_{\\max}/(n_{\\max}+t))^2$ (the slope)")
+ax1.loglog(t0[1:] / nmax_g, crp_new[1:], "--", label="CRP: expected new tables per chunk")
 ax1.axvline(1 / 9, color="0.6", lw=0.8, ls=":")
 ax1.set(xlabel="$t / n_{\\max}$", ylabel=f"new centroids per chunk ($C = {C_g}$)", title="increments: agree only for $t \\ll n_{\\max}$")
 ax1.legend(fontsize=8)
-ax2.loglog(t0[1:] / N_g, ratio[1:], label="$r(t)$: plateau / CRP increments")
-ax2.loglog(t0[1:] / N_g, N_g / (N_g + t0[1:]), "k--", lw=0.8, label="$n_{\\max}/(n_{\\max}+t)$ and $n_{\\max}/(n_{\\max}+t+C)$")
-ax2.loglog(t0[1:] / N_g, N_g / (N_g + t0[1:] + C_g), "k--", lw=0.8)
+ax2.loglog(t0[1:] / nmax_g, ratio[1:], label="$r(t)$: plateau / CRP increments")
+ax2.loglog(t0[1:] / nmax_g, nmax_g / (nmax_g + t0[1:]), "k--", lw=0.8, label="$n_{\\max}/(n_{\\max}+t)$ and $n_{\\max}/(n_{\\max}+t+C)$")
+ax2.loglog(t0[1:] / nmax_g, nmax_g / (nmax_g + t0[1:] + C_g), "k--", lw=0.8)
 ax2.axhline(0.9, color="tab:red", lw=0.8, ls=":", label="0.9")
 ax2.axvline(1 / 9, color="0.6", lw=0.8, ls=":")
 ax2.set(xlabel="$t / n_{\\max}$", ylabel="ratio", title="the plateau's rate relative to the CRP's")
@@ -521,10 +521,10 @@ plt.show()
 # similar the final centroids are to each other.
 
 # %%
-def clustered_keys(T, n_clusters, d, seed, noise=0.3):
+def clustered_keys(N, n_clusters, d, seed, noise=0.3):
     r = np.random.default_rng(seed)
     centres = unit(r.normal(size=(n_clusters, d)))
-    return unit(centres[r.integers(0, n_clusters, T)] + noise * r.normal(size=(T, d)) / np.sqrt(d))
+    return unit(centres[r.integers(0, n_clusters, N)] + noise * r.normal(size=(N, d)) / np.sqrt(d))
 
 
 def quantisation_error_per_chunk(cache, khat):
@@ -537,16 +537,16 @@ def quantisation_error_per_chunk(cache, khat):
     return np.array(errs)
 
 
-T_init, d_init, N_init, C_init = (2048 if SMALL else 8192), 16, 128, 64
+N_init, d_init, nmax_init, C_init = (2048 if SMALL else 8192), 16, 128, 64
 n_seeds_init = 3
 results = {"spread": [], "random": []}
 curves = {"spread": [], "random": []}
 checked_chunks = 0
 for seed in range(n_seeds_init):
-    k_cl = clustered_keys(T_init, 96, d_init, seed)
-    v_cl = np.random.default_rng(seed).normal(size=(T_init, 4))
+    k_cl = clustered_keys(N_init, 96, d_init, seed)
+    v_cl = np.random.default_rng(seed).normal(size=(N_init, 4))
     for init in ("spread", "random"):
-        _, cache = ovq.ovq_attention_forward(k_cl, k_cl, v_cl, max_size=N_init, chunk_size=C_init, init=init, seed=seed)
+        _, cache = ovq.ovq_attention_forward(k_cl, k_cl, v_cl, max_size=nmax_init, chunk_size=C_init, init=init, seed=seed)
         if init == "spread":
             # the seeds are the keys with the smallest best-similarity, in ascending order
             for rec in cache.records[1:]:
@@ -602,7 +602,7 @@ plt.show()
 
 # %%
 rng = np.random.default_rng(85)
-N_sp, C_sp, d_sp, dv_sp = 256, 32, 16, 8
+nmax_sp, C_sp, d_sp, dv_sp = 256, 32, 16, 8
 n_chunks_sp = 40 if SMALL else 200
 k_sp = clustered_keys(C_sp * n_chunks_sp, 200, d_sp, seed=5)
 v_sp = rng.normal(size=(C_sp * n_chunks_sp, dv_sp))
@@ -610,7 +610,7 @@ state = None
 touched = []
 for j in range(n_chunks_sp):
     sl = slice(j * C_sp, (j + 1) * C_sp)
-    _, cache = ovq.ovq_attention_forward(k_sp[sl], k_sp[sl], v_sp[sl], max_size=N_sp, chunk_size=C_sp, state=state)
+    _, cache = ovq.ovq_attention_forward(k_sp[sl], k_sp[sl], v_sp[sl], max_size=nmax_sp, chunk_size=C_sp, state=state)
     new = cache.state
     if state is None:
         changed = np.flatnonzero(new.counts > 0)
@@ -624,9 +624,9 @@ for j in range(n_chunks_sp):
 phi_k = elu_feature_map(k_sp[-C_sp:])
 dense_changed = np.count_nonzero(phi_k.T @ v_sp[-C_sp:])
 assert dense_changed == d_sp * dv_sp
-print(f"{n_chunks_sp} chunks of {C_sp} tokens, n_max = {N_sp}: rows changed per chunk between {min(touched)} and "
+print(f"{n_chunks_sp} chunks of {C_sp} tokens, n_max = {nmax_sp}: rows changed per chunk between {min(touched)} and "
       f"{max(touched)} (mean {np.mean(touched):.1f}), always exactly the rows the plan assigned")
-print(f"entries changed per chunk: OVQ at most {max(touched) * (d_sp + dv_sp + 1)} of {N_sp * (d_sp + dv_sp + 1)}; "
+print(f"entries changed per chunk: OVQ at most {max(touched) * (d_sp + dv_sp + 1)} of {nmax_sp * (d_sp + dv_sp + 1)}; "
       f"linear attention {dense_changed} of {d_sp * dv_sp} (all of them)")
 
 # %% [markdown]
@@ -645,35 +645,35 @@ print(f"entries changed per chunk: OVQ at most {max(touched) * (d_sp + dv_sp + 1
 # the peak minus the output must grow by less than that.
 
 # %%
-d_m, N_m, C_m = 32, 256, 64
+d_m, nmax_m, C_m = 32, 256, 64
 lengths = [2048, 8192, 32768] if SMALL else [2048, 8192, 32768, 131072]
 rows = []
-for T_m in lengths:
+for N_m in lengths:
     r = np.random.default_rng(0)
-    q_m, k_m, v_m = r.normal(size=(T_m, d_m)), r.normal(size=(T_m, d_m)), r.normal(size=(T_m, d_m))
+    q_m, k_m, v_m = r.normal(size=(N_m, d_m)), r.normal(size=(N_m, d_m)), r.normal(size=(N_m, d_m))
     tracemalloc.start()
-    out_m, st_m = ovq.ovq_attention(q_m, k_m, v_m, max_size=N_m, chunk_size=C_m, return_state=True)
+    out_m, st_m = ovq.ovq_attention(q_m, k_m, v_m, max_size=nmax_m, chunk_size=C_m, return_state=True)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    rows.append((T_m, st_m.nbytes, peak, out_m.nbytes, st_m.size))
-    print(f"N = {T_m:6d}: state {st_m.nbytes / 2**10:6.1f} KiB (n = {st_m.size}), peak {peak / 2**20:7.2f} MiB, "
+    rows.append((N_m, st_m.nbytes, peak, out_m.nbytes, st_m.size))
+    print(f"N = {N_m:6d}: state {st_m.nbytes / 2**10:6.1f} KiB (n = {st_m.size}), peak {peak / 2**20:7.2f} MiB, "
           f"of which output {out_m.nbytes / 2**20:7.2f} MiB, rest {(peak - out_m.nbytes) / 2**10:6.1f} KiB")
 rows = np.array(rows, dtype=np.int64)
 rest = rows[:, 2] - rows[:, 3]
-assert np.all(rows[:, 1] == N_m * (d_m + d_m) * 8 + N_m * 8)  # n_max (d + d_v) float64 + n_max int64, for every N
+assert np.all(rows[:, 1] == nmax_m * (d_m + d_m) * 8 + nmax_m * 8)  # n_max (d + d_v) float64 + n_max int64, for every N
 assert rest[-1] - rest[0] < 8 * (lengths[-1] - lengths[0])
 print(f"rest grew by {(rest[-1] - rest[0]) / 2**10:.1f} KiB while N grew {lengths[-1] // lengths[0]}-fold "
       f"(one float64 per token would be {8 * (lengths[-1] - lengths[0]) / 2**10:.0f} KiB)")
 
 fig, ax = plt.subplots(figsize=(6, 4))
-Ts = rows[:, 0]
-ax.loglog(Ts, rows[:, 1], "o-", label="OVQ state (nbytes)")
-ax.loglog(Ts, rest, "o-", label="OVQ peak minus output (measured)")
-ax.loglog(Ts, rows[:, 3], "o--", label="the output itself, $N d_v$ floats")
-ax.loglog(Ts, 8.0 * Ts * (d_m + d_m), ":", label="softmax KV cache, $N(d + d_v)$ floats")
-ax.loglog(Ts, 8.0 * Ts.astype(float) ** 2, ":", label="softmax scores, $N^2$ floats")
-ax.set(xlabel="sequence length $N$", ylabel="bytes", title=f"memory, $n_{{\\max}} = {N_m}$, $d = d_v = {d_m}$")
-ax.set_xticks(Ts, [str(T_m) for T_m in Ts])
+Ns = rows[:, 0]
+ax.loglog(Ns, rows[:, 1], "o-", label="OVQ state (nbytes)")
+ax.loglog(Ns, rest, "o-", label="OVQ peak minus output (measured)")
+ax.loglog(Ns, rows[:, 3], "o--", label="the output itself, $N d_v$ floats")
+ax.loglog(Ns, 8.0 * Ns * (d_m + d_m), ":", label="softmax KV cache, $N(d + d_v)$ floats")
+ax.loglog(Ns, 8.0 * Ns.astype(float) ** 2, ":", label="softmax scores, $N^2$ floats")
+ax.set(xlabel="sequence length $N$", ylabel="bytes", title=f"memory, $n_{{\\max}} = {nmax_m}$, $d = d_v = {d_m}$")
+ax.set_xticks(Ns, [str(N_m) for N_m in Ns])
 ax.minorticks_off()
 ax.legend(fontsize=8)
 plt.show()
@@ -686,11 +686,11 @@ plt.show()
 
 # %%
 rng = np.random.default_rng(86)
-T_st = 1000
-q_st, k_st, v_st = rng.normal(size=(T_st, 8)), rng.normal(size=(T_st, 8)), rng.normal(size=(T_st, 4))
+N_st = 1000
+q_st, k_st, v_st = rng.normal(size=(N_st, 8)), rng.normal(size=(N_st, 8)), rng.normal(size=(N_st, 4))
 kw_st = dict(max_size=64, chunk_size=32, return_state=True)
 out_one, st_one = ovq.ovq_attention(q_st, k_st, v_st, **kw_st)
-pieces, outs, st_p = [0, 320, 352, 704, T_st], [], None
+pieces, outs, st_p = [0, 320, 352, 704, N_st], [], None
 for lo, hi in zip(pieces[:-1], pieces[1:]):
     o, st_p = ovq.ovq_attention(q_st[lo:hi], k_st[lo:hi], v_st[lo:hi], state=st_p, **kw_st)
     outs.append(o)
@@ -738,20 +738,20 @@ assert same
 #   cache, enough rows for the $P = N/16$ associations if it spends them well.
 
 # %%
-def recall_task(T, P, d, seed, noise=0.3):
+def recall_task(N, P, d, seed, noise=0.3):
     """Queries, keys, one-hot values, the target association of every query (-1: nothing to ask yet), and K."""
     r = np.random.default_rng(seed)
     K = unit(r.normal(size=(P, d)))
-    z = r.integers(0, P, size=T)  # the association token t writes
-    first = np.full(P, T)
-    np.minimum.at(first, z, np.arange(T))  # first position that writes each association
-    target = np.full(T, -1)
-    for t in range(1, T):
+    z = r.integers(0, P, size=N)  # the association token t writes
+    first = np.full(P, N)
+    np.minimum.at(first, z, np.arange(N))  # first position that writes each association
+    target = np.full(N, -1)
+    for t in range(1, N):
         asked = np.flatnonzero((first < t) & (np.arange(P) != z[t]))  # written before t, not z_t
         if asked.size:
             target[t] = asked[r.integers(asked.size)]
-    k = unit(K[z] + noise * r.normal(size=(T, d)) / np.sqrt(d))
-    q = unit(K[np.maximum(target, 0)] + noise * r.normal(size=(T, d)) / np.sqrt(d))
+    k = unit(K[z] + noise * r.normal(size=(N, d)) / np.sqrt(d))
+    q = unit(K[np.maximum(target, 0)] + noise * r.normal(size=(N, d)) / np.sqrt(d))
     return q, k, np.eye(P)[z], target, K
 
 
@@ -772,42 +772,42 @@ D_REC, C_REC = 32, 64
 BETA_REC = np.sqrt(D_REC)
 
 
-def contestants(T, seed, **ovq_switches):
-    P, N = T // 16, T // 8
-    q, k, v, target, _ = recall_task(T, P, D_REC, seed)
+def contestants(N, seed, **ovq_switches):
+    P, n_max = N // 16, N // 8
+    q, k, v, target, _ = recall_task(N, P, D_REC, seed)
     acc = {}
     acc["softmax"] = accuracy(softmax_attention(q, k, v, scale=BETA_REC, causal=True), target)
     acc["linear"] = max(accuracy(linear_attention(s * q, s * k, v, causal=True), target) for s in (0.5, 1, 2, 4))
-    random_codes = unit(np.random.default_rng(seed + 1000).normal(size=(N, D_REC)))
+    random_codes = unit(np.random.default_rng(seed + 1000).normal(size=(n_max, D_REC)))
     acc["VQ (random codes)"] = accuracy(ovq.vq_attention(q, k, v, random_codes, chunk_size=C_REC), target)
-    acc["VQ (k-means codes)"] = accuracy(ovq.vq_attention(q, k, v, kmeans_codebook(N, D_REC, seed + 2000), chunk_size=C_REC), target)
-    acc["OVQ"] = accuracy(ovq.ovq_attention(q, k, v, max_size=N, chunk_size=C_REC, **ovq_switches), target)
+    acc["VQ (k-means codes)"] = accuracy(ovq.vq_attention(q, k, v, kmeans_codebook(n_max, D_REC, seed + 2000), chunk_size=C_REC), target)
+    acc["OVQ"] = accuracy(ovq.ovq_attention(q, k, v, max_size=n_max, chunk_size=C_REC, **ovq_switches), target)
     return acc
 
 
 lengths_rec = [512, 1024, 2048] if SMALL else [512, 1024, 2048, 4096]
 start = time.perf_counter()
-table = {T_r: contestants(T_r, seed=0) for T_r in lengths_rec}
+table = {N_r: contestants(N_r, seed=0) for N_r in lengths_rec}
 names = list(table[lengths_rec[0]])
 print(f"recall accuracy (second half of the sequence), {time.perf_counter() - start:.1f} s")
 print("     N |  P  |n_max| " + " | ".join(f"{nm:>18s}" for nm in names))
-for T_r, acc in table.items():
-    print(f"{T_r:6d} | {T_r // 16:3d} | {T_r // 8:3d} | " + " | ".join(f"{acc[nm]:18.3f}" for nm in names))
+for N_r, acc in table.items():
+    print(f"{N_r:6d} | {N_r // 16:3d} | {N_r // 8:3d} | " + " | ".join(f"{acc[nm]:18.3f}" for nm in names))
 
 fig, ax = plt.subplots(figsize=(7, 4))
 for nm, style in zip(names, ["ks--", "o-", "o-", "o-", "o-"]):
-    ax.plot(lengths_rec, [table[T_r][nm] for T_r in lengths_rec], style, label=nm, ms=8 if nm == "softmax" else 6)
+    ax.plot(lengths_rec, [table[N_r][nm] for N_r in lengths_rec], style, label=nm, ms=8 if nm == "softmax" else 6)
 ax.set(xscale="log", xlabel="sequence length $N$ ($P = N/16$ associations, $n_{\\max} = S = N/8$)", ylabel="recall accuracy",
        ylim=(0, 1.05), title="in-context recall, no training")
-ax.set_xticks(lengths_rec, [str(T_r) for T_r in lengths_rec])
+ax.set_xticks(lengths_rec, [str(N_r) for N_r in lengths_rec])
 ax.minorticks_off()
 ax.legend(fontsize=8)
 plt.show()
 
-for T_r, acc in table.items():
+for N_r, acc in table.items():
     assert acc["softmax"] >= 0.99
     baseline = max(acc["linear"], acc["VQ (random codes)"], acc["VQ (k-means codes)"])
-    assert acc["OVQ"] >= baseline + 0.2, (T_r, acc)
+    assert acc["OVQ"] >= baseline + 0.2, (N_r, acc)
 assert table[lengths_rec[-1]]["OVQ"] >= 0.97
 
 # %% [markdown]
@@ -844,21 +844,21 @@ assert table[lengths_rec[-1]]["OVQ"] >= 0.97
 # must share a centroid, whose value mean then holds both answers.
 
 # %%
-T_n = 1024 if SMALL else 4096
-P_n = T_n // 16
-q_n, k_n, v_n, target_n, _ = recall_task(T_n, P_n, D_REC, seed=0)
+N_n = 1024 if SMALL else 4096
+P_n = N_n // 16
+q_n, k_n, v_n, target_n, _ = recall_task(N_n, P_n, D_REC, seed=0)
 ratios = [0.25, 0.5, 1, 2, 4]
 acc_vs_n = [accuracy(ovq.ovq_attention(q_n, k_n, v_n, max_size=int(r_ * P_n), chunk_size=C_REC), target_n) for r_ in ratios]
-n_final = [ovq.dictionary_size(T_n, int(r_ * P_n)) for r_ in ratios]
+n_final = [ovq.dictionary_size(N_n, int(r_ * P_n)) for r_ in ratios]
 for r_, a_, nf in zip(ratios, acc_vs_n, n_final):
-    print(f"n_max = {r_:4} x P = {int(r_ * P_n):4d} (n(N) = {nf:4d}, state {100 * r_ * P_n / T_n:5.1f}% of the KV cache): "
+    print(f"n_max = {r_:4} x P = {int(r_ * P_n):4d} (n(N) = {nf:4d}, state {100 * r_ * P_n / N_n:5.1f}% of the KV cache): "
           f"accuracy {a_:.3f}")
 fig, ax = plt.subplots(figsize=(6, 3.5))
-percent = np.array(ratios) * P_n / T_n * 100
+percent = np.array(ratios) * P_n / N_n * 100
 ax.plot(percent, acc_vs_n, "o-", label="OVQ")
-ax.axhline(table[T_n]["softmax"], color="k", ls=":", label="full softmax (same task)")
+ax.axhline(table[N_n]["softmax"], color="k", ls=":", label="full softmax (same task)")
 ax.set(xscale="log", xlabel="OVQ state as % of the KV cache ($n_{\\max}/N$)", ylabel="recall accuracy", ylim=(0, 1.05),
-       title=f"$N = {T_n}$, $P = {P_n}$ associations")
+       title=f"$N = {N_n}$, $P = {P_n}$ associations")
 ax.set_xticks(percent, [f"{x:.3g}" for x in percent])
 ax.minorticks_off()
 ax.legend()
@@ -896,16 +896,16 @@ assert acc_vs_n[0] < 0.75 and acc_vs_n[-1] >= 0.97  # too few rows cannot hold P
 # note whether the two rows were seeded by the same association.
 
 # %%
-T_da, N_da = 4096, 512
+N_da, nmax_da = 4096, 512
 da_seeds = range(4)
 da = {"joined": [], "differ": [], "same association": []}
 per_chunk = []  # (tokens seen before the chunk, keys that joined, of which assigned to a farther centroid)
 for seed in da_seeds:
-    q_d, k_d, v_d, _, _ = recall_task(T_da, T_da // 16, D_REC, seed)
+    q_d, k_d, v_d, _, _ = recall_task(N_da, N_da // 16, D_REC, seed)
     written = np.argmax(v_d, axis=1)
-    _, cache_d = ovq.ovq_attention_forward(q_d, k_d, v_d, max_size=N_da, chunk_size=C_REC)
+    _, cache_d = ovq.ovq_attention_forward(q_d, k_d, v_d, max_size=nmax_da, chunk_size=C_REC)
     kh_d = unit(k_d)
-    seeded_by = np.full(N_da, -1)  # the association of the key that seeded each row
+    seeded_by = np.full(nmax_da, -1)  # the association of the key that seeded each row
     joined_s = differ_s = same_s = 0
     for rec in cache_d.records:
         kc = kh_d[rec.start : rec.stop]
@@ -930,7 +930,7 @@ da = {key: np.array(val) for key, val in da.items()}
 rate_seed = da["differ"] / da["joined"]
 rate_da = da["differ"].sum() / da["joined"].sum()
 same_da = da["same association"].sum() / da["differ"].sum()
-print(f"N = {T_da}, n_max = {N_da}, C = {C_REC}, d = {D_REC}: keys that joined an existing centroid per seed {da['joined']}")
+print(f"N = {N_da}, n_max = {nmax_da}, C = {C_REC}, d = {D_REC}: keys that joined an existing centroid per seed {da['joined']}")
 print(f"assigned by dot product to a centroid that is not the nearest: {da['differ']} "
       f"({np.round(100 * rate_seed, 2)} %); all seeds {100 * rate_da:.2f} %")
 print(f"of these, both rows seeded by the same association: {100 * same_da:.1f} %")
@@ -989,7 +989,7 @@ plt.show()
 # recent members more has more.
 
 # %%
-T_ab = lengths_rec[-1]
+N_ab = lengths_rec[-1]
 ablations = {
     "default (spread, plateau, count bias, 1/c)": {},
     "init = random": {"init": "random"},
@@ -1003,10 +1003,10 @@ ablations = {
 ab_seeds = range(4)
 ab = {name: {"acc": [], "owners": [], "norm": [], "min norm": [], "1 - cos": []} for name in ablations}
 for seed in ab_seeds:
-    q_a, k_a, v_a, target_a, K_a = recall_task(T_ab, T_ab // 16, D_REC, seed)
+    q_a, k_a, v_a, target_a, K_a = recall_task(N_ab, N_ab // 16, D_REC, seed)
     written = np.argmax(v_a, axis=1)  # the association each token wrote
     for name, kw in ablations.items():
-        out_a, cache_a = ovq.ovq_attention_forward(q_a, k_a, v_a, max_size=T_ab // 8, chunk_size=C_REC, seed=seed, **kw)
+        out_a, cache_a = ovq.ovq_attention_forward(q_a, k_a, v_a, max_size=N_ab // 8, chunk_size=C_REC, seed=seed, **kw)
         rows_a, st_a = np.concatenate([rec.rows for rec in cache_a.records]), cache_a.state
         n_a = st_a.size
         owner = np.array([np.bincount(written[rows_a == m]).argmax() for m in range(n_a)])
@@ -1017,7 +1017,7 @@ for seed in ab_seeds:
         ab[name]["min norm"].append(norms_a.min())
         ab[name]["1 - cos"].append(np.average(1 - np.sum(unit(st_a.keys[:n_a]) * K_a[owner], axis=1),
                                               weights=st_a.counts[:n_a]))
-print(f"N = {T_ab}, P = {T_ab // 16} associations, n_max = {T_ab // 8}; per seed")
+print(f"N = {N_ab}, P = {N_ab // 16} associations, n_max = {N_ab // 8}; per seed")
 print(f"{'':43s} | {'accuracy':29s} | associations owning a row | centroid norms | 1 - cos(D_k, K_p)")
 for name, r_ in ab.items():
     print(f"{name:43s} | {str(np.round(r_['acc'], 3)):29s} | {str(r_['owners']):25s} | "
@@ -1029,7 +1029,7 @@ default = acc_ab[default_name]
 constant = [name for name in ablations if name.startswith("constant rate")]
 assert np.all(default > acc_ab["init = random"])  # spread beats random on every seed
 assert np.all(default >= acc_ab["growth = linear"]) and default.mean() > acc_ab["growth = linear"].mean()
-assert ab[default_name]["owners"] == [T_ab // 16] * len(ab_seeds)
+assert ab[default_name]["owners"] == [N_ab // 16] * len(ab_seeds)
 for name in ablations:  # every rule keeps convex combinations of unit keys: bounded, for every eta
     assert max(ab[name]["norm"]) <= 1 + 4 * U, name
 assert min(ab["constant rate 1"]["min norm"]) >= 1 - 4 * U  # eta = 1 keeps the last member, a unit key

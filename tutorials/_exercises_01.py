@@ -15,7 +15,7 @@ import numpy as np
 from scipy import special
 
 from _course import exercise
-from refimpl import gmm
+from refimpl import gmm, tuned
 
 U = np.finfo(np.float64).eps  # machine epsilon u = 2^-52
 
@@ -49,7 +49,7 @@ def _direct_log_joint(x, means, variances, weights):
 
 def _centred_expansion(x, means, variances, weights):
     """Softmax of the centred expansion's logits, without refimpl's recomputation."""
-    logits, _ = gmm.log_joint(x, means, variances, np.log(weights), refine=False)
+    logits, _ = tuned.log_joint(x, means, variances, np.log(weights), refine=False)
     return gmm.softmax(logits, axis=1), logits
 
 
@@ -184,7 +184,7 @@ def check_spread_failure_case(case):
     * the posterior is well posed: the definition evaluated in float64 with
       the differences formed first, and ``gmm.responsibilities``, agree with
       the extended-precision reference to ``1e-12`` in every row;
-    * the centred expansion (``gmm.log_joint(..., refine=False)``, then a
+    * the centred expansion (``tuned.log_joint(..., refine=False)``, then a
       softmax) is wrong by more than ``0.1`` of the largest entry in some row.
     """
     assert isinstance(case, tuple) and len(case) == 4, (

@@ -2,7 +2,7 @@
 
 Each check builds its own seeded problem at small sizes, calls the answer and
 compares it with an independent result: central differences of the explicit
-form (4.1), ``refimpl.scan.feature_attention_backward`` and
+form (4.1), ``refimpl.attention.feature_attention_backward`` and
 ``refimpl.gma.gma_backward`` with ``causal=True`` and a chunk size that does
 not divide the sequence (4.2, 4.3), ``refimpl.theory`` (4.4).  Machine
 epsilon is ``U`` (the glossary's $u$); every tolerance says where it comes
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from _course import exercise
-from refimpl import gma, scan, theory
+from refimpl import attention, gma, theory
 
 U = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16
 FIELDS = ("x_q", "x_k", "v", "means", "raw_variances", "logits")
@@ -94,8 +94,8 @@ def check_causal_mixing_backward(causal_mixing_backward):
     for n, K, d_v in ((1, 2, 2), (11, 3, 2), (17, 4, 3)):
         gq, gk = _responsibilities(rng, n, K), _responsibilities(rng, n, K)
         v, G = rng.normal(size=(n, d_v)), rng.normal(size=(n, d_v))
-        out, cache = scan.feature_attention_forward(gq, gk, v, causal=True, eps=eps, chunk_size=3)
-        ref = scan.feature_attention_backward(G, cache)
+        out, cache = attention.feature_attention_forward(gq, gk, v, causal=True, eps=eps, chunk_size=3)
+        ref = attention.feature_attention_backward(G, cache)
         got = _call(causal_mixing_backward, G.copy(), gq.copy(), gk.copy(), v.copy(), eps)
         assert isinstance(got, tuple) and len(got) == 3, "expected a tuple (d_gamma_q, d_gamma_k, d_v)"
         shapes = {"d_gamma_q": (n, K), "d_gamma_k": (n, K), "d_v": (n, d_v)}

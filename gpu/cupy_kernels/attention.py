@@ -14,15 +14,15 @@ Launch plan
    overflowed rows) and the softmax, in place.
 3. ``P v``: one batched GEMM.
 
-With NumPy the row kernel's twin is :func:`refimpl.numerics.softmax`.
+With NumPy the row kernel's twin is :func:`refimpl.tuned.softmax_rows`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from refimpl import numerics
-from refimpl.attention import check_batched_softmax_attention, check_score_maxima, check_softmax_attention
+from refimpl import tuned
+from refimpl.validation import check_batched_softmax_attention, check_score_maxima, check_softmax_attention
 
 from ._backend import RawModuleSource, all_true, as_module_array, check_finite, device_module, host_view, is_device_array, result, to_host
 
@@ -49,7 +49,7 @@ def softmax_rows(xp, t, scale, n_q, causal):
             upper = np.triu_indices(n_q, k=1)
             t3[:, upper[0], upper[1]] = -np.inf
         row_max = np.max(t, axis=1)
-        numerics.softmax(t, axis=1, out=t)
+        tuned.softmax_rows(t)
         return row_max
     row_max = xp.empty(R, dtype=t.dtype)
     if R:

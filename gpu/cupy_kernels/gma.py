@@ -19,12 +19,14 @@ the heads); then the scan: the write ``Gamma_K^T [V, 1]`` and the read
 ``Gamma_Q [S, z]`` are batched GEMMs, and when causal the chunk states too,
 with the masked within-chunk blocks in one kernel (``scan.cu``).
 
-Backward: the scan's backward (GEMMs and the chunk kernel), then per side
-``c = gamma (g - sum_m gamma_m g_m)`` (a row reduction and an element-wise
-kernel), ``dx = c @ (mc p) - xc * (c @ p)`` (one GEMM ``c @ [mc p, p]`` and an
-element-wise kernel) and the sums over the tokens ``c^T [xc^2, xc]`` (one
-GEMM); the ``(K, d_r)`` parameter gradients are finished with array code and
-``dL/ds = dL/dsigma^2 sigmoid(s)`` (an element-wise kernel).
+Backward: the scan's backward (GEMMs and the chunk kernel), then, per side,
+the gradients through the responsibilities as the matrix products of
+``docs/derivations/gma.md#parameter-gradients-as-matrix-products``
+(:func:`refimpl.tuned.gma_backward` on the host): the softmax backward (a row
+reduction and an element-wise kernel), ``dx`` (one GEMM and an element-wise
+kernel) and the sums over the tokens (one GEMM); the ``(K, d_r)`` parameter
+gradients are finished with array code and the chain rule through the
+softplus (an element-wise kernel).
 """
 
 from __future__ import annotations

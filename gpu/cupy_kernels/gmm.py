@@ -20,13 +20,14 @@ Launch plan
    row adds the constants, takes ``min_k q_ik``, the row maximum and the sum
    of exponentials (a warp butterfly) and overwrites ``t`` with the
    responsibilities (or their logarithms).
-3. The screen: one GEMV ``xc^2 @ max_k p`` and one comparison on the host;
-   in the common case that is all.  Otherwise the rows the screen cannot
-   clear are redone with plain array code (the reference's logic on those
-   rows only) and scattered back.
+3. The screen of :mod:`refimpl.tuned` (its functions take the array module):
+   one GEMV ``xc^2 @ max_k p`` and one comparison on the host; in the common
+   case that is all.  Otherwise the spoiled logits of the rows the screen
+   cannot clear are recomputed from the differences, and those rows go
+   through the row kernel once more.
 
 Every step is written for an array module ``xp``: the ``*_xp`` functions run
-with NumPy (the row kernel's NumPy twin is :mod:`refimpl.numerics`' softmax)
+with NumPy (the row kernel's NumPy twin is :func:`refimpl.tuned.softmax_rows`)
 on a machine without a GPU, and with CuPy on the device.
 """
 
@@ -36,8 +37,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refimpl import numerics, validation
-from refimpl.gmm import CANCELLATION_RATIO, EXACT_LOGIT_TOL, LOG_2PI
+from refimpl import tuned, validation
+from refimpl.gmm import LOG_2PI
 
 from ._backend import RawModuleSource, all_true, as_module_array, check_finite, device_module, host_view, is_device_array, result, to_host
 
@@ -61,7 +62,7 @@ def normalise_rows(xp, t, shift, log_norm, n_rows_per_seq, log):
 
     Row ``r`` uses mixture ``h = (r // n_rows_per_seq) % H`` of ``shift`` and
     ``log_norm`` (H, K).  Returns ``min_quad`` (R,): ``-2 max_k (t + shift)``.
-    With NumPy the same math runs through :mod:`refimpl.numerics`.
+    With NumPy the same math runs through :func:`refimpl.tuned.softmax_rows`.
     """
     R, K = t.shape
     H = shift.shape[0]
@@ -72,7 +73,7 @@ def normalise_rows(xp, t, shift, log_norm, n_rows_per_seq, log):
             half = t4 + shift[:, None, :]
             min_quad = -2 * np.max(half, axis=-1)
             np.add(half, log_norm[:, None, :], out=t4)
-        (numerics.log_softmax if log else numerics.softmax)(t, axis=1, out=t)
+        (tuned.log_softmax_rows if log else tuned.softmax_rows)(t)
         return min_quad.reshape(R)
     min_quad = xp.empty(R, dtype=t.dtype)
     if R:
@@ -95,8 +96,7 @@ class Expansion(NamedTuple):
     max_precision: object  # (H, d): max_k p_kj, for the screen
     root_max_sq_mu: object  # (H,): sqrt(max_k c_k), for the screen
     kappa: float  # (4 + sqrt(2d)) u / 2: a logit's error per unit of s (one GEMM of 2d terms)
-    tol: float  # EXACT_LOGIT_TOL u
-    screen_limit: float  # tol / kappa
+    screen_limit: float  # EXACT_LOGIT_TOL u / kappa
 
 
 def expansion(xp, means, variances, log_weights) -> Expansion:
@@ -113,13 +113,11 @@ def expansion(xp, means, variances, log_weights) -> Expansion:
         # log N(x | mu, sigma^2) = -(d/2) log 2 pi - (1/2) sum_j log sigma_j^2 - q / 2
         log_norm = log_weights - 0.5 * (d * LOG_2PI + xp.sum(xp.log(variances), axis=2))
         root_max_sq_mu = xp.sqrt(sq_mu.max(axis=1))
-    u = float(np.finfo(dtype).eps)
-    # one GEMM adds 2d terms of total size s / 2: its error is about (4 + sqrt(2d)) u s / 2 (refimpl.gmm: sqrt(d), two GEMMs)
-    kappa = 0.5 * (4.0 + np.sqrt(2 * d)) * u
-    tol = EXACT_LOGIT_TOL * u
+    # one GEMM adds 2d terms of total size s / 2: its error is about (4 + sqrt(2d)) u s / 2 (refimpl.tuned: sqrt(d), two GEMMs)
+    kappa = tuned.logit_error_scale(2 * d, dtype)
     return Expansion(
         means, precisions, centre, w, xp.ascontiguousarray(-0.5 * sq_mu), sq_mu, xp.ascontiguousarray(log_norm),
-        precisions.max(axis=1), root_max_sq_mu, dtype.type(kappa), dtype.type(tol), dtype.type(tol / kappa),
+        precisions.max(axis=1), root_max_sq_mu, kappa, dtype.type(tuned.EXACT_LOGIT_TOL * np.finfo(dtype).eps / kappa),
     )
 
 
@@ -131,66 +129,23 @@ def head_matmul(xp, a, w):
     return xp.matmul(a, w)
 
 
-def posterior_window(K: int, dtype) -> float:
-    """Logits more than ``log(K / (EXACT_LOGIT_TOL u))`` below the row maximum carry total weight < ``EXACT_LOGIT_TOL u``."""
-    return float(np.log(K / (EXACT_LOGIT_TOL * np.finfo(dtype).eps)))
+def _refine_head(xp, xb, xcat, ex, h, window):
+    """The screen-and-recompute of :mod:`refimpl.tuned` on rows ``xb`` (S, d) of mixture ``h`` that the screen did not clear.
 
-
-def softmax_rows(xp, a, log):
-    """``softmax(a)`` (or ``log_softmax``) per row with the row maximum subtracted (0 where not finite): :mod:`refimpl.numerics`."""
-    m = xp.max(a, axis=1, keepdims=True)
-    m = xp.where(xp.isfinite(m), m, 0).astype(a.dtype)
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        shifted = a - m
-        if log:
-            return shifted - xp.log(xp.sum(xp.exp(shifted), axis=1, keepdims=True))
-        e = xp.exp(shifted)
-        return e * (1 / xp.sum(e, axis=1, keepdims=True))
-
-
-def _exact_quadratic_form(xp, xb, means, precisions, rows, cols):
-    """``q_ik = sum_j (x_ij - mu_kj)^2 p_kj`` for the listed pairs, from the differences themselves."""
-    out = xp.empty(rows.size, dtype=xb.dtype)
-    for s in range(0, rows.size, _EXACT_BLOCK):
-        r, c = rows[s : s + _EXACT_BLOCK], cols[s : s + _EXACT_BLOCK]
-        # no cancellation: every term is a rounded square of a rounded difference, all >= 0
-        with np.errstate(over="ignore", invalid="ignore"):
-            diff = xb[r] - means[c]
-            out[s : s + _EXACT_BLOCK] = xp.sum(diff * diff * precisions[c], axis=1)
-    return out
-
-
-def _refine_head(xp, xb, xcat, ex, h, window, log):
-    """The reference's screen-and-recompute on rows ``xb`` (S, d) of mixture ``h`` that the screen did not clear.
-
-    Returns their (log) responsibilities (S, K) and ``min_quad`` (S,).
+    Returns their ``-q / 2`` (S, K), the spoiled entries recomputed: what the
+    row kernel normalises with a shift of 0 (adding ``-c / 2`` back to
+    ``t = -q / 2 + c / 2`` would cancel again).
     """
     d = xb.shape[1]
-    kappa, tol, ratio = ex.kappa, ex.tol, xb.dtype.type(CANCELLATION_RATIO)
     means, prec = ex.means[h], ex.precisions[h]
     with np.errstate(over="ignore", invalid="ignore"):
         # -q/2 and l = log_norm - q/2 of these rows by the expansion, as the GEMM computed them
         half = xp.matmul(xcat, ex.w[h]) + ex.shift[h]
-        lg = half + ex.log_norm[h]
-        min_quad = -2 * xp.max(half, axis=1)
-        sq_x = xp.matmul(xcat[:, :d], xp.ascontiguousarray(prec.T))  # a_ik = sum_j xc_ij^2 p_kj
-        size = (xp.sqrt(sq_x) + xp.sqrt(ex.sq_mu[h])) ** 2
-        err = kappa * size
-        known = xp.isfinite(lg) & xp.isfinite(err)
-        # the row maximum is at least max_j (l_ij - err_ij) over the entries the bound vouches for
-        floor = xp.max(xp.where(known, lg - err, -xp.inf), axis=1, keepdims=True)
-        # an entry below floor - window stays below it, exactly and as computed: its weight is < e^-window
-        near = lg + err >= floor - window
-        spoiled = (err > tol) & (size > ratio * (-2 * half))
-    redo = ~known | (spoiled & near)
-    r, c = xp.nonzero(redo)
+        sq_x = xp.matmul(xcat[:, :d], xp.ascontiguousarray(prec.T))  # xi_ik = sum_j xc_ij^2 p_kj
+    r, c = xp.nonzero(tuned.spoiled_logits(xp, half + ex.log_norm[h], half, sq_x, ex.sq_mu[h], ex.kappa, window))
     if r.size:
-        exact = _exact_quadratic_form(xp, xb, means, prec, r, c)
-        half[r, c] = -0.5 * exact
-        lg[r, c] = ex.log_norm[h][c] - 0.5 * exact
-        redone = xp.unique(r)
-        min_quad[redone] = -2 * xp.max(half[redone], axis=1)
-    return softmax_rows(xp, lg, log), min_quad
+        half[r, c] = -0.5 * tuned.exact_quadratic_form(xp, xb, means, prec, r, c, _EXACT_BLOCK)
+    return half
 
 
 def posterior_xp(xp, x, ex, log=False, refine=True):
@@ -217,16 +172,14 @@ def posterior_xp(xp, x, ex, log=False, refine=True):
     if not refine or t.size == 0:
         return t, min_quad
     with np.errstate(over="ignore", invalid="ignore"):
-        # screen in O(N d): s_ik <= s_row = (sqrt(sum_j xc_ij^2 max_k p_kj) + sqrt(max_k c_k))^2 for every k,
-        # and a row is fine where kappa s_row <= tol or s_row <= 16 min_k q_ik
+        # screen in O(N d): s_ik <= s_row = (sqrt(sum_j xc_ij^2 max_k p_kj) + sqrt(max_k c_k))^2 for every k
         s_row = xp.sqrt(head_matmul(xp, xc2, ex.max_precision[:, :, None])[..., 0])
         s_row += ex.root_max_sq_mu[:, None]
         s_row *= s_row
-        if all_true(xp, s_row <= ex.screen_limit):  # the common case, decided in one comparison (NaN fails it)
-            return t, min_quad
-        fine = s_row <= xp.maximum(ex.screen_limit, xp.asarray(CANCELLATION_RATIO, dtype=x.dtype) * min_quad)
-    window = posterior_window(K, x.dtype)
-    bad = ~fine  # NaN counts as suspect
+    if all_true(xp, s_row <= ex.screen_limit):  # the common case, decided in one comparison (NaN fails it)
+        return t, min_quad
+    window = tuned.posterior_window(K, x.dtype)
+    bad = tuned.suspect_rows(xp, s_row, min_quad, ex.screen_limit)
     t_flat, mq_flat = t.reshape(-1, K), min_quad.reshape(-1)
     x_flat, xcat_flat = x.reshape(-1, d), xcat.reshape(-1, 2 * d)
     for h in range(H):
@@ -235,9 +188,9 @@ def posterior_xp(xp, x, ex, log=False, refine=True):
             continue
         # flat row of sequence (g, h), token i: (g H + h) N + i
         rows = (rows // N) * (H * N) + h * N + rows % N
-        gamma_h, mq_h = _refine_head(xp, x_flat[rows], xcat_flat[rows], ex, h, window, log)
-        t_flat[rows] = gamma_h
-        mq_flat[rows] = mq_h
+        half = _refine_head(xp, x_flat[rows], xcat_flat[rows], ex, h, window)
+        mq_flat[rows] = normalise_rows(xp, half, xp.zeros_like(ex.shift[h : h + 1]), ex.log_norm[h : h + 1], half.shape[0], log)
+        t_flat[rows] = half
     return t, min_quad
 
 

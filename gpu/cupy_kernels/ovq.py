@@ -3,7 +3,7 @@ r"""Online vector-quantized (OVQ) attention and the VQ baseline with CuPy: :func
 What it computes
 ----------------
 What :mod:`refimpl.ovq` computes, with its conventions (its module docstring
-fixes them): one head, one sequence, ``q, k (T, d)``, ``v (T, d_v)``;
+fixes them): one head, one sequence, ``q, k (N, d)``, ``v (N, d_v)``;
 chunk by chunk, the read-out of the chunk against the dictionary and the
 chunk's own earlier keys, then growth, seeding (``init="random"`` draws on
 the host with refimpl's generator, so the seeds are the same), assignment
@@ -45,13 +45,10 @@ NumPy twin, which is refimpl's arithmetic: the results equal
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 
-from refimpl import numerics, validation
+from refimpl import gmm, numerics, validation
 from refimpl import ovq as ref_ovq
-from refimpl.gmm import merge_running_means
 
 from ._backend import RawModuleSource, all_true, as_module_array, check_finite, device_module, host_view, is_device_array, result, to_host
 
@@ -94,7 +91,7 @@ def readout_rows(xp, t, bias, beta, n, row_max):
         t[:, n:][np.triu(np.ones((L, L), dtype=bool), k=1)] = -np.inf
         row_max[...] = np.max(t, axis=1)
         with np.errstate(invalid="ignore"):  # an overflowed row (refused by the caller) gives NaN, not a warning
-            numerics.softmax(t, axis=1, out=t)
+            t[...] = numerics.softmax(t, axis=1)
         return t
     use_bias = bias is not None and n > 0
     bias = bias if use_bias else row_max  # not read without the bias
@@ -126,7 +123,7 @@ def update_rows(xp, D, x, assign, counts, eta):
         keep = assign >= 0
         if eta is None:
             # exact running mean: (c D + sum_S x) / (c + |S|), sums in token order
-            D[...], new_counts = merge_running_means(D, counts, x[keep], assign[keep])
+            D[...], new_counts = gmm.running_mean_update(D, counts, x[keep], assign[keep])
             return new_counts
         _constant_rate_twin(D, x, assign, eta)
         return counts + np.bincount(assign[keep], minlength=n_rows)
@@ -206,21 +203,21 @@ def _plan(xp, khat, Dk, n, n_add, p, t):
 
 
 def _ovq_run_xp(xp, q, k, v, p, state, dtype):
-    """Core: ``(out, (D_k, D_v, c, n, t), row maxima (T,))`` on ``xp``; no raise."""
-    T, d = q.shape
+    """Core: ``(out, (D_k, D_v, c, n, t), row maxima (N,))`` on ``xp``; no raise."""
+    N, d = q.shape
     d_v = v.shape[1]
-    N, C = p.max_size, p.chunk_size
+    n_max, C = p.max_size, p.chunk_size
     if state is None:
-        Dk, Dv, counts = xp.zeros((N, d), dtype), xp.zeros((N, d_v), dtype), xp.zeros(N, np.int64)
+        Dk, Dv, counts = xp.zeros((n_max, d), dtype), xp.zeros((n_max, d_v), dtype), xp.zeros(n_max, np.int64)
         n, t = 0, 0
     else:
         Dk, Dv = (as_module_array(xp, a, dtype).copy() for a in (state.keys, state.values))
         counts = as_module_array(xp, state.counts, np.int64).copy()
         n, t = state.size, state.tokens_seen
-    out = xp.empty((T, d_v), dtype=dtype)
-    row_max = xp.empty(T, dtype=dtype)
-    for s in range(0, T, C):
-        e = min(s + C, T)
+    out = xp.empty((N, d_v), dtype=dtype)
+    row_max = xp.empty(N, dtype=dtype)
+    for s in range(0, N, C):
+        e = min(s + C, N)
         L = e - s
         qhat, khat = unit_rows_xp(xp, q[s:e]), unit_rows_xp(xp, k[s:e])
         vc = v[s:e]
@@ -231,9 +228,9 @@ def _ovq_run_xp(xp, q, k, v, p, state, dtype):
             P = readout_rows(xp, xp.matmul(qhat, keys.T), log_c, p.beta, n, row_max[s:e])
             values = xp.concatenate([Dv[:n], vc]) if n else vc
             out[s:e] = xp.matmul(P, values)
-        # grow: n' = max(n, growth(t + L, N))
+        # grow: n' = max(n, growth(t + L, n_max))
         t_next = t + L
-        n_next = max(n, ref_ovq.dictionary_size(t_next, N, p.growth))
+        n_next = max(n, ref_ovq.dictionary_size(t_next, n_max, p.growth))
         # assign and update
         rows, seeds = _plan(xp, khat, Dk, n, n_next - n, p, t)
         Dk[n:n_next] = khat[seeds]
@@ -248,14 +245,14 @@ def _ovq_run_xp(xp, q, k, v, p, state, dtype):
 
 
 def _vq_run_xp(xp, q, k, v, codebook, C, beta):
-    """Core of :func:`vq_attention`: ``(out, row maxima (T,))`` on ``xp``; no raise."""
-    T, S, dtype = q.shape[0], codebook.shape[0], q.dtype
+    """Core of :func:`vq_attention`: ``(out, row maxima (N,))`` on ``xp``; no raise."""
+    N, S, dtype = q.shape[0], codebook.shape[0], q.dtype
     value_means = xp.zeros((S, v.shape[1]), dtype=dtype)
     counts = xp.zeros(S, dtype=np.int64)
-    out = xp.empty((T, v.shape[1]), dtype=dtype)
-    row_max = xp.empty(T, dtype=dtype)
-    for s in range(0, T, C):
-        e = min(s + C, T)
+    out = xp.empty((N, v.shape[1]), dtype=dtype)
+    row_max = xp.empty(N, dtype=dtype)
+    for s in range(0, N, C):
+        e = min(s + C, N)
         qhat, khat = unit_rows_xp(xp, q[s:e]), unit_rows_xp(xp, k[s:e])
         # nearest code by dot product; argmax takes the lowest index on ties
         z = xp.argmax(xp.matmul(khat, codebook.T), axis=1).astype(np.int64)
@@ -278,14 +275,17 @@ def _vq_run_xp(xp, q, k, v, codebook, C, beta):
 # ---------------------------------------------------------------------------
 
 
-def ovq_attention_xp(xp, q, k, v, *, return_state: bool = False, **options):
+def ovq_attention_xp(xp, q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread", count_bias=True,
+                     learning_rate=None, seed=0, state=None, return_state=False):
     """:func:`ovq_attention` computed with the array module ``xp`` (NumPy or CuPy): the checks, the core, the checks of the results."""
-    on_device = any(is_device_array(a) for a in (q, k, v))
-    hq, hk, hv, p, state, dtype = ref_ovq.check_call("ovq_attention", host_view(q), host_view(k), host_view(v), options)
+    on_device = any(is_device_array(x) for x in (q, k, v))
+    a = ref_ovq.check_ovq_arguments(
+        host_view(q), host_view(k), host_view(v), max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state
+    )
     return_state = validation.check_bool(return_state, "return_state")
-    q, k, v = _tokens(xp, (q, k, v), (hq, hk, hv), ("q", "k", "v"), dtype)
-    out, (Dk, Dv, counts, n, t), row_max = _ovq_run_xp(xp, q, k, v, p, state, dtype)
-    ref_ovq.check_overflow(_overflow(xp, row_max), state, dtype)
+    q, k, v = _tokens(xp, (q, k, v), (a.q, a.k, a.v), ("q", "k", "v"), a.dtype)
+    out, (Dk, Dv, counts, n, t), row_max = _ovq_run_xp(xp, q, k, v, a.params, a.state, a.dtype)
+    ref_ovq.check_overflow(_overflow(xp, row_max), a.state, a.dtype)
     out = result(out, on_device)
     if not return_state:
         return out
@@ -294,26 +294,27 @@ def ovq_attention_xp(xp, q, k, v, *, return_state: bool = False, **options):
 
 def vq_attention_xp(xp, q, k, v, codebook, *, chunk_size, beta=None):
     """:func:`vq_attention` computed with the array module ``xp``."""
-    on_device = any(is_device_array(a) for a in (q, k, v, codebook))
-    hq, hk, hv, codebook, C, beta = ref_ovq.check_vq_call(host_view(q), host_view(k), host_view(v), to_host(codebook), chunk_size, beta)
-    dtype = codebook.dtype
-    q, k, v = _tokens(xp, (q, k, v), (hq, hk, hv), ("q", "k", "v"), dtype)
-    out, row_max = _vq_run_xp(xp, q, k, v, as_module_array(xp, codebook, dtype), C, beta)
+    on_device = any(is_device_array(x) for x in (q, k, v, codebook))
+    a = ref_ovq.check_vq_arguments(host_view(q), host_view(k), host_view(v), to_host(codebook), chunk_size, beta)
+    dtype = a.codebook.dtype
+    q, k, v = _tokens(xp, (q, k, v), (a.q, a.k, a.v), ("q", "k", "v"), dtype)
+    out, row_max = _vq_run_xp(xp, q, k, v, as_module_array(xp, a.codebook, dtype), a.chunk_size, a.beta)
     validation.check_overflowed_rows(*_overflow(xp, row_max), dtype, "beta, codebook", "lower beta or rescale the codebook")
     return result(out, on_device)
 
 
-def ovq_attention(q, k, v, *, return_state: bool = False, **options):
+def ovq_attention(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread", count_bias=True,
+                  learning_rate=None, seed=0, state=None, return_state=False):
     """Online vector-quantized attention, causal, chunk by chunk (:func:`refimpl.ovq.ovq_attention`).
 
     Parameters
     ----------
-    q, k : array_like or cupy.ndarray, shape (T, d)
+    q, k : array_like or cupy.ndarray, shape (N, d)
         Queries and keys (unit-normalised inside).
-    v : array_like or cupy.ndarray, shape (T, d_v)
+    v : array_like or cupy.ndarray, shape (N, d_v)
         Values (not normalised).
     max_size : int
-        ``N``, the most centroids (>= 1).
+        ``n_max``, the most centroids (>= 1).
     chunk_size : int
         ``C`` (>= 1); the last chunk may be shorter.
     beta : float, optional
@@ -338,7 +339,7 @@ def ovq_attention(q, k, v, *, return_state: bool = False, **options):
 
     Returns
     -------
-    out : numpy.ndarray or cupy.ndarray, shape (T, d_v)
+    out : numpy.ndarray or cupy.ndarray, shape (N, d_v)
         A CuPy array when any of ``q, k, v`` is a device array, else NumPy;
         the dtype of the inputs (a float64 ``state`` makes it float64).
     state : refimpl.ovq.OVQState
@@ -350,10 +351,10 @@ def ovq_attention(q, k, v, *, return_state: bool = False, **options):
         When CuPy has no usable device and the inputs are NumPy arrays.
     """
     xp = device_module(q, k, v)
-    return ovq_attention_xp(xp, q, k, v, return_state=return_state, **options)
-
-
-ovq_attention.__signature__ = inspect.signature(ref_ovq.ovq_attention)
+    return ovq_attention_xp(
+        xp, q, k, v, max_size=max_size, chunk_size=chunk_size, beta=beta, growth=growth, init=init, count_bias=count_bias,
+        learning_rate=learning_rate, seed=seed, state=state, return_state=return_state,
+    )
 
 
 def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
@@ -361,9 +362,9 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
 
     Parameters
     ----------
-    q, k : array_like or cupy.ndarray, shape (T, d)
+    q, k : array_like or cupy.ndarray, shape (N, d)
         Queries and keys (unit-normalised inside).
-    v : array_like or cupy.ndarray, shape (T, d_v)
+    v : array_like or cupy.ndarray, shape (N, d_v)
     codebook : array_like or cupy.ndarray, shape (S, d)
         The fixed key dictionary ``D_k`` (used as given, not normalised).
     chunk_size : int
@@ -373,7 +374,7 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
 
     Returns
     -------
-    numpy.ndarray or cupy.ndarray, shape (T, d_v)
+    numpy.ndarray or cupy.ndarray, shape (N, d_v)
         A CuPy array when any input is a device array, else NumPy.
 
     Raises

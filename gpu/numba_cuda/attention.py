@@ -69,7 +69,7 @@ import math
 import numpy as np
 from numba import boolean, cuda
 
-from refimpl.attention import check_batched_softmax_attention, check_score_maxima
+from refimpl.validation import check_batched_softmax_attention, check_score_maxima
 
 from ._device import any_device, check_finite, host_view, is_device_array, kernel, result, to_device
 
@@ -206,7 +206,7 @@ def attention_device(q, k, v, scale, causal):
     row_max : device array, shape (BH, N_q)
         The maximum score of every row (over the keys it attends to); not
         finite for a row whose scores overflowed: the caller checks it
-        (:func:`refimpl.attention.check_score_maxima`).
+        (:func:`refimpl.validation.check_score_maxima`).
     """
     BH, N_q, _ = q.shape
     d_v = v.shape[2]

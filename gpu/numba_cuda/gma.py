@@ -9,16 +9,12 @@ For every sequence of ``x_q (..., N_q, d_r)``, ``x_k (..., N_k, d_r)``,
 scan of :mod:`gpu.numba_cuda.scan`,
 :math:`O = \Gamma_Q\Gamma_K^\top V / (\Gamma_Q\Gamma_K^\top\mathbf 1 + \epsilon)`
 (its lower triangle when causal).  The backward runs the scan's backward
-for :math:`g = \partial L/\partial\gamma`, then, per token,
-:math:`c_m = \gamma_m(g_m - \bar g)` and
-:math:`\partial L/\partial x = \sum_m c_m(\mu_m - x)/\sigma^2_m`, and the
-parameter gradients as ordered sums over the tokens:
-:math:`\partial L/\partial\mu_m = \sum_i c_{im}(x_i - \mu_m)/\sigma^2_m`,
-:math:`\partial L/\partial\sigma^2_{mj} = \sum_i c_{im}((x_{ij}-\mu_{mj})^2 - \sigma^2_{mj})/(2\sigma^4_{mj})`,
-:math:`\partial L/\partial a_m = \sum_i c_{im}`, and
-:math:`\partial L/\partial s = \partial L/\partial\sigma^2\cdot\operatorname{sigmoid}(s)`,
-summed per head (or over every sequence for a shared GMM).  The differences
-``x - mu`` are formed per token: no expansion, no cancellation.
+for :math:`g = \partial L/\partial\gamma`, then the gradients through the
+responsibilities of ``docs/derivations/gma.md#backward-through-the-responsibilities``:
+per token the softmax backward and ``dL/dx``, and the parameter gradients as
+ordered sums over the tokens, per head (or over every sequence for a shared
+GMM).  The differences ``x - mu`` are formed per token: no expansion, no
+cancellation.
 
 Launch plan
 -----------

@@ -1,6 +1,6 @@
 r"""Online vector-quantized (OVQ) attention and the static-dictionary VQ baseline on the GPU (:mod:`refimpl.ovq`).
 
-One head, one sequence: ``q, k`` are ``(T, d)``, ``v`` is ``(T, d_v)``.  The
+One head, one sequence: ``q, k`` are ``(N, d)``, ``v`` is ``(N, d_v)``.  The
 contract is :mod:`refimpl.ovq`'s, word for word: unit rows, predict then
 update chunk by chunk, growth, spread or random seeding, argmax assignment
 with ties to the lowest index, the running-mean or constant-rate update in
@@ -16,7 +16,7 @@ copied back only for ``return_state``.  Every size the plan needs (``n``,
 the device, so chunks follow each other without a synchronisation.
 
 * once per call, :func:`_unit_rows_kernel`: ``q^`` and ``k^`` of every row
-  (grid ``(T / TILE, 2)``, blocks of ``TILE`` rows by ``TILE`` lanes), the
+  (grid ``(N / TILE, 2)``, blocks of ``TILE`` rows by ``TILE`` lanes), the
   unit normalisation each chunk reads;
 * per chunk:
 
@@ -38,7 +38,7 @@ the device, so chunks follow each other without a synchronisation.
 
 The read-out and the assignment cost ``O(L (n + L) d)`` per chunk, the
 update ``O(n' (d + d_v) L)`` (every row thread scans the chunk's ``L``
-assignments; ``n' <= N``, ``L <= C``); no ``L x n`` or ``T x T`` array is
+assignments; ``n' <= n_max``, ``L <= C``); no ``L x n`` or ``N x N`` array is
 formed.  One-dimensional launches use blocks of ``FLAT`` threads, or fewer
 when there is less work.
 
@@ -55,7 +55,6 @@ another order here), where a choice can differ.
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import numpy as np
@@ -316,7 +315,7 @@ def _seed_kernel(scores, L, n, n_add, drawn, use_drawn, first, rows, seeded):
 #   exact running mean: (c D + sum_S x) / (c + |S|), sums in token order;
 #   or D[m] <- D[m] + eta (x_i - D[m]) for each i in S_m, token by token in token order;
 #   c'_m = c_m + |S_m| either way (counts_out; the host swaps the two count buffers).
-# VQ (with_keys=False): U_m / L_m: running mean of the values each code summarises (merge_running_means).
+# VQ (with_keys=False): U_m / L_m: running mean of the values each code summarises (gmm.running_mean_update).
 # One thread per (row m < n', column) of [D_k | D_v] (blocks of FLAT, flat index m * (d + d_v) + column, so a warp
 # reads consecutive columns); every thread walks the chunk's assignments in token order (the same entry for all the
 # threads at once: a broadcast load), so each entry is written by one thread: deterministic, no atomics, no barrier.
@@ -385,15 +384,15 @@ def _overflow(rowmax):
 
 def _ovq_run(q, k, v, p, state, dtype):
     """Core: ``(out, (D_k, D_v, c, n, t), overflow)`` from device arrays ``q, k, v`` of ``dtype``."""
-    T, d = q.shape
+    N, d = q.shape
     d_v = v.shape[1]
-    N, C = p.max_size, p.chunk_size
+    n_max, C = p.max_size, p.chunk_size
     f = np.dtype(dtype).type
     qhat, khat = _normalise(q, k)
     if state is None:
-        Dk = cuda.to_device(np.zeros((N, d), dtype))
-        Dv = cuda.to_device(np.zeros((N, d_v), dtype))
-        counts = cuda.to_device(np.zeros(N, np.int64))
+        Dk = cuda.to_device(np.zeros((n_max, d), dtype))
+        Dv = cuda.to_device(np.zeros((n_max, d_v), dtype))
+        counts = cuda.to_device(np.zeros(n_max, np.int64))
         n, t = 0, 0
     else:
         Dk = cuda.to_device(np.array(state.keys, dtype=dtype, copy=True))
@@ -401,24 +400,24 @@ def _ovq_run(q, k, v, p, state, dtype):
         counts = cuda.to_device(np.array(state.counts, dtype=np.int64, copy=True))
         n, t = state.size, state.tokens_seen
     counts_next = cuda.to_device(counts.copy_to_host())
-    Cm = min(C, T)
+    Cm = min(C, N)
     rows = cuda.device_array(Cm, dtype=np.int64)
     seeded = cuda.device_array(Cm, dtype=np.int64)
     scores = cuda.device_array(Cm, dtype=dtype)
     no_draw = cuda.to_device(np.zeros(1, np.int64))
-    out = cuda.device_array((T, d_v), dtype=dtype)
-    rowmax = cuda.device_array(T, dtype=dtype)
+    out = cuda.device_array((N, d_v), dtype=dtype)
+    rowmax = cuda.device_array(N, dtype=dtype)
     beta = f(p.beta)
     eta = f(0 if p.eta is None else p.eta)
-    for s in range(0, T, C):
-        L = min(s + C, T) - s
+    for s in range(0, N, C):
+        L = min(s + C, N) - s
         # predict, before the chunk touches the state
         _readout_kernel[blocks(L, TILE), THREADS](
             qhat, s, L, Dk, Dv, counts, n, khat, rows, False, v, beta, p.count_bias, out, rowmax
         )
-        # grow: n' = max(n, growth(t + L, N))
+        # grow: n' = max(n, growth(t + L, n_max))
         t_next = t + L
-        n_next = max(n, ovq.dictionary_size(t_next, N, p.growth))
+        n_next = max(n, ovq.dictionary_size(t_next, n_max, p.growth))
         n_add = n_next - n
         # assign (the first chunk against k^_0) and seed
         if n == 0:
@@ -443,21 +442,21 @@ def _ovq_run(q, k, v, p, state, dtype):
 
 def _vq_run(q, k, v, codebook, C, beta):
     """Core of :func:`vq_attention`: ``(out, overflow)`` from device arrays of one dtype."""
-    T, S, dtype = q.shape[0], codebook.shape[0], q.dtype
+    N, S, dtype = q.shape[0], codebook.shape[0], q.dtype
     d_v = v.shape[1]
     qhat, khat = _normalise(q, k)
     value_means = cuda.to_device(np.zeros((S, d_v), dtype))
     counts = cuda.to_device(np.zeros(S, np.int64))
     counts_next = cuda.to_device(np.zeros(S, np.int64))
-    Cm = min(C, T)
+    Cm = min(C, N)
     z = cuda.device_array(Cm, dtype=np.int64)
     seeded = cuda.device_array(Cm, dtype=np.int64)
     scores = cuda.device_array(Cm, dtype=dtype)
-    out = cuda.device_array((T, d_v), dtype=dtype)
-    rowmax = cuda.device_array(T, dtype=dtype)
+    out = cuda.device_array((N, d_v), dtype=dtype)
+    rowmax = cuda.device_array(N, dtype=dtype)
     b = dtype.type(beta)
-    for s in range(0, T, C):
-        L = min(s + C, T) - s
+    for s in range(0, N, C):
+        L = min(s + C, N) - s
         # nearest code by dot product; argmax takes the lowest index on ties
         _assign_kernel[blocks(L, TILE), THREADS](khat, s, L, codebook, S, z, scores, seeded)
         # past codes (log L_m) and the current chunk through its codes
@@ -477,17 +476,18 @@ def _vq_run(q, k, v, codebook, C, beta):
 # ---------------------------------------------------------------------------
 
 
-def ovq_attention(q, k, v, *, return_state: bool = False, **options):
+def ovq_attention(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread", count_bias=True,
+                  learning_rate=None, seed=0, state=None, return_state=False):
     """Online vector-quantized attention, causal, chunk by chunk, on the GPU: :func:`refimpl.ovq.ovq_attention`.
 
     Parameters
     ----------
-    q, k : array_like or device array, shape (T, d)
+    q, k : array_like or device array, shape (N, d)
         Queries and keys (unit-normalised inside).
-    v : array_like or device array, shape (T, d_v)
+    v : array_like or device array, shape (N, d_v)
         Values (not normalised).
     max_size : int
-        ``N``, the most centroids (>= 1).
+        ``n_max``, the most centroids (>= 1).
     chunk_size : int
         ``C`` (>= 1); the last chunk may be shorter.
     beta : float, optional
@@ -512,30 +512,29 @@ def ovq_attention(q, k, v, *, return_state: bool = False, **options):
 
     Returns
     -------
-    out : ndarray or device array, shape (T, d_v)
+    out : ndarray or device array, shape (N, d_v)
         A device array when any of ``q, k, v`` is one, else an ndarray; the
         dtype of the inputs (a float64 ``state`` makes it float64).
     state : refimpl.ovq.OVQState
         Only with ``return_state=True``: host arrays, a new object.
     """
     on_device = any_device(q, k, v)
-    hq, hk, hv, p, state, dtype = ovq.check_call("ovq_attention", host_view(q), host_view(k), host_view(v), options)
+    a = ovq.check_ovq_arguments(
+        host_view(q), host_view(k), host_view(v), max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state
+    )
     return_state = validation.check_bool(return_state, "return_state")
     if on_device:
-        for a, name in ((q, "q"), (k, "k"), (v, "v")):
-            check_finite(a, name)
+        for x, name in ((q, "q"), (k, "k"), (v, "v")):
+            check_finite(x, name)
     else:
-        q, k, v = hq, hk, hv
-    q, k, v = (to_device(a, dtype) for a in (q, k, v))
-    out, (Dk, Dv, counts, n, t), overflow = _ovq_run(q, k, v, p, state, dtype)
-    ovq.check_overflow(overflow, state, dtype)
+        q, k, v = a.q, a.k, a.v
+    q, k, v = (to_device(x, a.dtype) for x in (q, k, v))
+    out, (Dk, Dv, counts, n, t), overflow = _ovq_run(q, k, v, a.params, a.state, a.dtype)
+    ovq.check_overflow(overflow, a.state, a.dtype)
     out = result(out, on_device)
     if not return_state:
         return out
     return out, ovq.OVQState(Dk.copy_to_host(), Dv.copy_to_host(), counts.copy_to_host(), n, t)
-
-
-ovq_attention.__signature__ = inspect.signature(ovq.ovq_attention)
 
 
 def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
@@ -543,9 +542,9 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
 
     Parameters
     ----------
-    q, k : array_like or device array, shape (T, d)
+    q, k : array_like or device array, shape (N, d)
         Queries and keys (unit-normalised inside).
-    v : array_like or device array, shape (T, d_v)
+    v : array_like or device array, shape (N, d_v)
     codebook : array_like or device array, shape (S, d)
         The fixed key dictionary ``D_k`` (used as given, not normalised).
     chunk_size : int
@@ -555,18 +554,18 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
 
     Returns
     -------
-    ndarray or device array, shape (T, d_v)
+    ndarray or device array, shape (N, d_v)
         A device array when any input is one.
     """
     on_device = any_device(q, k, v, codebook)
-    hq, hk, hv, hcodebook, C, beta = ovq.check_vq_call(host_view(q), host_view(k), host_view(v), to_host(codebook), chunk_size, beta)
-    dtype = hq.dtype
+    a = ovq.check_vq_arguments(host_view(q), host_view(k), host_view(v), to_host(codebook), chunk_size, beta)
+    dtype = a.q.dtype
     if on_device:
-        for a, name in ((q, "q"), (k, "k"), (v, "v")):
-            check_finite(a, name)
+        for x, name in ((q, "q"), (k, "k"), (v, "v")):
+            check_finite(x, name)
     else:
-        q, k, v = hq, hk, hv
-    q, k, v, codebook = (to_device(a, dtype) for a in (q, k, v, hcodebook))
-    out, overflow = _vq_run(q, k, v, codebook, C, beta)
+        q, k, v = a.q, a.k, a.v
+    q, k, v, codebook = (to_device(x, dtype) for x in (q, k, v, a.codebook))
+    out, overflow = _vq_run(q, k, v, codebook, a.chunk_size, a.beta)
     validation.check_overflowed_rows(*overflow, dtype, "beta, codebook", "lower beta or rescale the codebook")
     return result(out, on_device)

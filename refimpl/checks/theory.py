@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import linprog
 
-from .. import gma, gmm, scan, theory
+from .. import attention, gma, gmm, theory
 from ..verify import register
 
 
@@ -156,7 +156,7 @@ def _gma_backward_bounds():
         g_up = rng.normal(size=out.shape)
         grads = gma.gma_backward(g_up, cache)
         # the same upstream gradient through the mixing backward gives dL/dgamma per token
-        dgamma = scan.feature_attention_backward(g_up, cache.mixing)
+        dgamma = attention.feature_attention_backward(g_up, cache.mixing)
         bx = float(max(np.max(np.linalg.norm(x_q, axis=1)), np.max(np.linalg.norm(x_k, axis=1))))
         r = theory.bound_radius(means, cache.variances, bx)
         bq = theory.gradient_bounds(cache.gamma_q, dgamma.phi_q, r)

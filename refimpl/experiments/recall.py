@@ -84,10 +84,8 @@ from __future__ import annotations
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from .. import numerics
 from ..attention import linear_attention
-from ..gma import gma
-from ..gmm import em_step
+from ..tuned import em_step, gma, softmax_rows
 from ..ovq import ovq_attention, unit_rows, vq_attention
 
 __all__ = [
@@ -305,8 +303,8 @@ def causal_softmax_rows(q, k, v, rows, *, beta, block: int = 64):
         logits = beta * (q[r] @ k[:stop].T)
         # causal: row i reads the keys j <= i only
         logits[np.arange(stop)[None, :] > r[:, None]] = -np.inf
-        # softmax with the row maximum subtracted (refimpl.numerics), in place
-        out[lo : lo + block] = numerics.softmax(logits, axis=1, out=logits) @ v[:stop]
+        # softmax with the row maximum subtracted, in place (refimpl.tuned)
+        out[lo : lo + block] = softmax_rows(logits) @ v[:stop]
     return out
 
 

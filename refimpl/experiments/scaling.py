@@ -59,7 +59,8 @@ import tracemalloc
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from refimpl import attention, gma, ovq
+from refimpl import attention, ovq
+from refimpl import tuned as gma
 
 __all__ = [
     "NAME", "PARAMS", "METRICS", "TIMINGS", "METHODS", "DIRECTIONS", "SIZES", "QUICK_SIZES", "SOFTMAX_MAX_N",

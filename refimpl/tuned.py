@@ -1,0 +1,521 @@
+r"""The tuned NumPy path: the reference's GMM and GMA functions, computed the fast way.
+
+Why this module exists
+----------------------
+:mod:`refimpl.gmm` and :mod:`refimpl.gma` are written to be read against the
+derivations: the responsibilities come from the differences :math:`x - \mu`,
+an ``N x K x d`` computation in row blocks, and every step is one plain NumPy
+line.  That is the definition, exact by construction, and about
+:math:`d` times the work of a matrix product.  Training and the experiments
+need the same numbers faster, so this module computes them the way NumPy is
+fast, with the same arguments, the same errors and results equal to
+rounding:
+
+* **the expansion of the square**: the quadratic form
+  :math:`q_{ik} = \sum_j (x_{ij} - \mu_{kj})^2 / \sigma^2_{kj}` of all
+  ``N x K`` pairs from two matrix products, on :math:`x` and :math:`\mu`
+  centred on the mean of the means,
+  :math:`q = (\tilde x^2) p^\top - 2\tilde x(\tilde\mu p)^\top + \zeta`;
+* **the cancellation screen and its refinement**: the expansion carries an
+  error of about :math:`(4+\sqrt d)\,u\,M_{ik}/2` per logit, with
+  :math:`M_{ik}` the size of its terms; an ``O(N d)`` screen clears the rows
+  where that cannot matter, and every logit that cancellation may have spoiled
+  and that may lie near its row maximum is recomputed from the differences
+  (``gmm_posteriors.md#exact-responsibilities-for-every-input``), so the
+  result is as accurate as the definition for every input;
+* **cache-sized blocks**: rows in blocks of about :data:`refimpl.numerics.BLOCK_BYTES`
+  of work arrays, reused from block to block (``out=``), each block's softmax
+  taken while it is in cache, with one ``exp`` per entry;
+* **reduction tricks**: the row maximum as an argmax and a gather (NumPy's
+  argmax along contiguous rows is vectorised, its max reduction is not: 4x
+  at K = 64), row sums as a matrix-vector product (3x), the softmax in place;
+* **the backward through the responsibilities as matrix products** on
+  centred data, accumulated block by block.
+
+What it is measured against: ``benchmarks/bench_cpu.py`` times it beside the
+floor of its own two matrix products, scikit-learn's ``predict_proba`` and
+the plain reference (``docs/performance_gmm.md``, ``docs/performance_gma.md``).
+:mod:`gpu.cupy_kernels` computes the responsibilities by the same expansion
+and uses the screen written here (its functions take the array module
+``xp``); lesson 1 shows what the screen repairs.
+
+Public functions: :func:`log_responsibilities`, :func:`responsibilities`,
+:func:`log_likelihood`, :func:`em_step`, :func:`gma`, :func:`gma_forward`,
+:func:`gma_backward`, each the function of the same name in
+:mod:`refimpl.gmm` or :mod:`refimpl.gma`; :func:`log_joint` with
+``refine=False`` is the bare expansion, for lessons and benchmarks.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from . import gma as spec_gma
+from . import gmm, numerics, validation
+from .scan import DEFAULT_CHUNK_SIZE
+
+__all__ = [
+    "EXACT_LOGIT_TOL",
+    "CANCELLATION_RATIO",
+    "row_max",
+    "row_sums",
+    "softmax_rows",
+    "log_softmax_rows",
+    "logit_error_scale",
+    "posterior_window",
+    "row_size_bound",
+    "suspect_rows",
+    "spoiled_logits",
+    "exact_quadratic_form",
+    "log_joint",
+    "posterior",
+    "log_responsibilities",
+    "responsibilities",
+    "log_likelihood",
+    "em_step",
+    "gma",
+    "gma_forward",
+    "gma_backward",
+]
+
+#: Largest error, in units of the machine epsilon ``u``, that :func:`log_joint`
+#: lets a logit near the row maximum keep: ``2048 u`` is ``4.5e-13`` in float64
+#: and ``2.4e-4`` in float32.  A logit error ``delta`` moves a responsibility by
+#: at most ``2 delta`` relative to the largest one.
+EXACT_LOGIT_TOL = 2048
+
+#: :func:`log_joint` recomputes a logit from the differences ``x - mu`` where the
+#: terms of the expanded quadratic form exceed the form itself this many times
+#: (more than 4 bits lost to cancellation) and its error could exceed
+#: ``EXACT_LOGIT_TOL u``: elsewhere the expansion is within 16 times the
+#: rounding error of the definition evaluated directly.
+CANCELLATION_RATIO = 16
+
+# Pairs recomputed exactly per block: at most this many rows of d floats at a time.
+_EXACT_BLOCK = 1 << 14
+
+
+# ---------------------------------------------------------------------------
+# Row reductions, tuned
+# ---------------------------------------------------------------------------
+
+
+def row_max(a):
+    """Core: :func:`refimpl.numerics.row_max` of the rows of a 2-D array (``(N, 1)``), by argmax and gather.
+
+    NumPy's argmax along contiguous rows is vectorised and its max reduction
+    is not (4x faster at K = 64); both take the first NaN, so the value is the
+    same.
+    """
+    m = a[np.arange(a.shape[0]), np.argmax(a, axis=1)][:, None]
+    return np.where(np.isfinite(m), m, 0).astype(a.dtype, copy=False)
+
+
+def row_sums(a):
+    """Core: ``a.sum(axis=1)`` of a 2-D array as ``(N, 1)``, by a matrix-vector product.
+
+    ``a @ 1`` runs in BLAS at memory speed, where NumPy's reduction along
+    short rows loops row by row (3x slower at K = 64).  The two differ only in
+    the order of the additions.
+    """
+    return (a @ np.ones(a.shape[1], dtype=a.dtype))[:, None]
+
+
+def softmax_rows(a):
+    """Core: the softmax of every row of the 2-D array ``a``, in place (``a`` is returned).
+
+    One exponential per entry and no temporary of the size of ``a``; a row of
+    all ``-inf`` gives NaN, as :func:`refimpl.numerics.softmax` does.
+    """
+    # softmax(a) = softmax(a - m): the largest term is exp(0) = 1, the sum is in [1, K]
+    with np.errstate(over="ignore"):
+        np.subtract(a, row_max(a), out=a)
+    np.exp(a, out=a)
+    # one division per row, then a multiplication per entry (a / s costs twice a * (1/s) per entry)
+    # a row of zeros (all -inf: refused by the callers) gives 0 * inf = NaN, as 0 / 0 would
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = 1 / row_sums(a)
+        a *= scale
+    return a
+
+
+def log_softmax_rows(a):
+    """Core: the log-softmax of every row of the 2-D array ``a``, in place (``a`` is returned)."""
+    # a - m may overflow to -inf (a = -1e308, m = 1e308): exp gives the right 0; a row of all -inf (refused by the
+    # callers) gives -inf - (-inf) = NaN
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        np.subtract(a, row_max(a), out=a)
+        a -= np.log(row_sums(np.exp(a)))
+    return a
+
+
+# ---------------------------------------------------------------------------
+# The screen, written for an array module xp (NumPy here, CuPy in gpu.cupy_kernels)
+# ---------------------------------------------------------------------------
+
+
+def logit_error_scale(n_terms: int, dtype):
+    """``kappa = (4 + sqrt(n_terms)) u / 2``: a logit's rounding error per unit of the size of its terms.
+
+    A matrix product that adds ``n_terms`` terms of total size ``M`` is off by
+    at most about ``(4 + sqrt(n_terms)) u M``, and a logit is ``-q / 2``.
+    The two products of :func:`log_joint` add ``d`` terms each; the single
+    product ``[x^2, x] @ W`` of :mod:`gpu.cupy_kernels` adds ``2 d``.
+    """
+    return np.dtype(dtype).type(0.5 * (4.0 + np.sqrt(n_terms)) * np.finfo(dtype).eps)
+
+
+def posterior_window(K: int, dtype) -> float:
+    """Logits more than ``log(K / (EXACT_LOGIT_TOL u))`` below the row maximum carry total weight < ``EXACT_LOGIT_TOL u``."""
+    return float(np.log(K / (EXACT_LOGIT_TOL * np.finfo(dtype).eps)))
+
+
+def row_size_bound(xp, xc2, max_precision, root_max_sq_mu):
+    """Core: ``s_i = (sqrt(sum_j xc_ij^2 max_k p_kj) + sqrt(max_k zeta_k))^2 >= M_ik`` for every ``k``, in ``O(N d)``.
+
+    ``xc2`` (N, d) holds the squares of the centred points, ``max_precision``
+    (d,) the largest precision of each coordinate.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        # M_ik = (sqrt(xi_ik) + sqrt(zeta_k))^2 with xi_ik = sum_j xc_ij^2 p_kj <= sum_j xc_ij^2 max_k p_kj
+        s = xp.sqrt(xc2 @ max_precision)
+        s += root_max_sq_mu
+        s *= s
+    return s
+
+
+def suspect_rows(xp, s_row, min_quad, screen_limit):
+    """Core: the rows the screen cannot clear: neither ``s_i <= screen_limit`` nor ``s_i <= 16 min_k q_ik``.
+
+    ``screen_limit = EXACT_LOGIT_TOL u / kappa`` is the largest size whose
+    error bound is within the tolerance; where ``s_i <= 16 min_k q_ik`` the
+    expansion is within 16 times the definition's own error.  NaN is suspect.
+    """
+    with np.errstate(invalid="ignore"):
+        fine = s_row <= xp.maximum(screen_limit, s_row.dtype.type(CANCELLATION_RATIO) * min_quad)
+    return ~fine
+
+
+def spoiled_logits(xp, logits, half, sq_x, sq_mu, kappa, window):
+    """Core: the entries of suspect rows to recompute from the differences, as a boolean mask (S, K).
+
+    ``logits`` and ``half = -q / 2`` (S, K) as the expansion computed them,
+    ``sq_x`` (S, K) the ``xi_ik = sum_j xc_ij^2 p_kj`` of these rows and
+    ``sq_mu`` (K,) the ``zeta_k``.  An entry is recomputed when its error bound
+    ``kappa M_ik`` exceeds the tolerance, its terms exceed the form 16 times,
+    and it may lie within ``window`` of its row maximum; or when the bound
+    cannot vouch for it (not finite).
+    """
+    dtype = logits.dtype
+    tol = dtype.type(EXACT_LOGIT_TOL * np.finfo(dtype).eps)
+    with np.errstate(over="ignore", invalid="ignore"):
+        size = (xp.sqrt(sq_x) + xp.sqrt(sq_mu)) ** 2
+        err = kappa * size
+        known = xp.isfinite(logits) & xp.isfinite(err)
+        # the row maximum is at least max_j (l_ij - err_ij) over the entries the bound vouches for
+        floor = xp.max(xp.where(known, logits - err, -xp.inf), axis=1, keepdims=True)
+        # an entry below floor - window stays below it, exactly and as computed: its weight is < e^-window
+        near = logits + err >= floor - window
+        spoiled = (err > tol) & (size > dtype.type(CANCELLATION_RATIO) * (-2 * half))
+    return ~known | (spoiled & near)
+
+
+def exact_quadratic_form(xp, x, means, precisions, rows, cols, block=_EXACT_BLOCK):
+    """Core: ``q_ik = sum_j (x_ij - mu_kj)^2 p_kj`` for the listed pairs ``(rows[s], cols[s])``, from the differences."""
+    out = xp.empty(rows.size, dtype=x.dtype)
+    for s in range(0, rows.size, block):
+        r, c = rows[s : s + block], cols[s : s + block]
+        # no cancellation: every term is a rounded square of a rounded difference, all >= 0
+        with np.errstate(over="ignore", invalid="ignore"):
+            diff = x[r] - means[c]
+            out[s : s + block] = xp.sum(diff * diff * precisions[c], axis=1)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The log joint by the expansion, in cache-sized blocks
+# ---------------------------------------------------------------------------
+
+
+class _Expansion(NamedTuple):
+    """What every block of rows needs from the mixture, computed once per call."""
+
+    means: np.ndarray  # (K, d)
+    precisions: np.ndarray  # (K, d): p = 1 / sigma^2
+    centre: np.ndarray  # (d,): the mean of the means
+    neg_half_precisions: np.ndarray  # (d, K): -p^T / 2
+    cross: np.ndarray  # (d, K): (mc p)^T
+    sq_mu: np.ndarray  # (K,): zeta_k = sum_j mc_kj^2 p_kj
+    log_norm: np.ndarray  # (K,): log pi_k - (d/2) log 2 pi - (1/2) sum_j log sigma_kj^2
+    max_precision: np.ndarray  # (d,): max_k p_kj, for the screen
+    root_max_sq_mu: np.floating  # sqrt(max_k zeta_k), for the screen
+    kappa: np.floating  # (4 + sqrt(d)) u / 2
+    screen_limit: np.floating  # EXACT_LOGIT_TOL u / kappa
+
+
+def _expansion(means, variances, log_weights):
+    d = means.shape[1]
+    dtype = means.dtype
+    precisions = 1.0 / variances
+    # (x - mu)^2 is invariant under a common shift c: centre on the mean of the means
+    centre = means.mean(axis=0)
+    mc = means - centre
+    with np.errstate(over="ignore", invalid="ignore"):
+        sq_mu = np.sum(mc * mc * precisions, axis=1)
+        cross = np.ascontiguousarray((mc * precisions).T)
+    # log N(x | mu, sigma^2) = -(d/2) log 2 pi - (1/2) sum_j log sigma_j^2 - q / 2
+    log_norm = log_weights - 0.5 * (d * gmm.LOG_2PI + np.sum(np.log(variances), axis=1))
+    kappa = logit_error_scale(d, dtype)
+    return _Expansion(
+        means, precisions, centre, np.ascontiguousarray(-0.5 * precisions.T), cross, sq_mu, log_norm,
+        precisions.max(axis=0), np.sqrt(sq_mu.max()), kappa,
+        dtype.type(EXACT_LOGIT_TOL * np.finfo(dtype).eps / kappa),
+    )
+
+
+class _WorkArrays(NamedTuple):
+    """The work arrays of one block of rows, allocated once per call and reused by every block."""
+
+    xc: np.ndarray  # (B, d)
+    xc2: np.ndarray  # (B, d)
+    half: np.ndarray  # (B, K)
+    tmp: np.ndarray  # (B, K)
+    half_sq_mu: np.ndarray  # (B, K): -zeta / 2 on every row
+    norm: np.ndarray  # (B, K): log_norm on every row
+
+
+def _work_arrays(ex, rows, dtype):
+    d, K = ex.cross.shape
+    return _WorkArrays(
+        np.empty((rows, d), dtype), np.empty((rows, d), dtype), np.empty((rows, K), dtype), np.empty((rows, K), dtype),
+        np.tile(-0.5 * ex.sq_mu, (rows, 1)), np.tile(ex.log_norm, (rows, 1)),
+    )
+
+
+def _block_log_joint(xb, ex, window, refine, work, logits):
+    """The logits of one block of rows into ``logits`` (B, K); returns the block's ``min_quad``.
+
+    ``-q / 2`` is ``-1/2`` times the expansion ``(xc^2) p^T - 2 xc (mc p)^T +
+    zeta``, evaluated in that order, bit for bit (scaling by a power of two
+    changes no rounding); rounding can leave ``q`` slightly below 0, within
+    the error bound of the module docstring.
+    """
+    n = xb.shape[0]
+    xc, xc2, half, tmp = work.xc[:n], work.xc2[:n], work.half[:n], work.tmp[:n]
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.subtract(xb, ex.centre, out=xc)
+        np.multiply(xc, xc, out=xc2)
+        # -q/2 = -(1/2) sum_j xc_j^2 p_kj + sum_j xc_j mc_kj p_kj - zeta_k / 2
+        np.matmul(xc2, ex.neg_half_precisions, out=half)
+        half += np.matmul(xc, ex.cross, out=tmp)
+        half += work.half_sq_mu[:n]
+    # min_k q_ik = -2 max_k (-q_ik / 2)
+    min_quad = -2 * half[np.arange(n), np.argmax(half, axis=1)]
+    # l_ik = log_norm_k - q_ik / 2
+    np.add(half, work.norm[:n], out=logits)
+    if not refine:
+        return min_quad
+    s_row = row_size_bound(np, xc2, ex.max_precision, ex.root_max_sq_mu)
+    if s_row.max() <= ex.screen_limit:  # the common case, decided in one comparison (NaN fails it)
+        return min_quad
+    suspect = np.flatnonzero(suspect_rows(np, s_row, min_quad, ex.screen_limit))
+    if suspect.size == 0:
+        return min_quad
+    with np.errstate(over="ignore", invalid="ignore"):
+        sq_x = xc2[suspect] @ ex.precisions.T  # xi_ik = sum_j xc_ij^2 p_kj
+    r, c = np.nonzero(spoiled_logits(np, logits[suspect], half[suspect], sq_x, ex.sq_mu, ex.kappa, window))
+    rows = suspect[r]
+    if rows.size:
+        exact = exact_quadratic_form(np, xb, ex.means, ex.precisions, rows, c)
+        half[rows, c] = -0.5 * exact
+        logits[rows, c] = ex.log_norm[c] - 0.5 * exact
+        redone = np.unique(rows)
+        min_quad[redone] = -2 * np.max(half[redone], axis=1)
+    return min_quad
+
+
+def _blocked_log_joint(x, means, variances, log_weights, window, refine, finish, block_rows):
+    """The logits of ``block_rows`` rows at a time, each block then passed to ``finish`` in place.
+
+    The ``N x K`` result is the only array of that size: the block's work
+    arrays are reused, so they stay in cache, and ``finish`` (a row-wise
+    softmax, say) reads the logits while they are still there.
+    """
+    n, d = x.shape
+    K = means.shape[0]
+    ex = _expansion(means, variances, log_weights)
+    # the work arrays hold 4K + 2d numbers a row
+    rows = max(1, min(n, block_rows or numerics.block_rows((4 * K + 2 * d) * x.dtype.itemsize)))
+    work = _work_arrays(ex, rows, x.dtype)
+    out = np.empty((n, K), dtype=x.dtype)
+    min_quad = np.empty(n, dtype=x.dtype)
+    for a in range(0, n, rows):
+        b = min(a + rows, n)
+        min_quad[a:b] = _block_log_joint(x[a:b], ex, window, refine, work, out[a:b])
+        if finish is not None:
+            finish(out[a:b])
+    return out, min_quad
+
+
+def log_joint(x, means, variances, log_weights, *, window=np.inf, refine=True, block_rows=None):
+    """Core: :func:`refimpl.gmm.log_joint` by the expansion of the square, exact to rounding where it matters.
+
+    No validation and no raise: the caller checks the returned ``min_quad``.
+
+    Parameters
+    ----------
+    x : ndarray, shape (N, d)
+    means, variances : ndarray, shape (K, d)
+    log_weights : ndarray, shape (K,)
+        ``log pi``; ``-inf`` for a component of weight 0.
+    window : float, default inf
+        A logit that cancellation may have spoiled is recomputed from the
+        differences ``x - mu`` if it may lie within ``window`` of its row
+        maximum.  ``inf`` makes every logit accurate (log-densities); a
+        posterior needs only those whose weight can exceed ``e^-window``
+        (:func:`posterior_window`).
+    refine : bool, default True
+        ``False`` returns the plain centred expansion, unchecked: for lessons
+        and benchmarks that show what the refinement repairs and what it costs.
+    block_rows : int, optional
+        Rows per block (>= 1); by default as many as keep the block's work
+        arrays near 2 MiB, within a core's L2 cache.  The blocking can change
+        only the order in which BLAS adds the terms of a product.
+
+    Returns
+    -------
+    logits : ndarray, shape (N, K)
+    min_quad : ndarray, shape (N,)
+        ``min_k sum_j (x_ij - mu_kj)^2 / sigma_kj^2``: not finite for a row
+        without a representable posterior.
+    """
+    return _blocked_log_joint(x, means, variances, log_weights, window, refine, None, block_rows)
+
+
+def posterior(x, means, variances, log_weights, *, log=False, refine=True, block_rows=None):
+    """Core: ``(gamma, min_quad)`` (``log gamma`` with ``log``) of checked arrays; no raise, the caller checks ``min_quad``.
+
+    :func:`log_joint` with the window of a posterior (every logit that can
+    carry a weight above ``EXACT_LOGIT_TOL u`` exact to rounding), each block
+    of rows normalised while it is in cache, one ``exp`` per entry.
+    ``refine`` and ``block_rows`` are those of :func:`log_joint`.
+    """
+    window = posterior_window(means.shape[0], x.dtype)
+    return _blocked_log_joint(x, means, variances, log_weights, window, refine, log_softmax_rows if log else softmax_rows, block_rows)
+
+
+def _log_weights(weights):
+    # a zero weight is a component that never wins: log 0 = -inf
+    with np.errstate(divide="ignore"):
+        return np.log(weights)
+
+
+def _checked(x, means, variances, weights, log):
+    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
+    gamma, min_quad = posterior(x, means, variances, _log_weights(weights), log=log)
+    validation.check_scaled_distances(min_quad, "x")
+    return gamma
+
+
+def log_responsibilities(x, means, variances, weights):
+    """:func:`refimpl.gmm.log_responsibilities`, by the expansion; ``x (N, d)``, ``means, variances (K, d)``, ``weights (K,)``."""
+    return _checked(x, means, variances, weights, log=True)
+
+
+def responsibilities(x, means, variances, weights):
+    """:func:`refimpl.gmm.responsibilities`, by the expansion: nonnegative rows ``(N, K)`` that sum to one."""
+    return _checked(x, means, variances, weights, log=False)
+
+
+def log_likelihood(x, means, variances, weights):
+    """:func:`refimpl.gmm.log_likelihood`, by the expansion: ``log sum_k pi_k N(x_i | mu_k, sigma_k^2)``, shape (N,)."""
+    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
+    logits, min_quad = log_joint(x, means, variances, _log_weights(weights), window=posterior_window(means.shape[0], x.dtype))
+    validation.check_scaled_distances(min_quad, "x")
+    return numerics.logsumexp(logits, axis=1)
+
+
+def em_step(x, means, variances, weights, *, reg_covar: float = 0.0):
+    """:func:`refimpl.gmm.em_step` with the E-step by the expansion: ``(means, variances, weights)``."""
+    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
+    reg_covar = validation.check_positive_float(reg_covar, "reg_covar", allow_zero=True)
+    # E-step: r_ik = gamma_k(x_i)
+    resp, min_quad = posterior(x, means, variances, _log_weights(weights))
+    validation.check_scaled_distances(min_quad, "x")
+    return gmm.m_step(x, resp, reg_covar)
+
+
+# ---------------------------------------------------------------------------
+# GMA with the tuned responsibilities and their blocked backward
+# ---------------------------------------------------------------------------
+
+
+def _responsibility_backward(x, gamma, grad_gamma, means, variances):
+    """Push ``dL/dgamma`` (N, K) through ``gamma = softmax(l(x))``: ``(dx, dmeans, dvariances, dlogits)``.
+
+    The sums of ``gma.md#backward-through-the-responsibilities`` as the matrix
+    products of ``gma.md#parameter-gradients-as-matrix-products``, on ``x``
+    and the means centred on the mean of the means, a block of rows at a time:
+    the ``N x K`` and ``N x d_r`` intermediates of a block stay in cache, and
+    the sums over the rows are accumulated block by block.
+    """
+    n, d = x.shape
+    dtype = x.dtype
+    # x - mu is invariant under the common shift by the centre of the means
+    centre = means.mean(axis=0)
+    mc = means - centre
+    prec = 1.0 / variances
+    mc_prec = mc * prec
+    dx = np.empty_like(x)
+    csum = np.zeros(means.shape[0], dtype=dtype)  # sum_i c_im
+    ctx = np.zeros(means.shape, dtype=dtype)  # sum_i c_im xc_i
+    ctx2 = np.zeros(means.shape, dtype=dtype)  # sum_i c_im xc_i^2
+    rows = numerics.block_rows((2 * means.shape[0] + 3 * d) * dtype.itemsize)
+    for a in range(0, n, rows):
+        b = min(a + rows, n)
+        gam, grad = gamma[a:b], grad_gamma[a:b]
+        # dL/dl_m = gamma_m (g_m - gbar) with gbar = sum_m gamma_m g_m (softmax Jacobian)
+        gbar = row_sums(gam * grad)
+        c = grad - gbar
+        c *= gam
+        xc = x[a:b] - centre
+        csum += np.ones(b - a, dtype=dtype) @ c
+        ctx += c.T @ xc
+        # dL/dx_i = sum_m c_im (mu_m - x_i) / sigma_m^2
+        np.matmul(c, mc_prec, out=dx[a:b])
+        dx[a:b] -= xc * (c @ prec)
+        xc *= xc
+        ctx2 += c.T @ xc
+    # dL/dmu_m = sum_i c_im (x_i - mu_m) / sigma_m^2
+    dmeans = (ctx - csum[:, None] * mc) * prec
+    # dL/dsigma2_mj = sum_i c_im ((x_ij - mu_mj)^2 - sigma2_mj) / (2 sigma2_mj^2), (x - mu)^2 expanded
+    sq = ctx2 - 2.0 * mc * ctx + (mc * mc - variances) * csum[:, None]
+    dvariances = 0.5 * sq * prec * prec
+    # dL/da_k = c_k: the -pi_k sum_m c_m term of the log-softmax Jacobian vanishes
+    return dx, dmeans, dvariances, csum
+
+
+def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """:func:`refimpl.gma.gma` with the tuned responsibilities; the same arguments, results and errors."""
+    a = spec_gma.check_gma_arguments(x_q, x_k, v, means, variances, weights, causal, eps, chunk_size)
+    args = (a.x_q, a.x_k, a.v, a.means, a.variances, _log_weights(a.weights), a.causal, a.eps, a.chunk_size)
+    return spec_gma.forward_with(posterior, *args, keep=False)[0]
+
+
+def gma_forward(
+    x_q, x_k, v, means, raw_variances, logits, *, causal: bool = False, eps: float = 1e-6, min_variance: float = 1e-6,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+):
+    """:func:`refimpl.gma.gma_forward` with the tuned responsibilities: ``(out, cache)`` for :func:`gma_backward`."""
+    a = spec_gma.check_gma_forward_arguments(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size)
+    variances, log_weights = spec_gma.mixture_from_raw(a.raw_variances, a.logits, a.min_variance)
+    return spec_gma.forward_with(
+        posterior, a.x_q, a.x_k, a.v, a.means, variances, log_weights, a.causal, a.eps, a.chunk_size, raw_variances=a.raw_variances
+    )
+
+
+def gma_backward(grad_out, cache):
+    """:func:`refimpl.gma.gma_backward` with the blocked backward through the responsibilities."""
+    return spec_gma.backward_with(_responsibility_backward, grad_out, cache)
