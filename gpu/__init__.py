@@ -44,6 +44,14 @@ _INSTALL_HINT = (
     "without a GPU, set NUMBA_ENABLE_CUDASIM=1 before importing numba to use the simulator"
 )
 
+#: What :func:`require` adds to a reason that does not already say it.
+_REQUIRE_HINT = (
+    "on a machine with an NVIDIA GPU, install the extra that matches the CUDA version in the header of nvidia-smi: "
+    "pip install -e '.[cuda12]' (CUDA 12.x) or pip install -e '.[cuda13]' (CUDA 13.x); without a GPU, gpu.numba_cuda "
+    "runs the same functions in the CUDA simulator: call gpu.use_simulator_without_device() before numba is imported "
+    "(NUMBA_ENABLE_CUDASIM=1)"
+)
+
 
 def _probe(backend: str) -> tuple[bool, str]:
     if backend == "numba-cuda":
@@ -83,13 +91,19 @@ def backend_status() -> dict[str, tuple[bool, str]]:
 def require(backend: str) -> None:
     """Raise ``RuntimeError`` naming the missing backend and how to install it, unless it can run.
 
+    The message says why the backend cannot run, then what to do: the
+    extra that matches the driver (``[cuda12]`` or ``[cuda13]``), where to
+    read the driver's CUDA version (the header of ``nvidia-smi``), and, for
+    a machine without a GPU, the CUDA simulator.
+
     Parameters
     ----------
     backend : {'numba-cuda', 'cupy'}
     """
     ok, why = _probe(backend)
     if not ok:
-        raise RuntimeError(f"GPU backend {backend!r} is not available: {why}")
+        hint = "" if all(word in why for word in ("[cuda12]", "[cuda13]", "nvidia-smi", "simulator")) else f"; {_REQUIRE_HINT}"
+        raise RuntimeError(f"GPU backend {backend!r} is not available: {why}{hint}")
 
 
 def _cuda_device_count() -> int:

@@ -3,21 +3,20 @@
 Modules
 -------
 gmm
-    Diagonal Gaussian mixtures: log-densities, responsibilities, EM, and the
-    isotropic EM = Newton identity.
+    Diagonal Gaussian mixtures: log-densities and responsibilities from the
+    definition, EM, and the isotropic EM = Newton identity.
 numerics
-    The shared numerical cores: log-sum-exp, softmax and softplus with the
-    per-row maximum subtracted.
-validation
-    Argument checks shared by the public functions (each makes one call).
+    The shared numerical cores: log-sum-exp, softmax and its backward,
+    softplus, with the per-row maximum subtracted.
 scan
-    Normalised feature-map attention: the linear-time scan, bidirectional and
-    causal, forward and backward, that linear attention and GMA share.
+    The cores of normalised feature-map attention that linear attention and
+    GMA share: bidirectional (write, then read) and causal, token by token
+    and in chunks, forward and backward.
 attention
-    Baselines: softmax attention and linear attention.
+    Softmax attention, linear attention and attention with given feature maps.
 gma
     Gaussian Mixture Attention, bidirectional and causal, with its
-    hand-derived backward.
+    hand-derived backward, and the streaming state of one head.
 layers
     A multi-head GMA layer with Q/K/V/output projections.
 theory
@@ -43,17 +42,29 @@ tasks
 train
     The training loop of ``python -m refimpl train``: progress, CSV log,
     checkpoints that resume bit for bit.
+files
+    The output folder and the CSV files that training and the experiments
+    write and read back: checked before anything is written, refused naming
+    the file and line when damaged.
 interpret
     What a trained GMA learned: used components, usage entropy, NMI against
     token categories, and the gradient bounds on the trained model.
+validation
+    The argument checks of every public function (each makes one call).
+statefile
+    The ``.npz`` files of the stream states (``OVQState``, ``GMAState``).
+tuned
+    The GMM and GMA functions computed the fast way (the expansion of the
+    square with its cancellation screen, cache-sized blocks, reductions as
+    matrix products): what the model, training and the experiments call.
 verify
     The registry of numerical verifications run by ``python -m refimpl verify``.
 """
 
-from . import attention, gma, gmm, gmr, interpret, layers, model, numerics, optim, ovq, ovq_oracle, scan, tasks, theory, train, validation
+from . import attention, files, gma, gmm, gmr, interpret, layers, model, numerics, optim, ovq, ovq_oracle, scan, statefile, tasks, theory, train, tuned, validation
 
 __all__ = [
-    "attention", "gma", "gmm", "gmr", "interpret", "layers", "model", "numerics", "optim", "ovq", "ovq_oracle", "scan",
-    "tasks", "theory", "train", "validation",
+    "attention", "files", "gma", "gmm", "gmr", "interpret", "layers", "model", "numerics", "optim", "ovq", "ovq_oracle", "scan",
+    "statefile", "tasks", "theory", "train", "tuned", "validation",
 ]
 __version__ = "0.1.0"

@@ -11,12 +11,24 @@
     bar, ``DIR/log.csv``, a checkpoint ``DIR/checkpoint.npz`` that ``--resume``
     continues bit for bit, and the final validation and test accuracy
     (``DIR`` defaults to ``results/train/TASK-MIXER-seedS``).
+
+A user error (a bad option, an ``--out`` that is empty, a file or not
+writable, a damaged checkpoint, log or results file, a diverging run, a
+file that cannot be written) ends the command with exit status 2 and one
+line on standard error that names the option or the file (and line),
+without a traceback.  ``SIGINT`` and ``SIGTERM`` stop ``train`` and
+``experiment`` cleanly (the sweep's worker processes with them), with
+exit status 130 and 143 and a line that says how to continue.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import re
+import signal
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,15 +50,20 @@ def main(argv: list[str] | None = None) -> int:
     _add_train_parser(sub)
     args = parser.parse_args(argv)
 
-    if args.command == "experiment":
-        return _experiment(args)
-    if args.command == "train":
-        return _train(args)
+    if args.command in ("experiment", "train"):
+        with _terminate_as_interrupt():
+            return _experiment(args) if args.command == "experiment" else _train(args)
+
+    import fnmatch
 
     from .verify import format_table, registry, run_checks
 
     if args.list:
-        for name, check in registry().items():
+        listed = {n: c for n, c in registry().items() if args.pattern is None or fnmatch.fnmatch(n, args.pattern)}
+        if not listed:
+            print(f"no check matches {args.pattern!r}", file=sys.stderr)
+            return 2
+        for name, check in listed.items():
             print(f"{name}  {check.description}  (tol {check.tol:.1e})")
         return 0
     results = run_checks(args.pattern)
@@ -57,25 +74,69 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r.passed for r in results) else 1
 
 
+class Terminated(KeyboardInterrupt):
+    """``SIGTERM``, raised where ``SIGINT`` raises ``KeyboardInterrupt``, so that the same clean-up runs."""
+
+
+def raise_terminated(signum, frame):
+    """The ``SIGTERM`` handler of ``train`` and ``experiment``: raise :class:`Terminated`."""
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """Within the block, ``SIGTERM`` raises :class:`Terminated` (joblib then stops its workers, as on ``SIGINT``)."""
+    try:
+        previous = signal.signal(signal.SIGTERM, raise_terminated)
+    except ValueError:  # not the main thread: signals stay as they are
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupted_status(err) -> int:
+    # the shell's convention: 128 + the signal's number
+    return 128 + (signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT)
+
+
+def _option_names(message: str, names: dict) -> str:
+    """The message with its leading ``field:`` written as the option (``steps: ...`` -> ``--steps: ...``)."""
+    return re.sub(r"^(\w+):", lambda m: names.get(m.group(1), m.group(1)) + ":", message)
+
+
 def _experiment(args) -> int:
     import time
-    from pathlib import Path
 
+    from . import files
     from .experiments import load, sweep
 
-    out = Path(args.out if args.out is not None else Path("results") / args.name)
+    prog = f"python -m refimpl experiment {args.name}"
+    out = args.out if args.out is not None else str(Path("results") / args.name)
+    result_file = Path(out) / f"{args.name}.csv"
+    resume = f"the finished points are in {result_file}: run the same command again to continue"
     start = time.perf_counter()
     try:
         sweep.check_options(args.seeds, args.jobs)
         experiment = load(args.name)
         rows = sweep.run(experiment, quick=args.quick, seeds=args.seeds, jobs=args.jobs, out=out, progress=not args.no_progress)
+        print(experiment.table(rows))
+        plot = Path(out) / f"{args.name}.png"
+        with files.naming(plot):
+            experiment.plot(rows, plot)
     except ValueError as err:
-        print(f"python -m refimpl experiment {args.name}: {err}", file=sys.stderr)
+        names = {"seeds": "--seeds", "jobs": "--jobs", "out": "--out"}
+        print(f"{prog}: {_option_names(str(err), names)}", file=sys.stderr)
         return 2
-    print(experiment.table(rows))
-    experiment.plot(rows, out / f"{args.name}.png")
-    print(f"\n{len(rows)} points in {time.perf_counter() - start:.1f} s; results in {out / (args.name + '.csv')}, "
-          f"plot in {out / (args.name + '.png')}")
+    except OSError as err:
+        print(f"{prog}: cannot write {err.filename or out} ({err.strerror or err}); {resume}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as err:
+        print(f"{prog}: interrupted; {resume}", file=sys.stderr)
+        return _interrupted_status(err)
+    print(f"\n{len(rows)} points in {time.perf_counter() - start:.1f} s; results in {result_file}, plot in {plot}")
     return 0
 
 
@@ -121,25 +182,35 @@ def _add_train_parser(sub):
 
 
 def _train(args) -> int:
-    import re
-    from pathlib import Path
-
     from . import train
 
+    prog = "python -m refimpl train"
     options = {field: option for option, field, _, _ in _TRAIN_OPTIONS}
     given = {field: getattr(args, field) for field in options if getattr(args, field) is not None}
+    seed = train.TrainConfig().seed if args.seed is None else args.seed
+    out = args.out if args.out is not None else str(Path("results") / "train" / f"{args.task}-{args.mixer}-seed{seed}")
+
+    def next_step() -> str:
+        checkpoint = Path(out) / train.CHECKPOINT_NAME
+        if checkpoint.exists():
+            return f"the last checkpoint is {checkpoint}: continue with the same options and --resume"
+        return "no checkpoint was written, so there is nothing to resume: run the same command again, without --resume"
+
     try:
         base = train.quick_config() if args.quick else train.TrainConfig()
         config = train.check_train_config(base._replace(task=args.task, mixer=args.mixer, **given))
-        seed = config.seed
-        out = Path(args.out) if args.out is not None else Path("results") / "train" / f"{args.task}-{args.mixer}-seed{seed}"
         result = train.train(config, out, resume=args.resume, progress=not args.no_progress, stop_after=args.stop_after)
     except ValueError as err:
         # name the option, not the field: "steps: ..." -> "--steps: ..."
         names = {**options, "stop_after": "--stop-after", "resume": "--resume", "out": "--out"}
-        message = re.sub(r"^(\w+):", lambda m: names.get(m.group(1), m.group(1)) + ":", str(err))
-        print(f"python -m refimpl train: {message}", file=sys.stderr)
+        print(f"{prog}: {_option_names(str(err), names)}", file=sys.stderr)
         return 2
+    except OSError as err:
+        print(f"{prog}: cannot write {err.filename or out} ({err.strerror or err}); {next_step()}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as err:
+        print(f"{prog}: interrupted; {next_step()}", file=sys.stderr)
+        return _interrupted_status(err)
     print(train.format_result(result))
     return 0
 

@@ -176,9 +176,12 @@ def _check_responsibilities(gamma, name, ndim=None):
     return gamma
 
 
-def _check_mask(mask, name, shape, labels):
-    """A boolean mask of ``shape`` with at least one True, or None (everything counts)."""
+def _check_mask(mask, name, shape, labels, data="gamma"):
+    """A boolean mask of ``shape`` with at least one True, or None (everything counts: at least one token needed)."""
     if mask is None:
+        if not all(shape):
+            raise ValueError(f"{data}: expected at least one token, got none (token shape {tuple(shape)}): a mean over no "
+                             "tokens is undefined")
         return np.ones(shape, dtype=bool)
     mask = np.asarray(mask)
     if mask.dtype != bool:
@@ -259,7 +262,7 @@ def _check_routing(routing, categories, mask):
             pair.append(gamma)
         validation.check_shape(pair[1], f"routing[{i}]['gamma_k']", pair[0].shape, ("B", "H", "N", "K"))
         layers.append(tuple(pair))
-    mask = _check_mask(mask, "mask", categories.shape, ("B", "N"))
+    mask = _check_mask(mask, "mask", categories.shape, ("B", "N"), data="categories")
     return layers, categories, mask
 
 
@@ -280,7 +283,7 @@ def _check_bound_inputs(x, means, variances, weights, grad_resp, mask):
     for h in range(H):
         validation.check_probability_vector(weights[h], f"weights[{h}]")
     validation.check_shape(g, "grad_resp", (B, H, N, K), ("B", "H", "N", "K"))
-    mask = _check_mask(mask, "mask", (B, N), ("B", "N"))
+    mask = _check_mask(mask, "mask", (B, N), ("B", "N"), data="x")
     return x, means, variances, weights, g, mask
 
 
@@ -565,6 +568,11 @@ def gradient_bound_ratios(x, means, variances, weights, grad_resp, *, mask=None)
     ratios = {k: np.zeros(H, dtype=dtype) for k in ("ratio_x", "ratio_means", "ratio_logits", "ratio_logits_modulated")}
     for h in range(H):
         xs, gs = x[:, h][mask], g[:, h][mask]  # (M, d_r), (M, K): the counted tokens of head h
+        # every measured gradient and every bound is linear in g_i, and each ratio is scale-free: each token's g_i is
+        # divided by a power of two 2^k_i near max|g_i| (exact), and the per-token values are scaled back by 2^k_i
+        top = np.max(np.abs(gs), axis=1)
+        k = np.where(top > 0, np.frexp(top)[1] - 1, 0)
+        gs = np.ldexp(gs, -k[:, None])
         bound_x[h] = float(np.max(np.linalg.norm(xs, axis=1)))
         radius[h] = theory.bound_radius(means[h], variances[h], bound_x[h])
         per = theory.per_token_gradients(xs, means[h], variances[h], weights[h], gs)
@@ -589,8 +597,9 @@ def gradient_bound_ratios(x, means, variances, weights, grad_resp, *, mask=None)
                 np.divide(abs_c, bnd.logits_modulated, out=np.zeros_like(abs_c), where=keep_m & (gamma > 0)), axis=1
             ),
         }
-        for k, v in measured.items():
-            per_token[k][:, h][mask] = v
+        for name, v in measured.items():
+            # back in the units of g, but for the ratio, which has none
+            per_token[name][:, h][mask] = v if name == "logits_modulated_ratio" else np.ldexp(v, k)
         ratios["ratio_x"][h] = _max_ratio(measured["x_norm"], bnd.x, keep & (radius[h] > 0))
         ratios["ratio_means"][h] = _max_ratio(measured["means_norm"], bnd.means, keep & (radius[h] > 0))
         ratios["ratio_logits"][h] = _max_ratio(measured["logits_abs"], bnd.logits, keep)

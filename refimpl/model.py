@@ -117,13 +117,13 @@ import numpy as np
 
 from . import layers, numerics, validation
 from .attention import (
+    feature_attention_backward,
     linear_attention_backward,
     linear_attention_forward,
     softmax_attention_backward,
     softmax_attention_forward,
 )
 from .ovq import ovq_attention_backward, ovq_attention_forward
-from .scan import feature_attention_backward
 
 __all__ = [
     "MIXERS",
@@ -422,12 +422,26 @@ class _LayerNormCache(NamedTuple):
 
 
 def layer_norm_forward(x, gain, bias):
-    """Core: ``gain * (x - mean) / sqrt(var + LN_EPS) + bias`` over the last axis; returns ``(y, cache)``."""
-    mu = x.mean(axis=-1, keepdims=True)
-    xc = x - mu
+    """Core: ``gain * (x - mean) / sqrt(var + LN_EPS) + bias`` over the last axis; returns ``(y, cache)``.
+
+    Rows whose largest ``|x|`` exceeds 1 are first divided by a power of two ``s`` near it, so that neither the
+    mean nor the sum of squares overflows (rows of 1e160 in float64, 1e20 in float32): a power of two scales
+    every sum exactly, so the result is the same, bit for bit, as the plain formula wherever that does not overflow.
+    """
+    one = x.dtype.type(1)
+    # s = 2^k with 1 <= max|x| / s < 2 (frexp: max|x| = m 2^e, 1/2 <= m < 1), and s = 1 for rows of max|x| < 2
+    _, e = np.frexp(np.max(np.abs(x), axis=-1, keepdims=True))
+    k = np.maximum(e - 1, 0)
+    s = np.ldexp(one, k)
+    xs = x / s
+    mu = xs.mean(axis=-1, keepdims=True)
+    xc = xs - mu
     var = np.mean(xc * xc, axis=-1, keepdims=True)
-    inv_std = 1.0 / np.sqrt(var + x.dtype.type(LN_EPS))
-    xhat = xc * inv_std
+    # var(x) + eps = s^2 (var(x / s) + eps / s^2), so xhat = (x - mean) / sqrt(var + eps) = xc / sqrt(var(x / s) + eps / s^2)
+    inv_std_s = one / np.sqrt(var + np.ldexp(x.dtype.type(LN_EPS), -2 * k))
+    xhat = xc * inv_std_s
+    # the backward's 1 / sqrt(var + eps), in the units of x
+    inv_std = inv_std_s / s
     return xhat * gain + bias, _LayerNormCache(xhat, inv_std, gain)
 
 
@@ -899,7 +913,7 @@ def gma_routing(params, tokens, config, targets=None) -> list:
     ``dL/dgamma`` of every head: with ``G = dL/dm`` at the layer's output
     ``m = [O^1 ... O^H] W_o``, head ``h`` gets ``dO^h`` from the columns of
     ``G W_o^T`` and the scan's backward
-    (:func:`refimpl.scan.feature_attention_backward`) turns it into
+    (:func:`refimpl.attention.feature_attention_backward`) turns it into
     ``dL/dgamma_q`` and ``dL/dgamma_k``.
 
     Parameters

@@ -29,12 +29,22 @@ embeddings and the GMM parameters (``means``, ``raw_variances``, ``logits``)
 are not decayed: decay would pull gains and variances towards values that
 mean nothing special, and the means towards the origin.
 
+The norm and the clipping factor are computed without overflow: the
+gradients are divided by a power of two near their largest entry before
+they are squared (exact, so ordinary gradients get the plain sum of squares
+bit for bit), and :math:`c/\|g\|` is formed from that scaled norm.  So
+gradients of :math:`10^{160}` in float64 or :math:`10^{20}` in float32 are
+clipped as gradients of 1 are.  Without clipping, gradients whose squares
+overflow the moments' dtype are refused (they would put ``inf`` into
+:math:`v`).
+
 :func:`adam_step` is a pure function: it returns new dicts of new arrays and
 never modifies its arguments.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -60,13 +70,40 @@ def decays(name: str) -> bool:
     return name.rsplit(".", 1)[-1].startswith("W")
 
 
+def _global_norm_parts(arrays):
+    """Core: ``(r, k)`` with the global norm ``r 2^k``, summed in the arrays' order; no square overflows.
+
+    Every entry is divided by ``2^k`` first, ``k`` from the largest ``|entry|`` (``k = 0`` below 2), so that the
+    squares stay below 4: ``||g|| = 2^k ||g / 2^k||``.  A power of two scales each square and each sum exactly,
+    so ``r 2^k`` is, bit for bit, the plain ``sqrt(sum of squares)`` wherever that does not overflow.
+    """
+    arrays = list(arrays)
+    largest = max((float(np.max(np.abs(a))) for a in arrays if a.size), default=0.0)
+    # largest = m 2^e with 1/2 <= m < 1: entries / 2^(e - 1) lie below 2
+    k = max(math.frexp(largest)[1] - 1, 0)
+    scaled = arrays if k == 0 else [np.ldexp(a, -k) for a in arrays]
+    return math.sqrt(sum(float(np.sum(a * a)) for a in scaled)), k
+
+
+def _ldexp(r, k):
+    """Core: ``r 2^k`` as a float, ``inf`` when it exceeds the largest float64."""
+    try:
+        return math.ldexp(r, k)
+    except OverflowError:
+        return math.inf
+
+
 def _global_norm(arrays):
-    """Core: ``sqrt(sum of squares)`` over every array, summed in the arrays' order (float)."""
-    return float(np.sqrt(sum(float(np.sum(a * a)) for a in arrays)))
+    """Core: ``sqrt(sum of squares)`` over every array, summed in the arrays' order (float), without overflow."""
+    return _ldexp(*_global_norm_parts(arrays))
 
 
 def global_norm(grads) -> float:
     """The norm of all the gradients taken as one vector, ``sqrt(sum_name sum grads[name]**2)``.
+
+    Computed without overflow (module docstring): gradients of
+    ``1e160`` in float64 or ``1e20`` in float32 have a norm that fits a
+    float64, and get it; ``inf`` only for a norm beyond the largest float64.
 
     Parameters
     ----------
@@ -134,14 +171,32 @@ def _check_step(params, grads, state, lr, beta1, beta2, eps, weight_decay, clip_
     weight_decay = validation.check_positive_float(weight_decay, "weight_decay", allow_zero=True)
     if clip_norm is not None:
         clip_norm = validation.check_positive_float(clip_norm, "clip_norm")
+    _check_squares_fit(params, grads, clip_norm)
     return params, grads, AdamState(step, m, v), lr, beta1, beta2, eps, weight_decay, clip_norm
+
+
+def _check_squares_fit(params, grads, clip_norm):
+    """Refuse gradients whose squares, after clipping, overflow the dtype of the second moment ``v``."""
+    for k, g in grads.items():
+        largest = float(np.max(np.abs(g))) if g.size else 0.0
+        # after clipping every |g_i| is at most clip_norm (and never grows)
+        bound = largest if clip_norm is None else min(largest, clip_norm)
+        dtype = min((g.dtype, params[k].dtype), key=lambda t: np.finfo(t).max)
+        limit = math.sqrt(float(np.finfo(dtype).max))
+        if bound > limit:
+            raise ValueError(
+                f"grads[{k!r}]: expected entries whose squares fit {np.dtype(dtype).name} (|g| <= {limit:.3g}) for the "
+                f"second moment, got |g| = {largest:.3g}; clip the gradients (clip_norm) or scale the loss down"
+            )
 
 
 def _adam_step(params, grads, state, lr, beta1, beta2, eps, weight_decay, clip_norm):
     """Core of :func:`adam_step` on checked arguments."""
-    norm = _global_norm(grads.values())
-    # clipping by the global norm: g <- g c / ||g|| when ||g|| > c (one factor for every parameter)
-    scale = clip_norm / norm if clip_norm is not None and norm > clip_norm else 1.0
+    root, k2 = _global_norm_parts(grads.values())
+    norm = _ldexp(root, k2)
+    # clipping by the global norm: g <- g c / ||g|| when ||g|| > c (one factor for every parameter),
+    # c / ||g|| = (c / r) 2^-k from the parts of the norm, finite even where ||g|| itself overflows
+    scale = math.ldexp(clip_norm / root, -k2) if clip_norm is not None and norm > clip_norm else 1.0
     t = state.step + 1
     # bias corrections 1 - beta^t: E[m_t] = (1 - beta1^t) E[g] for a stationary gradient
     c1 = 1.0 - beta1**t
@@ -188,5 +243,12 @@ def adam_step(params, grads, state, *, lr, beta1=0.9, beta2=0.999, eps=1e-8, wei
         ``step + 1`` and the new moments.
     grad_norm : float
         The global norm of ``grads`` before clipping.
+
+    Raises
+    ------
+    ValueError
+        Naming the argument: bad options, keys or shapes, non-finite or
+        negative moments, non-finite gradients, or gradients whose squares
+        (after clipping) overflow the parameters' dtype.
     """
     return _adam_step(*_check_step(params, grads, state, lr, beta1, beta2, eps, weight_decay, clip_norm))

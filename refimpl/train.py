@@ -59,14 +59,34 @@ threadpoolctl: more threads cost more than they give on matrices this
 small, and one thread fixes the order of every sum whatever the number of
 cores.)  A checkpoint that cannot be read, lacks or
 adds an array, has an array of the wrong shape or dtype, holds a non-finite
-value, or was written by a different configuration is refused with an
-error that names the problem, and nothing in ``OUT`` is changed.  A run
-without ``resume`` refuses an ``OUT`` that already holds a checkpoint or a
-log.
+value, was written by a different configuration, or whose ``step``,
+``adam_step`` and data order disagree (the ``position``, the permutation
+``order`` and ``rng_state`` must be those that ``step`` steps of seed
+``seed`` reach, :func:`data_position`) is refused with an error that names
+the problem, and nothing in ``OUT`` is changed.  So is a log that is not
+UTF-8, lacks a row up to the checkpoint's step, or holds in one a value
+that is not a finite number or a validation where there was no evaluation
+(the error names the file and the line); its seconds at the checkpoint's
+step must be the checkpoint's ``elapsed``.
+
+A run without ``resume`` refuses an ``OUT`` that already holds a
+checkpoint.  A run stopped before its first checkpoint has nothing to
+resume: when it diverges, is interrupted (``SIGINT``, or ``SIGTERM`` through
+the command line) or cannot write, it removes the log it began; killed
+outright (``SIGKILL``), it leaves a log without a checkpoint, which a run
+without ``resume`` replaces, while ``resume`` says to run without it.
+
+Divergence
+----------
+A step whose loss, gradients or updated parameters are not finite (or
+whose forward pass meets values its checks refuse) stops the run with an
+error that names ``lr`` (or ``weight_decay`` when it is above 1), the step
+and both values; the last checkpoint stays as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -81,7 +101,7 @@ from typing import NamedTuple
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from . import model, tasks, validation
+from . import files, model, tasks, validation
 
 __all__ = [
     "TASKS",
@@ -95,6 +115,7 @@ __all__ = [
     "model_config",
     "load_data",
     "learning_rate",
+    "data_position",
     "evaluate",
     "save_checkpoint",
     "load_checkpoint",
@@ -285,7 +306,7 @@ def save_checkpoint(path, config: TrainConfig, state) -> None:
         arrays[f"adam_m/{name}"] = state.adam.m[name]
         arrays[f"adam_v/{name}"] = state.adam.v[name]
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with files.naming(tmp), open(tmp, "wb") as f:
         np.savez(f, **arrays)
         f.flush()
         os.fsync(f.fileno())
@@ -336,6 +357,60 @@ def _check_scalar(arrays, key, path, kind, low, high):
     if not (math.isfinite(number) and low <= number <= high):
         raise ValueError(f"checkpoint: {path}: {key!r} = {number!r}, expected a finite value in [{low}, {high}]")
     return number
+
+
+def data_position(config: TrainConfig, step: int) -> tuple:
+    r"""Where the data order stands after step ``step``: ``(epochs, position)``.
+
+    Every epoch is a fresh permutation of the training set cut into
+    ``n_train // batch_size`` batches (the incomplete last one dropped), and
+    a permutation is drawn when a batch no longer fits in the current one.
+    So after step :math:`s \ge 1`, with :math:`b` batches per epoch,
+    :math:`\lceil s / b\rceil` permutations have been drawn and the
+    position in the last one is :math:`((s - 1) \bmod b + 1)` batches.
+
+    Parameters
+    ----------
+    config : TrainConfig
+    step : int
+        At least 1.
+
+    Returns
+    -------
+    epochs : int
+        Permutations drawn from ``np.random.default_rng(seed)``.
+    position : int
+        Sequences of the last permutation used.
+    """
+    config = check_train_config(config)
+    step = validation.check_int(step, "step", minimum=1)
+    per_epoch = config.n_train // config.batch_size
+    # ceil(s / b) epochs begun; ((s - 1) mod b + 1) batches of the last one used
+    return (step - 1) // per_epoch + 1, ((step - 1) % per_epoch + 1) * config.batch_size
+
+
+def _check_data_order(config, step, order, position, rng, path):
+    """Refuse a data order (position, permutation, generator state) that is not the one after ``step`` steps."""
+    epochs, expected = data_position(config, step)
+    if position != expected:
+        raise ValueError(
+            f"checkpoint: {path}: 'position' = {position} is not the position after step {step} ({expected}: "
+            f"{config.n_train // config.batch_size} batches of {config.batch_size} per epoch); the checkpoint is "
+            "inconsistent: remove it, or train into another --out"
+        )
+    replay = np.random.default_rng(config.seed)
+    for _ in range(epochs):
+        permutation = replay.permutation(config.n_train)
+    if not np.array_equal(order, permutation):
+        raise ValueError(
+            f"checkpoint: {path}: 'order' is not the permutation of epoch {epochs} of seed {config.seed}, the epoch of "
+            f"step {step}; the checkpoint is inconsistent: remove it, or train into another --out"
+        )
+    if rng.bit_generator.state != replay.bit_generator.state:
+        raise ValueError(
+            f"checkpoint: {path}: 'rng_state' is not the state of the data order after {epochs} epochs of seed "
+            f"{config.seed}; the checkpoint is inconsistent: remove it, or train into another --out"
+        )
 
 
 def load_checkpoint(path, config: TrainConfig):
@@ -391,6 +466,7 @@ def load_checkpoint(path, config: TrainConfig):
         rng.bit_generator.state = json.loads(_check_text(arrays, "rng_state", path))
     except (json.JSONDecodeError, TypeError, ValueError, KeyError) as err:
         raise ValueError(f"checkpoint: {path}: 'rng_state' is not a state of {type(rng.bit_generator).__name__} ({err})") from None
+    _check_data_order(config, int(step), order, int(position), rng, path)
     adam = AdamState(step=int(adam_step), m=groups["adam_m"], v=groups["adam_v"])
     return _State(int(step), groups["params"], adam, rng, order, int(position), float(elapsed))
 
@@ -398,28 +474,53 @@ def load_checkpoint(path, config: TrainConfig):
 # ----------------------------------------------------------------------------- the log
 
 
-def _check_log(path, step, checkpoint):
+def _check_log_row(config, path, line, row):
+    """Refuse a row of the log that is not one :func:`train` writes: every column a number, validation only at evaluations."""
+    if len(row) != len(LOG_COLUMNS):
+        raise ValueError(f"log: {path}, line {line}: {len(row)} columns, expected {len(LOG_COLUMNS)}; the log was edited "
+                         "or damaged: restore it, or train into another --out")
+    step = row[0]
+    if not step.isdigit() or int(step) < 1:
+        raise ValueError(f"log: {path}, line {line}: step = {step!r} is not a step number; the log was edited or damaged: "
+                         "restore it, or train into another --out")
+    evaluated = int(step) % config.eval_every == 0 or int(step) == config.steps
+    for name, text in zip(LOG_COLUMNS[1:], row[1:]):
+        if name in ("val_loss", "val_accuracy") and not evaluated:
+            if text:
+                raise ValueError(f"log: {path}, line {line}: {name} = {text!r} at step {step}, which is no evaluation step; "
+                                 "the log was edited or damaged: restore it, or train into another --out")
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise ValueError(f"log: {path}, line {line}: {name} = {text!r} is not a finite number; the log was edited or "
+                             "damaged: restore it, or train into another --out")
+
+
+def _check_log(config, path, step, checkpoint, elapsed):
     """The rows of the log at ``path`` up to ``step`` (as text), refusing a log that does not hold them all.
 
-    Rows after ``step`` (written after the checkpoint) and a torn last row are left out.
+    Rows after ``step`` (written after the checkpoint) and a torn last row are left out; every row kept is
+    checked (:func:`_check_log_row`), and the seconds of the last one must be the checkpoint's ``elapsed``.
     """
-    try:
-        with open(path, newline="") as f:
-            reader = csv.reader(f)
-            header = next(reader, None)
-            rows = list(reader)
-    except OSError as err:
-        raise ValueError(f"log: cannot read {path} ({err}); the checkpoint {checkpoint} needs its log") from None
-    if header != list(LOG_COLUMNS):
-        raise ValueError(f"log: {path} has the columns {header}, expected {list(LOG_COLUMNS)}")
+    log = files.read_csv(path, "log")
+    if log.header != list(LOG_COLUMNS):
+        raise ValueError(f"log: {path} has the columns {log.header}, expected {list(LOG_COLUMNS)}")
     kept = []
-    for row in rows:
-        if len(row) != len(LOG_COLUMNS) or not row[0].isdigit() or int(row[0]) > step:
-            break
-        kept.append(row)
-    if [int(r[0]) for r in kept] != list(range(1, step + 1)):
+    for line, row in log.rows:
+        if len(kept) == step or (row and row[0].isdigit() and int(row[0]) > step):
+            break  # written after the checkpoint, before the interruption: done again
+        _check_log_row(config, path, line, row)
+        kept.append((line, row))
+    if [int(r[0]) for _, r in kept] != list(range(1, step + 1)):
         raise ValueError(f"log: {path} does not hold the rows of steps 1..{step}, the step of the checkpoint {checkpoint}")
-    return kept
+    line, last = kept[-1]
+    if float(last[LOG_COLUMNS.index("seconds")]) != elapsed:
+        raise ValueError(f"log: {path}, line {line}: seconds = {last[-1]} at step {step}, but the checkpoint {checkpoint} "
+                         f"says {elapsed!r}; the log is not that of the checkpoint: restore it, or train into another --out")
+    return [row for _, row in kept]
 
 
 def _format_row(row: dict) -> list:
@@ -428,7 +529,7 @@ def _format_row(row: dict) -> list:
 
 def _rewrite_log(path, rows):
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
+    with files.naming(tmp), open(tmp, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(LOG_COLUMNS)
         writer.writerows(rows)
@@ -466,23 +567,48 @@ def _peak_step_bytes(params, adam, tokens, targets, mcfg, config) -> int:
         tracemalloc.stop()
 
 
-def _check_out(out: Path, resume: bool):
+def _first_checkpoint(config, stop_after) -> int:
+    """The step of a run's first checkpoint: its first evaluation, or its stop if that comes first."""
+    return min(config.eval_every, config.steps, stop_after or config.steps)
+
+
+def _check_out(out: Path, resume: bool, config, stop_after):
+    """Refuse an ``out`` that this call may not start in or resume from; the message says which command to run."""
     ckpt, log = out / CHECKPOINT_NAME, out / LOG_NAME
     if resume and not ckpt.exists():
+        if log.exists():
+            raise ValueError(
+                f"resume: {out} holds a log but no checkpoint: its run stopped before its first checkpoint (step "
+                f"{_first_checkpoint(config, stop_after)}), so there is nothing to resume; run the same command without "
+                "--resume to start it again"
+            )
         raise ValueError(f"resume: no checkpoint {ckpt} to resume from; run without --resume to start")
-    if not resume and (ckpt.exists() or log.exists()):
-        held = ckpt if ckpt.exists() else log
-        raise ValueError(f"out: {out} already holds {held.name} of an earlier run; pass --resume to continue it, or another --out")
+    if resume:
+        return
+    if ckpt.exists():
+        raise ValueError(f"out: {out} already holds {ckpt.name} of an earlier run; pass --resume to continue it, or another --out")
+    if log.exists():
+        # a log without a checkpoint: a run killed before its first checkpoint, which starts again from step 1
+        header = files.read_csv(log, "log").header
+        if header != list(LOG_COLUMNS):
+            raise ValueError(f"out: {out} already holds a {log.name} that is not a training log (columns {header}); "
+                             "pass another --out")
 
 
 def train(config: TrainConfig, out, *, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> TrainResult:
     """Train one model; write the log, the checkpoints and the result into ``out``.
 
+    A run stopped before its first checkpoint (diverged, interrupted, or
+    out of disk) removes the log it began, and the folder if it created it:
+    it leaves nothing to resume, and the same call without ``resume``
+    starts it again.  A run killed outright at that stage (``SIGKILL``)
+    leaves its log behind; a call without ``resume`` replaces it.
+
     Parameters
     ----------
     config : TrainConfig
-    out : path
-        The run's folder (created if needed).
+    out : str or os.PathLike
+        The run's folder (created if needed); not empty, not a file, writable.
     resume : bool, default False
         Continue from ``out/checkpoint.npz`` (module docstring).
     progress : bool, default True
@@ -494,77 +620,158 @@ def train(config: TrainConfig, out, *, resume: bool = False, progress: bool = Tr
     Returns
     -------
     TrainResult
+
+    Raises
+    ------
+    ValueError
+        A bad option, an ``out`` that cannot be written or does not hold
+        what ``resume`` asks for, a refused checkpoint or log (nothing in
+        ``out`` is changed then), or a divergence: a non-finite loss,
+        gradient or parameter, reported with the step and the options
+        ``lr`` and ``weight_decay``.
+    OSError
+        A file of ``out`` could not be written (its name is the error's
+        ``filename``); the last checkpoint is left intact.
     """
     config = check_train_config(config)
     if stop_after is not None:
         stop_after = validation.check_int(stop_after, "stop_after", minimum=1)
-    out = Path(out)
-    _check_out(out, resume)
     resume = validation.check_bool(resume, "resume")
+    out = files.check_out_folder(out, "out")
+    _check_out(out, resume, config, stop_after)
     # one BLAS thread: faster on these small matrices, and the same sums on every machine
     with threadpool_limits(limits=1):
         return _train(config, out, resume, bool(progress), stop_after)
 
 
-def _train(config, out, resume, progress, stop_after) -> TrainResult:
-    """Core of :func:`train`, on checked arguments."""
-    from tqdm.auto import tqdm
+def _check_finite_step(config, step, *, loss=None, arrays=(), refused=None):
+    """Refuse a step whose loss or arrays are not finite, or that ``refused`` describes, naming the option.
 
+    A diverging run is the learning rate's doing, or, when it is larger than 1 (a decay of more than the weights
+    per unit of learning rate), the weight decay's.
+    """
+    if refused is not None:
+        what = refused
+    elif loss is not None and not math.isfinite(loss):
+        what = f"the loss is {loss}"
+    else:
+        what = next((f"{name} is not finite" for name, a in arrays if not np.all(np.isfinite(a))), None)
+    if what is not None:
+        option = "weight_decay" if config.weight_decay > 1 else "lr"
+        raise ValueError(
+            f"{option}: training diverged at step {step}: {what} (lr = {config.lr!r}, weight_decay = "
+            f"{config.weight_decay!r}); lower the {'weight decay' if option == 'weight_decay' else 'learning rate'}"
+        )
+
+
+def _forward_backward(state, x, y, mcfg, config, step):
+    """Core: the loss, counts and gradients of one batch, checked finite (a divergence names its option)."""
+    try:
+        # a diverging step overflows: the checks below report it, once, as a divergence (no warnings on the way)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            loss, n_correct, n_counted, grads = model.loss_and_grads(state.params, x, y, mcfg)
+    except ValueError:  # a value of the model's own that its checks refuse: the parameters diverged
+        _check_finite_step(config, step, refused="the model met values that are not finite")
+    _check_finite_step(config, step, loss=float(loss), arrays=[(f"the gradient of {k}", g) for k, g in grads.items()])
+    return loss, n_correct, n_counted, grads
+
+
+def _update(state, grads, lr, config, step):
+    """Core: the AdamW step of the run, its parameters checked finite (a divergence names its option)."""
     from .optim import adam_step
 
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):  # an update that overflows is reported just below
+            params, adam, grad_norm = adam_step(state.params, grads, state.adam, lr=lr, weight_decay=config.weight_decay,
+                                                clip_norm=config.clip or None)
+    except ValueError:  # gradients whose squares overflow the second moment (no clipping)
+        _check_finite_step(config, step, refused="the gradients are too large for the optimiser's second moment")
+    _check_finite_step(config, step, arrays=[(f"the parameter {k}", p) for k, p in params.items()])
+    return params, adam, grad_norm
+
+
+def _evaluate_checked(params, x, y, mcfg, config, step):
+    """Core: :func:`evaluate` during training, checked finite (a divergence names its option)."""
+    try:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # reported below as a divergence
+            val_loss, val_acc = evaluate(params, x, y, mcfg)
+    except ValueError:  # a value of the model's own that its checks refuse: the parameters diverged
+        _check_finite_step(config, step, refused="the model met values that are not finite")
+    _check_finite_step(config, step, loss=val_loss)
+    return val_loss, val_acc
+
+
+def _remove_unfinished(log_path, out, created):
+    """Core: remove the log of a run stopped before its first checkpoint (and ``out`` if this run created it, empty)."""
+    for path in (log_path, log_path.with_name(log_path.name + ".tmp"), out / (CHECKPOINT_NAME + ".tmp")):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    if created:
+        with contextlib.suppress(OSError):
+            out.rmdir()  # only if empty
+
+
+def _train(config, out, resume, progress, stop_after) -> TrainResult:
+    """Core of :func:`train`, on checked arguments."""
     mcfg = model_config(config)
     ckpt_path, log_path = out / CHECKPOINT_NAME, out / LOG_NAME
     if resume:
         state = load_checkpoint(ckpt_path, config)
-        kept = _check_log(log_path, state.step, ckpt_path)
+        kept = _check_log(config, log_path, state.step, ckpt_path, state.elapsed)
     else:
         state = _fresh_state(config, mcfg)
         kept = []
     data = load_data(config)
     (x_train, y_train), (x_val, y_val) = data["train"], data["val"]
 
-    out.mkdir(parents=True, exist_ok=True)
-    _rewrite_log(log_path, kept)  # drops the rows written after the checkpoint
-    val_loss = val_acc = math.nan
-    for row in reversed(kept):
-        if row[LOG_COLUMNS.index("val_loss")]:
-            val_loss, val_acc = float(row[LOG_COLUMNS.index("val_loss")]), float(row[LOG_COLUMNS.index("val_accuracy")])
-            break
-    start = time.perf_counter() - state.elapsed
-    train_seconds, steps_run = 0.0, 0
-    last = config.steps if stop_after is None else min(stop_after, config.steps)
-    ema_loss = ema_acc = None
-    with open(log_path, "a", newline="") as f, tqdm(total=config.steps, initial=state.step, desc=f"{config.task} {config.mixer}",
-                                                     disable=not progress) as bar:
-        writer = csv.writer(f)
-        while state.step < last:
-            t0 = time.perf_counter()
-            step = state.step + 1
-            idx, order, position = _next_batch(state, config.batch_size, config.n_train)
-            loss, n_correct, n_counted, grads = model.loss_and_grads(state.params, x_train[idx], y_train[idx], mcfg)
-            lr = learning_rate(config, step)
-            params, adam, grad_norm = adam_step(state.params, grads, state.adam, lr=lr, weight_decay=config.weight_decay,
-                                                clip_norm=config.clip or None)
-            state = state._replace(step=step, params=params, adam=adam, order=order, position=position)
-            train_seconds += time.perf_counter() - t0
-            steps_run += 1
-            evaluating = step % config.eval_every == 0 or step == config.steps
-            if evaluating:
-                val_loss, val_acc = evaluate(state.params, x_val, y_val, mcfg)
-            accuracy = n_correct / n_counted
-            state = state._replace(elapsed=time.perf_counter() - start)
-            writer.writerow(_format_row({
-                "step": step, "train_loss": float(loss), "train_accuracy": accuracy, "grad_norm": float(grad_norm), "lr": lr,
-                "val_loss": val_loss if evaluating else None, "val_accuracy": val_acc if evaluating else None,
-                "seconds": state.elapsed,
-            }))
-            f.flush()
-            if evaluating or step == last:
-                save_checkpoint(ckpt_path, config, state)
-            ema_loss = loss if ema_loss is None else 0.95 * ema_loss + 0.05 * loss
-            ema_acc = accuracy if ema_acc is None else 0.95 * ema_acc + 0.05 * accuracy
-            bar.set_postfix(loss=f"{ema_loss:.3f}", acc=f"{ema_acc:.3f}", val_acc=f"{val_acc:.3f}", refresh=False)
-            bar.update()
+    created = not out.exists()
+    try:
+        with files.naming(out):
+            out.mkdir(parents=True, exist_ok=True)
+        _rewrite_log(log_path, kept)  # drops the rows written after the checkpoint
+        val_loss = val_acc = math.nan
+        for row in reversed(kept):  # the metrics of the last evaluation
+            if row[LOG_COLUMNS.index("val_loss")]:
+                val_loss, val_acc = float(row[LOG_COLUMNS.index("val_loss")]), float(row[LOG_COLUMNS.index("val_accuracy")])
+                break
+        start = time.perf_counter() - state.elapsed
+        train_seconds, steps_run = 0.0, 0
+        last = config.steps if stop_after is None else min(stop_after, config.steps)
+        ema_loss = ema_acc = None
+        with files.naming(log_path), open(log_path, "a", newline="", encoding="utf-8") as f, files.progress_bar(
+            total=config.steps, initial=state.step, desc=f"{config.task} {config.mixer}", disable=not progress
+        ) as bar:
+            writer = csv.writer(f)
+            while state.step < last:
+                t0 = time.perf_counter()
+                step = state.step + 1
+                idx, order, position = _next_batch(state, config.batch_size, config.n_train)
+                loss, n_correct, n_counted, grads = _forward_backward(state, x_train[idx], y_train[idx], mcfg, config, step)
+                lr = learning_rate(config, step)
+                params, adam, grad_norm = _update(state, grads, lr, config, step)
+                state = state._replace(step=step, params=params, adam=adam, order=order, position=position)
+                train_seconds += time.perf_counter() - t0
+                steps_run += 1
+                evaluating = step % config.eval_every == 0 or step == config.steps
+                if evaluating:
+                    val_loss, val_acc = _evaluate_checked(state.params, x_val, y_val, mcfg, config, step)
+                accuracy = n_correct / n_counted
+                state = state._replace(elapsed=time.perf_counter() - start)
+                writer.writerow(_format_row({
+                    "step": step, "train_loss": float(loss), "train_accuracy": accuracy, "grad_norm": float(grad_norm),
+                    "lr": lr, "val_loss": val_loss if evaluating else None, "val_accuracy": val_acc if evaluating else None,
+                    "seconds": state.elapsed,
+                }))
+                f.flush()
+                if evaluating or step == last:
+                    save_checkpoint(ckpt_path, config, state)
+                ema_loss = loss if ema_loss is None else 0.95 * ema_loss + 0.05 * loss
+                ema_acc = accuracy if ema_acc is None else 0.95 * ema_acc + 0.05 * accuracy
+                bar.set_postfix(loss=f"{ema_loss:.3f}", acc=f"{ema_acc:.3f}", val_acc=f"{val_acc:.3f}", refresh=False)
+                bar.update()
+    finally:
+        if not resume and not ckpt_path.exists():  # stopped before its first checkpoint: nothing to resume, nothing left
+            _remove_unfinished(log_path, out, created)
 
     finished = state.step == config.steps
     x_test, y_test = data["test"]
@@ -614,7 +821,8 @@ def _write_result(path, result: TrainResult):
     doc = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in doc.items()}
     doc["config"] = result.config._asdict()
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    with files.naming(tmp):
+        tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
 

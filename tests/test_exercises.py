@@ -11,7 +11,11 @@ For every lesson ``tutorials/NN_name.py`` this module checks that
    lesson's first code cell, the imports), so the notebook ships unsolved;
 5. every check fails, with an ``AssertionError``, on each wrong answer listed for
    it in ``NEAR_MISSES`` (at least one per exercise: a flipped sign, a dropped
-   factor, an off-by-one mask), so a check that asserts nothing is caught.
+   factor, an off-by-one mask), so a check that asserts nothing is caught; and
+   where a check has a tolerance, on an answer whose error is small but real
+   (``solutions.off_by``: the solution's result off by a relative amount above
+   the tolerance and below it loosened a millionfold), so a check whose
+   tolerance was loosened that much is caught too.
 """
 
 from __future__ import annotations

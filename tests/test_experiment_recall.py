@@ -122,3 +122,74 @@ def test_positional_answer_is_the_most_recent_binding_of_the_base_key():
         earlier = np.flatnonzero(base[written[:row]] == base[target])
         assert written[earlier[-1]] == target  # the most recent occurrence of its base key
         assert np.any(segment[written[earlier]] < segment[target])  # earlier bindings of it exist, and are wrong
+
+
+# ----------------------------------------------------------------------------- the metrics against their formulas
+
+
+def test_accuracy_is_the_share_of_outputs_nearest_their_target():
+    values = np.array([[1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0], [-1.0, 0, 0]])
+    out = np.array([[0.9, 0.1, 0], [0.1, 0.2, 0.9], [0, 0, 2.0], [-0.5, 0.4, 0]])  # nearest: 0, 2, 2, 3
+    assert recall.accuracy(out, values, np.array([0, 2, 2, 3])) == 1.0
+    assert recall.accuracy(out, values, np.array([0, 1, 2, 0])) == 0.5
+    assert recall.accuracy(out, values, np.array([1, 1, 1, 1])) == 0.0
+
+
+@pytest.mark.parametrize("method", recall.METHODS)
+def test_the_state_fraction_of_every_method_is_its_formula(method):
+    """Floats kept over the KV cache's T (d + d_v), as the module docstring counts them."""
+    T, f = 256, 1 / 8
+    N = int(T * f)
+    point = {"task": "associative", "T": T, "fraction": 0.0 if method in recall.UNSIZED else f, "method": method, "seed": 0}
+    kv = T * (recall.D + recall.D_V)
+    expected = {
+        "softmax": 1.0,
+        "linear": recall.D * (recall.D_V + 1) / kv,  # S = sum phi(k) v^T, z = sum phi(k)
+        "gma": N * (2 * recall.D + 1 + recall.D_V + 1) / kv,  # means, variances, weights; sum gamma v^T, sum gamma
+    }.get(method, N * (recall.D + recall.D_V + 1) / kv)  # codes or key means, value means, counts
+    got = recall.run_point(point)
+    assert got["state_fraction"] == pytest.approx(expected, rel=1e-15)
+    assert 0 <= got["accuracy"] <= 1
+
+
+def test_the_table_gives_mean_and_population_std_over_seeds():
+    rows = [{"task": "associative", "T": 256, "fraction": 0.125, "method": "ovq", "seed": s, "accuracy": a, "state_fraction": 0.1}
+            for s, a in enumerate([0.25, 0.75, 0.5])]
+    rows += [{"task": "associative", "T": 256, "fraction": 0.0, "method": "softmax", "seed": 0, "accuracy": 1.0, "state_fraction": 1.0}]
+    line = [line for line in recall.table(rows).splitlines() if line.startswith("associative")]
+    assert len(line) == 1
+    spread = float(np.sqrt(((0.25 - 0.5) ** 2 + (0.75 - 0.5) ** 2) / 3))
+    assert f"0.500 ± {spread:.3f}" in line[0] and "1.000 ± 0.000" in line[0]  # ovq; softmax repeated on the line
+
+
+@pytest.mark.parametrize("task", recall.TASKS)
+def test_the_scored_positions_lie_in_the_window(task):
+    T = 1024
+    rows = recall.make_task(task, T, seed=1)["rows"]
+    low = T // 2 if task == "associative" else T - T // recall.SEGMENTS // 2
+    assert rows.min() >= low and rows.max() < T and rows.size == min(recall.QUERIES, T - low)
+
+
+def test_spherical_kmeans_moves_codes_to_the_unit_mean_of_their_members():
+    x = recall.unit_rows(np.array([[1.0, 0.1], [1.0, -0.3], [0.1, 1.0], [-0.2, 1.0], [0.0, 1.0]]))
+    codes = recall.spherical_kmeans(x, np.array([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]]), 1)
+    np.testing.assert_allclose(codes[0], recall.unit_rows(x[:2].sum(0, keepdims=True))[0], rtol=1e-15)
+    np.testing.assert_allclose(codes[1], recall.unit_rows(x[2:].sum(0, keepdims=True))[0], rtol=1e-15)
+    np.testing.assert_array_equal(codes[2], [-1.0, 0.0])  # a code that wins no row stays where it was
+
+
+def test_vq_reads_a_codebook_fitted_to_another_sequence(monkeypatch):
+    """VQ's codebook is fitted to the keys of the sequence of seed + 1_000_003, never to the one it reads."""
+    seen = []
+    make_task = recall.make_task
+    monkeypatch.setattr(recall, "make_task", lambda task, T, seed: seen.append(seed) or make_task(task, T, seed))
+    recall.run_point({"task": "associative", "T": 256, "fraction": 0.125, "method": "vq", "seed": 4})
+    assert seen == [4, 4 + 1_000_003]
+
+
+@pytest.mark.parametrize("task", recall.TASKS)
+def test_each_written_key_is_its_clean_key_plus_noise_of_norm_about_the_stated_one(task):
+    """k = unit(C + 0.3 g / sqrt(d)): cos(k, C) = 1 / sqrt(1 + 0.3^2) up to the spread of ||g|| / sqrt(d)."""
+    data = recall.make_task(task, 1024, seed=2)
+    cos = np.sum(data["k"] * data["clean"][data["written"]], axis=1)
+    assert np.mean(cos) == pytest.approx(1 / np.sqrt(1 + recall.NOISE**2), abs=0.01)

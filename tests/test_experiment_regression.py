@@ -77,3 +77,65 @@ def test_readouts_are_the_library_attention_outputs_for_a_query_after_the_contex
         pred = reg.vq_readout(q, task.keys, task.values, codebook, beta=beta)
         out = ovq.vq_attention(keys, keys, np.concatenate([task.values, pred]), codebook, chunk_size=C, beta=beta)
         np.testing.assert_allclose(out[-1], pred[0], rtol=0, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- the metrics against their formulas
+
+
+def test_normalised_mse_on_cases_with_known_answers():
+    y = np.array([[1.0, 0.0], [3.0, 4.0], [2.0, 2.0]])  # column means 2, 2: sum ||y - mean||^2 = (1 + 4) + (1 + 4) + 0 = 10
+    assert reg.normalised_mse(y, y) == 0.0
+    assert reg.normalised_mse(np.broadcast_to(y.mean(axis=0), y.shape), y) == pytest.approx(1.0, rel=1e-15)
+    assert reg.normalised_mse(y + np.array([1.0, -2.0]), y) == pytest.approx(3 * 5 / 10, rel=1e-15)
+    # the mean is taken per output column, not over all entries
+    assert reg.normalised_mse(np.full_like(y, 2.0), y) == pytest.approx(1.0, rel=1e-15)
+    z = np.array([[0.0, 10.0], [2.0, 10.0]])
+    assert reg.normalised_mse(np.array([[1.0, 10.0], [1.0, 10.0]]), z) == pytest.approx(1.0, rel=1e-15)
+
+
+def test_vq_readout_is_the_count_weighted_softmax_over_the_used_codes():
+    codebook = np.array([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+    keys = reg.unit_rows(np.array([[1.0, 0.1], [1.0, -0.2], [0.3, 1.0]]))  # two join code 0, one code 1, none code 2
+    values = np.array([[1.0], [3.0], [10.0]])
+    q = np.array([[0.6, 0.8]])
+    beta = 2.0
+    # softmax_m(beta q . D_m + log L_m) U_m over the used codes 0 (L = 2, U = 2) and 1 (L = 1, U = 10)
+    logits = np.array([beta * 0.6 + np.log(2.0), beta * 0.8 + np.log(1.0)])
+    w = np.exp(logits - logits.max())
+    w /= w.sum()
+    expected = w[0] * 2.0 + w[1] * 10.0
+    np.testing.assert_allclose(reg.vq_readout(q, keys, values, codebook, beta=beta), [[expected]], rtol=1e-14)
+
+
+def test_kmeans_codebook_gives_unit_codes_at_the_means_of_their_members():
+    # the codes start at the first two keys; each cluster is symmetric about them
+    keys = reg.unit_rows(np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.2], [1.0, -0.2], [0.1, 1.0], [-0.1, 1.0]]))
+    codes = reg.kmeans_codebook(keys, 2, steps=3)
+    np.testing.assert_allclose(np.linalg.norm(codes, axis=1), 1.0, rtol=1e-15)
+    np.testing.assert_allclose(codes[0], [1.0, 0.0], atol=1e-15)  # the mean of the first cluster, renormalised
+    np.testing.assert_allclose(codes[1], [0.0, 1.0], atol=1e-15)
+
+
+def test_the_mean_method_predicts_the_context_mean_and_the_scale_default_is_sqrt_d():
+    task = reg.make_task(np.random.default_rng(2), 2, 64, 5)
+    other = reg.make_task(np.random.default_rng(3), 2, 64, 1)
+    preds = reg.predictions(task, other, beta=3.0, memory=8)
+    np.testing.assert_array_equal(preds["mean"], np.broadcast_to(task.values.mean(axis=0), task.targets.shape))
+    assert reg._beta("default") == np.sqrt(reg.D_CODE + reg.D_X) and reg._beta(32.0) == 32.0
+
+
+def test_the_table_gives_mean_and_population_std_over_seeds():
+    rows = [{"functions": 2, "context": 64, "memory": 8, "beta": "default", "seed": s,
+             **{f"nmse_{m}": v for m in reg.METHODS}} for s, v in enumerate([0.2, 0.6])]
+    line = reg.table(rows).splitlines()[-1]
+    assert line.split()[:5] == [f"{np.sqrt(66):.2f}", "8", "2", "64", "2"]
+    assert line.count("0.400 +- 0.200") == len(reg.METHODS)
+
+
+def test_vq_reads_a_codebook_fitted_to_another_sequence_and_vq_own_its_own(monkeypatch):
+    task = reg.make_task(np.random.default_rng(4), 2, 64, 5)
+    other = reg.make_task(np.random.default_rng(5), 2, 64, 1)
+    fitted, kmeans_codebook = [], reg.kmeans_codebook
+    monkeypatch.setattr(reg, "kmeans_codebook", lambda keys, size: fitted.append(keys) or kmeans_codebook(keys, size))
+    reg.predictions(task, other, beta=3.0, memory=8)
+    assert len(fitted) == 2 and fitted[0] is other.keys and fitted[1] is task.keys

@@ -84,3 +84,47 @@ def test_fit_slope_on_exact_power_laws():
     order = np.random.default_rng(0).permutation(n.size)
     assert fit_slope(n[order], y[order], last=3) == pytest.approx(2.0, abs=1e-12)
     assert math.isnan(fit_slope([4.0], [16.0]))
+
+
+# ----------------------------------------------------------------------------- the measurements against their definitions
+
+
+def test_best_time_is_the_shortest_call_within_the_repeats_and_the_budget(monkeypatch):
+    clock = iter([0.0, 5.0, 10.0, 12.0, 20.0, 29.0, 40.0, 41.0])  # calls of 5, 2, 9 and 1 seconds
+    monkeypatch.setattr(scaling.time, "perf_counter", lambda: next(clock))
+    calls = []
+    assert scaling.best_time(lambda: calls.append(1), repeats=3, budget=100.0) == 2.0 and len(calls) == 3
+    clock = iter([0.0, 5.0, 10.0, 12.0])
+    calls.clear()
+    assert scaling.best_time(lambda: calls.append(1), repeats=3, budget=6.0) == 2.0 and len(calls) == 2  # 7 s > budget
+
+
+def test_peak_mib_counts_what_a_call_allocates_in_mib():
+    n = 3 * 2**17  # 3 MiB of float64
+    assert scaling.peak_mib(lambda: np.ones(n)) == pytest.approx(3.0, abs=0.01)
+
+
+def test_the_table_keeps_the_best_time_and_the_largest_peak_over_seeds():
+    rows = [{"method": "gma", "direction": "forward", "n": n, "seed": s, "time_s": t, "peak_mib": m}
+            for n, s, t, m in [(256, 0, 0.5, 3.0), (256, 1, 0.25, 2.0), (512, 0, 1.0, 6.0), (512, 1, 2.0, 4.0),
+                               (1024, 0, 2.0, 12.0)]]
+    table = scaling.table(rows)
+    assert "| gma | forward | 256 | 0.25 | 3 |" in table and "| gma | forward | 512 | 1 | 6 |" in table
+    time_slope, memory_slope = scaling.slopes(rows)[("gma", "forward")]
+    assert time_slope == pytest.approx(fit_slope([256, 512, 1024], [0.25, 1.0, 2.0]), rel=1e-14)
+    assert memory_slope == pytest.approx(fit_slope([256, 512, 1024], [3.0, 6.0, 12.0]), rel=1e-14) and memory_slope == pytest.approx(1.0)
+
+
+def test_run_point_rounds_the_peak_to_its_unit(monkeypatch):
+    monkeypatch.setattr(scaling, "peak_mib", lambda fn: 1.0 + 0.7 * scaling.PEAK_UNIT_MIB)
+    monkeypatch.setattr(scaling, "best_time", lambda fn: 0.5)
+    got = scaling.run_point({"method": "linear", "direction": "forward", "n": 64, "seed": 0})
+    assert got == {"time_s": 0.5, "peak_mib": 1.0 + scaling.PEAK_UNIT_MIB}
+
+
+def test_the_full_grid_runs_softmax_up_to_its_limit_and_the_others_to_the_largest_size():
+    points = scaling.grid(False, 2)
+    sizes = {m: sorted({p["n"] for p in points if p["method"] == m}) for m in scaling.METHODS}
+    assert sizes["softmax"] == [n for n in scaling.SIZES if n <= scaling.SOFTMAX_MAX_N] and scaling.SOFTMAX_MAX_N in scaling.SIZES
+    assert all(sizes[m] == list(scaling.SIZES) for m in scaling.METHODS if m != "softmax")
+    assert len(points) == 2 * len(scaling.DIRECTIONS) * sum(len(v) for v in sizes.values())

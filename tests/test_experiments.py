@@ -147,3 +147,96 @@ def test_every_experiment_runs_quick_from_the_command_line(tmp_path, name):
     assert len(rows) == len(exp.grid(True, 1))
     assert (tmp_path / f"{name}.png").stat().st_size > 1000
     assert f"results in {tmp_path / (name + '.csv')}" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- a results file read back strictly
+
+HEADER = "size,method,seed,value,third\n"
+
+
+def test_a_last_row_cut_mid_number_is_dropped_and_its_point_run_again(calls, tmp_path):
+    made, exp = calls
+    sweep.run(exp, quick=True, seeds=1, jobs=1, out=tmp_path, progress=False)
+    complete = (tmp_path / "toy.csv").read_bytes()
+    kept = b"".join(complete.splitlines(keepends=True)[:3])  # the header and the two points of size 1
+    cut = kept + b"2,a,0,20."  # the next row, cut short: a number still, and a wrong one
+    (tmp_path / "toy.csv").write_bytes(cut)
+    assert set(sweep.read_results(exp, tmp_path / "toy.csv")) == {("1", "a", "0"), ("1", "b", "0")}
+    # a rerun that is interrupted after one point: the cut row was cut off before that point was appended
+    run_point = exp.run_point
+
+    def interrupted(point):
+        if point["method"] == "b":
+            raise KeyboardInterrupt
+        return run_point(point)
+
+    exp.run_point = interrupted
+    made.clear()
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run(exp, quick=True, seeds=1, jobs=1, out=tmp_path, progress=False)
+    assert made == [(2, "a", 0)]
+    assert (tmp_path / "toy.csv").read_bytes().startswith(kept + b"2,a,0,20.0,")
+    assert sweep.read_results(exp, tmp_path / "toy.csv")[("2", "a", "0")]["value"] == 20.0
+    exp.run_point = run_point
+    made.clear()
+    rows = sweep.run(exp, quick=True, seeds=1, jobs=1, out=tmp_path, progress=False)
+    assert made == [(2, "b", 0)] and rows[-1]["value"] == 21.0
+    assert (tmp_path / "toy.csv").read_bytes() == complete
+
+
+@pytest.mark.parametrize("content, message", [
+    (HEADER + "1,a,0,nan,0.5\n", r"toy.csv, line 2: value = 'nan' is not a finite number"),
+    (HEADER + "1,a,0,10.0,0.5\n1,b,0,-inf,0.5\n", r"toy.csv, line 3: value = '-inf' is not a finite number"),
+    (HEADER + "1,a,0,10.0,0.5\n2,a,0,20.0,0.5\n1,a,0,10.5,0.5\n", r"toy.csv, lines 2 and 4, give the point .* two different results"),
+    (HEADER + "1,a,0,10.0,0.5\n1,b,0,1\xe9,0.5\n", r"toy.csv, line 3, is not UTF-8 text"),
+    (HEADER + "1,a,0,10.0\n", r"toy.csv, line 2, is not a complete row"),
+    (HEADER + "1,a,0,10.0,0.5,7\n", r"toy.csv, line 2, is not a complete row"),
+    (HEADER + "1,a,0,ten,0.5\n", r"toy.csv, line 2, is not a complete row"),
+])
+def test_a_damaged_results_file_is_refused_naming_the_file_and_line_and_left_alone(calls, tmp_path, content, message):
+    made, exp = calls
+    data = content.encode("latin-1")
+    (tmp_path / "toy.csv").write_bytes(data)
+    with pytest.raises(ValueError, match=message):
+        sweep.run(exp, quick=True, seeds=1, jobs=1, out=tmp_path, progress=False)
+    assert made == [] and (tmp_path / "toy.csv").read_bytes() == data and sorted(p.name for p in tmp_path.iterdir()) == ["toy.csv"]
+
+
+def test_the_same_row_twice_is_one_point(calls, tmp_path):
+    made, exp = calls
+    (tmp_path / "toy.csv").write_text(HEADER + "1,a,0,10.0,0.5\n1,a,0,10.0,0.5\n")
+    assert list(sweep.read_results(exp, tmp_path / "toy.csv")) == [("1", "a", "0")]
+    sweep.run(exp, quick=True, seeds=1, jobs=1, out=tmp_path, progress=False)
+    assert (1, "a", 0) not in made and lines(tmp_path / "toy.csv").count("1,a,0,10.0,0.5") == 1
+
+
+def test_a_point_with_a_non_finite_metric_is_refused_and_not_written(calls, tmp_path):
+    made, exp = calls
+    run_point = exp.run_point
+    exp.run_point = lambda point: {**run_point(point), "third": float("nan")} if point["size"] == 2 else run_point(point)
+    with pytest.raises(ValueError, match=r"experiment 'toy': the point \{'size': '2', 'method': 'a', 'seed': '0'\} gave third = nan"):
+        sweep.run(exp, quick=True, seeds=1, jobs=1, out=tmp_path, progress=False)
+    assert all("nan" not in line for line in lines(tmp_path / "toy.csv"))
+
+
+def test_an_unwritable_out_is_refused_before_anything_is_written(calls, tmp_path, monkeypatch):
+    """The folder check (as root, which ignores permissions, os.access is what says no)."""
+    made, exp = calls
+    real_access = sweep.files.os.access
+    monkeypatch.setattr(sweep.files.os, "access", lambda p, mode: False if str(p).startswith(str(tmp_path)) else real_access(p, mode))
+    with pytest.raises(ValueError, match=rf"out: {tmp_path}, where {tmp_path / 'new'} would be created, is not writable"):
+        sweep.run(exp, quick=True, seeds=1, jobs=1, out=tmp_path / "new", progress=False)
+    with pytest.raises(ValueError, match=rf"out: {tmp_path} is not writable"):
+        sweep.run(exp, quick=True, seeds=1, jobs=1, out=tmp_path, progress=False)
+    assert made == [] and list(tmp_path.iterdir()) == []
+
+
+def test_the_command_line_reports_a_damaged_file_in_one_line(tmp_path):
+    (tmp_path / "scaling.csv").write_text("method,direction,n,seed,time_s,peak_mib\ngma,forward,256,0,0.1,inf\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "refimpl", "experiment", "scaling", "--quick", "--no-progress", "--out", str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr == (f"python -m refimpl experiment scaling: --out: {tmp_path / 'scaling.csv'}, line 2: peak_mib = 'inf' "
+                           "is not a finite number; remove the file or that line\n")

@@ -78,3 +78,30 @@ def test_choosing_the_simulator_after_numba_is_imported_is_refused():
     code = "import numba, gpu\ngpu._cuda_device_count = lambda: 0\ngpu.use_simulator_without_device()\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
     assert proc.returncode != 0 and "NUMBA_ENABLE_CUDASIM: numba is already imported" in proc.stderr
+
+
+HINTS = ("[cuda12]", "[cuda13]", "nvidia-smi", "simulator")
+
+
+@pytest.mark.parametrize("backend, reason", [
+    ("cupy", "CuPy cannot allocate on a CUDA device (CUDARuntimeError: cudaErrorInsufficientDriver: CUDA driver version "
+             "is insufficient for CUDA runtime version)"),
+    ("numba-cuda", "numba.cuda found no CUDA device; set NUMBA_ENABLE_CUDASIM=1 to use the simulator"),
+])
+def test_require_without_a_usable_gpu_gives_every_hint_its_docstring_promises(monkeypatch, backend, reason):
+    """The reasons the probes give on a machine without a usable GPU, and require's message on top of them."""
+    monkeypatch.setattr(gpu, "_probe", lambda b: (False, reason))
+    with pytest.raises(RuntimeError) as info:
+        gpu.require(backend)
+    message = str(info.value)
+    assert message.startswith(f"GPU backend {backend!r} is not available: {reason}")
+    assert all(hint in message for hint in HINTS), message
+
+
+def test_the_cupy_probe_here_and_require_agree_on_the_hints():
+    usable, why = gpu.backend_status()["cupy"]
+    if usable:
+        pytest.skip(f"cupy runs here: {why}")
+    with pytest.raises(RuntimeError) as info:
+        gpu.require("cupy")
+    assert why in str(info.value) and all(hint in str(info.value) for hint in HINTS), str(info.value)

@@ -328,3 +328,79 @@ def test_gradient_bound_ratios_refuse_bad_arguments(changes, exc, fragment):
     with pytest.raises(exc) as info:
         interpret.gradient_bound_ratios(**_bound_args(**changes))
     assert fragment in str(info.value), str(info.value)
+
+
+# --- thresholds hit exactly, masks that change the answer, no tokens, scale ---------------
+
+
+def one_hot_usage(counts, K):
+    """Responsibilities (1, 1, n, K), one-hot, component k taking counts[k] tokens: mean usage counts / n exactly."""
+    labels = np.repeat(np.arange(K), counts)
+    return np.eye(K)[labels][None, None]
+
+
+def test_a_usage_exactly_at_the_threshold_is_not_used():
+    # K = 4, 8 tokens: usages 3/8, 2/8, 2/8, 1/8 -- two of them exactly 1/K = 0.25, one exactly 0.125 = 0.5/K
+    gamma = one_hot_usage([3, 2, 2, 1], 4)
+    p = interpret.mean_responsibilities(gamma)
+    np.testing.assert_array_equal(p, [0.375, 0.25, 0.25, 0.125])
+    assert interpret.used_components(p, 0.25) == 1 and interpret.used_components(p, 0.125) == 3
+    assert interpret.usage_table(p, [0.375, 0.25, 0.125]) == [(0.375, 0), (0.25, 1), (0.125, 3)]
+    cats = np.zeros((1, 8), dtype=int)
+    (r,) = interpret.interpretability_report([{"gamma_q": gamma, "gamma_k": gamma}], cats, thresholds=(0.5, 1.0, 1.5))
+    assert r.thresholds == (0.125, 0.25, 0.375)
+    assert r.used_q == (3, 1, 0) and r.used_k == (3, 1, 0)
+
+
+def test_masked_tokens_change_nothing_of_either_side():
+    """Tokens the mask leaves out, which would change every key-side and query-side metric if they counted."""
+    K = 4
+    counted = one_hot_usage([2, 2, 2, 2], K)  # 8 counted tokens: uniform usage, categories = components
+    noise = one_hot_usage([0, 0, 0, 8], K)  # 8 tokens the mask leaves out, all on component 3
+    gamma_k = np.concatenate([counted, noise], axis=2)
+    gamma_q = np.concatenate([counted[..., ::-1], noise], axis=2)
+    cats = np.concatenate([np.repeat(np.arange(K), 2), np.zeros(8, int)])[None]
+    mask = np.arange(16)[None] < 8
+    (r,) = interpret.interpretability_report([{"gamma_q": gamma_q, "gamma_k": gamma_k}], cats, mask=mask, thresholds=(0.5, 1.0))
+    for side in ("q", "k"):
+        np.testing.assert_array_equal(getattr(r, f"mean_gamma_{side}"), np.full(K, 0.25))
+        assert getattr(r, f"used_{side}") == (4, 0)  # 0.25 > 0.5/K, and not above 1/K
+        assert getattr(r, f"entropy_{side}") == pytest.approx(1.0, rel=1e-15)
+        assert getattr(r, f"nmi_{side}") == pytest.approx(1.0, rel=1e-14)  # the assignment is the category
+    # the same with every token counted: all different
+    (full,) = interpret.interpretability_report([{"gamma_q": gamma_q, "gamma_k": gamma_k}], cats, thresholds=(0.5, 1.0))
+    assert full.used_k != r.used_k and full.entropy_k < 0.9 and full.nmi_k < 0.9
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda: interpret.mean_responsibilities(np.zeros((0, 4))), "gamma: expected at least one token, got none"),
+    (lambda: interpret.mean_responsibilities(np.zeros((2, 0, 4))), "gamma: expected at least one token, got none"),
+    (lambda: interpret.interpretability_report([{"gamma_q": np.zeros((0, 1, 3, 2)), "gamma_k": np.zeros((0, 1, 3, 2))}],
+                                               np.zeros((0, 3), int)), "categories: expected at least one token"),
+    (lambda: interpret.gradient_bound_ratios(np.zeros((1, 1, 0, 2)), np.zeros((1, 2, 2)), np.ones((1, 2, 2)),
+                                             np.full((1, 2), 0.5), np.zeros((1, 1, 0, 2))), "x: expected at least one token"),
+])
+def test_no_tokens_are_refused_not_a_nan(call, fragment):
+    with pytest.raises(ValueError) as info:
+        call()
+    assert fragment in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("dtype, power, large", [(np.float64, 664, 1e200), (np.float32, 66, 1e20)])
+def test_gradient_bound_ratios_are_scale_free_in_the_upstream(dtype, power, large):
+    """Every measured gradient and bound is linear in g: a power of two changes no bit of a ratio and scales every
+    per-token value exactly; a large factor (1e200, 1e20 in float32) leaves the ratios as they are, up to rounding."""
+    layer = synthetic_routing(9, n_layers=1, dtype=dtype)[0]
+    g = np.random.default_rng(10).normal(size=(B, H, N, K)).astype(dtype)
+    args = (layer["x_q"], layer["means"], layer["variances"], layer["weights"])
+    ref = interpret.gradient_bound_ratios(*args, g)
+    exact = interpret.gradient_bound_ratios(*args, g * dtype(2.0**power))
+    for name in ("ratio_x", "ratio_means", "ratio_logits", "ratio_logits_modulated", "logits_modulated_ratio", "radius"):
+        np.testing.assert_array_equal(getattr(exact, name), getattr(ref, name), err_msg=name)
+    for name in ("x_norm", "x_bound", "means_norm", "means_bound", "logits_abs", "logits_bound"):
+        np.testing.assert_array_equal(getattr(exact, name), getattr(ref, name) * dtype(2.0**power), err_msg=name)
+    scaled = interpret.gradient_bound_ratios(*args, g * dtype(large))
+    rtol = 1e-13 if dtype == np.float64 else 1e-5
+    for name in ("ratio_x", "ratio_means", "ratio_logits", "ratio_logits_modulated"):
+        assert np.all(np.isfinite(getattr(scaled, name))), name
+        np.testing.assert_allclose(getattr(scaled, name), getattr(ref, name), rtol=rtol, err_msg=name)

@@ -496,3 +496,47 @@ def test_gma_routing_gradients_wrt_the_responsibilities_give_the_logit_gradients
         got = grads[f"layer{layer}.mixer.logits"]
         np.testing.assert_allclose(expected, got, rtol=1e-10, atol=1e-14 * np.abs(got).max())
     assert "grad_gamma_q" not in M.gma_routing(params, tokens, cfg)[0]
+
+
+# the overflow edge: rows whose sum of squares (and, at the top, whose mean) overflows the dtype
+SCALES = {np.float64: (1e160, 2.0**1020, 1e10), np.float32: (1e20, 2.0**125, 1e5)}
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_layer_norm_is_scale_invariant_up_to_the_overflow_edge(dtype):
+    """LN(c x) = LN(x) once c^2 var(x) dwarfs eps: the same at c = 1e160 (1e20 in float32) and at the largest
+    power of two whose rows still fit, as at a moderate c where the plain formula cannot overflow."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(B, N, D))
+    x = (x / np.max(np.abs(x), axis=-1, keepdims=True)).astype(dtype)  # rows of max |x| = 1
+    gain, bias, G = (rng.normal(size=s).astype(dtype) for s in ((D,), (D,), (B, N, D)))
+    *large, moderate = (dtype(c) for c in SCALES[dtype])
+    y_ref, cache_ref = M.layer_norm_forward(x * moderate, gain, bias)
+    dx_ref = M.layer_norm_backward(G, cache_ref)[0] * moderate
+    eps = np.finfo(dtype).eps
+    for c in large:
+        y, cache = M.layer_norm_forward(x * c, gain, bias)
+        assert y.dtype == dtype and np.all(np.isfinite(y))
+        np.testing.assert_allclose(y, y_ref, rtol=0, atol=16 * eps * float(np.max(np.abs(y_ref))), err_msg=f"c = {c}")
+        dx, dgain, dbias = M.layer_norm_backward(G, cache)
+        # dL/dx scales as 1 / c
+        np.testing.assert_allclose(dx * c, dx_ref, rtol=0, atol=64 * eps * float(np.max(np.abs(dx_ref))), err_msg=f"c = {c}")
+        np.testing.assert_allclose(dgain, M.layer_norm_backward(G, cache_ref)[1], rtol=0, atol=64 * eps * D * B * N)
+
+
+@pytest.mark.parametrize("dtype, large, fits", [(np.float64, 1e160, 1e150), (np.float32, 1e20, 1e15)])
+def test_huge_embeddings_give_the_logits_of_merely_large_ones(dtype, large, fits):
+    """Every residual stream of a pre-norm model goes through layer norm: embeddings of 1e160 give the logits of
+    1e150 (where the sum of squares still fits), not the head's bias alone."""
+    c = config()
+    params = {n: a.astype(dtype) for n, a in perturbed_params(c).items()}
+    tokens = tokens_for(c)
+
+    def logits(scale):
+        scaled = {**params, "embed": params["embed"] * dtype(scale), "pos": params["pos"] * dtype(scale)}
+        return M.model_forward(scaled, tokens, c)[0]
+
+    at_large, at_fits = logits(large), logits(fits)
+    assert np.all(np.isfinite(at_large)) and not np.allclose(at_large, params["head.b"])
+    tol = 1e-9 if dtype == np.float64 else 1e-4
+    np.testing.assert_allclose(at_large, at_fits, rtol=tol, atol=tol)

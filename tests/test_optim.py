@@ -168,3 +168,82 @@ def test_bad_arrays_name_the_argument():
         optim.adam_step(params, grads, state._replace(v={k: -np.ones_like(a) for k, a in params.items()}), lr=0.1)
     with pytest.raises(TypeError, match="params: expected a dict"):
         optim.adam_init([np.ones(2)])
+
+
+# ----------------------------------------------------------------------------- the overflow edge
+
+# float64: squares overflow above 1.34e154; float32: above 1.84e19 (and a float32 sum of squares far sooner)
+EDGE = {np.float64: (1e160, np.finfo(np.float64).max / 4), np.float32: (1e20, np.finfo(np.float32).max / 4)}
+
+
+def edge_grads(dtype, scale):
+    rng = np.random.default_rng(7)
+    grads = {"a.W": rng.normal(size=(3, 4)), "a.b": rng.normal(size=4), "c.W": rng.normal(size=(2, 2))}
+    top = max(float(np.max(np.abs(g))) for g in grads.values())
+    return {k: (g / top * scale).astype(dtype) for k, g in grads.items()}
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_global_norm_of_gradients_at_the_overflow_edge_is_their_norm(dtype):
+    for scale in EDGE[dtype]:
+        grads = edge_grads(dtype, scale)
+        values = [float(x) for g in grads.values() for x in g.ravel()]
+        expected = math.hypot(*values)  # scaled by its own algorithm: no overflow
+        assert math.isfinite(expected)
+        assert optim.global_norm(grads) == pytest.approx(expected, rel=1e-13 if dtype == np.float64 else 1e-6), scale
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_clipping_at_the_overflow_edge_is_clipping_of_the_same_direction(dtype):
+    """Clipping is scale-free: gradients c g with ||c g|| > clip give the step of g scaled to the same norm."""
+    params = {k: np.ones_like(g) for k, g in edge_grads(dtype, 1.0).items()}
+    for scale in EDGE[dtype]:
+        grads = edge_grads(dtype, scale)
+        moderate = {k: (g.astype(np.float64) / scale * 1e3).astype(dtype) for k, g in grads.items()}  # ||.|| > 1 as well
+        got = optim.adam_step(params, grads, optim.adam_init(params), lr=0.1, clip_norm=1.0, weight_decay=0.1)
+        ref = optim.adam_step(params, moderate, optim.adam_init(params), lr=0.1, clip_norm=1.0, weight_decay=0.1)
+        tol = 1e-12 if dtype == np.float64 else 1e-5
+        assert got[2] == pytest.approx(optim.global_norm(grads), rel=1e-15)
+        for k in params:
+            np.testing.assert_allclose(got[1].m[k], ref[1].m[k], rtol=tol, err_msg=k)  # m = (1 - beta1) g clip / ||g||
+            np.testing.assert_allclose(got[1].v[k], ref[1].v[k], rtol=2 * tol, err_msg=k)
+            np.testing.assert_allclose(got[0][k], ref[0][k], rtol=tol, err_msg=k)
+        assert all(np.all(np.isfinite(v)) and np.any(v > 0) for v in got[1].v.values())
+
+
+def test_clipping_by_a_power_of_two_changes_no_bit():
+    params = {k: np.ones_like(g) for k, g in edge_grads(np.float64, 1.0).items()}
+    grads = edge_grads(np.float64, 3.0)
+    ref = optim.adam_step(params, grads, optim.adam_init(params), lr=0.1, clip_norm=1.0)
+    big = {k: g * 2.0**600 for k, g in grads.items()}
+    got = optim.adam_step(params, big, optim.adam_init(params), lr=0.1, clip_norm=1.0)
+    assert got[2] == ref[2] * 2.0**600
+    for k in params:
+        np.testing.assert_array_equal(got[0][k], ref[0][k])
+        np.testing.assert_array_equal(got[1].v[k], ref[1].v[k])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_unclipped_gradients_whose_squares_overflow_are_refused_not_stored(dtype):
+    grads = edge_grads(dtype, EDGE[dtype][0])
+    params = {k: np.ones_like(g) for k, g in grads.items()}
+    state = optim.adam_init(params)
+    with pytest.raises(ValueError, match=rf"grads\['a.W'\]: expected entries whose squares fit {np.dtype(dtype).name}"):
+        optim.adam_step(params, grads, state, lr=0.1)
+    # below the edge they are taken, and v stays finite
+    fine = {k: g / dtype(EDGE[dtype][0]) * dtype(1e150 if dtype == np.float64 else 1e18) for k, g in grads.items()}
+    _, new, _ = optim.adam_step(params, fine, state, lr=0.1)
+    assert all(np.all(np.isfinite(v)) for v in new.v.values())
+    # a clip below the edge makes them safe
+    _, clipped, _ = optim.adam_step(params, grads, state, lr=0.1, clip_norm=1e3)
+    assert all(np.all(np.isfinite(v)) for v in clipped.v.values())
+
+
+def test_the_bias_corrections_use_the_step_number_of_the_state():
+    """One zero-gradient step from a state with moments: the corrections 1 - beta^t take t = state.step + 1."""
+    params = {"a.b": np.array([0.0])}
+    state = optim.AdamState(4, {"a.b": np.array([0.2])}, {"a.b": np.array([0.09])})
+    new, s, _ = optim.adam_step(params, {"a.b": np.array([0.0])}, state, lr=1.0, beta1=0.5, beta2=0.75, eps=1e-8)
+    m, v = 0.5 * 0.2, 0.75 * 0.09  # the moments decay by beta
+    expected = -(m / (1 - 0.5**5)) / (math.sqrt(v / (1 - 0.75**5)) + 1e-8)
+    assert s.step == 5 and new["a.b"][0] == pytest.approx(expected, rel=1e-15)

@@ -150,9 +150,9 @@ def _multihead_gma(x, *, causal=False, chunk_size=64, eps=1e-6, min_variance=1e-
     )
 
 
-def _ovq_args(T=11, d=3, d_v=2):
+def _ovq_args(N=11, d=3, d_v=2):
     rng = np.random.default_rng(11)
-    return dict(q=rng.normal(size=(T, d)), k=rng.normal(size=(T, d)), v=rng.normal(size=(T, d_v)), max_size=4, chunk_size=3)
+    return dict(q=rng.normal(size=(N, d)), k=rng.normal(size=(N, d)), v=rng.normal(size=(N, d_v)), max_size=4, chunk_size=3)
 
 
 def _ovq_state():
@@ -186,8 +186,8 @@ def _softmax_attention_backward(grad_out, q, k, v, causal=False):
 
 
 def _feature_attention_backward(grad_out, phi_q, phi_k, v, causal=False, chunk_size=4):
-    cache = scan.feature_attention_forward(phi_q, phi_k, v, causal=causal, chunk_size=chunk_size)[1]
-    return scan.feature_attention_backward(grad_out, cache)
+    cache = attention.feature_attention_forward(phi_q, phi_k, v, causal=causal, chunk_size=chunk_size)[1]
+    return attention.feature_attention_backward(grad_out, cache)
 
 
 def _linear_attention_backward(grad_out, q, k, v, causal=False, chunk_size=4):
@@ -390,11 +390,11 @@ CASES = [
     ("attention.softmax_attention_forward", attention.softmax_attention_forward, _with(_qkv, scale=0.7)),
     ("attention.softmax_attention_backward", _softmax_attention_backward, lambda: dict(_qkv(), grad_out=_grad((5, 2)))),
     ("attention.softmax_attention_backward(causal)", _softmax_attention_backward, lambda: dict(_qkv(), grad_out=_grad((5, 2)), causal=True)),
-    ("scan.feature_attention", scan.feature_attention, _features),
-    ("scan.feature_attention(causal)", scan.feature_attention, _with(_features, causal=True, chunk_size=4)),
-    ("scan.feature_attention_forward", scan.feature_attention_forward, _with(_features, causal=True, chunk_size=4, eps=0.0)),
-    ("scan.feature_attention_backward", _feature_attention_backward, lambda: dict(_features(), grad_out=_grad((6, 3)))),
-    ("scan.feature_attention_backward(causal)", _feature_attention_backward, lambda: dict(_features(), grad_out=_grad((6, 3)), causal=True)),
+    ("attention.feature_attention", attention.feature_attention, _features),
+    ("attention.feature_attention(causal)", attention.feature_attention, _with(_features, causal=True, chunk_size=4)),
+    ("attention.feature_attention_forward", attention.feature_attention_forward, _with(_features, causal=True, chunk_size=4, eps=0.0)),
+    ("attention.feature_attention_backward", _feature_attention_backward, lambda: dict(_features(), grad_out=_grad((6, 3)))),
+    ("attention.feature_attention_backward(causal)", _feature_attention_backward, lambda: dict(_features(), grad_out=_grad((6, 3)), causal=True)),
     ("attention.elu_feature_map", attention.elu_feature_map, lambda: dict(x=np.array([[-800.0, -1.0], [0.0, 3.0]]))),
     ("attention.linear_attention", attention.linear_attention, _qkv),
     ("attention.linear_attention(causal)", attention.linear_attention, _with(_qkv, causal=True, chunk_size=2)),
@@ -418,6 +418,10 @@ CASES = [
     ("gma.gma_forward(heads)", gma.gma_forward, lambda: _gma_batched_raw_args((2, 3), per_head=True)),
     ("gma.gma_backward(batched)", _gma_backward, lambda: dict(_gma_batched_raw_args(), grad_out=_grad((2, 5, 3)))),
     ("gma.gma_backward(heads)", _gma_backward, lambda: dict(_gma_batched_raw_args((2, 3), per_head=True), grad_out=_grad((2, 3, 5, 3)), causal=True)),
+    ("gma.gma_step", gma.gma_step, _gma_args),
+    ("gma.gma_step(state)", gma.gma_step, lambda: dict(_gma_args(), state=gma.GMAState(np.ones((3, 3)), np.ones(3), 2))),
+    ("gma.GMAState", gma.GMAState, lambda: dict(slots=np.ones((3, 2)), norms=np.array([0.5, 0.0, 2.0]), tokens_seen=4)),
+    ("gma.GMAState.empty", gma.GMAState.empty, lambda: dict(K=3, d_v=2, dtype=np.float32)),
     # layers
     ("layers.init_multihead_gma", layers.init_multihead_gma, lambda: dict(d_model=4, n_heads=2, d_route=2, d_value=3, n_components=3, seed=5)),
     ("layers.multihead_gma", _multihead_gma, _layer_fields),
@@ -519,6 +523,7 @@ CASES = [
     ("train.load_data", train.load_data, lambda: dict(config=_TCFG)),
     ("train.load_data(markov)", train.load_data, lambda: dict(config=_TCFG._replace(task="markov"))),
     ("train.learning_rate", train.learning_rate, lambda: dict(config=_TCFG, step=3)),
+    ("train.data_position", train.data_position, lambda: dict(config=_TCFG, step=3)),
     ("train.evaluate", _evaluate, _evaluate_args),
     ("train.evaluate(markov)", _evaluate, lambda: _evaluate_args(_TCFG._replace(task="markov"))),
     ("train.format_result", train.format_result, lambda: dict(result=_train_result())),
@@ -547,8 +552,8 @@ LOG_DOMAIN = {"gmm.logsumexp", "gmm.logsumexp(keepdims)", "gmm.log_softmax", "gm
 ONLY_ARGS = {
     "attention.softmax_attention_backward": ("grad_out",),
     "attention.softmax_attention_backward(causal)": ("grad_out",),
-    "scan.feature_attention_backward": ("grad_out",),
-    "scan.feature_attention_backward(causal)": ("grad_out",),
+    "attention.feature_attention_backward": ("grad_out",),
+    "attention.feature_attention_backward(causal)": ("grad_out",),
     "attention.linear_attention_backward": ("grad_out",),
     "attention.linear_attention_backward(causal)": ("grad_out",),
     "gma.gma_backward": ("grad_out",),
@@ -636,7 +641,7 @@ def test_every_public_function_has_a_case():
     """
     covered = {cid.split("(")[0] for cid, _, _ in CASES}
     wrapped = {  # functions reached through a wrapper that builds their bundle argument
-        "attention.softmax_attention_backward", "scan.feature_attention_backward", "attention.linear_attention_backward",
+        "attention.softmax_attention_backward", "attention.feature_attention_backward", "attention.linear_attention_backward",
         "gma.gma_backward", "layers.multihead_gma_backward", "ovq.ovq_attention_backward", "gmr.joint_gmm_predict",
         "model.model_forward", "model.model_backward", "model.cross_entropy_backward", "model.loss_and_grads",
         "model.gma_routing", "optim.adam_init", "optim.adam_step", "optim.global_norm", "interpret.interpretability_report",
@@ -646,13 +651,16 @@ def test_every_public_function_has_a_case():
         "train.train",  # a whole run (log, checkpoints, result.json): the end-to-end and resume tests
         "train.save_checkpoint", "train.load_checkpoint",  # files: the checkpoint round-trip and corrupt-file tests
     }
+    # the batch rule of gma, and the checkers the GPU backends share: reached through gma, gma_forward and gma_backward
+    building_blocks = {"gma.forward_with", "gma.backward_with"}
     public = set()
     for module in (attention, gma, gmm, gmr, layers, ovq, ovq_oracle, scan, theory, model, optim, tasks, interpret, train):
         for name in module.__all__:
             obj = getattr(module, name)
-            if callable(obj) and not isinstance(obj, type) and not (obj.__doc__ or "").startswith("Core"):
+            if callable(obj) and not isinstance(obj, type) and not (obj.__doc__ or "").startswith("Core") and not name.startswith("check_"):
                 public.add(f"{module.__name__.split('.')[-1]}.{name}")
-    public |= {"ovq.OVQState", "ovq.OVQState.empty"}
+    public |= {"ovq.OVQState", "ovq.OVQState.empty", "gma.GMAState", "gma.GMAState.empty"}
+    public -= building_blocks
     assert not public - covered - wrapped - elsewhere, sorted(public - covered - wrapped - elsewhere)
     assert wrapped <= covered
     assert elsewhere <= public and not elsewhere & covered
@@ -690,7 +698,7 @@ def _state(max_size, d, d_v, dtype=np.float64):
 
 
 def _feature_cache():
-    return scan.feature_attention_forward(**_features())[1]
+    return attention.feature_attention_forward(**_features())[1]
 
 
 SPECIFIC = [
@@ -738,16 +746,16 @@ SPECIFIC = [
     ("no queries", attention.softmax_attention, _with(_qkv, q=np.ones((0, 3))), ValueError, "expected at least one row"),
     ("softmax grad_out shape", _softmax_attention_backward, lambda: dict(_qkv(), grad_out=np.ones((5, 3))), ValueError, "grad_out: expected shape (N_q, d_v) = (5, 2), got (5, 3)"),
     ("softmax cache type", attention.softmax_attention_backward, lambda: dict(grad_out=np.ones((5, 2)), cache=(1, 2)), TypeError, "cache: expected the SoftmaxAttentionCache"),
-    ("negative features", scan.feature_attention, _with(_features, phi_q=-_features()["phi_q"]), ValueError, "phi_q: expected nonnegative features"),
-    ("features F mismatch", scan.feature_attention, _with(_features, phi_k=np.ones((6, 5))), ValueError, "phi_k: expected shape (N_k, F) = (*, 4)"),
-    ("feature eps < 0", scan.feature_attention, _with(_features, eps=-1e-6), ValueError, "eps: expected a finite number >= 0"),
-    ("feature chunk_size 0", scan.feature_attention, _with(_features, causal=True, chunk_size=0), ValueError, "chunk_size: expected an integer >= 1"),
-    ("feature chunk_size float", scan.feature_attention, _with(_features, causal=True, chunk_size=2.0), TypeError, "chunk_size: expected an integer"),
-    ("feature causal lengths", scan.feature_attention, _with(_features, phi_q=np.ones((4, 4)), causal=True), ValueError, "causal=True needs as many queries as keys"),
-    ("feature eps = 0 with no overlap", scan.feature_attention, lambda: dict(phi_q=np.array([[1.0, 0.0]]), phi_k=np.array([[0.0, 1.0]]), v=np.ones((1, 1)), eps=0.0), ValueError, "eps: with eps = 0 the denominator of query row 0"),
-    ("feature eps = 0 causal", scan.feature_attention, lambda: dict(phi_q=np.array([[1.0, 0.0], [0.0, 1.0]]), phi_k=np.array([[1.0, 0.0], [1.0, 0.0]]), v=np.ones((2, 1)), eps=0.0, causal=True, chunk_size=1), ValueError, "eps: with eps = 0 the denominator of query row 1"),
+    ("negative features", attention.feature_attention, _with(_features, phi_q=-_features()["phi_q"]), ValueError, "phi_q: expected nonnegative features"),
+    ("features F mismatch", attention.feature_attention, _with(_features, phi_k=np.ones((6, 5))), ValueError, "phi_k: expected shape (N_k, F) = (*, 4)"),
+    ("feature eps < 0", attention.feature_attention, _with(_features, eps=-1e-6), ValueError, "eps: expected a finite number >= 0"),
+    ("feature chunk_size 0", attention.feature_attention, _with(_features, causal=True, chunk_size=0), ValueError, "chunk_size: expected an integer >= 1"),
+    ("feature chunk_size float", attention.feature_attention, _with(_features, causal=True, chunk_size=2.0), TypeError, "chunk_size: expected an integer"),
+    ("feature causal lengths", attention.feature_attention, _with(_features, phi_q=np.ones((4, 4)), causal=True), ValueError, "causal=True needs as many queries as keys"),
+    ("feature eps = 0 with no overlap", attention.feature_attention, lambda: dict(phi_q=np.array([[1.0, 0.0]]), phi_k=np.array([[0.0, 1.0]]), v=np.ones((1, 1)), eps=0.0), ValueError, "eps: with eps = 0 the denominator of query row 0"),
+    ("feature eps = 0 causal", attention.feature_attention, lambda: dict(phi_q=np.array([[1.0, 0.0], [0.0, 1.0]]), phi_k=np.array([[1.0, 0.0], [1.0, 0.0]]), v=np.ones((2, 1)), eps=0.0, causal=True, chunk_size=1), ValueError, "eps: with eps = 0 the denominator of query row 1"),
     ("feature grad_out shape", _feature_attention_backward, lambda: dict(_features(), grad_out=np.ones((5, 3))), ValueError, "grad_out: expected shape (N_q, d_v) = (6, 3), got (5, 3)"),
-    ("feature cache type", scan.feature_attention_backward, lambda: dict(grad_out=np.ones((6, 3)), cache=None), TypeError, "cache: expected the FeatureAttentionCache"),
+    ("feature cache type", attention.feature_attention_backward, lambda: dict(grad_out=np.ones((6, 3)), cache=None), TypeError, "cache: expected the FeatureAttentionCache"),
     ("elu string", attention.elu_feature_map, lambda: dict(x="1"), TypeError, "x: expected a real floating-point array"),
     ("linear chunk_size 0", attention.linear_attention, _with(_qkv, causal=True, chunk_size=0), ValueError, "chunk_size: expected an integer >= 1"),
     ("linear eps NaN", attention.linear_attention, _with(_qkv, eps=np.nan), ValueError, "eps: expected a finite number >= 0"),
@@ -902,24 +910,24 @@ SPECIFIC = [
     ("size max_size 0", ovq.dictionary_size, lambda: dict(t=3, max_size=0), ValueError, "max_size: expected an integer >= 1"),
     ("size max_size float", ovq.dictionary_size, lambda: dict(t=3, max_size=4.0), TypeError, "max_size: expected an integer"),
     ("size growth", ovq.dictionary_size, lambda: dict(t=3, max_size=4, growth="exponential"), ValueError, "growth: expected one of 'plateau', 'linear'"),
-    ("state size > N", ovq.OVQState, lambda: {**_state_fields(), "size": 5}, ValueError, "size: expected at most N = 4"),
+    ("state size > n_max", ovq.OVQState, lambda: {**_state_fields(), "size": 5}, ValueError, "size: expected at most n_max = 4"),
     ("state negative count", ovq.OVQState, lambda: {**_state_fields(), "counts": np.array([-1, 5, 3, 2])}, ValueError, "counts: expected nonnegative"),
     ("state counts sum", ovq.OVQState, lambda: {**_state_fields(), "tokens_seen": 10}, ValueError, "counts: expected sum(counts) == tokens_seen = 10"),
     ("state counts float", ovq.OVQState, lambda: {**_state_fields(), "counts": np.array(_state_fields()["counts"], dtype=float)}, TypeError, "counts: expected integers"),
-    ("state counts shape", ovq.OVQState, lambda: {**_state_fields(), "counts": np.array([9, 0, 0])}, ValueError, "counts: expected shape (N,) = (4,)"),
-    ("state values rows", ovq.OVQState, lambda: {**_state_fields(), "values": np.ones((3, 2))}, ValueError, "values: expected shape (N, d_v) = (4, *)"),
+    ("state counts shape", ovq.OVQState, lambda: {**_state_fields(), "counts": np.array([9, 0, 0])}, ValueError, "counts: expected shape (n_max,) = (4,)"),
+    ("state values rows", ovq.OVQState, lambda: {**_state_fields(), "values": np.ones((3, 2))}, ValueError, "values: expected shape (n_max, d_v) = (4, *)"),
     ("state dtypes differ", ovq.OVQState, lambda: {**_state_fields(), "values": _state_fields()["values"].astype(np.float32)}, TypeError, "values: expected the dtype of keys"),
     ("state active count 0", ovq.OVQState, lambda: dict(keys=np.ones((3, 2)), values=np.ones((3, 1)), counts=np.array([2, 0, 0]), size=2, tokens_seen=2), ValueError, "every active row"),
     ("state unused count", ovq.OVQState, lambda: dict(keys=np.ones((3, 2)), values=np.ones((3, 1)), counts=np.array([1, 0, 1]), size=1, tokens_seen=2), ValueError, "rows >= size"),
     ("state size float", ovq.OVQState, lambda: {**_state_fields(), "size": 3.0}, TypeError, "size: expected an integer"),
-    ("state no rows", ovq.OVQState, lambda: dict(keys=np.ones((0, 2)), values=np.ones((0, 1)), counts=np.zeros(0, int), size=0, tokens_seen=0), ValueError, "keys: expected shape (N, d) with N >= 1"),
+    ("state no rows", ovq.OVQState, lambda: dict(keys=np.ones((0, 2)), values=np.ones((0, 1)), counts=np.zeros(0, int), size=0, tokens_seen=0), ValueError, "keys: expected shape (n_max, d) with n_max >= 1"),
     ("empty max_size", ovq.OVQState.empty, lambda: dict(max_size=0, d=2, d_v=2), ValueError, "max_size: expected an integer >= 1"),
     ("empty dtype int", ovq.OVQState.empty, lambda: dict(max_size=2, d=2, d_v=2, dtype=np.int32), TypeError, "dtype: expected float32 or float64"),
     ("empty dtype unknown", ovq.OVQState.empty, lambda: dict(max_size=2, d=2, d_v=2, dtype="f99"), TypeError, "dtype: expected float32 or float64"),
-    ("ovq k rows", ovq.ovq_attention, _with(_ovq_args, k=np.ones((10, 3))), ValueError, "k: expected shape (T, d) = (11, 3)"),
-    ("ovq v rows", ovq.ovq_attention, _with(_ovq_args, v=np.ones((12, 2))), ValueError, "v: expected shape (T, d_v) = (11, *)"),
+    ("ovq k rows", ovq.ovq_attention, _with(_ovq_args, k=np.ones((10, 3))), ValueError, "k: expected shape (N, d) = (11, 3)"),
+    ("ovq v rows", ovq.ovq_attention, _with(_ovq_args, v=np.ones((12, 2))), ValueError, "v: expected shape (N, d_v) = (11, *)"),
     ("ovq d_v 0", ovq.ovq_attention, _with(_ovq_args, v=np.ones((11, 0))), ValueError, "d_v >= 1"),
-    ("ovq T 0", ovq.ovq_attention, _with(_ovq_args, q=np.ones((0, 3)), k=np.ones((0, 3)), v=np.ones((0, 2))), ValueError, "T >= 1"),
+    ("ovq N 0", ovq.ovq_attention, _with(_ovq_args, q=np.ones((0, 3)), k=np.ones((0, 3)), v=np.ones((0, 2))), ValueError, "N >= 1"),
     ("ovq max_size 0", ovq.ovq_attention, _with(_ovq_args, max_size=0), ValueError, "max_size: expected an integer >= 1"),
     ("ovq max_size float", ovq.ovq_attention, _with(_ovq_args, max_size=4.0), TypeError, "max_size: expected an integer"),
     ("ovq chunk_size 0", ovq.ovq_attention, _with(_ovq_args, chunk_size=0), ValueError, "chunk_size: expected an integer >= 1"),
@@ -936,7 +944,7 @@ SPECIFIC = [
     ("ovq count_bias", ovq.ovq_attention, _with(_ovq_args, count_bias=1), TypeError, "count_bias: expected True or False"),
     ("ovq return_state", ovq.ovq_attention, _with(_ovq_args, return_state="yes"), TypeError, "return_state: expected True or False"),
     ("ovq state type", ovq.ovq_attention, _with(_ovq_args, state={"keys": 1}), TypeError, "state: expected an OVQState"),
-    ("ovq state N", ovq.ovq_attention, _with(_ovq_args, state=_state(5, 3, 2)), ValueError, "state: has N = 5 rows but max_size = 4"),
+    ("ovq state n_max", ovq.ovq_attention, _with(_ovq_args, state=_state(5, 3, 2)), ValueError, "state: has n_max = 5 rows but max_size = 4"),
     ("ovq state d", ovq.ovq_attention_forward, _with(_ovq_args, state=_state(4, 2, 2)), ValueError, "state: holds keys of dimension d = 2, but q and k have d = 3"),
     ("ovq state d_v", ovq.ovq_attention, _with(_ovq_args, state=_state(4, 3, 3)), ValueError, "state: holds values of dimension d_v = 3, but v has d_v = 2"),
     (
@@ -946,13 +954,13 @@ SPECIFIC = [
         ValueError,
         "state: size = 1 after tokens_seen = 40 is too small for growth='plateau'",
     ),
-    ("ovq grad_out shape", _ovq_attention_backward, lambda: dict(_ovq_args(), grad_out=np.ones((11, 3))), ValueError, "grad_out: expected shape (T, d_v) = (11, 2)"),
+    ("ovq grad_out shape", _ovq_attention_backward, lambda: dict(_ovq_args(), grad_out=np.ones((11, 3))), ValueError, "grad_out: expected shape (N, d_v) = (11, 2)"),
     ("ovq cache type", ovq.ovq_attention_backward, lambda: dict(grad_out=np.ones((11, 2)), cache=_feature_cache()), TypeError, "cache: expected the OVQCache"),
     ("vq codebook d", ovq.vq_attention, _with(_codebook_args, codebook=np.ones((4, 2))), ValueError, "codebook: expected shape (S, d) = (*, 3)"),
     ("vq codebook empty", ovq.vq_attention, _with(_codebook_args, codebook=np.ones((0, 3))), ValueError, "codebook: expected at least one code"),
     ("vq chunk_size 0", ovq.vq_attention, _with(_codebook_args, chunk_size=0), ValueError, "chunk_size: expected an integer >= 1"),
     ("vq beta < 0", ovq.vq_attention, _with(_codebook_args, beta=-2.0), ValueError, "beta: expected a finite number > 0"),
-    ("vq k rows", ovq.vq_attention, _with(_codebook_args, k=np.ones((3, 3))), ValueError, "k: expected shape (T, d) = (11, 3)"),
+    ("vq k rows", ovq.vq_attention, _with(_codebook_args, k=np.ones((3, 3))), ValueError, "k: expected shape (N, d) = (11, 3)"),
     ("loop growth", ovq_oracle.ovq_attention_loop, _with(_ovq_args, growth="exponential"), ValueError, "growth: expected one of"),
     ("loop chunk_size 0", ovq_oracle.ovq_attention_loop, _with(_ovq_args, chunk_size=0), ValueError, "chunk_size: expected an integer >= 1"),
     ("loop integer q", ovq_oracle.ovq_attention_loop, _with(_ovq_args, q=np.ones((11, 3), dtype=int)), TypeError, "q: expected a real floating-point array"),
@@ -1138,6 +1146,8 @@ def _leaves(obj):
     """Arrays and scalars of a result, depth first (tuples, named tuples, lists, dicts, states)."""
     if isinstance(obj, ovq.OVQState):
         return [obj.keys, obj.values, obj.counts, obj.size, obj.tokens_seen]
+    if isinstance(obj, gma.GMAState):
+        return [obj.slots, obj.norms, obj.tokens_seen]
     if isinstance(obj, (tuple, list)):
         return [leaf for item in obj for leaf in _leaves(item)]
     if isinstance(obj, dict):
@@ -1151,7 +1161,7 @@ def _snapshot(kwargs):
     for k, v in kwargs.items():
         if isinstance(v, np.ndarray):
             out[k] = [v.copy()]
-        elif isinstance(v, ovq.OVQState):
+        elif isinstance(v, (ovq.OVQState, gma.GMAState)):
             out[k] = [np.array(a, copy=True) for a in _leaves(v)]
     return out
 
@@ -1186,12 +1196,14 @@ def _to_float32(value):
         return value.astype(np.float32)
     if isinstance(value, ovq.OVQState):
         return ovq.OVQState(value.keys.astype(np.float32), value.values.astype(np.float32), value.counts, value.size, value.tokens_seen)
+    if isinstance(value, gma.GMAState):
+        return gma.GMAState(value.slots.astype(np.float32), value.norms.astype(np.float32), value.tokens_seen)
     return value
 
 
 def _has_float_input(kwargs):
     return any(
-        isinstance(v, ovq.OVQState) or (isinstance(v, np.ndarray) and np.issubdtype(v.dtype, np.floating))
+        isinstance(v, (ovq.OVQState, gma.GMAState)) or (isinstance(v, np.ndarray) and np.issubdtype(v.dtype, np.floating))
         for v in kwargs.values()
     )
 

@@ -70,3 +70,13 @@ def test_checks_are_deterministic():
     a = {r.name: r.error for r in verify.run_checks("gmm.*")}
     b = {r.name: r.error for r in verify.run_checks("gmm.*")}
     assert a == b and all(np.isfinite(v) for v in a.values())
+
+
+def test_list_honours_the_pattern(capsys):
+    assert main(["verify", "--list", "-k", "gmm.*"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed and all(name.startswith("gmm.") for name in listed)
+    assert set(listed) == {n for n in verify.registry() if n.startswith("gmm.")}
+    assert main(["verify", "--list", "-k", "no-such-check"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "no check matches 'no-such-check'" in captured.err

@@ -19,6 +19,16 @@ again with the same ``--out``, it skips the points the file already holds.
 At the end the file is rewritten in grid order (to a temporary file, then
 renamed), so that its content does not depend on ``--jobs``.
 
+The file is read back strictly (:func:`read_results`): a last line without
+its newline (a row that a kill or a full disk cut short) is dropped, cut
+from the file and its point run again; a file that is not UTF-8, a row that
+is not complete, a metric that is not a finite number, and a point given
+twice with different results are refused with the file and the line.  A
+point whose metrics are not finite is refused too, and never written.
+``OUT`` is refused before anything is written when it is an empty path, a
+file, below a file or not writable
+(:func:`refimpl.files.check_out_folder`).
+
 The points run on joblib's default (process) backend.  On a cluster, the
 same sweep runs on joblib's dask backend without a code change::
 
@@ -34,11 +44,13 @@ same sweep runs on joblib's dask backend without a code change::
 from __future__ import annotations
 
 import csv
+import math
 import os
 from pathlib import Path
 
 from joblib import Parallel, delayed
-from tqdm.auto import tqdm
+
+from .. import files
 
 __all__ = ["run", "read_results", "point_key", "check_options"]
 
@@ -55,25 +67,44 @@ def _columns(experiment):
 def read_results(experiment, path) -> dict:
     """``{point_key: row}`` of a result file; metrics as floats, parameters as text.
 
-    Raises ``ValueError`` (naming the file) if its columns are not the
-    experiment's: a file from another experiment or another version is not
-    silently mixed in.
+    A last line without its newline is a row cut short: it is left out
+    (its point is run again).
+
+    Raises
+    ------
+    ValueError
+        Naming the file, and the line where there is one: columns that are
+        not the experiment's (a file from another experiment or another
+        version is not silently mixed in), text that is not UTF-8, a row
+        that is not complete, a metric that is not a finite number, or a
+        point that two rows give different results.
     """
     path = Path(path)
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames != _columns(experiment):
-            raise ValueError(
-                f"out: {path} has the columns {reader.fieldnames}, expected {_columns(experiment)} for experiment "
-                f"{experiment.NAME!r}; pass another --out or remove the file"
-            )
-        rows = {}
-        for line, row in enumerate(reader, start=2):
-            try:
-                parsed = {**{k: row[k] for k in experiment.PARAMS}, **{k: float(row[k]) for k in experiment.METRICS}}
-            except (TypeError, ValueError):
-                raise ValueError(f"out: {path}, line {line}, is not a complete row of numbers; remove the file or that line") from None
-            rows[tuple(row[k] for k in experiment.PARAMS)] = parsed
+    table = files.read_csv(path, "out")
+    if table.header is not None and table.header != _columns(experiment):
+        raise ValueError(
+            f"out: {path} has the columns {table.header}, expected {_columns(experiment)} for experiment "
+            f"{experiment.NAME!r}; pass another --out or remove the file"
+        )
+    rows, lines = {}, {}
+    n_params = len(experiment.PARAMS)
+    for line, row in table.rows:
+        try:
+            if len(row) != len(_columns(experiment)):
+                raise ValueError
+            metrics = [float(text) for text in row[n_params:]]
+        except ValueError:
+            raise ValueError(f"out: {path}, line {line}, is not a complete row of numbers; remove the file or that line") from None
+        bad = [(name, text) for name, text, value in zip(experiment.METRICS, row[n_params:], metrics) if not math.isfinite(value)]
+        if bad:
+            raise ValueError(f"out: {path}, line {line}: {bad[0][0]} = {bad[0][1]!r} is not a finite number; remove the file "
+                             "or that line")
+        key = tuple(row[:n_params])
+        parsed = {**dict(zip(experiment.PARAMS, key)), **dict(zip(experiment.METRICS, metrics))}
+        if key in rows and rows[key] != parsed:
+            raise ValueError(f"out: {path}, lines {lines[key]} and {line}, give the point {dict(zip(experiment.PARAMS, key))} "
+                             "two different results; remove one of them")
+        rows[key], lines[key] = parsed, lines.get(key, line)
     return rows
 
 
@@ -110,45 +141,71 @@ def run(experiment, *, quick: bool, seeds: int, jobs: int, out, progress: bool =
         Seeds per configuration (>= 1).
     jobs : int
         Points run in parallel (joblib ``n_jobs``; -1 for every core).
-    out : path
-        Folder of the result file ``NAME.csv`` and the plot ``NAME.png``.
+    out : str or os.PathLike
+        Folder of the result file ``NAME.csv`` and the plot ``NAME.png``
+        (created if needed); not empty, not a file, writable.
     progress : bool, default True
         Show the tqdm progress bar (on standard error).
+
+    Raises
+    ------
+    ValueError
+        A bad option, an ``out`` that cannot be written, a results file that
+        :func:`read_results` refuses (nothing is written then), or a point
+        whose metrics are not finite.
+    OSError
+        The results file could not be written (its name is the error's
+        ``filename``); the rows written so far stay, for the next run.
     """
     check_options(seeds, jobs)
     points = experiment.grid(quick, seeds)
     keys = [point_key(experiment, p) for p in points]
     if len(set(keys)) != len(keys):
         raise ValueError(f"experiment {experiment.NAME!r}: its grid repeats a point")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = files.check_out_folder(out, "out")
     path = out / f"{experiment.NAME}.csv"
-    done = read_results(experiment, path) if path.exists() and path.stat().st_size else {}
+    done = read_results(experiment, path) if path.exists() else {}
     todo = [p for p, k in zip(points, keys) if k not in done]
     columns = _columns(experiment)
     new_file = not done
-    with path.open("w" if new_file else "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        if new_file:
-            writer.writeheader()
-            f.flush()
-        with tqdm(total=len(points), initial=len(points) - len(todo), desc=experiment.NAME, disable=not progress) as bar:
-            results = Parallel(n_jobs=jobs, return_as="generator_unordered")(
-                delayed(_run_one)(experiment.NAME, p) for p in todo
-            )
-            for row in results:
-                writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in row.items()})
+    with files.naming(path):
+        out.mkdir(parents=True, exist_ok=True)
+        if not new_file:
+            # a last line without its newline was cut short: cut it off, its point runs again
+            os.truncate(path, files.read_csv(path, "out").complete_bytes)
+        with path.open("w" if new_file else "a", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            if new_file:
+                writer.writeheader()
                 f.flush()
-                done[tuple(row[k] for k in experiment.PARAMS)] = row
-                bar.update()
-    others = [row for k, row in done.items() if k not in set(keys)]  # another grid's rows (--quick, other seeds): kept
-    _rewrite_in_grid_order(path, columns, [done[k] for k in keys] + others)
+            with files.progress_bar(total=len(points), initial=len(points) - len(todo), desc=experiment.NAME,
+                                    disable=not progress) as bar:
+                results = Parallel(n_jobs=jobs, return_as="generator_unordered")(
+                    delayed(_run_one)(experiment.NAME, p) for p in todo
+                )
+                for row in results:
+                    _check_finite_row(experiment, row)
+                    writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in row.items()})
+                    f.flush()
+                    done[tuple(row[k] for k in experiment.PARAMS)] = row
+                    bar.update()
+        others = [row for k, row in done.items() if k not in set(keys)]  # another grid's rows (--quick, other seeds): kept
+        _rewrite_in_grid_order(path, columns, [done[k] for k in keys] + others)
     return [{**p, **{m: done[k][m] for m in experiment.METRICS}} for p, k in zip(points, keys)]
+
+
+def _check_finite_row(experiment, row):
+    """Refuse a point whose metrics are not finite numbers (nothing is written for it)."""
+    bad = [m for m in experiment.METRICS if not math.isfinite(row[m])]
+    if bad:
+        point = {k: row[k] for k in experiment.PARAMS}
+        raise ValueError(f"experiment {experiment.NAME!r}: the point {point} gave {bad[0]} = {row[bad[0]]!r}, not a finite "
+                         "number; nothing was written for it")
 
 
 def _rewrite_in_grid_order(path, columns, rows):
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", newline="") as f:
+    with files.naming(tmp), tmp.open("w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for row in rows:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from refimpl import gmm
+from refimpl import gmm, tuned
+
+from . import off_by  # near misses: small but real errors
 
 U = np.finfo(np.float64).eps  # machine epsilon u
 
@@ -81,9 +83,9 @@ def entries_to_recompute(x, means, variances, weights):
     s = (np.sqrt(a) + np.sqrt(c)) ** 2  # the size of its terms
     err = 0.5 * (4 + np.sqrt(d)) * U * s  # a logit carries -q/2: half of the model (4 + sqrt d) u s
     logits = np.log(weights) - 0.5 * np.sum(np.log(2 * np.pi * variances), axis=1) - 0.5 * q_hat
-    spoiled = (err > gmm.EXACT_LOGIT_TOL * U) & (s > gmm.CANCELLATION_RATIO * q_hat)
+    spoiled = (err > tuned.EXACT_LOGIT_TOL * U) & (s > tuned.CANCELLATION_RATIO * q_hat)
     floor = np.max(logits - err, axis=1, keepdims=True)  # a lower bound on the row's true maximum
-    window = np.log(K / (gmm.EXACT_LOGIT_TOL * U))  # entries further below carry < 2048 u / K of the weight
+    window = np.log(K / (tuned.EXACT_LOGIT_TOL * U))  # entries further below carry < 2048 u / K of the weight
     near = logits + err >= floor - window
     return spoiled & near
 
@@ -188,7 +190,7 @@ def _recompute_without_window(x, means, variances, weights):
     q_hat = a - 2.0 * (xc @ (mc * p).T) + c
     s = (np.sqrt(a) + np.sqrt(c)) ** 2
     err = 0.5 * (4 + np.sqrt(d)) * U * s
-    return (err > gmm.EXACT_LOGIT_TOL * U) & (s > gmm.CANCELLATION_RATIO * q_hat)  # every spoiled entry, near or not
+    return (err > tuned.EXACT_LOGIT_TOL * U) & (s > tuned.CANCELLATION_RATIO * q_hat)  # every spoiled entry, near or not
 
 
 def _recompute_by_q(x, means, variances, weights):
@@ -199,13 +201,13 @@ def _recompute_by_q(x, means, variances, weights):
     xc, mc = x - centre, means - centre
     q_hat = (xc * xc) @ p.T - 2.0 * (xc @ (mc * p).T) + np.sum(mc * mc * p, axis=1)
     err = 0.5 * (4 + np.sqrt(d)) * U * np.abs(q_hat)
-    return err > gmm.EXACT_LOGIT_TOL * U
+    return err > tuned.EXACT_LOGIT_TOL * U
 
 
 NEAR_MISSES = {
-    "1.1": [_lse_global_max, _lse_no_shift, _lse_shift_not_added_back],
+    "1.1": [_lse_global_max, _lse_no_shift, _lse_shift_not_added_back, off_by(logsumexp_rows, 1e-11)],
     "1.2": [_naive_responsibilities, _responsibilities_without_log_det, _responsibilities_without_weights,
-            _responsibilities_global_max],
+            _responsibilities_global_max, off_by(stable_responsibilities, 1e-10)],
     "1.3": [_means_close_together(), _means_spread_a_little(), _points_far_from_everything()],
     "1.4": [_recompute_nothing, _recompute_everything, _recompute_without_window, _recompute_by_q],
 }

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import off_by  # near misses: small but real errors
+
 # ---------------------------------------------------------------------------
 # 2.1 One row of the attention, without the N x N matrix
 # ---------------------------------------------------------------------------
@@ -136,8 +138,8 @@ def _norm_from_dense(gamma_q, gamma_k):
 
 
 NEAR_MISSES = {
-    "2.1": [_row_without_guard, _row_from_dense, _row_normalised_by_query_mass],
-    "2.2": [_slots_not_divided, _weights_without_guard, _slot_masses_from_queries],
-    "2.3": [_router_without_prior, _router_half_dropped, _router_without_precision],
-    "2.4": [_norm_sum_not_trace, _norm_bound, _norm_squared, _norm_from_dense],
+    "2.1": [_row_without_guard, _row_from_dense, _row_normalised_by_query_mass, off_by(attention_row, 1e-10)],
+    "2.2": [_slots_not_divided, _weights_without_guard, _slot_masses_from_queries, off_by(slots_and_weights, 1e-11)],
+    "2.3": [_router_without_prior, _router_half_dropped, _router_without_precision, off_by(isotropic_router, 1e-10)],
+    "2.4": [_norm_sum_not_trace, _norm_bound, _norm_squared, _norm_from_dense, off_by(affinity_norm, 1e-10)],
 }

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import off_by  # near misses: small but real errors
+
 # ---------------------------------------------------------------------------
 # 3.1 Generation, one token at a time
 # ---------------------------------------------------------------------------
@@ -66,7 +68,7 @@ def anticausal_gma(gamma_q, gamma_k, v, eps=1e-6, chunk=64):
     backwards.  Chunked, each chunk reads the state of the chunks after it
     plus the upper triangle (with the diagonal) of its own $C\\times C$ block.
     Equivalently: flip the sequence, run the causal scan, flip the output
-    (``scan.feature_attention(gq[::-1], gk[::-1], v[::-1], causal=True)[::-1]``).
+    (``attention.feature_attention(gq[::-1], gk[::-1], v[::-1], causal=True)[::-1]``).
     Memory O(K d_v + C^2) besides the output.
     """
     n, K = gamma_k.shape
@@ -183,7 +185,7 @@ SOLUTIONS = {
 }
 
 NEAR_MISSES = {
-    "3.1": [_step_read_before_write, _step_without_guard, _step_mass_not_updated],
-    "3.2": [_anticausal_is_causal, _anticausal_strict, _anticausal_dense, _anticausal_chunks_forward],
-    "3.3": [_window_prefix_difference, _window_one_too_many, _window_one_too_few],
+    "3.1": [_step_read_before_write, _step_without_guard, _step_mass_not_updated, off_by(generate_step, 1e-11)],
+    "3.2": [_anticausal_is_causal, _anticausal_strict, _anticausal_dense, _anticausal_chunks_forward, off_by(anticausal_gma, 1e-11)],
+    "3.3": [_window_prefix_difference, _window_one_too_many, _window_one_too_few, off_by(window_gma, 1e-7)],
 }

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import expit
 
+from . import off_by  # near misses: small but real errors
+
 # ---------------------------------------------------------------------------
 # 4.1 The gradient of the guard
 # ---------------------------------------------------------------------------
@@ -239,9 +241,9 @@ SOLUTIONS = {
 }
 
 NEAR_MISSES = {
-    "4.1": [_guard_sign_flipped, _guard_numerator_for_output, _guard_per_query],
-    "4.2": [_mixing_bidirectional, _mixing_reverse_exclusive, _mixing_without_denominator_term],
+    "4.1": [_guard_sign_flipped, _guard_numerator_for_output, _guard_per_query, off_by(guard_gradient, 1e-6)],
+    "4.2": [_mixing_bidirectional, _mixing_reverse_exclusive, _mixing_without_denominator_term, off_by(causal_mixing_backward, 1e-10)],
     "4.3": [_gma_backward_bidirectional_mixing, _gma_backward_no_sigmoid, _gma_backward_queries_only,
-            _gma_backward_unweighted_mean],
+            _gma_backward_unweighted_mean, off_by(causal_gma_backward, 1e-10)],
     "4.4": NEAR_TIGHT,
 }

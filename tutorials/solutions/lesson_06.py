@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 from scipy import special
 
+from . import off_by  # near misses: small but real errors
+
 
 # ---------------------------------------------------------------------------
 # 6.1 Nadaraya-Watson regression that does not overflow
@@ -148,8 +150,8 @@ SOLUTIONS = {
 }
 
 NEAR_MISSES = {
-    "6.1": [_nw_unstabilised, _nw_without_half, _nw_dot_product_only, _nw_wrong_axis],
-    "6.2": [_gmr_weights_ovq, _gmr_weights_norm_sign, _gmr_weights_no_prior],
-    "6.3": [_gap_bound_half, _gap_bound_linear, _gap_bound_unsquared, _gap_bound_half_range],
-    "6.4": [_full_without_cross_term, _full_wrong_variance, _full_flipped_offset],
+    "6.1": [_nw_unstabilised, _nw_without_half, _nw_dot_product_only, _nw_wrong_axis, off_by(nadaraya_watson, 1e-10)],
+    "6.2": [_gmr_weights_ovq, _gmr_weights_norm_sign, _gmr_weights_no_prior, off_by(gmr_weights, 1e-10)],
+    "6.3": [_gap_bound_half, _gap_bound_linear, _gap_bound_unsquared, _gap_bound_half_range, off_by(readout_gap_bound, 1e-11)],
+    "6.4": [_full_without_cross_term, _full_wrong_variance, _full_flipped_offset, off_by(gmr_full_predict, 1e-8)],
 }

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import off_by  # near misses: small but real errors
+
 # ---------------------------------------------------------------------------
 # 8.1 The plateau growth curve, in exact integers
 # ---------------------------------------------------------------------------
@@ -222,5 +224,5 @@ NEAR_MISSES = {
             _assign_first_chunk_most_similar],
     "8.3": [_equal_norms, _too_long, _not_unit],
     "8.4": [_readout_backward_no_rowsum, _readout_backward_no_beta, _readout_backward_no_mask,
-            _readout_backward_transposed],
+            _readout_backward_transposed, off_by(readout_backward, 1e-6)],
 }

@@ -19,6 +19,8 @@ from numba import cuda, float64  # noqa: E402
 
 import gpu.numba_cuda  # noqa: E402,F401  (installs the simulator's shared-array fix)
 
+from . import off_by  # near misses: small but real errors
+
 THREADS = 8  # threads per block of the row kernels: a power of two
 TILE = 4  # query rows per block, and keys per tile, of the attention kernel
 D_MAX = 8  # the largest d and d_v the attention kernel accepts (its shared tiles are TILE x D_MAX)
@@ -207,6 +209,12 @@ SOLUTIONS = {"9.1": lse_combine, "9.2": row_softmax, "9.3": chunk_states, "9.4":
 # ---------------------------------------------------------------------------
 
 
+def _lse_sum_slightly_off(m1, s1, m2, s2):
+    """The sum of two non-empty pairs off by a relative 1e-10 (M exact): small, but above the check's tolerance."""
+    M, S = lse_combine(m1, s1, m2, s2)
+    return M, S * (1 + 1e-10) if s1 > 0 and s2 > 0 else S
+
+
 def _lse_no_guard(m1, s1, m2, s2):
     M = max(m1, m2)  # two empty pairs: -inf - (-inf) = nan
     return M, s1 * math.exp(m1 - M) + s2 * math.exp(m2 - M)
@@ -373,8 +381,8 @@ def _attention_with(kernel, scale=None):
 
 
 NEAR_MISSES = {
-    "9.1": [_lse_no_guard, _lse_second_not_rescaled, _lse_min],
-    "9.2": [_softmax_with(_pairs_without_guard_kernel), _softmax_with(_no_shift_kernel)],
-    "9.3": [_chunk_states_inclusive, _chunk_states_overlapping],
-    "9.4": [_attention_with(_acc_not_rescaled_kernel), _attention_with(online_attention_kernel, scale=1.0)],
+    "9.1": [_lse_no_guard, _lse_second_not_rescaled, _lse_min, _lse_sum_slightly_off],
+    "9.2": [_softmax_with(_pairs_without_guard_kernel), _softmax_with(_no_shift_kernel), off_by(row_softmax, 1e-9)],
+    "9.3": [_chunk_states_inclusive, _chunk_states_overlapping, off_by(chunk_states, 1e-10)],
+    "9.4": [_attention_with(_acc_not_rescaled_kernel), _attention_with(online_attention_kernel, scale=1.0), off_by(online_attention, 1e-10)],
 }

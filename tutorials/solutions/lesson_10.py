@@ -6,6 +6,8 @@ import numpy as np
 
 from refimpl import gma, gmm
 
+from . import off_by  # near misses: small but real errors
+
 # ---------------------------------------------------------------------------
 # 10.1 The cross-entropy backward
 # ---------------------------------------------------------------------------
@@ -206,8 +208,8 @@ def _backward_w_o_transposed(grad_out, x, params):
 
 
 NEAR_MISSES = {
-    "10.1": [_ce_sum_not_mean, _ce_flipped, _ce_unshifted],
-    "10.2": [_adam_no_bias_correction, _adam_l2_in_gradient, _adam_delta_inside],
-    "10.3": [_forward_interleaved_heads, _forward_without_output_projection, _forward_first_mixture_everywhere],
-    "10.4": [_backward_w_q_transposed, _backward_first_sequence_only, _backward_w_o_transposed],
+    "10.1": [_ce_sum_not_mean, _ce_flipped, _ce_unshifted, off_by(cross_entropy_grad, 1e-10)],
+    "10.2": [_adam_no_bias_correction, _adam_l2_in_gradient, _adam_delta_inside, off_by(adamw_step, 1e-11)],
+    "10.3": [_forward_interleaved_heads, _forward_without_output_projection, _forward_first_mixture_everywhere, off_by(multihead_forward, 1e-10)],
+    "10.4": [_backward_w_q_transposed, _backward_first_sequence_only, _backward_w_o_transposed, off_by(multihead_backward, 1e-8)],
 }
