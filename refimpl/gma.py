@@ -266,10 +266,7 @@ def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: fl
         causal) without an ``N x N`` matrix.  Dtype of the inputs.
     """
     a = check_gma_arguments(x_q, x_k, v, means, variances, weights, causal, eps, chunk_size)
-    # a zero weight is a component that never wins: log 0 = -inf
-    with np.errstate(divide="ignore"):
-        log_weights = np.log(a.weights)
-    args = (a.x_q, a.x_k, a.v, a.means, a.variances, log_weights, a.causal, a.eps, a.chunk_size)
+    args = (a.x_q, a.x_k, a.v, a.means, a.variances, numerics.log_weights(a.weights), a.causal, a.eps, a.chunk_size)
     return forward_with(_responsibilities, *args, keep=False)[0]
 
 
@@ -553,8 +550,7 @@ def gma_step(x_q, x_k, v, means, variances, weights, *, state=None, eps: float =
     """
     a = check_gma_arguments(x_q, x_k, v, means, variances, weights, True, eps, DEFAULT_CHUNK_SIZE)
     a, state = validation.check_gma_step(a, state, GMAState)
-    with np.errstate(divide="ignore"):
-        log_weights = np.log(a.weights)
+    log_weights = numerics.log_weights(a.weights)
     gamma_q, min_quad_q = _responsibilities(a.x_q, a.means, a.variances, log_weights)
     gamma_k, min_quad_k = _responsibilities(a.x_k, a.means, a.variances, log_weights)
     # V~_t = V~_{t-1} + gamma_k_t v_t^T, Z_t = Z_{t-1} + gamma_k_t; out_t = gamma_q_t V~_t / (gamma_q_t . Z_t + eps)

@@ -213,15 +213,9 @@ def log_joint(x, means, variances, log_weights):
     return log_norm - 0.5 * q, np.min(q, axis=1, initial=np.inf)
 
 
-def _log_weights(weights):
-    # a zero weight is a component that never wins: log 0 = -inf
-    with np.errstate(divide="ignore"):
-        return np.log(weights)
-
-
 def _checked_log_joint(x, means, variances, weights):
     """:func:`log_joint` of checked arrays (``weights`` ``None``: log-densities), and the check of its ``min_quad``."""
-    log_weights = np.zeros(means.shape[0], dtype=x.dtype) if weights is None else _log_weights(weights)
+    log_weights = np.zeros(means.shape[0], dtype=x.dtype) if weights is None else numerics.log_weights(weights)
     logits, min_quad = log_joint(x, means, variances, log_weights)
     validation.check_scaled_distances(min_quad, "x")
     return logits

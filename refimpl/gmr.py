@@ -99,8 +99,7 @@ def kernel_regression(q, k, v, *, beta):
 
 def _checked_conditional_mean(q, key_means, key_variances, weights, value_means):
     """``E[v | q] = sum_m h_m(q) mu^v_m`` of checked arrays, with the boundary's check of the posterior."""
-    with np.errstate(divide="ignore"):
-        log_w = np.log(weights)
+    log_w = numerics.log_weights(weights)
     # h_m(q) = softmax_m(log pi_m + log N(q; mu^k_m, diag key_variances_m))
     logits, min_quad = log_joint(q, key_means, key_variances, log_w)
     validation.check_scaled_distances(min_quad, "q")

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["BLOCK_BYTES", "block_rows", "row_max", "logsumexp", "log_softmax", "softmax", "softmax_backward", "softplus"]
+__all__ = ["BLOCK_BYTES", "block_rows", "row_max", "logsumexp", "log_softmax", "softmax", "softmax_backward", "softplus", "log_weights"]
 
 #: Bytes of work arrays per block of rows in the row-blocked loops of the
 #: reference: a loop over blocks of rows bounds the memory of an ``N x K x d``
@@ -112,6 +112,12 @@ def softmax_backward(p, dp, axis=-1):
     """
     # dL/da_m = p_m (dp_m - sum_k p_k dp_k)
     return p * (dp - np.sum(p * dp, axis=axis, keepdims=True))
+
+
+def log_weights(weights):
+    """Core: ``log(weights)``, a weight of 0 giving ``-inf`` (a component that never wins) without a warning."""
+    with np.errstate(divide="ignore"):
+        return np.log(weights)
 
 
 def softplus(s):

@@ -193,11 +193,14 @@ def scan_forward(phi_q, phi_k, v, causal, eps, chunk_size):
     return out, FeatureAttentionCache(phi_q, phi_k, v, out, den, causal, eps, chunk_size)
 
 
-def _bidirectional_backward(g, c):
-    phi_q, phi_k, v, out, den = c.phi_q, c.phi_k, c.v, c.out, c.den
-    gn = g / den[:, None]
+def _through_the_normaliser(g, c):
+    """``(gn, delta)``: ``gn = G / den`` and ``delta_i = -(g_i . out_i) / den_i``, the upstream gradient of num and den."""
     # out_i = num_i / den_i: d den_i = -(g_i . num_i) / den_i^2 = -(g_i . out_i) / den_i
-    delta = -np.sum(g * out, axis=1) / den
+    return g / c.den[:, None], -np.sum(g * c.out, axis=1) / c.den
+
+
+def _bidirectional_backward(gn, delta, c):
+    phi_q, phi_k, v = c.phi_q, c.phi_k, c.v
     # the state the forward wrote: S = Phi_K^T V, z = Phi_K^T 1
     s, z = phi_k.T @ v, phi_k.sum(axis=0)
     ds = phi_q.T @ gn
@@ -207,17 +210,13 @@ def _bidirectional_backward(g, c):
     return FeatureAttentionGrads(phi_q=dphi_q, phi_k=dphi_k, v=phi_k @ ds)
 
 
-def _causal_backward(g, c):
+def _causal_backward(gn, delta, c):
     phi_q, phi_k, chunk_size = c.phi_q, c.phi_k, c.chunk_size
     n, f = phi_k.shape
     dtype = phi_q.dtype
     v = c.v
     v1 = np.ones((chunk_size, v.shape[1] + 1), dtype=dtype)  # [v_c, 1]
-    # g1 = [gn, delta] with gn = G / den and delta_t = -(g_t . out_t) / den_t, so that gn_t . v_j + delta_t = g1_t . [v_j, 1]
-    # (out_t = num_t / den_t: d den_t = -(g_t . num_t) / den_t^2 = -(g_t . out_t) / den_t)
-    g1 = np.empty((g.shape[0], g.shape[1] + 1), dtype=dtype)
-    np.divide(g, c.den[:, None], out=g1[:, :-1])
-    g1[:, -1] = -np.sum(g * c.out, axis=1) / c.den
+    g1 = np.concatenate([gn, delta[:, None]], axis=1)  # [gn, delta]: gn_t . v_j + delta_t = g1_t . [v_j, 1]
     dphi_q = np.empty_like(phi_q)
     dphi_k = np.empty_like(phi_k)
     dv = np.empty_like(v)
@@ -269,9 +268,7 @@ def causal_recurrence_backward(g, cache):
     phi_q, phi_k, v = cache.phi_q, cache.phi_k, cache.v
     n, f = phi_k.shape
     dtype = phi_q.dtype
-    gn = g / cache.den[:, None]
-    # out_t = num_t / den_t: d den_t = -(g_t . out_t) / den_t
-    delta = -np.sum(g * cache.out, axis=1) / cache.den
+    gn, delta = _through_the_normaliser(g, cache)
     dphi_q, dphi_k, dv = np.empty_like(phi_q), np.empty_like(phi_k), np.empty_like(v)
     s, z = np.zeros((f, v.shape[1]), dtype), np.zeros(f, dtype)
     for t in range(n):
@@ -289,4 +286,5 @@ def causal_recurrence_backward(g, cache):
 
 def scan_backward(g, cache):
     """Core: the gradients of :func:`scan_forward` (``g`` checked, of the cache's dtype; no raise)."""
-    return _causal_backward(g, cache) if cache.causal else _bidirectional_backward(g, cache)
+    gn, delta = _through_the_normaliser(g, cache)
+    return _causal_backward(gn, delta, cache) if cache.causal else _bidirectional_backward(gn, delta, cache)

@@ -479,7 +479,6 @@ def isotropic_router_logits(x, means, variance, weights):
         ``variances = variance`` everywhere (module docstring).
     """
     x, means, variance, weights = validation.check_isotropic_router(x, means, variance, weights)
-    with np.errstate(divide="ignore"):
-        log_w = np.log(weights)
+    log_w = numerics.log_weights(weights)
     # -||x - mu||^2 / (2 s) = x . mu / s - ||mu||^2 / (2 s) - ||x||^2 / (2 s); the last is common to the row
     return x @ means.T / variance + log_w - np.sum(means * means, axis=1) / (2 * variance)

@@ -665,7 +665,7 @@ def _check_finite_step(config, step, *, loss=None, arrays=(), refused=None):
 
 
 def _forward_backward(state, x, y, mcfg, config, step):
-    """Core: the loss, counts and gradients of one batch, checked finite (a divergence names its option)."""
+    """The loss, counts and gradients of one batch; a non-finite one is refused as a divergence naming its option."""
     try:
         # a diverging step overflows: the checks below report it, once, as a divergence (no warnings on the way)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -677,7 +677,7 @@ def _forward_backward(state, x, y, mcfg, config, step):
 
 
 def _update(state, grads, lr, config, step):
-    """Core: the AdamW step of the run, its parameters checked finite (a divergence names its option)."""
+    """The AdamW step of the run; non-finite parameters are refused as a divergence naming its option."""
     from .optim import adam_step
 
     try:
@@ -691,7 +691,7 @@ def _update(state, grads, lr, config, step):
 
 
 def _evaluate_checked(params, x, y, mcfg, config, step):
-    """Core: :func:`evaluate` during training, checked finite (a divergence names its option)."""
+    """:func:`evaluate` during training; a non-finite loss is refused as a divergence naming its option."""
     try:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # reported below as a divergence
             val_loss, val_acc = evaluate(params, x, y, mcfg)

@@ -406,15 +406,9 @@ def posterior(x, means, variances, log_weights, *, log=False, refine=True, block
     return _blocked_log_joint(x, means, variances, log_weights, window, refine, log_softmax_rows if log else softmax_rows, block_rows)
 
 
-def _log_weights(weights):
-    # a zero weight is a component that never wins: log 0 = -inf
-    with np.errstate(divide="ignore"):
-        return np.log(weights)
-
-
 def _checked(x, means, variances, weights, log):
     x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
-    gamma, min_quad = posterior(x, means, variances, _log_weights(weights), log=log)
+    gamma, min_quad = posterior(x, means, variances, numerics.log_weights(weights), log=log)
     validation.check_scaled_distances(min_quad, "x")
     return gamma
 
@@ -432,7 +426,7 @@ def responsibilities(x, means, variances, weights):
 def log_likelihood(x, means, variances, weights):
     """:func:`refimpl.gmm.log_likelihood`, by the expansion: ``log sum_k pi_k N(x_i | mu_k, sigma_k^2)``, shape (N,)."""
     x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
-    logits, min_quad = log_joint(x, means, variances, _log_weights(weights), window=posterior_window(means.shape[0], x.dtype))
+    logits, min_quad = log_joint(x, means, variances, numerics.log_weights(weights), window=posterior_window(means.shape[0], x.dtype))
     validation.check_scaled_distances(min_quad, "x")
     return numerics.logsumexp(logits, axis=1)
 
@@ -442,7 +436,7 @@ def em_step(x, means, variances, weights, *, reg_covar: float = 0.0):
     x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
     reg_covar = validation.check_positive_float(reg_covar, "reg_covar", allow_zero=True)
     # E-step: r_ik = gamma_k(x_i)
-    resp, min_quad = posterior(x, means, variances, _log_weights(weights))
+    resp, min_quad = posterior(x, means, variances, numerics.log_weights(weights))
     validation.check_scaled_distances(min_quad, "x")
     return gmm.m_step(x, resp, reg_covar)
 
@@ -500,7 +494,7 @@ def _responsibility_backward(x, gamma, grad_gamma, means, variances):
 def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
     """:func:`refimpl.gma.gma` with the tuned responsibilities; the same arguments, results and errors."""
     a = spec_gma.check_gma_arguments(x_q, x_k, v, means, variances, weights, causal, eps, chunk_size)
-    args = (a.x_q, a.x_k, a.v, a.means, a.variances, _log_weights(a.weights), a.causal, a.eps, a.chunk_size)
+    args = (a.x_q, a.x_k, a.v, a.means, a.variances, numerics.log_weights(a.weights), a.causal, a.eps, a.chunk_size)
     return spec_gma.forward_with(posterior, *args, keep=False)[0]
 
 

@@ -79,8 +79,11 @@ def read_results(experiment, path) -> dict:
         that is not complete, a metric that is not a finite number, or a
         point that two rows give different results.
     """
-    path = Path(path)
-    table = files.read_csv(path, "out")
+    return _check_results_file(experiment, Path(path), files.read_csv(path, "out"))
+
+
+def _check_results_file(experiment, path, table) -> dict:
+    """:func:`read_results` of a file already read (:func:`refimpl.files.read_csv`)."""
     if table.header is not None and table.header != _columns(experiment):
         raise ValueError(
             f"out: {path} has the columns {table.header}, expected {_columns(experiment)} for experiment "
@@ -164,7 +167,8 @@ def run(experiment, *, quick: bool, seeds: int, jobs: int, out, progress: bool =
         raise ValueError(f"experiment {experiment.NAME!r}: its grid repeats a point")
     out = files.check_out_folder(out, "out")
     path = out / f"{experiment.NAME}.csv"
-    done = read_results(experiment, path) if path.exists() else {}
+    table = files.read_csv(path, "out") if path.exists() else None
+    done = {} if table is None else _check_results_file(experiment, path, table)
     todo = [p for p, k in zip(points, keys) if k not in done]
     columns = _columns(experiment)
     new_file = not done
@@ -172,7 +176,7 @@ def run(experiment, *, quick: bool, seeds: int, jobs: int, out, progress: bool =
         out.mkdir(parents=True, exist_ok=True)
         if not new_file:
             # a last line without its newline was cut short: cut it off, its point runs again
-            os.truncate(path, files.read_csv(path, "out").complete_bytes)
+            os.truncate(path, table.complete_bytes)
         with path.open("w" if new_file else "a", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=columns)
             if new_file:
