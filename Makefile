@@ -1,15 +1,21 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11+ and pip:
-#   make verify   create .venv, install the project with its dev extras, run `python -m refimpl verify`
+#   make verify   create .venv, install the project with its dev and cuda13 extras, run `python -m refimpl verify`
 #   make test     the same set-up, then the whole test suite (unit tests, notebooks, docs check, the built
 #                 site in a headless Chromium when one is installed)
 # and the documentation site:
 #   make docs     execute every tutorial (full size; TUTORIAL_SMALL=1 for small) and build docs/_build/html
 # and the experiments' full sweeps (docs/experiment_*.md): make experiments
 # and, to teach from the lessons: make lab (JupyterLab on tutorials/ with the project's kernel)
+# and, on a machine with an NVIDIA GPU: make gpu-check (both GPU backends validated and measured, gpu/check.py)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# the GPU extra installed beside dev: cuda13 (its NVVM and NVRTC also compile every kernel for make test on a machine
+# without a GPU), or cuda12 for a driver whose nvidia-smi header says CUDA 12.x: make clean install CUDA_EXTRA=cuda12
+# (one major per venv: the two CuPy wheels cannot live side by side)
+CUDA_EXTRA ?= cuda13
+STAMP := $(VENV)/.installed-$(CUDA_EXTRA)
+GPU_CHECK_OUT ?= results/gpu-check
 PYTEST_WORKERS ?= auto
 SPHINXOPTS ?= -j auto
 TUTORIAL_SMALL ?=
@@ -18,12 +24,12 @@ SPHINX := $(PY) -m sphinx -E -W --keep-going -b html $(SPHINXOPTS)
 
 COURSE_STAMP := $(VENV)/.installed-course
 
-.PHONY: install verify test bench experiments docs docs-check lab clean
+.PHONY: install verify test bench experiments docs docs-check lab clean gpu-check
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; v = sys.version_info; sys.exit(0 if v >= (3, 11) else "Python 3.11+ is needed, found %d.%d" % v[:2])'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,$(CUDA_EXTRA)]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -53,11 +59,18 @@ experiments: $(STAMP)
 	  $(PY) -m refimpl experiment $$e --jobs $$jobs || exit 1; \
 	done
 
+# both GPU backends on this machine's GPU: environment, backend status, the GPU tests (a skip is a failure),
+# compute-sanitizer where it is on PATH, bench_gpu.py with its targets; results in $(GPU_CHECK_OUT)/gpu-check.{md,json}.
+# The Python given, no venv and no pip (it needs numpy, scipy, threadpoolctl, pytest, hypothesis, numba, numba-cuda
+# and cupy), so it runs where no package registry can be reached: PYTHON=python3 make gpu-check
+gpu-check:
+	PYTHONPATH=. $(PYTHON) -m gpu check --out $(GPU_CHECK_OUT)
+
 bench: $(STAMP)
 	@for f in benchmarks/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
 $(COURSE_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,course]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,$(CUDA_EXTRA),course]'
 	touch $(COURSE_STAMP)
 
 # JupyterLab on the lessons; its python3 kernel is this virtual environment's Python (JUPYTER_PREFER_ENV_PATH:

@@ -29,6 +29,15 @@ the median over the rounds of the ratio of two calls made back to back):
   against float64, peak memory;
 * where the rest of the time goes: the rate of one element-wise pass and of
   ``exp`` over ``N x K`` entries in cache-sized blocks, against the GEMM rate;
+* with numba installed, the Numba CPU backend (:mod:`cpu`) in every section:
+  its time against the GEMM floor, scikit-learn, the plain reference and the
+  tuned path, its float32/float64 ratio, and the threads it used;
+* softmax attention at N = 16384: numba's online softmax against NumPy's
+  dense form (time, and peak memory: no N x N matrix);
+* OVQ at T = 16384 and 65536 (n_max = 1024, C = 256, d = 64): numba against
+  the NumPy reference;
+* one training step of every mixer on ListOps at the defaults, on both
+  backends (:mod:`refimpl.backend`);
 * accuracy on the spread-means example (two means near +1e4, one at -1e4,
   variances 1e-8) against the definition in extended precision.
 
@@ -52,6 +61,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_gma import make_inputs, peak_bytes as traced_peak  # noqa: E402  (this directory is sys.path[0])
 from refimpl import gma, gmm, numerics, tuned  # noqa: E402
+
+try:  # the Numba CPU backend (cpu/): its columns are printed when numba is installed
+    import numba
+    from cpu import gma as cpu_gma, gmm as cpu_gmm
+except ImportError:
+    numba = None
 from refimpl.testing import exact_responsibilities, row_relative_error, sklearn_gmm, spread_means_example  # noqa: E402
 
 
@@ -151,6 +166,8 @@ def bench_responsibilities(n, K, d, repeats):
         fns[f"{name} core, refined"] = lambda x=x, m=means, v=variances, lw=log_w: tuned.posterior(x, m, v, lw)
         fns[f"{name} core, expansion alone"] = lambda x=x, m=means, v=variances, lw=log_w: tuned.posterior(x, m, v, lw, refine=False)
         fns[f"{name} plain reference"] = lambda x=x, m=means, v=variances, w=weights: gmm.responsibilities(x, m, v, w)
+        if numba is not None:
+            fns[f"{name} numba"] = lambda x=x, m=means, v=variances, w=weights: cpu_gmm.responsibilities(x, m, v, w)
         if dtype == np.float64:
             model = sklearn_gmm(means, variances, weights)
             fns["float64 scikit-learn predict_proba"] = lambda x=x: model.predict_proba(x)
@@ -166,6 +183,14 @@ def bench_responsibilities(n, K, d, repeats):
         screen = paired_ratio(t, name + " core, refined", name + " core, expansion alone") - 1
         print(f"    cost of the exactness screen:  {screen:+9.1%}   (target <= 10%; median over the rounds)")
         print(f"    refined == expansion bit for bit:  {same[name]} (no entry needed recomputing)")
+    if numba is not None:
+        print(f"  numba ({numba.get_num_threads()} threads):")
+        for name in ("float64", "float32"):
+            print(f"    {name} numba / GEMM floor:    {ratio(t, name + ' numba', name + ' GEMM floor'):9.2f}x   (target <= 1.0)")
+            print(f"    {name} plain reference / numba:{ratio(t, name + ' plain reference', name + ' numba'):8.2f}x")
+            print(f"    {name} tuned / numba:         {ratio(t, name + ' tuned', name + ' numba'):9.2f}x")
+        print(f"    scikit-learn / numba:          {ratio(t, 'float64 scikit-learn predict_proba', 'float64 numba'):9.2f}x   (target >= 10)")
+        print(f"    float64 / float32 time, numba: {ratio(t, 'float64 numba', 'float32 numba'):9.2f}x   (target >= 1.7)")
     print(f"  float64 / float32 time, tuned:   {ratio(t, 'float64 tuned', 'float32 tuned'):9.2f}x   (target >= 1.7)")
     print(f"  float64 / float32 time, plain:   {ratio(t, 'float64 plain reference', 'float32 plain reference'):9.2f}x")
     x, means, variances, weights = gmm_inputs(n, K, d, np.float64)
@@ -240,6 +265,13 @@ def bench_gma(n, K, d, repeats):
         fns[f"{name} plain bidirectional forward"] = lambda a=args: gma.gma(*a)
         fns[f"{name} plain causal forward"] = lambda a=args: gma.gma(*a, causal=True)
         fns[f"{name} plain bidirectional backward"] = lambda o=out_b, c=cache_b: gma.gma_backward(o, c)
+        if numba is not None:
+            nb_out_b, nb_cache_b = cpu_gma.gma_forward(**inp)
+            nb_out_c, nb_cache_c = cpu_gma.gma_forward(**inp, causal=True)
+            fns[f"{name} numba bidirectional forward"] = lambda a=args: cpu_gma.gma(*a)
+            fns[f"{name} numba causal forward"] = lambda a=args: cpu_gma.gma(*a, causal=True)
+            fns[f"{name} numba bidirectional backward"] = lambda o=nb_out_b, c=nb_cache_b: cpu_gma.gma_backward(o, c)
+            fns[f"{name} numba causal backward"] = lambda o=nb_out_c, c=nb_cache_c: cpu_gma.gma_backward(o, c)
     t = timed_rounds(fns, repeats)
     for name in ("float64", "float32"):
         print(f"  {name}:")
@@ -251,6 +283,16 @@ def bench_gma(n, K, d, repeats):
             print(f"    plain / tuned, {op + ':':23s}{ratio(t, name + ' plain ' + op, name + ' ' + op):7.2f}x")
     for op in ("bidirectional forward", "causal forward", "bidirectional backward", "causal backward"):
         print(f"  float64 / float32, {op + ':':24s} {ratio(t, 'float64 ' + op, 'float32 ' + op):6.2f}x   (target >= 1.7)")
+    if numba is not None:
+        print(f"  numba ({numba.get_num_threads()} threads):")
+        targets = {"bidirectional forward": ("forward", 1.5), "causal forward": ("forward", 2.0),
+                   "bidirectional backward": ("backward", 2.0), "causal backward": ("backward", 2.0)}
+        for name in ("float64", "float32"):
+            for op, (floor, target) in targets.items():
+                r = ratio(t, f"{name} numba {op}", f"{name} {floor} GEMM floor")
+                print(f"    {name} {op + ' / floor:':32s}{r:6.2f}x   (target <= {target})   tuned / numba {ratio(t, f'{name} {op}', f'{name} numba {op}'):5.2f}x")
+        for op in targets:
+            print(f"    float64 / float32, {op + ':':24s} {ratio(t, 'float64 numba ' + op, 'float32 numba ' + op):6.2f}x")
     inp = gma_inputs(n, K, d, d, np.float64)
     nk = n * K * 8
     for causal in (False, True):
@@ -319,9 +361,90 @@ def accuracy():
             "expansion alone (no refinement)": row_relative_error(tuned.posterior(xs, ms_, vs, np.log(ws), refine=False)[0], exact),
             "scikit-learn predict_proba": row_relative_error(sklearn_gmm(ms_, vs, ws).predict_proba(xs), exact),
         }
+        if numba is not None:
+            errors["cpu.gmm.responsibilities (numba)"] = row_relative_error(cpu_gmm.responsibilities(xs, ms_, vs, ws), exact)
     print("\n== spread means (two near +1e4, one at -1e4, variances 1e-8): largest relative error per row")
     for name, e in errors.items():
         print(f"    {name:34s} {e:9.2e}")
+
+
+def bench_attention(n, d, repeats):
+    """Softmax attention: numba's online softmax (no N x N matrix) against NumPy's dense form, time and peak memory."""
+    from refimpl import attention
+
+    print(f"\n== softmax attention, N = {n}, d = d_v = {d} (best of {repeats} interleaved rounds)")
+    if numba is None:
+        print("    numba is not installed: nothing to compare")
+        return None
+    from cpu import attention as cpu_attention
+
+    fns = {}
+    for dtype in (np.float64, np.float32):
+        q, k, v = np.random.default_rng(3).normal(size=(3, n, d)).astype(dtype)
+        name = np.dtype(dtype).name
+        for causal in (False, True):
+            label = f"{name} {'causal' if causal else 'bidirectional'}"
+            fns[f"{label} dense numpy"] = lambda q=q, k=k, v=v, c=causal: attention.softmax_attention(q, k, v, causal=c)
+            fns[f"{label} numba online"] = lambda q=q, k=k, v=v, c=causal: cpu_attention.softmax_attention(q, k, v, causal=c)
+    t = timed_rounds(fns, repeats)
+    for label in [k[: -len(" dense numpy")] for k in fns if k.endswith("dense numpy")]:
+        print(f"    {label + ' numba / dense:':36s}{ratio(t, label + ' numba online', label + ' dense numpy'):6.2f}x   (target <= 1.5)")
+    q, k, v = np.random.default_rng(3).normal(size=(3, n, d))
+    online = traced_peak(lambda: cpu_attention.softmax_attention(q, k, v))
+    dense = traced_peak(lambda: attention.softmax_attention(q, k, v))
+    print(f"  peak memory, float64: numba online {mib(online)} ({online / (n * d * 8):.2f} N x d arrays), dense {mib(dense)} "
+          f"({dense / (n * n * 8):.2f} N x N arrays)")
+    return t
+
+
+def bench_ovq(sizes, repeats):
+    """OVQ attention (n_max = 1024, C = 256, d = 64): numba's kernels against the NumPy reference."""
+    from refimpl import ovq
+
+    print(f"\n== OVQ attention, n_max = 1024, C = 256, d = 64, float64 (best of {repeats} interleaved rounds)")
+    if numba is None:
+        print("    numba is not installed: nothing to compare")
+        return None
+    from cpu import ovq as cpu_ovq
+
+    fns = {}
+    for T in sizes:
+        q, k, v = np.random.default_rng(4).normal(size=(3, T, 64))
+        fns[f"T = {T} numpy"] = lambda q=q, k=k, v=v: ovq.ovq_attention(q, k, v, max_size=1024, chunk_size=256)
+        fns[f"T = {T} numba"] = lambda q=q, k=k, v=v: cpu_ovq.ovq_attention(q, k, v, max_size=1024, chunk_size=256)
+    t = timed_rounds(fns, repeats)
+    # the targets: half the time of an eager PyTorch implementation that took 0.62x (T = 16384) and 0.80x (T = 65536)
+    # of the NumPy reference's time on this machine
+    for T, target in zip(sizes, (0.31, 0.40)):
+        print(f"    T = {T}: numba / numpy {ratio(t, f'T = {T} numba', f'T = {T} numpy'):6.2f}x   (target <= {target})")
+    return t
+
+
+def bench_training(repeats, quick):
+    """One training step (forward, backward) of every mixer on ListOps at the defaults, on both backends."""
+    from refimpl import backend, model, train
+
+    config = train.quick_config() if quick else train.TrainConfig(n_train=256, n_val=16, n_test=16)
+    splits = train.load_data(config)
+    tokens, targets = (a[: config.batch_size] for a in splits["train"])
+    print(f"\n== one training step on ListOps, batch {config.batch_size}, length {tokens.shape[1]}, d_model {config.d_model}, "
+          f"{config.heads} heads (best of {repeats} interleaved rounds)")
+    fns = {}
+    for mixer in model.MIXERS:
+        mcfg = train.model_config(config._replace(mixer=mixer))
+        params = model.init_params(mcfg, 0)
+        for name in backend.BACKENDS if numba is not None else ("numpy",):
+            def step(p=params, m=mcfg, name=name):
+                backend.use(name)
+                model.loss_and_grads(p, tokens, targets, m)
+            fns[f"{mixer} {name}"] = step
+    t = timed_rounds(fns, repeats)
+    backend.use(None)
+    if numba is not None:
+        for mixer, target in zip(model.MIXERS, (2.0, None, None, 3.0)):
+            shown = f"   (target >= {target})" if target else ""
+            print(f"    {mixer:8s} numpy / numba:   {ratio(t, mixer + ' numpy', mixer + ' numba'):6.2f}x{shown}")
+    return t
 
 
 def main(argv=None):
@@ -338,6 +461,9 @@ def main(argv=None):
     bench_responsibilities(*gmm_size, repeats)
     bench_gma(*gma_size, repeats)
     bench_rates(*gmm_size, repeats)
+    bench_attention(1_024 if args.quick else 16_384, 64, repeats)
+    bench_ovq((2_048,) if args.quick else (16_384, 65_536), min(repeats, 5))
+    bench_training(repeats, args.quick)
     accuracy()
     return 0
 

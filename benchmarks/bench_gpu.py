@@ -1,278 +1,628 @@
-"""The Numba-CUDA kernels on a real GPU: times, ratios from one run, achieved bandwidth and FLOP rate.
+"""The GPU backends on a real GPU: time, effective bandwidth, FLOP rate and fraction of the roofline, against the targets.
 
 Usage::
 
-    python benchmarks/bench_gpu.py            # full sizes, on a CUDA GPU
-    python benchmarks/bench_gpu.py --quick    # small sizes; without a GPU: a dry run in the CUDA simulator
+    python benchmarks/bench_gpu.py                   # full sizes, on a CUDA GPU
+    python benchmarks/bench_gpu.py --check           # and exit 1 when a target is not met
+    python benchmarks/bench_gpu.py --json rows.json  # and write every row as JSON
+    python benchmarks/bench_gpu.py --quick           # small sizes; without a GPU: a dry run in the CUDA simulator
 
 What is measured
 ----------------
-* Responsibilities (``gpu.numba_cuda.responsibilities``) at N = 1,048,576,
-  K = 256, d = 64, float32: the time, the bytes that must move (read ``x``,
-  write ``gamma``: ``4 N (d + K)``) over the time as a fraction of the GPU's
-  peak memory bandwidth, and ``3 N K d`` floating-point operations over the
-  time.  Target: at least 50% of the peak bandwidth.
+* Responsibilities (``responsibilities``) at N = 1,048,576, K = 256,
+  d = 64, float32, by both backends.  Targets: at least 50% of the peak
+  memory bandwidth (``gpu.numba_cuda``), at least 60% (``gpu.cupy_kernels``).
 * GMA forward and backward (``gma_forward``/``gma_backward``, bidirectional
   and causal) at N up to 1,048,576, K = 256, d_r = d_v = 64, against the
-  *equivalent GEMMs* done by cuBLAS through CuPy (when CuPy is installed):
-  the quadratic form's two products ``X (mu/sigma^2)^T`` and
-  ``X^2 (1/sigma^2)^T`` for queries and keys, the write ``Gamma_K^T V`` and
-  the read ``Gamma_Q V~``.  Target: the forward within 2x of them.
-* The online-softmax kernel (``softmax_attention``) against dense attention
-  by cuBLAS GEMMs (``Q K^T``, a softmax, ``P V``, through CuPy).
+  *equivalent GEMMs* done by cuBLAS through CuPy: the quadratic form's two
+  products ``X (mu/sigma^2)^T`` and ``X^2 (1/sigma^2)^T`` for queries and
+  keys, the write ``Gamma_K^T V`` and the read ``Gamma_Q V~``.  Targets, for
+  both variants at every size: the forward within 2x of them
+  (``gpu.numba_cuda``), within 1.3x (``gpu.cupy_kernels``).
+* Softmax attention: the online-softmax kernel (``gpu.numba_cuda``) and the
+  CuPy backend's dense one against dense attention by cuBLAS GEMMs (``Q K^T``,
+  a softmax, ``P V``, through CuPy).
 * OVQ (``ovq_attention``) at T = 65,536 against dense causal attention (the
-  online-softmax kernel, causal).  Target: OVQ at least 10x faster.
-* The CuPy backend (``gpu.cupy_kernels``), when it can run: the
-  responsibilities' fraction of peak bandwidth (target: at least 60%), its GMA
-  forward against the same GEMMs (target: within 1.3x), and its OVQ against
-  the Numba one (target: at least as fast).
+  online-softmax kernel, causal).  Targets: OVQ at least 10x faster
+  (``gpu.numba_cuda``, at T = 65,536), the CuPy OVQ at least as fast as the
+  Numba one.
+* Where torch is importable, the same sizes through what a PyTorch user
+  would otherwise run (``benchmarks/torch_baselines.py``): torch SDPA for
+  softmax attention, GMA and OVQ written in PyTorch eager.  They are
+  labelled as such and have no target.
+* For the CuPy backend, the kernel launches and cuBLAS calls of one call
+  (``gpu.cupy_kernels.launch_count``, where the backend has it).
 
 Each time is the best of ``--repeats`` runs after one warm-up run (which
-compiles the kernels), taken with CUDA events around the call and a
-synchronisation; inputs are on the device already, so no transfer is timed.
-The peak bandwidth is the device's specification (``--peak-bandwidth`` to
-give another); the printed fraction is ``bytes / time / peak``.
+compiles the kernels), taken with CUDA events around the call; inputs are on
+the device already, so no transfer is timed.  The backends run with their
+defaults (the CuPy backend's result checks included), as a caller gets them.
+
+Counts
+------
+Every row carries the bytes that must move and the useful floating-point
+operations of its function (a multiplication and an addition count as two;
+the ``O(N K)`` exponentials, logarithms and divisions are left out), for
+float32 (4 bytes an entry; the ``K``-row parameters are left out of the
+bytes):
+
+* responsibilities, ``N`` rows, ``K`` components, dimension ``d``: bytes
+  ``4 N (d + K)`` (read ``x``, write ``gamma``); FLOPs ``4 N K d``, the
+  quadratic form ``sum_j (x_j - mu_kj)^2 / sigma^2_kj`` (a subtraction, a
+  square, a product with the precision and an addition per ``(n, k, j)``;
+  equally the two GEMMs ``X (mu/sigma^2)^T`` and ``X^2 (1/sigma^2)^T`` of
+  the expansion).
+* GMA forward, both variants: bytes ``4 N (2 d_r + 2 d_v)`` (read ``x_q``,
+  ``x_k``, ``v``, write the output); FLOPs ``8 N K d_r + 4 N K (d_v + 1)``:
+  two quadratic forms, the write ``Gamma_K^T [V, 1]`` and the read
+  ``Gamma_Q [S, z]``.  The causal variant is counted as the token recurrence,
+  which needs the same products (the chunked scan's masked within-chunk
+  products are extra work, not counted).
+* GMA backward: bytes ``4 N (4 d_r + 3 d_v)`` (read ``g``, ``x_q``, ``x_k``,
+  ``v``, write ``dx_q``, ``dx_k``, ``dv``); FLOPs
+  ``16 N K d_r + 6 N K (d_v + 1) + 2 N K d_v``: per side the gradient in
+  ``x`` (``c (mu/sigma^2)`` and ``x * (c (1/sigma^2))``, ``4 N K d_r``) and the
+  sums over tokens for the means and variances (``c^T X``, ``c^T X^2``,
+  ``4 N K d_r``); ``dGamma_Q = G [S, z]^T``, ``d[S, z] = Gamma_Q^T G`` and
+  ``dGamma_K = [V, 1] d[S, z]^T`` (``2 N K (d_v + 1)`` each); ``dV = Gamma_K dS``
+  (``2 N K d_v``).
+* the equivalent GEMMs: FLOPs ``8 N K d + 4 N K d_v``, the products they run;
+  bytes those of the GMA forward.
+* softmax attention, ``N`` queries and keys, ``d = d_v``: bytes ``16 N d``;
+  FLOPs ``4 N^2 d`` (``Q K^T`` and ``P V``), causal ``2 N (N + 1) d`` (the
+  pairs ``b <= a`` only).
+* OVQ, ``T`` tokens, chunks of ``L <= C`` tokens, ``n_c`` centroids before
+  chunk ``c`` (:func:`refimpl.ovq.dictionary_size`): bytes ``16 T d``; FLOPs
+  ``sum_c (2 L n_c + L (L + 1)) (d + d_v) + 2 L n_c d``: the read-out's logits
+  and weighted values against the centroids and the chunk's keys ``b <= a``,
+  and the assignment's similarities (the ``O(L (d + d_v))`` update is left
+  out).
+
+The roofline time is ``max(bytes / peak bandwidth, FLOPs / peak float32
+rate)``, from the device's specification (``--peak-bandwidth`` and
+``--peak-flops`` to give others); the fraction of the roofline is that time
+over the measured one (1 is the device's limit).  The bandwidth targets are
+fractions of the peak bandwidth, as stated above.
 
 Without a GPU, ``--quick`` runs every step at tiny sizes in the CUDA
-simulator and says so: that checks this script, not any speed, and its
-numbers must not be read as GPU timings.  Without a GPU and without
-``--quick`` the script explains that it needs one and exits.
+simulator, with NumPy standing in for cuBLAS, and says so: that checks this
+script, not any speed, its numbers must not be read as GPU timings, and no
+target is judged (``--check`` then exits 0 and says so).  Without a GPU and
+without ``--quick`` the script explains that it needs one and exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu  # noqa: E402  (after the path set-up above)
 
-TARGET = gpu.use_simulator_without_device()  # before numba is imported
-
-import numpy as np  # noqa: E402
-from numba import cuda  # noqa: E402
-
-import gpu.numba_cuda as nc  # noqa: E402
-
-#: Peak memory bandwidth (bytes/s) by device name, from the vendors' specifications.
-PEAK_BANDWIDTH = {
-    "H200": 4.8e12,
-    "H100 SXM": 3.35e12,
-    "H100 PCIe": 2.0e12,
-    "H100": 3.35e12,
-    "A100-SXM4-80GB": 2.039e12,
-    "A100": 1.555e12,
-    "L40S": 0.864e12,
+#: Peak memory bandwidth (bytes/s) and peak float32 rate without tensor cores (FLOP/s) by device name, from the
+#: vendors' specifications; the first key found in the device's name is used.
+PEAKS = {
+    "H200 NVL": (4.8e12, 60e12),
+    "H200": (4.8e12, 67e12),
+    "H100 NVL": (3.9e12, 60e12),
+    "H100 PCIe": (2.0e12, 51e12),
+    "H100": (3.35e12, 67e12),
+    "A100-SXM4-80GB": (2.039e12, 19.5e12),
+    "A100 80GB PCIe": (1.935e12, 19.5e12),
+    "A100": (1.555e12, 19.5e12),
+    "L40S": (0.864e12, 91.6e12),
 }
 
+#: The targets: ``{id: text}``.  On a GPU at full sizes ``--check`` needs each judged and met.
+TARGETS = {
+    "numba-resp-bandwidth": "bandwidth >= 50% of peak",
+    "cupy-resp-bandwidth": "bandwidth >= 60% of peak",
+    "numba-gma-gemm": "forward / GEMMs <= 2",
+    "cupy-gma-gemm": "forward / GEMMs <= 1.3",
+    "numba-ovq-speedup": "causal attention / OVQ >= 10 at T = 65536",
+    "cupy-ovq-vs-numba": "Numba OVQ / CuPy OVQ >= 1",
+}
 
-def peak_bandwidth(name):
-    for key, value in PEAK_BANDWIDTH.items():
+FLOAT32 = 4  # bytes an entry
+
+
+def device_peaks(name):
+    """``(peak bandwidth, peak float32 FLOP rate)`` for a device name, ``(None, None)`` when it is not in :data:`PEAKS`."""
+    for key, value in PEAKS.items():
         if key in name:
             return value
-    return None
+    return None, None
 
 
-def timed(fn, repeats, simulated):
-    """Best wall time of ``repeats`` calls (CUDA events on a GPU) after one warm-up call (none in the simulator)."""
-    if not simulated:
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        if simulated:
-            start = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - start)
-            continue
-        start, stop = cuda.event(timing=True), cuda.event(timing=True)
-        cuda.synchronize()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        best = min(best, cuda.event_elapsed_time(start, stop) / 1e3)
-    return best
+# --- counts: bytes that must move and useful FLOPs (module docstring) ------------------------------------
 
 
-def try_cupy(simulated):
-    """CuPy and the CuPy backend when they can run on the device, else ``(None, None, why)``."""
+def responsibilities_counts(N, K, d):
+    """``(bytes, flops)``: read x, write gamma; the quadratic form ``4 N K d``."""
+    return FLOAT32 * N * (d + K), 4 * N * K * d
+
+
+def gma_forward_counts(N, K, d_r, d_v):
+    """``(bytes, flops)``: read x_q, x_k, v, write out; two quadratic forms, the write and the read."""
+    return FLOAT32 * N * (2 * d_r + 2 * d_v), 8 * N * K * d_r + 4 * N * K * (d_v + 1)
+
+
+def gma_backward_counts(N, K, d_r, d_v):
+    """``(bytes, flops)``: read g, x_q, x_k, v, write dx_q, dx_k, dv; the products of the module docstring."""
+    return FLOAT32 * N * (4 * d_r + 3 * d_v), 16 * N * K * d_r + 6 * N * K * (d_v + 1) + 2 * N * K * d_v
+
+
+def gemm_counts(N, K, d, d_v):
+    """``(bytes, flops)`` of the equivalent GEMMs: X mu^T and X^2 mu^T for queries and keys, Gamma^T V, Gamma S."""
+    return FLOAT32 * N * (2 * d + 2 * d_v), 8 * N * K * d + 4 * N * K * d_v
+
+
+def attention_counts(N, d, causal):
+    """``(bytes, flops)`` of softmax attention, ``d = d_v``: Q K^T and P V over every pair, or the pairs b <= a."""
+    return FLOAT32 * 4 * N * d, (2 * N * (N + 1) * d if causal else 4 * N * N * d)
+
+
+def ovq_counts(T, d, d_v, max_size, chunk_size):
+    """``(bytes, flops)`` of OVQ: the read-out and the assignment of every chunk, ``n_c`` from the growth rule."""
+    from refimpl.ovq import dictionary_size
+
+    flops = 0
+    for s in range(0, T, chunk_size):
+        L = min(chunk_size, T - s)
+        n = int(dictionary_size(s, max_size))  # centroids before the chunk
+        flops += (2 * L * n + L * (L + 1)) * (d + d_v) + 2 * L * n * d
+    return FLOAT32 * T * (2 * d + 2 * d_v), flops
+
+
+def roofline_fraction(seconds, nbytes, flops, peak_bandwidth, peak_flops):
+    """``max(bytes / peak bandwidth, flops / peak rate) / seconds``, ``None`` without both peaks."""
+    if not (peak_bandwidth and peak_flops) or seconds <= 0:
+        return None
+    return max(nbytes / peak_bandwidth, flops / peak_flops) / seconds
+
+
+def make_row(backend, function, variant, size, seconds, nbytes, flops, peaks=(None, None), target=None, measured=None,
+             met=None, note="", launches=None):
+    """One result: what ran, its time, bytes, FLOPs, rates, roofline fraction, and the target it is judged by."""
+    return {
+        "backend": backend,
+        "function": function,
+        "variant": variant,
+        "size": size,
+        "time_s": seconds,
+        "bytes": nbytes,
+        "flops": flops,
+        "bandwidth_Bps": nbytes / seconds if seconds > 0 else None,
+        "flop_rate": flops / seconds if seconds > 0 else None,
+        "roofline_fraction": roofline_fraction(seconds, nbytes, flops, *peaks),
+        "target_id": target,
+        "target": TARGETS.get(target, ""),
+        "measured": measured,
+        "met": met,
+        "note": note,
+        "launches_per_call": launches,
+    }
+
+
+def judge(rows, simulated, full):
+    """``(exit code, lines)`` of ``--check``: 1 when a judged target is not met, or, at full sizes on a GPU, not judged.
+
+    In the simulator no target is judged and the code is 0.
+    """
     if simulated:
-        return None, None, "CuPy columns skipped: no GPU"
+        return 0, ["check: no target is judged in the CUDA simulator (its times are not GPU speed)"]
+    lines, code = [], 0
+    for tid, text in TARGETS.items():
+        mine = [r for r in rows if r["target_id"] == tid]
+        judged = [r for r in mine if r["met"] is not None]
+        failed = [r for r in judged if not r["met"]]
+        if failed:
+            code = 1
+            where = ", ".join(f"{r['backend']} {r['function']} {r['variant']} {r['size']}".replace("  ", " ") for r in failed)
+            lines.append(f"check: NOT met: {text} ({where})")
+        elif judged:
+            lines.append(f"check: met: {text} ({len(judged)} row(s))")
+        else:
+            why = "; ".join(sorted({r["note"] for r in mine if r["note"]})) or "not measured"
+            if full:
+                code = 1
+                lines.append(f"check: NOT judged: {text} ({why})")
+            else:
+                lines.append(f"check: not judged at --quick sizes: {text} ({why})")
+    return code, lines
+
+
+def _fmt(value, scale, digits, unit=""):
+    return "n/a" if value is None else f"{value / scale:.{digits}f}{unit}"
+
+
+def format_rows(rows):
+    """The rows as a plain-text table (what the script prints after each section); launches per call for the CuPy backend."""
+    head = (f"{'backend':28s} {'function':18s} {'variant':14s} {'size':28s} {'ms':>10s} {'GB/s':>8s} {'TFLOP/s':>8s} "
+            f"{'roofline':>8s} {'launches':>8s}  target")
+    lines = [head]
+    for r in rows:
+        met = ({True: "met", False: "NOT met"}.get(r["met"]) or r["note"] or "not judged") if r["target"] else ""
+        target = f"{r['target']} (measured {_fmt(r['measured'], 1, 2)}): {met}" if r["target"] else ""
+        launches = "" if r["launches_per_call"] is None else str(r["launches_per_call"])
+        lines.append(
+            f"{r['backend']:28s} {r['function']:18s} {r['variant']:14s} {r['size']:28s} {_fmt(r['time_s'], 1e-3, 3):>10s} "
+            f"{_fmt(r['bandwidth_Bps'], 1e9, 1):>8s} {_fmt(r['flop_rate'], 1e12, 2):>8s} "
+            f"{_fmt(r['roofline_fraction'], 0.01, 1, '%'):>8s} {launches:>8s}  {target}"
+        )
+    return "\n".join(lines)
+
+
+def _json_path(text):
+    path = Path(text)
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a file path, got an empty one")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a folder; pass a file such as {path / 'bench-gpu.json'}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{path}: its folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{path}: its folder {parent} is not writable")
+    return path
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (a dry run in the simulator without a GPU)")
+    parser.add_argument("--repeats", type=_positive_int, default=5)
+    parser.add_argument("--peak-bandwidth", type=_positive_float, default=None, help="bytes/s; by default from the device name")
+    parser.add_argument("--peak-flops", type=_positive_float, default=None,
+                        help="float32 FLOP/s; by default from the device name")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a target is not met (on a GPU)")
+    parser.add_argument("--json", type=_json_path, default=None, metavar="FILE", help="write every row, and the device, as JSON")
+    return parser.parse_args(argv)
+
+
+class _Bench:
+    """The measurement context: where it runs, how it times, and the rows measured so far."""
+
+    def __init__(self, cuda, simulated, repeats, peaks):
+        self.cuda, self.simulated, self.repeats, self.peaks = cuda, simulated, repeats, peaks
+        self.rows = []
+
+    def time(self, fn):
+        """Best wall time of ``repeats`` calls (CUDA events on a GPU) after one warm-up call (none in the simulator)."""
+        cuda = self.cuda
+        if not self.simulated:
+            fn()
+            cuda.synchronize()
+        best = float("inf")
+        for _ in range(self.repeats):
+            if self.simulated:
+                start = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - start)
+                continue
+            start, stop = cuda.event(timing=True), cuda.event(timing=True)
+            cuda.synchronize()
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            best = min(best, cuda.event_elapsed_time(start, stop) / 1e3)
+        return best
+
+    def add(self, backend, function, variant, size, seconds, counts, **judgement):
+        row = make_row(backend, function, variant, size, seconds, *counts, peaks=self.peaks, **judgement)
+        self.rows.append(row)
+        return row
+
+    def verdict(self, target, measured, ok, unjudged=None):
+        """The ``target``, ``measured``, ``met`` and ``note`` of a row: not judged in the simulator or when ``unjudged`` says why."""
+        if self.simulated:
+            return dict(target=target, measured=measured, met=None, note="not judged in the simulator")
+        if unjudged:
+            return dict(target=target, measured=measured, met=None, note=unjudged)
+        return dict(target=target, measured=measured, met=bool(ok))
+
+
+def _cupy(simulated):
+    """``(cupy, gpu.cupy_kernels, note)`` when the CuPy backend can run, else ``(None, None, why)``."""
+    if simulated:
+        return None, None, "the CuPy backend does not run in the CUDA simulator"
     usable, why = gpu.backend_status()["cupy"]
     if not usable:
-        return None, None, f"CuPy columns skipped: {why}"
+        return None, None, f"CuPy backend not measured: {why}"
     import cupy
 
     import gpu.cupy_kernels as ck
 
-    return cupy, ck, "cuBLAS through CuPy " + cupy.__version__
+    return cupy, ck, "cuBLAS and the CuPy backend through CuPy " + cupy.__version__
 
 
-def device_arrays(rng, dtype, *shapes):
-    return [cuda.to_device(rng.standard_normal(s).astype(dtype)) for s in shapes]
+def _launch_counter(ck):
+    """The CuPy backend's count of launches since import, where it has one (``None`` otherwise)."""
+    if ck is None:
+        return None
+    if hasattr(ck, "launch_count"):
+        return ck.launch_count
+    backend = getattr(ck, "_backend", None)
+    return getattr(backend, "launch_count", None)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes (a dry run in the simulator without a GPU)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--peak-bandwidth", type=float, default=None, help="bytes/s; by default from the device name")
-    args = parser.parse_args(argv)
-    simulated = TARGET == "simulator"
+def _torch(simulated):
+    """``(torch, device, label, note)``: torch on the GPU, on the CPU in the simulator's dry run, or ``None`` and why."""
+    import torch_baselines
+
+    ok, why = torch_baselines.available()
+    if not ok:
+        return None, None, None, f"no torch rows: {why}"
+    import torch
+
+    if simulated:
+        return torch, "cpu", " (CPU, dry run)", f"{why} on the CPU: a dry run of the torch rows, not GPU speed"
+    if not torch.cuda.is_available():
+        return None, None, None, f"no torch rows: {why} has no CUDA device here"
+    return torch, "cuda", "", f"{why} on {torch.cuda.get_device_name()}"
+
+
+def run(args):
+    """Measure every row (see the module docstring); returns ``(rows, device description, simulated, full)``."""
+    target = gpu.use_simulator_without_device()  # before numba is imported
+    simulated = target == "simulator"
     if simulated and not args.quick:
-        print("bench_gpu.py needs a CUDA GPU: none was found (gpu.backend_status() says why).")
-        print("Run it with --quick for a dry run in the CUDA simulator, which checks the script but measures no GPU speed.")
-        return 0
+        return None, None, simulated, False
+
+    import numpy as np
+    from numba import cuda
+
+    import gpu.numba_cuda as nc
+    import torch_baselines as tb
+
+    full = not (simulated or args.quick)
     repeats = 1 if simulated else args.repeats
     if simulated:
         sys.setswitchinterval(1e-4)  # every simulated GPU thread is a Python thread: switch often, barriers are cheaper
+        name, peaks = "CUDA simulator", (None, None)
+    else:
+        dev = cuda.get_current_device()
+        name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+        bw, fl = device_peaks(name)
+        peaks = (args.peak_bandwidth or bw, args.peak_flops or fl)
+    cupy, ck, cupy_note = _cupy(simulated)
+    torch, tdev, tlabel, torch_note = _torch(simulated)
+    count = _launch_counter(ck)
+    xp = cupy if cupy is not None else (np if simulated else None)  # cuBLAS, or NumPy standing in for it in the dry run
+    gemm_label = "cuBLAS (CuPy)" if cupy is not None else "NumPy (dry run)"
+    bench = _Bench(cuda, simulated, repeats, peaks)
     dtype = np.float32
     rng = np.random.default_rng(0)
 
-    print("Numba-CUDA kernels on " + ("the CUDA simulator" if simulated else "a GPU"))
+    print("GPU backends on " + ("the CUDA simulator" if simulated else "a GPU"))
     print(f"date: {datetime.date.today().isoformat()}")
     if simulated:
         print("DRY RUN in the CUDA simulator (no GPU here): every step runs at tiny sizes to check this script;")
         print("the numbers below are NOT GPU speed and must not be reported as such.")
-        name, peak = "CUDA simulator", None
     else:
-        dev = cuda.get_current_device()
-        name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
-        peak = args.peak_bandwidth or peak_bandwidth(name)
-        cc = dev.compute_capability
+        cc = cuda.get_current_device().compute_capability
         print(f"device: {name} (compute capability {cc[0]}.{cc[1]}), peak bandwidth "
-              + (f"{peak / 1e12:.2f} TB/s" if peak else "unknown (pass --peak-bandwidth)"))
-    cupy, ck, cupy_note = try_cupy(simulated)
-    print(f"float32, best of {repeats} run(s) after a warm-up; {cupy_note}")
+              + (f"{peaks[0] / 1e12:.2f} TB/s" if peaks[0] else "unknown (pass --peak-bandwidth)")
+              + ", peak float32 " + (f"{peaks[1] / 1e12:.1f} TFLOP/s" if peaks[1] else "unknown (pass --peak-flops)"))
+    print(f"float32, best of {repeats} run(s) after a warm-up; {cupy_note}; {torch_note}")
+    if ck is not None and count is None:
+        print("launches per call: not counted (gpu.cupy_kernels has no launch_count)")
     print()
 
-    big = not (simulated or args.quick)
-    N_resp, K, d = (1 << 20, 256, 64) if big else ((8, 3, 4) if simulated else (1 << 16, 256, 64))
+    def host(*shapes):
+        return [rng.standard_normal(s).astype(dtype) for s in shapes]
 
-    # --- responsibilities -------------------------------------------------------------
-    x, means = device_arrays(rng, dtype, (N_resp, d), (K, d))
-    variances = cuda.to_device((0.5 + rng.random((K, d))).astype(dtype))
-    weights = cuda.to_device(np.full(K, 1 / K, dtype=dtype))
-    t = timed(lambda: nc.responsibilities(x, means, variances, weights), repeats, simulated)
-    moved = 4 * N_resp * (d + K)
-    print(f"responsibilities  N = {N_resp}, K = {K}, d = {d}")
-    print(f"  time {t * 1e3:9.3f} ms   bandwidth {moved / t / 1e9:8.1f} GB/s   {3 * N_resp * K * d / t / 1e12:6.2f} TFLOP/s")
-    if peak:
-        frac = moved / t / peak
-        print(f"  fraction of peak memory bandwidth: {frac:.1%}   (target >= 50%: {'met' if frac >= 0.5 else 'NOT met'})")
-    else:
-        print("  fraction of peak memory bandwidth: n/a (no peak known)")
+    def on_torch(*arrays):
+        return [torch.from_numpy(a).to(tdev) for a in arrays]
+
+    def launches(fn):
+        if count is None:
+            return None
+        before = count()
+        fn()
+        cupy.cuda.runtime.deviceSynchronize()
+        return count() - before
+
+    def sync_xp():
+        if xp is not np:
+            cupy.cuda.runtime.deviceSynchronize()
+
+    # --- responsibilities ---------------------------------------------------------------
+    N, K, d = (1 << 20, 256, 64) if full else ((8, 3, 4) if simulated else (1 << 16, 256, 64))
+    size = f"N={N} K={K} d={d}"
+    hx, hmu = host((N, d), (K, d))
+    hvar = (0.5 + rng.random((K, d))).astype(dtype)
+    hw = np.full(K, 1 / K, dtype=dtype)
+    counts = responsibilities_counts(N, K, d)
+    no_peak = None if peaks[0] else "no peak bandwidth known (pass --peak-bandwidth)"
+    args_nb = [cuda.to_device(a) for a in (hx, hmu, hvar, hw)]
+    t = bench.time(lambda: nc.responsibilities(*args_nb))
+    frac = counts[0] / t / peaks[0] if peaks[0] else None
+    bench.add("numba-cuda", "responsibilities", "", size, t, counts,
+              **bench.verdict("numba-resp-bandwidth", frac, frac is not None and frac >= 0.5, no_peak))
     if ck is not None:
-        cx, cm, cvar, cw = (cupy.asarray(a) for a in (x, means, variances, weights))
-        t_cp = timed(lambda: ck.responsibilities(cx, cm, cvar, cw), repeats, simulated)
-        line = f"  CuPy backend: time {t_cp * 1e3:9.3f} ms   bandwidth {moved / t_cp / 1e9:8.1f} GB/s"
-        if peak:
-            frac = moved / t_cp / peak
-            line += f"   fraction of peak {frac:.1%} (target >= 60%: {'met' if frac >= 0.6 else 'NOT met'})"
-        print(line)
+        args_cp = [cupy.asarray(a) for a in (hx, hmu, hvar, hw)]
+        t = bench.time(lambda: ck.responsibilities(*args_cp))
+        frac = counts[0] / t / peaks[0] if peaks[0] else None
+        bench.add("cupy", "responsibilities", "", size, t, counts, launches=launches(lambda: ck.responsibilities(*args_cp)),
+                  **bench.verdict("cupy-resp-bandwidth", frac, frac is not None and frac >= 0.6, no_peak))
+    del args_nb
+    print(format_rows(bench.rows[-2:] if ck is not None else bench.rows[-1:]))
     print()
 
-    # --- GMA forward and backward -------------------------------------------------------
+    # --- GMA forward and backward, against the equivalent GEMMs ---------------------------
     d_r = d_v = d
-    sizes = [1 << 14, 1 << 17, 1 << 20] if big else ([8] if simulated else [1 << 14])
-    print(f"GMA forward and backward  K = {K}, d_r = d_v = {d_v}" + ("" if cupy else "   (no CuPy: no GEMM column)"))
-    print("      N   variant          forward ms   backward ms   equivalent GEMMs ms   forward / GEMMs")
-    ratios = []
-    cupy_rows = []
+    sizes = [1 << 14, 1 << 17, 1 << 20] if full else ([8] if simulated else [1 << 14])
+    start = len(bench.rows)
     for N in sizes:
-        xq, xk, v, mu = device_arrays(rng, dtype, (N, d_r), (N, d_r), (N, d_v), (K, d_r))
-        raw = cuda.to_device(np.zeros((K, d_r), dtype=dtype))
-        logits = cuda.to_device(np.zeros(K, dtype=dtype))
-        g = cuda.to_device(rng.standard_normal((N, d_v)).astype(dtype))
-        gemm = None
-        if cupy is not None:
-            cx, cg, cv = cupy.asarray(xq), cupy.asarray(rng.random((N, K)).astype(dtype)), cupy.asarray(v)
-            cm = cupy.asarray(rng.standard_normal((K, d_r)).astype(dtype))
+        size = f"N={N} K={K} d_r=d_v={d_v}"
+        hxq, hxk, hv, hmu, hg = host((N, d_r), (N, d_r), (N, d_v), (K, d_r), (N, d_v))
+        hraw, hlogits = np.zeros((K, d_r), dtype), np.zeros(K, dtype)
+        t_gemm = None
+        if xp is not None:
+            gx = xp.asarray(hxq)
+            gg = xp.asarray(rng.random((N, K)).astype(dtype))
+            gv, gm = xp.asarray(hv), xp.asarray(hmu)
 
             def gemms():
                 for _ in range(2):  # queries and keys: X (mu p)^T and X^2 p^T
-                    cx @ cm.T
-                    (cx * cx) @ cm.T
-                s = cg.T @ cv  # the write
-                cg @ s  # the read
-                cupy.cuda.runtime.deviceSynchronize()
+                    gx @ gm.T
+                    (gx * gx) @ gm.T
+                s = gg.T @ gv  # the write
+                gg @ s  # the read
+                sync_xp()
 
-            gemm = timed(gemms, repeats, simulated)
+            t_gemm = bench.time(gemms)
+            bench.add(gemm_label, "equivalent GEMMs", "", size, t_gemm, gemm_counts(N, K, d_r, d_v))
+        no_gemm = None if t_gemm is not None else "no GEMM time: CuPy cannot run here"
+        nb = [cuda.to_device(a) for a in (hxq, hxk, hv, hmu, hraw, hlogits)]
+        g_nb = cuda.to_device(hg)
+        cp = [cupy.asarray(a) for a in (hxq, hxk, hv, hmu, hraw, hlogits)] if ck is not None else None
+        g_cp = cupy.asarray(hg) if ck is not None else None
         for causal in (False, True):
+            variant = "causal" if causal else "bidirectional"
             cache = {}
 
             def fwd():
-                cache["c"] = nc.gma_forward(xq, xk, v, mu, raw, logits, causal=causal)[1]
+                cache["c"] = nc.gma_forward(*nb, causal=causal)[1]
 
-            tf = timed(fwd, repeats, simulated)
-            tb = timed(lambda: nc.gma_backward(g, cache["c"]), repeats, simulated)
-            label = "causal" if causal else "bidirectional"
+            tf = bench.time(fwd)
+            ratio = tf / t_gemm if t_gemm else None
+            bench.add("numba-cuda", "gma_forward", variant, size, tf, gma_forward_counts(N, K, d_r, d_v),
+                      **bench.verdict("numba-gma-gemm", ratio, ratio is not None and ratio <= 2, no_gemm))
+            t_back = bench.time(lambda: nc.gma_backward(g_nb, cache["c"]))
+            bench.add("numba-cuda", "gma_backward", variant, size, t_back, gma_backward_counts(N, K, d_r, d_v))
             if ck is not None:
-                cargs = [cupy.asarray(a) for a in (xq, xk, v, mu, raw, logits)]
-                t_ck = timed(lambda: ck.gma_forward(*cargs, causal=causal), repeats, simulated)
-                cupy_rows.append((N, label, t_ck, gemm))
-            if gemm is not None:
-                ratios.append((N, label, tf / gemm))
-                extra = f"{gemm * 1e3:14.3f}        {tf / gemm:8.2f}x"
-            else:
-                extra = "           n/a              n/a"
-            print(f"  {N:8d}  {label:14s} {tf * 1e3:10.3f}   {tb * 1e3:11.3f}   {extra}")
-    if ratios:
-        worst = max(r for n, lab, r in ratios if lab == "bidirectional")
-        print(f"  target: forward within 2x of its GEMMs (bidirectional, worst {worst:.2f}x): {'met' if worst <= 2 else 'NOT met'}")
-    if cupy_rows:
-        print("  CuPy backend (gpu.cupy_kernels.gma_forward):")
-        for N, label, t_ck, gemm in cupy_rows:
-            print(f"  {N:8d}  {label:14s} {t_ck * 1e3:10.3f} ms   / GEMMs {t_ck / gemm:6.2f}x")
-        worst = max(t / g for n, lab, t, g in cupy_rows if lab == "bidirectional")
-        print(f"  target: CuPy forward within 1.3x of its GEMMs (bidirectional, worst {worst:.2f}x): {'met' if worst <= 1.3 else 'NOT met'}")
+                def cfwd():
+                    cache["cp"] = ck.gma_forward(*cp, causal=causal)[1]
+
+                tf = bench.time(cfwd)
+                ratio = tf / t_gemm
+                bench.add("cupy", "gma_forward", variant, size, tf, gma_forward_counts(N, K, d_r, d_v),
+                          launches=launches(cfwd), **bench.verdict("cupy-gma-gemm", ratio, ratio <= 1.3))
+                t_back = bench.time(lambda: ck.gma_backward(g_cp, cache["cp"]))
+                bench.add("cupy", "gma_backward", variant, size, t_back, gma_backward_counts(N, K, d_r, d_v),
+                          launches=launches(lambda: ck.gma_backward(g_cp, cache["cp"])))
+            if torch is not None:
+                tq, tk, tv, tm = on_torch(hxq, hxk, hv, hmu)
+                tvar = torch.full_like(tm, math.log(2) + 1e-6)  # what the raw variances 0 give: softplus(0) + min_variance
+                tw = torch.full((K,), 1 / K, dtype=tm.dtype, device=tdev)
+                t = bench.time(lambda: tb.gma(tq, tk, tv, tm, tvar, tw, causal=causal))
+                bench.add("PyTorch eager" + tlabel, "gma (forward)", variant, size, t, gma_forward_counts(N, K, d_r, d_v))
+        del nb, cp, cache
+    print(format_rows(bench.rows[start:]))
     print()
 
-    # --- online softmax against dense cuBLAS attention ----------------------------------
-    att_sizes = [4096, 16384] if big else ([8] if simulated else [2048])
-    print(f"online-softmax attention (d = {d}) against dense attention by cuBLAS GEMMs")
+    # --- softmax attention against dense attention by cuBLAS GEMMs -----------------------
+    att_sizes = [4096, 16384] if full else ([8] if simulated else [2048])
+    start = len(bench.rows)
     for N in att_sizes:
-        q, k, v = device_arrays(rng, dtype, (N, d), (N, d), (N, d))
-        t_online = timed(lambda: nc.softmax_attention(q, k, v), repeats, simulated)
-        line = f"  N = {N:6d}: online-softmax {t_online * 1e3:9.3f} ms"
-        if cupy is not None:
-            dq, dk, dv = cupy.asarray(q), cupy.asarray(k), cupy.asarray(v)
+        size = f"N={N} d={d}"
+        hq, hk, hv = host((N, d), (N, d), (N, d))
+        counts = attention_counts(N, d, causal=False)
+        nb = [cuda.to_device(a) for a in (hq, hk, hv)]
+        bench.add("numba-cuda", "softmax_attention", "bidirectional", size, bench.time(lambda: nc.softmax_attention(*nb)), counts)
+        if xp is not None:
+            dq, dk, dv = (xp.asarray(a) for a in (hq, hk, hv))
 
             def dense():
                 s = (dq @ dk.T) * dtype(1 / np.sqrt(d))
                 s -= s.max(axis=1, keepdims=True)
-                p = cupy.exp(s)
+                p = xp.exp(s)
                 p /= p.sum(axis=1, keepdims=True)
                 p @ dv
-                cupy.cuda.runtime.deviceSynchronize()
+                sync_xp()
 
-            t_dense = timed(dense, repeats, simulated)
-            line += f"   dense (cuBLAS) {t_dense * 1e3:9.3f} ms   online / dense {t_online / t_dense:6.2f}x"
-        print(line)
+            bench.add(gemm_label, "dense attention", "bidirectional", size, bench.time(dense), counts)
+        if ck is not None:
+            cq, ck_, cv = (cupy.asarray(a) for a in (hq, hk, hv))
+            bench.add("cupy", "softmax_attention", "bidirectional", size, bench.time(lambda: ck.softmax_attention(cq, ck_, cv)),
+                      counts, launches=launches(lambda: ck.softmax_attention(cq, ck_, cv)))
+        if torch is not None:
+            tq, tk, tv = on_torch(hq, hk, hv)
+            bench.add("torch SDPA" + tlabel, "softmax attention", "bidirectional", size,
+                      bench.time(lambda: tb.sdpa(tq, tk, tv)), counts)
+    print(format_rows(bench.rows[start:]))
     print()
 
     # --- OVQ against dense causal attention ----------------------------------------------
-    T, N_dict, C = (65536, 1024, 256) if big else ((8, 3, 4) if simulated else (8192, 256, 128))
-    q, k, v = device_arrays(rng, dtype, (T, d), (T, d), (T, d))
-    t_ovq = timed(lambda: nc.ovq_attention(q, k, v, max_size=N_dict, chunk_size=C), repeats, simulated)
-    t_causal = timed(lambda: nc.softmax_attention(q, k, v, causal=True), repeats, simulated)
-    print(f"OVQ (N = {N_dict}, C = {C}) against dense causal attention (online-softmax kernel), T = {T}, d = d_v = {d}")
-    print(f"  OVQ {t_ovq * 1e3:10.3f} ms   causal attention {t_causal * 1e3:10.3f} ms")
+    T, N_dict, C = (65536, 1024, 256) if full else ((8, 3, 4) if simulated else (8192, 256, 128))
+    size = f"T={T} N={N_dict} C={C} d={d}"
+    start = len(bench.rows)
+    hq, hk, hv = host((T, d), (T, d), (T, d))
+    nb = [cuda.to_device(a) for a in (hq, hk, hv)]
+    t_causal = bench.time(lambda: nc.softmax_attention(*nb, causal=True))
+    t_ovq = bench.time(lambda: nc.ovq_attention(*nb, max_size=N_dict, chunk_size=C))
+    speedup = t_causal / t_ovq
+    bench.add("numba-cuda", "softmax_attention", "causal", f"N={T} d={d}", t_causal, attention_counts(T, d, causal=True))
+    bench.add("numba-cuda", "ovq_attention", "causal", size, t_ovq, ovq_counts(T, d, d, N_dict, C),
+              **bench.verdict("numba-ovq-speedup", speedup, speedup >= 10, None if T == 65536 else "n/a below T = 65536"))
     if ck is not None:
-        cq_, ck_, cv_ = (cupy.asarray(a) for a in (q, k, v))
-        t_ovq_cp = timed(lambda: ck.ovq_attention(cq_, ck_, cv_, max_size=N_dict, chunk_size=C), repeats, simulated)
-        print(f"  CuPy OVQ {t_ovq_cp * 1e3:10.3f} ms: Numba / CuPy {t_ovq / t_ovq_cp:.2f}x (target >= 1: {'met' if t_ovq_cp <= t_ovq else 'NOT met'})")
-    ratio = t_causal / t_ovq
-    print(f"  speed-up of OVQ over dense causal attention: {ratio:.1f}x"
-          + ("" if simulated else f"   (target >= 10x at T = 65536: {'met' if ratio >= 10 and big else 'NOT met' if big else 'n/a at this T'})"))
+        cq, ck_, cv = (cupy.asarray(a) for a in (hq, hk, hv))
+
+        def covq():
+            ck.ovq_attention(cq, ck_, cv, max_size=N_dict, chunk_size=C)
+
+        t_cp = bench.time(covq)
+        bench.add("cupy", "ovq_attention", "causal", size, t_cp, ovq_counts(T, d, d, N_dict, C), launches=launches(covq),
+                  **bench.verdict("cupy-ovq-vs-numba", t_ovq / t_cp, t_cp <= t_ovq))
+    if torch is not None:
+        tq, tk, tv = on_torch(hq, hk, hv)
+        bench.add("torch SDPA" + tlabel, "softmax attention", "causal", f"N={T} d={d}",
+                  bench.time(lambda: tb.sdpa(tq, tk, tv, causal=True)), attention_counts(T, d, causal=True))
+        bench.add("PyTorch eager" + tlabel, "ovq_attention", "causal", size,
+                  bench.time(lambda: tb.ovq_attention(tq, tk, tv, max_size=N_dict, chunk_size=C)), ovq_counts(T, d, d, N_dict, C))
+    print(format_rows(bench.rows[start:]))
+    print(f"speed-up of OVQ over dense causal attention: {speedup:.1f}x")
+    print()
+    return bench.rows, {"name": name, "peak_bandwidth_Bps": peaks[0], "peak_flops": peaks[1]}, simulated, full
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rows, device, simulated, full = run(args)
+    if rows is None:
+        print("bench_gpu.py needs a CUDA GPU: none was found (gpu.backend_status() says why).")
+        print("Run it with --quick for a dry run in the CUDA simulator, which checks the script but measures no GPU speed.")
+        return 0
+    code, lines = judge(rows, simulated, full)
+    print("\n".join(lines))
+    if args.json is not None:
+        report = {"device": device, "simulated": simulated, "full_sizes": full, "date": datetime.date.today().isoformat(),
+                  "targets": TARGETS, "check_exit_code": code, "rows": rows}
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"rows written to {args.json}")
     if simulated:
-        print()
         print("dry run finished: every benchmark step ran in the simulator; run on a GPU for numbers")
-    return 0
+    return code if args.check else 0
 
 
 if __name__ == "__main__":

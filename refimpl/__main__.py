@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import re
 import signal
+import os
 import sys
 from pathlib import Path
 
@@ -47,10 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     p_exp.add_argument("--jobs", type=int, default=1, help="grid points run in parallel (default 1; -1: every core)")
     p_exp.add_argument("--out", default=None, help="folder of the result file and the plot (default results/NAME)")
     p_exp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_backend_option(p_exp)
     _add_train_parser(sub)
     args = parser.parse_args(argv)
 
     if args.command in ("experiment", "train"):
+        if not _choose_backend(args):
+            return 2
         with _terminate_as_interrupt():
             return _experiment(args) if args.command == "experiment" else _train(args)
 
@@ -163,6 +167,28 @@ _TRAIN_OPTIONS = (
 )
 
 
+def _add_backend_option(p):
+    p.add_argument(
+        "--backend", choices=("numpy", "numba"), default=None,
+        help="the kernels (refimpl.backend): numba's fused CPU kernels, the default when numba is installed, or NumPy",
+    )
+
+
+def _choose_backend(args) -> bool:
+    """Set the backend of ``--backend`` for this process and its workers (the environment); False after an error message."""
+    from . import backend
+
+    if args.backend is None:
+        return True
+    try:
+        backend.use(args.backend)
+    except ValueError as err:
+        print(f"python -m refimpl {args.command}: --{err}", file=sys.stderr)
+        return False
+    os.environ[backend.ENV] = args.backend  # the experiments' worker processes inherit it
+    return True
+
+
 def _add_train_parser(sub):
     from .train import TrainConfig, quick_config
 
@@ -179,6 +205,7 @@ def _add_train_parser(sub):
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step with a checkpoint, as an interruption would")
     p.add_argument("--quick", action="store_true", help="tiny sizes, a run of seconds")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_backend_option(p)
 
 
 def _train(args) -> int:

@@ -197,14 +197,17 @@ def mixture_from_raw(raw_variances, logits, min_variance):
     return variances, numerics.log_softmax(logits, axis=-1)
 
 
-def forward_with(responsibilities, x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size, raw_variances=None, keep=True):
+def forward_with(
+    responsibilities, x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size, raw_variances=None, keep=True, scan=scan_forward
+):
     """GMA's forward on checked arguments, sequence by sequence, routed by ``responsibilities``: ``(out, cache)``.
 
     The batch rule, written once for this module and :mod:`refimpl.tuned`:
     the sequence at leading index ``idx`` uses head ``idx[-1]``'s GMM when
     the GMM is given per head (``means`` 3-D), else the shared one, and is
     computed as on its own.  ``responsibilities(x, means, variances,
-    log_weights)`` returns ``(gamma, min_quad)``; the results of every
+    log_weights)`` returns ``(gamma, min_quad)``, and ``scan`` mixes the values
+    (:func:`refimpl.scan.scan_forward` unless a backend gives its own); the results of every
     sequence are checked once, at the end (:func:`check_gma_results`).
     ``cache`` is a :class:`GMACache` for 2-D inputs, a
     :class:`GMABatchCache` otherwise, ``None`` when ``keep`` is false.
@@ -217,7 +220,7 @@ def forward_with(responsibilities, x_q, x_k, v, means, variances, log_weights, c
         gamma_q, min_quad_q = responsibilities(x_q[idx], means[h], variances[h], log_weights[h])
         gamma_k, min_quad_k = responsibilities(x_k[idx], means[h], variances[h], log_weights[h])
         # write V~ = Gamma_K^T V and Z = Gamma_K^T 1, read O = Gamma_Q V~ / (Gamma_Q Z + eps); causal: prefix sums
-        out[idx], mixing = scan_forward(gamma_q, gamma_k, v[idx], causal, eps, chunk_size)
+        out[idx], mixing = scan(gamma_q, gamma_k, v[idx], causal, eps, chunk_size)
         checks.append((min_quad_q, min_quad_k, mixing.den))
         if keep:
             raw = None if raw_variances is None else raw_variances[h]
@@ -389,12 +392,13 @@ def _responsibility_backward(x, gamma, grad_gamma, means, variances):
     return dx, dmeans, dvariances, c.sum(axis=0)
 
 
-def backward_with(responsibility_backward, grad_out, cache) -> GMAGrads:
+def backward_with(responsibility_backward, grad_out, cache, scan=scan_backward) -> GMAGrads:
     """GMA's backward, sequence by sequence, through ``responsibility_backward``: :class:`GMAGrads`.
 
     The batch rule of :func:`gma_backward`, written once for this module and
     :mod:`refimpl.tuned`.  ``responsibility_backward(x, gamma, dgamma, means,
-    variances)`` returns ``(dx, dmeans, dvariances, dlogits)``; the parameter
+    variances)`` returns ``(dx, dmeans, dvariances, dlogits)`` and ``scan`` is the
+    mixing's backward (:func:`refimpl.scan.scan_backward` by default); the parameter
     gradients of each sequence go to its head's GMM (every sequence's to the
     shared one), added in the order of the sequences.
     """
@@ -412,7 +416,7 @@ def backward_with(responsibility_backward, grad_out, cache) -> GMAGrads:
     dlogits = np.zeros(heads + first.means.shape[:1], dtype=g.dtype)
     for idx, c in zip(np.ndindex(leading), caches):
         # through the mixing: dL/dGamma_Q, dL/dGamma_K and dL/dV (the scan's backward)
-        dgamma = scan_backward(g[idx], c.mixing)
+        dgamma = scan(g[idx], c.mixing)
         dx_q[idx], dmu_q, dvar_q, da_q = responsibility_backward(c.x_q, c.gamma_q, dgamma.phi_q, c.means, c.variances)
         dx_k[idx], dmu_k, dvar_k, da_k = responsibility_backward(c.x_k, c.gamma_k, dgamma.phi_k, c.means, c.variances)
         dv[idx] = dgamma.v

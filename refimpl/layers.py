@@ -54,7 +54,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import gmm, validation
-from .tuned import gma_backward, gma_forward
+from . import backend
 from .scan import DEFAULT_CHUNK_SIZE
 
 __all__ = [
@@ -250,6 +250,7 @@ def multihead_gma_forward(
     vv = (x @ params.W_v).reshape(B, N, H, d_v)
     heads = np.empty((B, N, H, d_v), dtype=dtype)
     caches = []
+    gma_forward = backend.kernels().gma_forward  # refimpl.tuned or cpu.gma (refimpl.backend)
     for b in range(B):
         row = []
         for h in range(H):
@@ -304,6 +305,7 @@ def multihead_gma_backward(grad_out, cache) -> MultiheadGMAGrads:
     dmeans = np.zeros_like(p.means)
     draw = np.zeros_like(p.raw_variances)
     dlogits = np.zeros_like(p.logits)
+    gma_backward = backend.kernels().gma_backward
     for b in range(B):
         for h in range(H):
             gr = gma_backward(dheads[b, :, h], cache.gma[b][h])

@@ -15,10 +15,14 @@ EXPECTED = {
     "bench_ovq.py": ["speed-up of OVQ over causal softmax attention", "state bytes ratio"],
     # on a GPU, measured; without one, --quick is a dry run in the CUDA simulator that says so
     "bench_gpu.py": [
-        "responsibilities  N =",
-        "fraction of peak memory bandwidth",
-        "GMA forward and backward",
-        "online-softmax attention",
+        "responsibilities",
+        "equivalent GEMMs",
+        "gma_forward        bidirectional",
+        "gma_forward        causal",
+        "gma_backward       causal",
+        "softmax_attention  bidirectional",
+        "dense attention",
+        "ovq_attention      causal",
         "speed-up of OVQ over dense causal attention",
     ],
     "bench_cpu.py": [
@@ -50,3 +54,155 @@ def test_benchmark_script_runs_in_quick_mode(script):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for phrase in EXPECTED[script]:
         assert phrase in proc.stdout, (phrase, proc.stdout)
+
+
+# --- bench_gpu.py: its counts, its verdicts and its PyTorch baselines -----------------------------------------------
+
+
+def _load(name):
+    """benchmarks/NAME.py as a module (bench_gpu imports numba only when it measures)."""
+    import importlib.util
+
+    found = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module
+
+
+def _bench_gpu():
+    return _load("bench_gpu")
+
+
+def test_bench_gpu_counts_the_quadratic_form_as_4_nkd():
+    # per (n, k, j): x - mu, its square, times the precision, added to the sum
+    bg = _bench_gpu()
+    N, K, d = 1 << 20, 256, 64
+    assert bg.responsibilities_counts(N, K, d) == (4 * N * (d + K), 4 * N * K * d)
+
+
+def test_bench_gpu_gma_counts_are_two_quadratic_forms_a_write_and_a_read():
+    bg = _bench_gpu()
+    N, K, d_r, d_v = 1000, 7, 5, 3
+    resp = bg.responsibilities_counts(N, K, d_r)[1]
+    write = read = 2 * N * K * (d_v + 1)  # Gamma_K^T [V, 1] and Gamma_Q [S, z]
+    assert bg.gma_forward_counts(N, K, d_r, d_v) == (4 * N * (2 * d_r + 2 * d_v), 2 * resp + write + read)
+    # backward: per side dx (two products) and the parameter sums (two products); three products through [S, z]; dV
+    product = 2 * N * K
+    assert bg.gma_backward_counts(N, K, d_r, d_v)[1] == 2 * 4 * product * d_r + 3 * product * (d_v + 1) + product * d_v
+    assert bg.gemm_counts(N, K, d_r, d_v)[1] == 4 * product * d_r + 2 * product * d_v
+
+
+def test_bench_gpu_attention_and_ovq_counts_match_a_token_by_token_count():
+    from refimpl.ovq import dictionary_size
+
+    bg = _bench_gpu()
+    N, d = 37, 4
+    causal = sum(2 * (a + 1) * d + 2 * (a + 1) * d for a in range(N))  # query a: q.k and p v over keys 0..a
+    assert bg.attention_counts(N, d, causal=True) == (16 * N * d, causal)
+    assert bg.attention_counts(N, d, causal=False)[1] == 4 * N * N * d
+    T, n_max, C, d_v = 50, 6, 8, 3
+    flops = 0
+    for t in range(T):
+        s = t - t % C  # the start of the token's chunk
+        n = int(dictionary_size(s, n_max))
+        seen = n + t - s + 1  # centroids, and the chunk's keys up to this one
+        flops += 2 * seen * d + 2 * seen * d_v + 2 * n * d  # logits, weighted values, the assignment
+    assert bg.ovq_counts(T, d, d_v, n_max, C) == (4 * T * (2 * d + 2 * d_v), flops)
+
+
+def test_bench_gpu_roofline_is_the_slower_of_memory_and_arithmetic():
+    bg = _bench_gpu()
+    assert bg.roofline_fraction(2.0, 4e12, 1e12, 4e12, 1e12) == 0.5  # both bounds take 1 s
+    assert bg.roofline_fraction(1.0, 1e12, 1e12, 4e12, 1e12) == 1.0  # arithmetic-bound
+    assert bg.roofline_fraction(1.0, 2e12, 1e9, 4e12, 1e12) == 0.5  # memory-bound
+    assert bg.roofline_fraction(1.0, 1, 1, None, 1e12) is None
+    assert bg.device_peaks("NVIDIA H200") == (4.8e12, 67e12)
+    assert bg.device_peaks("NVIDIA H200 NVL") == (4.8e12, 60e12)
+    assert bg.device_peaks("NVIDIA H100 80GB HBM3") == (3.35e12, 67e12)
+    assert bg.device_peaks("Some GPU") == (None, None)
+
+
+def _rows(bg, met):
+    return [bg.make_row("numba-cuda", "f", "causal", "N=1", 1.0, 1, 1, target=t, measured=1.0, met=met) for t in bg.TARGETS]
+
+
+def test_bench_gpu_check_fails_on_a_target_not_met_or_not_judged():
+    bg = _bench_gpu()
+    assert bg.judge(_rows(bg, True), simulated=False, full=True)[0] == 0
+    rows = _rows(bg, True)
+    rows[3]["met"] = False
+    code, lines = bg.judge(rows, simulated=False, full=True)
+    assert code == 1 and lines[3].startswith("check: NOT met: forward / GEMMs <= 1.3")
+    code, lines = bg.judge(_rows(bg, True)[1:], simulated=False, full=True)
+    assert code == 1 and lines[0] == "check: NOT judged: bandwidth >= 50% of peak (not measured)"
+    assert bg.judge(_rows(bg, True)[1:], simulated=False, full=False)[0] == 0  # --quick sizes
+    assert bg.judge(_rows(bg, False), simulated=True, full=False)[0] == 0  # the simulator judges nothing
+
+
+def test_bench_gpu_causal_and_bidirectional_gma_are_both_judged():
+    bg = _bench_gpu()
+    rows = [bg.make_row("numba-cuda", "gma_forward", v, "N=1", 1.0, 1, 1, target="numba-gma-gemm", measured=r, met=r <= 2)
+            for v, r in (("bidirectional", 1.5), ("causal", 2.5))]
+    code, lines = bg.judge(rows, simulated=False, full=False)
+    assert code == 1 and "numba-cuda gma_forward causal N=1" in lines[2]
+
+
+def test_bench_gpu_refuses_bad_arguments_in_one_line(tmp_path):
+    for args, message in ((["--json", str(tmp_path)], "is a folder"), (["--json", str(tmp_path / "no" / "x.json")], "does not exist"),
+                          (["--repeats", "0"], "expected a whole number >= 1"), (["--peak-flops", "-1"], "expected a number > 0")):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), *args], capture_output=True, text=True,
+                              cwd=ROOT, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr.splitlines()[-1], (args, proc.stderr)
+
+
+def test_bench_gpu_counts_cupy_launches_where_the_backend_has_a_counter():
+    from types import SimpleNamespace
+
+    bg = _bench_gpu()
+
+    def counter():
+        return 3
+
+    assert bg._launch_counter(SimpleNamespace(launch_count=counter)) is counter
+    assert bg._launch_counter(SimpleNamespace(_backend=SimpleNamespace(launch_count=counter))) is counter
+    assert bg._launch_counter(SimpleNamespace()) is None
+    assert bg._launch_counter(None) is None
+
+
+def test_torch_baselines_import_without_torch_and_say_why():
+    import importlib.util
+
+    tb = _load("torch_baselines")
+    ok, why = tb.available()
+    assert ok == (importlib.util.find_spec("torch") is not None)
+    assert why.startswith("torch ")
+
+
+def test_torch_baselines_agree_with_the_reference():
+    """Where torch is installed: SDPA, and GMA and OVQ in PyTorch eager, against refimpl in float64."""
+    torch = pytest.importorskip("torch", reason="torch is not installed: the PyTorch baselines of bench_gpu.py are not run")
+    import numpy as np
+
+    from refimpl import attention, gma, gmm, ovq
+
+    tb = _load("torch_baselines")
+    rng = np.random.default_rng(1)
+    N, K, d, d_v = 150, 5, 4, 3
+    xq, xk, v, mu = (rng.standard_normal(s) for s in ((N, d), (N, d), (N, d_v), (K, d)))
+    var = 0.5 + rng.random((K, d))
+    w = rng.random(K)
+    w /= w.sum()
+    T = torch.from_numpy
+    np.testing.assert_allclose(tb.responsibilities(T(xq), T(mu), T(var), T(w)).numpy(), gmm.responsibilities(xq, mu, var, w),
+                               rtol=1e-12, atol=1e-14)
+    for causal in (False, True):
+        for chunk in (64, 7):
+            np.testing.assert_allclose(tb.gma(T(xq), T(xk), T(v), T(mu), T(var), T(w), causal=causal, chunk_size=chunk).numpy(),
+                                       gma.gma(xq, xk, v, mu, var, w, causal=causal, chunk_size=chunk), rtol=1e-10, atol=1e-12)
+    q, k, vv = (rng.standard_normal((N, d)) for _ in range(3))
+    for causal in (False, True):
+        np.testing.assert_allclose(tb.sdpa(T(q), T(k), T(vv), causal).numpy(), attention.softmax_attention(q, k, vv, causal=causal),
+                                   rtol=1e-10, atol=1e-12)
+    for n_max, chunk in ((8, 16), (3, 4), (40, 10), (1, 5)):
+        np.testing.assert_allclose(tb.ovq_attention(T(q), T(k), T(vv), max_size=n_max, chunk_size=chunk).numpy(),
+                                   ovq.ovq_attention(q, k, vv, max_size=n_max, chunk_size=chunk), rtol=1e-10, atol=1e-12)

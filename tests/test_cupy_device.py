@@ -1,7 +1,9 @@
 """gpu.cupy_kernels on a GPU: the kernels against their NumPy twins, the public functions against refimpl.
 
-Skipped, with the reason printed, where CuPy cannot allocate on a device
-(``import cupy`` works without a GPU; the first allocation fails).
+Skipped, with the reason printed, only where the machine has no GPU
+(decided without CuPy: :func:`gpu.cupy_kernels._backend.gpu_present`); on a
+machine with a GPU where CuPy cannot allocate, every test here fails with
+CuPy's reason (:func:`gpu.cupy_kernels._backend.device_test_decision`).
 """
 
 import importlib
@@ -11,9 +13,16 @@ import pytest
 
 from gpu.cupy_kernels import _backend
 
-OK, WHY = _backend.probe()
-if not OK:
-    pytest.skip(f"no CUDA device for CuPy: {WHY}", allow_module_level=True)
+DECISION, WHY = _backend.device_test_decision()
+if DECISION == "skip":
+    pytest.skip(WHY, allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _cupy_must_run_on_a_gpu():
+    if DECISION == "fail":
+        pytest.fail(WHY)
+
 
 import cupy  # noqa: E402
 

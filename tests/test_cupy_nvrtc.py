@@ -15,7 +15,7 @@ import pkgutil
 
 import pytest
 
-pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed: pip install -e '.[dev]'")
+pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed: pip install -e '.[dev,cuda13]' (or cuda12)")
 
 import gpu.cupy_kernels  # noqa: E402
 from gpu.cupy_kernels import _backend  # noqa: E402

@@ -6,7 +6,7 @@ compiler refuses.  These tests compile every kernel registered with
 in float32 and float64, for compute capabilities 9.0 and 8.0.  That needs
 the real CUDA target, so each module is compiled in a fresh process with
 ``NUMBA_ENABLE_CUDASIM=0`` (this process may be running the simulator); it
-needs NVVM (from the ``numba-cuda[cu13]`` wheels of the dev extras), not a GPU.
+needs NVVM (from the ``numba-cuda[cu12]`` or ``[cu13]`` wheels of the CUDA extra ``make install`` adds), not a GPU.
 """
 
 from __future__ import annotations

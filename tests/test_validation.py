@@ -1148,6 +1148,8 @@ def _leaves(obj):
         return [obj.keys, obj.values, obj.counts, obj.size, obj.tokens_seen]
     if isinstance(obj, gma.GMAState):
         return [obj.slots, obj.norms, obj.tokens_seen]
+    if type(obj).__name__ == "ChunkRecords":  # cpu.ovq's packed per-chunk records: their arrays
+        return [getattr(obj, f) for f in ("rows", "seeded", "seeds", "counts_mid", "added", "dict_keys", "dict_values")]
     if isinstance(obj, (tuple, list)):
         return [leaf for item in obj for leaf in _leaves(item)]
     if isinstance(obj, dict):

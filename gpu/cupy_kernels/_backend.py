@@ -31,10 +31,30 @@ function instantiated for float and double (:class:`Elementwise`,
 :class:`Reduction`).  :func:`compile_all_sources` compiles them all with
 NVRTC (``cuda.bindings.nvrtc``) for a given architecture, no GPU needed, so
 that a syntax or type error fails CI.
+
+Host syncs, launches and TF32
+-----------------------------
+Every result check of a public call (the finite inputs, ``min_quad``, the
+screen's suspect rows, the denominators, the overflowed rows) is a counter
+in one small device array (:class:`Checks`); kernels add to it on the
+device, and it is copied to the host once, at the end of the call
+(:func:`to_host`, the only copy of the checks).  Only when a counter is not
+zero does the call copy more, to word the error with the checker of
+:mod:`refimpl.validation` or to recompute the rows the screen flagged.
+:func:`result_checks` turns the checks off (no copy at all).
+
+:func:`launch_count` counts every kernel this backend launches (its
+:class:`RawModuleSource`, :class:`Elementwise` and :class:`Reduction`
+kernels) and every cuBLAS call it makes (:func:`matmul`), on the device or,
+with NumPy, as the twins that stand for them; :func:`host_copy_count`
+counts :func:`to_host`.  CuPy's own array routines (allocations, small
+reductions over the parameters) are not counted.  :func:`tf32` lets cuBLAS
+round float32 GEMM inputs to TF32 (off by default).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -58,6 +78,16 @@ __all__ = [
     "check_finite",
     "all_true",
     "result",
+    "Checks",
+    "launch",
+    "matmul",
+    "launch_count",
+    "host_copy_count",
+    "count_launches",
+    "tf32",
+    "tf32_enabled",
+    "result_checks",
+    "checks_enabled",
 ]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -67,6 +97,101 @@ SOURCES: dict = {}
 
 #: NVRTC options shared by every compilation (CuPy's RawModule gets the same standard).
 NVRTC_OPTIONS = ("--std=c++17",)
+
+
+# what launch_count and host_copy_count report: totals since import
+_COUNTS = {"launches": 0, "host_copies": 0}
+_SETTINGS = {"tf32": False, "checks": True}
+
+
+def launch_count() -> int:
+    """Kernels launched and cuBLAS calls made by this backend since import (twins on the NumPy path included)."""
+    return _COUNTS["launches"]
+
+
+def host_copy_count() -> int:
+    """Device-to-host copies made through :func:`to_host` since import (calls on the NumPy path included)."""
+    return _COUNTS["host_copies"]
+
+
+def _count_launch(n: int = 1) -> None:
+    _COUNTS["launches"] += n
+
+
+class _Counter:
+    """What :func:`count_launches` yields: the launches and host copies made inside the ``with`` block so far."""
+
+    def __init__(self):
+        self._launches, self._copies = launch_count(), host_copy_count()
+
+    @property
+    def launches(self) -> int:
+        """Launches and cuBLAS calls since the block began."""
+        return launch_count() - self._launches
+
+    @property
+    def host_copies(self) -> int:
+        """Copies to the host since the block began."""
+        return host_copy_count() - self._copies
+
+
+@contextlib.contextmanager
+def count_launches():
+    """Count the launches and host copies of a block: ``with count_launches() as c: ...; c.launches, c.host_copies``."""
+    yield _Counter()
+
+
+class _Setting:
+    """A module-level switch, set at once; as a context manager it restores the previous value on exit."""
+
+    def __init__(self, key, value):
+        self.key, self.previous = key, _SETTINGS[key]
+        _SETTINGS[key] = bool(value)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        _SETTINGS[self.key] = self.previous
+        return False
+
+
+def tf32(enabled: bool = True) -> _Setting:
+    """Let cuBLAS compute float32 GEMMs with TF32 tensor cores (``True``) or in full float32 (``False``, the default).
+
+    TF32 rounds the GEMM inputs to 10 bits of mantissa: about ``1e-3``
+    relative error in the products, far more than the float32 tolerances of
+    the tests, so it is off unless asked for.  Sets the switch at once, and
+    as a context manager (``with tf32(True): ...``) restores the previous
+    value on exit.  The backend sets CuPy's compute type for float32 around
+    each of its GEMMs (``cupy._core.set_compute_type``), so CuPy's own
+    default does not decide.  float64 GEMMs are never affected.
+    """
+    return _Setting("tf32", enabled)
+
+
+def tf32_enabled() -> bool:
+    """Whether :func:`tf32` is on."""
+    return _SETTINGS["tf32"]
+
+
+def result_checks(enabled: bool = True) -> _Setting:
+    """Turn the result checks of the public functions on (the default) or off; a context manager too.
+
+    Off, a public call copies nothing to the host (NumPy inputs still get
+    their results copied back): no input finiteness test for device
+    arrays, no check of ``min_quad``, the denominators or overflowed rows,
+    and no recomputation of the responsibilities the exactness screen
+    flags (the expansion is used as computed: exact to rounding unless the
+    means lie far apart relative to the variances, where the screen would
+    have recomputed some logits).  For benchmarks and trusted inputs.
+    """
+    return _Setting("checks", enabled)
+
+
+def checks_enabled() -> bool:
+    """Whether :func:`result_checks` is on."""
+    return _SETTINGS["checks"]
 
 
 def _register(name: str, source) -> None:
@@ -143,7 +268,17 @@ def host_view(a):
 
 
 def to_host(a):
-    """A host copy of a device array (small arrays: parameters, per-row checks); anything else unchanged."""
+    """A host copy of a computed device array (the checks, or rows to word an error); a host array unchanged.
+
+    Every call is counted (:func:`host_copy_count`), on the NumPy path too,
+    where it stands for the copy the device would make.
+    """
+    _COUNTS["host_copies"] += 1
+    return _cupy().asnumpy(a) if is_device_array(a) else a
+
+
+def parameter_to_host(a):
+    """A host copy of a parameter the caller passed on the device (for the checkers); a host array unchanged."""
     return _cupy().asnumpy(a) if is_device_array(a) else a
 
 
@@ -166,6 +301,34 @@ def check_finite(a, name: str) -> None:
         a = cupy.asarray(a)
         if a.size and not bool(cupy.isfinite(a).all()):
             validation.check_finite(cupy.asnumpy(a), name)
+
+
+def matmul(xp, a, b):
+    """``a @ b`` (``xp.matmul``), counted as one cuBLAS call; float32 on the device in the :func:`tf32` mode asked for."""
+    _count_launch()
+    if xp is np or a.dtype != np.float32:
+        return xp.matmul(a, b)
+    core = _cupy()._core
+    from cupy._core import _routines_linalg as linalg
+
+    before = core.get_compute_type(np.dtype(np.float32))
+    core.set_compute_type(np.dtype(np.float32), linalg.COMPUTE_TYPE_TF32 if tf32_enabled() else linalg.COMPUTE_TYPE_FP32)
+    try:
+        return xp.matmul(a, b)
+    finally:
+        core.set_compute_type(np.dtype(np.float32), before)
+
+
+def launch(source, name: str, grid, block, args, twin=None):
+    """Launch kernel ``name`` of ``source`` (a :class:`RawModuleSource`) when ``args`` hold a device array, else run ``twin()``.
+
+    Either way one launch is counted: the NumPy twin stands for the kernel.
+    """
+    _count_launch()
+    if any(is_device_array(a) for a in args):
+        source.function(name)(grid, block, args)
+        return None
+    return twin() if twin is not None else None
 
 
 def all_true(xp, *flags) -> bool:
@@ -246,6 +409,7 @@ class Elementwise:
         )
 
     def __call__(self, *args):
+        _count_launch()
         if not any(is_device_array(a) for a in args):
             return self.twin(*args)
         if self._kernel is None:
@@ -295,6 +459,7 @@ class Reduction:
         )
 
     def __call__(self, *args, axis=-1):
+        _count_launch()
         if not any(is_device_array(a) for a in args):
             return self.twin(*args, axis=axis)
         if self._kernel is None:
@@ -377,3 +542,166 @@ def compile_all_sources(arch: str = "sm_90", names=None) -> dict:
         if names is None or name in names:
             out[name] = compile_source(source(), arch, name.replace(":", "_"))
     return out
+
+
+# ---------------------------------------------------------------------------
+# The result checks of a public call: one small device array, one copy
+# ---------------------------------------------------------------------------
+
+_CHECKS_CU = RawModuleSource("checks.cu", headers=("rows.cuh",))
+
+#: The ``first`` of a check that no entry has failed: the largest 64-bit unsigned integer.
+NO_INDEX = np.iinfo(np.uint64).max
+
+#: Threads per block and most blocks of the counting kernel (a grid-stride loop).
+COUNT_THREADS, COUNT_BLOCKS = 256, 1024
+
+
+class Checks:
+    """The result checks of one public call: ``(count, first)`` per named check, on the device, copied once.
+
+    Kernels add to a check through :meth:`slot` (the device pointer of its
+    pair, ``check_fail`` in ``rows.cuh``); :meth:`count_bad` counts the bad
+    entries of an array.  :meth:`fetch` copies the whole array to the host
+    (one :func:`to_host`), after which :meth:`failed` and :meth:`first` read
+    it.  With :func:`result_checks` off :meth:`count_bad` counts nothing,
+    :meth:`fetch` copies nothing and every check reads 0.
+
+    Parameters
+    ----------
+    xp : module
+        :mod:`numpy` (the twins add to a host array) or :mod:`cupy`.
+    names : sequence of str
+        The checks of the call, in the order they are evaluated.
+    """
+
+    def __init__(self, xp, names):
+        self.xp = xp
+        self.enabled = checks_enabled()
+        self.index = {name: i for i, name in enumerate(names)}
+        self.host = None
+        values = np.zeros((len(self.index), 2), dtype=np.uint64)
+        values[:, 1] = NO_INDEX
+        self.values = values if xp is np else xp.asarray(values)
+
+    def slot(self, name):
+        """The pair of check ``name``: a view of one row, the device pointer a kernel adds to."""
+        return self.values[self.index[name]]
+
+    def add(self, name, bad) -> None:
+        """NumPy twin of ``check_fail``: add the true entries of the host boolean array ``bad`` (flat order) to ``name``."""
+        bad = np.asarray(bad).reshape(-1)
+        n = int(np.count_nonzero(bad))
+        if n:
+            row = self.values[self.index[name]]
+            row[0] += np.uint64(n)
+            row[1] = min(int(row[1]), int(np.argmax(bad)))
+
+    def count_bad(self, a, name, positive: bool = False) -> None:
+        """Count the entries of the contiguous array ``a`` that are not finite (or, with ``positive``, not > 0) into ``name``."""
+        if not self.enabled or a.size == 0:
+            return
+        flat = a.reshape(-1)
+        mode = 1 if positive else 0
+        if is_device_array(flat) and not flat.flags.c_contiguous:
+            raise ValueError("Checks.count_bad: a contiguous array is needed")
+
+        def twin():
+            with np.errstate(invalid="ignore"):
+                self.add(name, ~(flat > 0) if positive else ~np.isfinite(flat))
+
+        suffix = "f32" if flat.dtype == np.float32 else "f64"
+        grid = (max(1, min(COUNT_BLOCKS, -(-flat.size // COUNT_THREADS))),)
+        launch(_CHECKS_CU, f"count_bad_{suffix}", grid, (COUNT_THREADS,),
+               (flat, np.int64(flat.size), np.int32(mode), self.slot(name)), twin)
+
+    def fetch(self) -> "Checks":
+        """Copy every check to the host at once (the call's one copy); nothing when checks are off."""
+        if not self.enabled:
+            self.host = np.zeros((len(self.index), 2), dtype=np.uint64)
+        else:
+            self.host = np.asarray(to_host(self.values))
+        return self
+
+    def failed(self, name) -> int:
+        """How many entries failed check ``name`` (after :meth:`fetch`)."""
+        return int(self.host[self.index[name], 0])
+
+    def first(self, name) -> int:
+        """The smallest flat index that failed check ``name``, or -1 (after :meth:`fetch`)."""
+        value = self.host[self.index[name], 1]
+        return -1 if value == NO_INDEX else int(value)
+
+    def any_failed(self) -> bool:
+        """Whether any check failed (after :meth:`fetch`)."""
+        return bool(self.host[:, 0].any())
+
+
+# ---------------------------------------------------------------------------
+# Is there a GPU, whatever CuPy says
+# ---------------------------------------------------------------------------
+
+
+def _nvidia_smi_lists_a_gpu() -> bool:
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return False
+    try:
+        proc = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return proc.returncode == 0 and "GPU" in proc.stdout
+
+
+def _device_node_exists() -> bool:
+    return os.path.exists("/dev/nvidia0")
+
+
+def _driver_device_count() -> int:
+    import gpu
+
+    return gpu._cuda_device_count()
+
+
+#: The probes of :func:`gpu_present`, in order: ``(name, callable returning a truth value)``.
+GPU_PROBES = (
+    ("nvidia-smi -L", _nvidia_smi_lists_a_gpu),
+    ("/dev/nvidia0", _device_node_exists),
+    ("cuDeviceGetCount", lambda: _driver_device_count() > 0),
+)
+
+
+def gpu_present() -> tuple[bool, str]:
+    """Whether this machine has an NVIDIA GPU, decided without CuPy: ``(present, which probe said so)``.
+
+    The probes (:data:`GPU_PROBES`): ``nvidia-smi -L`` lists a GPU, the
+    device node ``/dev/nvidia0`` exists, or the CUDA driver library loads
+    and ``cuInit``/``cuDeviceGetCount`` report at least one device.
+    """
+    for name, probe_fn in GPU_PROBES:
+        try:
+            if probe_fn():
+                return True, name
+        except Exception:  # a probe that cannot run says nothing
+            continue
+    return False, "no probe found a GPU (nvidia-smi -L, /dev/nvidia0, cuDeviceGetCount)"
+
+
+def device_test_decision() -> tuple[str, str]:
+    """What the CuPy device tests do here: ``("run" | "skip" | "fail", why)``.
+
+    They run where CuPy can allocate; they are skipped only where there is
+    no GPU (:func:`gpu_present`); on a machine with a GPU where CuPy cannot
+    allocate (a driver too old for the CUDA runtime, a missing library) they
+    fail, with CuPy's reason.
+    """
+    ok, why = probe()
+    if ok:
+        return "run", why
+    present, which = gpu_present()
+    if not present:
+        return "skip", f"no GPU on this machine ({which}): {why}"
+    return "fail", f"this machine has a GPU ({which}) but CuPy cannot use it: {why}"

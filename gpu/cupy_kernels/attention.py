@@ -14,6 +14,9 @@ Launch plan
    overflowed rows) and the softmax, in place.
 3. ``P v``: one batched GEMM.
 
+The finite inputs (device arrays only) and the row maxima are counted into
+the call's checks, copied to the host once at the end.
+
 With NumPy the row kernel's twin is :func:`refimpl.tuned.softmax_rows`.
 """
 
@@ -22,9 +25,9 @@ from __future__ import annotations
 import numpy as np
 
 from refimpl import tuned
-from refimpl.validation import check_batched_softmax_attention, check_score_maxima, check_softmax_attention
+from refimpl.validation import check_batched_softmax_attention, check_finite, check_score_maxima, check_softmax_attention
 
-from ._backend import RawModuleSource, all_true, as_module_array, check_finite, device_module, host_view, is_device_array, result, to_host
+from ._backend import Checks, RawModuleSource, as_module_array, device_module, host_view, is_device_array, launch, matmul, result, to_host
 
 __all__ = ["softmax_attention"]
 
@@ -40,7 +43,9 @@ def softmax_rows(xp, t, scale, n_q, causal):
     Row ``r`` is query ``r % n_q`` of its sequence.
     """
     R, Nk = t.shape
-    if xp is np:
+    row_max = xp.empty(R, dtype=t.dtype)
+
+    def twin():
         t3 = t.reshape(-1, n_q, Nk)
         with np.errstate(over="ignore", invalid="ignore"):
             t3 *= t.dtype.type(scale)
@@ -48,19 +53,19 @@ def softmax_rows(xp, t, scale, n_q, causal):
             # entries j > i get -inf, so exp gives exactly 0 (the diagonal keeps every row non-empty)
             upper = np.triu_indices(n_q, k=1)
             t3[:, upper[0], upper[1]] = -np.inf
-        row_max = np.max(t, axis=1)
+        row_max[...] = np.max(t, axis=1)
         tuned.softmax_rows(t)
-        return row_max
-    row_max = xp.empty(R, dtype=t.dtype)
+
     if R:
         f = t.dtype.type
-        fn = _CU.function(f"softmax_rows_{'f32' if t.dtype == np.float32 else 'f64'}")
-        fn((-(-R // ROWS_PER_BLOCK),), (32, ROWS_PER_BLOCK), (t, row_max, np.int64(R), np.int32(Nk), np.int32(n_q), f(scale), np.int32(bool(causal))))
+        name = f"softmax_rows_{'f32' if t.dtype == np.float32 else 'f64'}"
+        launch(_CU, name, (-(-R // ROWS_PER_BLOCK),), (32, ROWS_PER_BLOCK),
+               (t, row_max, np.int64(R), np.int32(Nk), np.int32(n_q), f(scale), np.int32(bool(causal))), twin)
     return row_max
 
 
 def softmax_attention_xp(xp, q, k, v, scale=None, causal=False):
-    """:func:`softmax_attention` computed with the array module ``xp`` (NumPy or CuPy)."""
+    """:func:`softmax_attention` computed with the array module ``xp`` (NumPy or CuPy); one copy to the host (the checks)."""
     on_device = any(is_device_array(a) for a in (q, k, v))
     views = tuple(host_view(a) for a in (q, k, v))
     if all(np.ndim(a) == 2 for a in views):
@@ -68,17 +73,25 @@ def softmax_attention_xp(xp, q, k, v, scale=None, causal=False):
         batch_shape = ()
     else:
         hq, hk, hv, scale, causal, batch_shape = check_batched_softmax_attention(*views, scale, causal)
-    for a, name in ((q, "q"), (k, "k"), (v, "v")):
-        check_finite(a, name)
     dtype = hq.dtype
     Nq, (Nk, dv) = hq.shape[-2], hv.shape[-2:]
-    q, k, v = (as_module_array(xp, a, dtype).reshape(-1, *a.shape[-2:]) for a in (q, k, v))
+    checks = Checks(xp, ["q", "k", "v", "row_max"])
+    inputs = (q, k, v)
+    q, k, v = (as_module_array(xp, a, dtype).reshape(-1, *a.shape[-2:]) for a in inputs)
+    for original, a, name in zip(inputs, (q, k, v), "qkv"):
+        if is_device_array(original):
+            checks.count_bad(a, name)
     with np.errstate(over="ignore", invalid="ignore"):
-        scores = xp.matmul(q, k.swapaxes(1, 2))  # (B, N_q, N_k)
+        scores = matmul(xp, q, k.swapaxes(1, 2))  # (B, N_q, N_k)
     row_max = softmax_rows(xp, scores.reshape(-1, Nk), scale, Nq, causal)
-    if not all_true(xp, xp.isfinite(row_max)):
+    checks.count_bad(row_max, "row_max")
+    out = matmul(xp, scores, v)
+    checks.fetch()
+    for original, name in zip(inputs, "qkv"):
+        if checks.failed(name):
+            check_finite(to_host(original), name)
+    if checks.failed("row_max"):
         check_score_maxima(to_host(row_max).reshape(batch_shape + (Nq,)))
-    out = xp.matmul(scores, v)
     return result(out.reshape(batch_shape + (Nq, dv)), on_device)
 
 

@@ -41,8 +41,10 @@ from refimpl import numerics, validation
 from refimpl.gma import GMAGrads, check_gma_arguments, check_gma_forward_arguments, check_gma_grad_out, check_gma_results
 from refimpl.scan import DEFAULT_CHUNK_SIZE
 
-from ._backend import Elementwise, all_true, as_module_array, check_finite, device_module, host_view, is_device_array, result, to_host
-from .gmm import expansion, head_matmul, normalise_rows, posterior_xp
+from ._backend import (
+    Checks, Elementwise, as_module_array, device_module, host_view, is_device_array, matmul, parameter_to_host, result, to_host,
+)
+from .gmm import expansion, head_matmul, normalise_rows, posterior_xp, raise_bad_input, refine_xp
 from .scan import row_dot, scan_backward_xp, scan_forward_xp
 
 __all__ = ["gma", "gma_forward", "gma_backward", "GMADeviceCache"]
@@ -104,34 +106,52 @@ def _layout(leading, per_head):
     return B // H, H
 
 
-def _device_tokens(xp, arrays, names, dtype):
-    for a, name in zip(arrays, names):
-        check_finite(a, name)
-    return tuple(as_module_array(xp, a, dtype) for a in arrays)
+#: The checks of a forward, in the order refimpl evaluates them: the inputs, then the results.
+FORWARD_CHECKS = ("x_q", "x_k", "v", "suspect:x_q", "suspect:x_k", "min_quad:x_q", "min_quad:x_k", "den")
 
 
-def _forward_core(xp, x_q, x_k, v, means, variances, log_weights, per_head, causal, eps, chunk_size):
-    """Core: ``(out, gamma_q, gamma_k, den, min_quad_q, min_quad_k)`` in the ``(G, H, N, .)`` layout; no raise."""
+def _forward_core(xp, x_q, x_k, v, means, variances, log_weights, per_head, causal, eps, chunk_size, on_device=(False,) * 3):
+    """Core: ``(out, gamma_q, gamma_k, den, min_quad_q, min_quad_k)`` in the ``(G, H, N, .)`` layout, then the checks.
+
+    The checks (device inputs that are not finite, suspect rows, ``min_quad``
+    that is not finite, and with ``eps = 0`` denominators that are not > 0)
+    are counted on the device and copied to the host once; the errors are
+    refimpl's (:func:`refimpl.gma.check_gma_results`).  Only when the screen
+    flags rows are they recomputed (:func:`gpu.cupy_kernels.gmm.refine_xp`)
+    and the scan run again: the rare path, with syncs of its own.
+    """
     leading = x_q.shape[:-2]
     G, H = _layout(leading, per_head)
     B = G * H
     (Nq, d), (Nk, dv) = x_q.shape[-2:], v.shape[-2:]
+    checks = Checks(xp, FORWARD_CHECKS)
+    if on_device[2]:
+        checks.count_bad(v, "v")
     ex = expansion(xp, means, variances, log_weights)
-    gamma_q, mq_q = posterior_xp(xp, x_q.reshape(G, H, Nq, d), ex)
-    gamma_k, mq_k = posterior_xp(xp, x_k.reshape(G, H, Nk, d), ex)
+    xq4, xk4 = x_q.reshape(G, H, Nq, d), x_k.reshape(G, H, Nk, d)
+    gamma_q, mq_q = posterior_xp(xp, xq4, ex, checks=checks, side="x_q", count_x=on_device[0])
+    gamma_k, mq_k = posterior_xp(xp, xk4, ex, checks=checks, side="x_k", count_x=on_device[1])
     K = gamma_q.shape[-1]
-    # O = (Gamma_Q Gamma_K^T V) / (Gamma_Q Gamma_K^T 1 + eps), by the scan
-    out, den = scan_forward_xp(xp, gamma_q.reshape(B, Nq, K), gamma_k.reshape(B, Nk, K), v.reshape(B, Nk, dv), causal, eps, chunk_size)
-    return out, gamma_q, gamma_k, den, mq_q, mq_k
 
+    def scan():
+        # O = (Gamma_Q Gamma_K^T V) / (Gamma_Q Gamma_K^T 1 + eps), by the scan
+        return scan_forward_xp(xp, gamma_q.reshape(B, Nq, K), gamma_k.reshape(B, Nk, K), v.reshape(B, Nk, dv), causal, eps, chunk_size)
 
-def _check_results(xp, mq_q, mq_k, den, eps):
-    """:func:`refimpl.gma.check_gma_results`, after one device-side test (rows copied to the host only to word an error)."""
-    flags = [xp.isfinite(mq_q), xp.isfinite(mq_k)]
+    out, den = scan()
     if eps == 0:
-        flags.append(den > 0)
-    if not all_true(xp, *flags):
+        checks.count_bad(xp.ascontiguousarray(den), "den", positive=True)
+    checks.fetch()
+    for name, a in (("x_q", x_q), ("x_k", x_k), ("v", v)):
+        raise_bad_input(checks, name, a)
+    if checks.failed("suspect:x_q") or checks.failed("suspect:x_k"):
+        # the rare path: rows that cancellation may have spoiled, recomputed from the differences; the scan again
+        refine_xp(xp, xq4, gamma_q, mq_q, ex)
+        refine_xp(xp, xk4, gamma_k, mq_k, ex)
+        out, den = scan()
         check_gma_results(to_host(mq_q).reshape(-1), to_host(mq_k).reshape(-1), to_host(den).reshape(-1), eps)
+    elif checks.failed("min_quad:x_q") or checks.failed("min_quad:x_k") or checks.failed("den"):
+        check_gma_results(to_host(mq_q).reshape(-1), to_host(mq_k).reshape(-1), to_host(den).reshape(-1), eps)
+    return out, gamma_q, gamma_k, den, mq_q, mq_k
 
 
 def _heads(a, per_head):
@@ -143,18 +163,19 @@ def gma_xp(xp, x_q, x_k, v, means, variances, weights, causal, eps, chunk_size):
     """:func:`gma` computed with the array module ``xp`` (NumPy or CuPy): the checks, the core, the checks of the results."""
     on_device = any(is_device_array(a) for a in (x_q, x_k, v, means, variances, weights))
     args = check_gma_arguments(
-        host_view(x_q), host_view(x_k), host_view(v), to_host(means), to_host(variances), to_host(weights), causal, eps, chunk_size
+        host_view(x_q), host_view(x_k), host_view(v), parameter_to_host(means), parameter_to_host(variances),
+        parameter_to_host(weights), causal, eps, chunk_size,
     )
     _, _, _, means, variances, weights, causal, eps, chunk_size = args
     dtype = means.dtype
-    x_q, x_k, v = _device_tokens(xp, (x_q, x_k, v), ("x_q", "x_k", "v"), dtype)
+    tokens_on_device = tuple(is_device_array(a) for a in (x_q, x_k, v))
+    x_q, x_k, v = (as_module_array(xp, a, dtype) for a in (x_q, x_k, v))
     per_head = means.ndim == 3
     # a zero weight is a component that never wins: log 0 = -inf
     with np.errstate(divide="ignore"):
         log_weights = np.log(weights)
     params = (as_module_array(xp, _heads(a, per_head), dtype) for a in (means, variances, log_weights))
-    out, _, _, den, mq_q, mq_k = _forward_core(xp, x_q, x_k, v, *params, per_head, causal, eps, chunk_size)
-    _check_results(xp, mq_q, mq_k, den, eps)
+    out = _forward_core(xp, x_q, x_k, v, *params, per_head, causal, eps, chunk_size, tokens_on_device)[0]
     return result(out.reshape(x_q.shape[:-1] + v.shape[-1:]), on_device)
 
 
@@ -162,12 +183,13 @@ def gma_forward_xp(xp, x_q, x_k, v, means, raw_variances, logits, causal, eps, m
     """:func:`gma_forward` computed with the array module ``xp``."""
     on_device = any(is_device_array(a) for a in (x_q, x_k, v, means, raw_variances, logits))
     args = check_gma_forward_arguments(
-        host_view(x_q), host_view(x_k), host_view(v), to_host(means), to_host(raw_variances), to_host(logits),
-        causal, eps, min_variance, chunk_size,
+        host_view(x_q), host_view(x_k), host_view(v), parameter_to_host(means), parameter_to_host(raw_variances),
+        parameter_to_host(logits), causal, eps, min_variance, chunk_size,
     )
     _, _, _, means, raw_variances, logits, causal, eps, min_variance, chunk_size = args
     dtype = means.dtype
-    x_q, x_k, v = _device_tokens(xp, (x_q, x_k, v), ("x_q", "x_k", "v"), dtype)
+    tokens_on_device = tuple(is_device_array(a) for a in (x_q, x_k, v))
+    x_q, x_k, v = (as_module_array(xp, a, dtype) for a in (x_q, x_k, v))
     per_head = means.ndim == 3
     means, raw_variances, logits = (as_module_array(xp, _heads(a, per_head), dtype) for a in (means, raw_variances, logits))
     # sigma^2 = softplus(s) + sigma2_min
@@ -176,8 +198,9 @@ def gma_forward_xp(xp, x_q, x_k, v, means, raw_variances, logits, causal, eps, m
     log_weights = logits.copy()
     zeros = xp.zeros((1, logits.shape[1]), dtype=dtype)
     normalise_rows(xp, log_weights, zeros, zeros, logits.shape[0], log=True)
-    out, gamma_q, gamma_k, den, mq_q, mq_k = _forward_core(xp, x_q, x_k, v, means, variances, log_weights, per_head, causal, eps, chunk_size)
-    _check_results(xp, mq_q, mq_k, den, eps)
+    out, gamma_q, gamma_k, den, mq_q, mq_k = _forward_core(
+        xp, x_q, x_k, v, means, variances, log_weights, per_head, causal, eps, chunk_size, tokens_on_device
+    )
     leading = x_q.shape[:-2]
     G, H = _layout(leading, per_head)
     cache = GMADeviceCache(
@@ -191,8 +214,8 @@ def _token_sums(xp, c, b):
     """``sum over the tokens of every sequence of head h of c^T b``: ``c (G, H, N, K)``, ``b (G, H, N, m)`` -> ``(H, K, m)``."""
     G, H, N, K = c.shape
     if H == 1:
-        return xp.matmul(c.reshape(G * N, K).T, b.reshape(G * N, b.shape[3]))[None]
-    return xp.matmul(c.swapaxes(-1, -2), b).sum(axis=0)
+        return matmul(xp, c.reshape(G * N, K).T, b.reshape(G * N, b.shape[3]))[None]
+    return matmul(xp, c.swapaxes(-1, -2), b).sum(axis=0)
 
 
 def _responsibility_backward(xp, x, gamma, grad, mc, prec, centre):
@@ -228,8 +251,10 @@ def gma_backward_xp(xp, grad_out, cache):
     dtype = cache.out.dtype
     out_shape = cache.leading + cache.out.shape[-2:]
     check_gma_grad_out(host_view(grad_out), out_shape, np.dtype(dtype))
-    check_finite(grad_out, "grad_out")
+    checks = Checks(xp, ["grad_out"])
     g = as_module_array(xp, grad_out, dtype).reshape(cache.out.shape)
+    if is_device_array(grad_out):
+        checks.count_bad(g, "grad_out")
     G, H, Nq, K = cache.gamma_q.shape
     Nk = cache.gamma_k.shape[2]
     dphi_q, dphi_k, dv = scan_backward_xp(
@@ -250,6 +275,8 @@ def gma_backward_xp(xp, grad_out, cache):
     params = (dmu_q + dmu_k, sigmoid_chain(dvar_q + dvar_k, cache.raw_variances), csum_q + csum_k)
     if not cache.per_head:
         params = tuple(p[0] for p in params)
+    # the one copy of the call: grad_out's check (a backward has no other)
+    raise_bad_input(checks.fetch(), "grad_out", grad_out)
     lead = cache.leading
     return GMAGrads(
         x_q=result(dx_q.reshape(lead + dx_q.shape[-2:]), on_device),

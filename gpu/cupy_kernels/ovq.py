@@ -15,28 +15,34 @@ other without a synchronisation.  ``return_state`` gives a
 :class:`refimpl.ovq.OVQState` of host arrays, and a state passed in continues
 the stream.
 
-Launch plan (per chunk ``[s, e)``, ``L = e - s`` keys)
-------------------------------------------------------
-1. ``q^, k^``: unit rows (array code: a row reduction and a division).
-2. The read-out: one GEMM (``cupy.matmul``) ``q^ [D_k[:n]; k^]^T`` (L, n + L);
-   one row kernel (``ovq.cu``, ``ovq_readout_rows_*``, one warp per row)
-   scales by ``beta``, adds ``log c``, applies the causal step inside the
-   chunk (keys ``b <= a``), keeps the row maximum for the overflow check and
-   turns the row into its softmax in place; one GEMM with ``[D_v[:n]; v]``.
-3. The plan: the similarities ``k^ D_k[:n]^T`` (one GEMM; ``k^ . k^_0`` in
-   the first chunk), their argmax, and the seeds (a stable ``argsort`` of the
-   scores, or refimpl's draw uploaded).
-4. The update: the seeds' rows are set by array code; one kernel
-   (``ovq_update_*``) per dictionary (keys, values) folds the chunk's rows
-   into the rows they joined, each entry owned by one thread looping over
-   the chunk in token order (the running mean, or the constant-rate steps);
-   the kernel also writes the new counts.  The products are rounded as in refimpl (no
-   fused multiply-add), so the update is refimpl's arithmetic bit for bit.
+Launch plan
+-----------
+Once per call: ``q^, k^`` of every row (``ovq.cu``, ``ovq_unit_rows_*``),
+and every chunk's sizes (``n``, ``t``, ``n'``) and, for ``init="random"``,
+every chunk's seeds drawn on the host and uploaded together.  Then per chunk
+``[s, e)``, ``L = e - s`` keys, three launches and nothing else (no cuBLAS
+call, no CuPy routine, no sync):
 
-VQ attention: per chunk, the GEMMs ``k^ codebook^T`` (argmax: the codes),
-``q^ codebook^T`` and ``q^ codebook[z]^T``, the same row kernel (bias
-``log L_m``), two GEMMs for the read-out, and the update kernel for the
-running means of the values.
+1. ``ovq_chunk_*``: the read-out (one warp per query row: the logits
+   against ``D_k[:n]`` and the chunk's keys ``b <= a``, ``beta`` and
+   ``log c``, an online softmax, the row maximum for the overflow check,
+   ``o_a`` from ``[D_v[:n]; v]``) and, in other blocks of the same launch,
+   the assignment (one warp per key: the nearest centroid, np.argmax's
+   first maximum, and its similarity);
+2. ``ovq_seed_*`` (when the dictionary grows): one thread per key, its
+   stable rank among the scores, or its place among the drawn seeds;
+3. ``ovq_update_*``: both dictionaries at once, one thread per entry walking
+   the chunk in token order (the seeds, then the running mean or the
+   constant-rate steps), the new counts into a second buffer.  The products
+   are rounded as in refimpl (no fused multiply-add): refimpl's arithmetic.
+
+After the last chunk the overflowed rows are counted into the call's checks,
+which are copied to the host once.
+
+VQ attention: per chunk the same kernel assigns the keys to the codebook
+(launch 1), then reads out over the codes (bias ``log L_m``) and the chunk
+through its codes (launch 2), and the update kernel keeps the running means
+of the values (launch 3).
 
 With ``xp = numpy`` (the ``*_xp`` functions) each kernel is replaced by its
 NumPy twin, which is refimpl's arithmetic: the results equal
@@ -50,16 +56,16 @@ import numpy as np
 from refimpl import gmm, numerics, validation
 from refimpl import ovq as ref_ovq
 
-from ._backend import RawModuleSource, all_true, as_module_array, check_finite, device_module, host_view, is_device_array, result, to_host
+from ._backend import Checks, RawModuleSource, as_module_array, device_module, host_view, is_device_array, launch, parameter_to_host, result, to_host
 
 __all__ = ["ovq_attention", "vq_attention"]
 
 _CU = RawModuleSource("ovq.cu", headers=("rows.cuh",))
 
-#: Rows per block of the read-out kernel: one warp (32 threads) per row.
+#: Rows per block of the chunk kernel: one warp (32 threads) per query or key row.
 ROWS_PER_BLOCK = 8
-#: Block of the update kernel: 32 columns by 8 dictionary rows (``blockDim (32, 8)`` in ``ovq.cu``).
-UPDATE_BLOCK = (32, 8)
+#: Threads per block of the one-dimensional kernels (unit rows, seeding, update).
+FLAT = 256
 
 
 def _suffix(dtype) -> str:
@@ -72,31 +78,26 @@ def _suffix(dtype) -> str:
 
 
 def readout_rows(xp, t, bias, beta, n, row_max):
-    """Fused, in place: ``t (L, n + L)`` (raw dot products) becomes the softmax of the chunk's logits.
+    """NumPy twin of the read-out, in place: ``t (L, n + L)`` (raw dot products) becomes the softmax of the chunk's logits.
 
     ``l = beta t``, plus ``bias (n,)`` on the first ``n`` columns when
     ``bias`` is not None, ``-inf`` on the chunk's columns ``n + b`` with
     ``b > a`` (row ``a``); ``row_max (L,)`` receives each row's largest
-    logit (NaN when one is NaN).
+    logit (NaN when one is NaN).  The device computes the same in
+    ``ovq_chunk_*``.
     """
     L = t.shape[0]
     f = t.dtype.type
-    if xp is np:
-        # refimpl.ovq._chunk_logits, then numerics.softmax: logits *= beta; logits[:, :n] += log_c; mask; softmax
-        with np.errstate(over="ignore", invalid="ignore"):
-            t *= f(beta)
-            if bias is not None and n:
-                t[:, :n] += bias
-        # causal inside the chunk: position a sees the chunk keys b <= a only
-        t[:, n:][np.triu(np.ones((L, L), dtype=bool), k=1)] = -np.inf
-        row_max[...] = np.max(t, axis=1)
-        with np.errstate(invalid="ignore"):  # an overflowed row (refused by the caller) gives NaN, not a warning
-            t[...] = numerics.softmax(t, axis=1)
-        return t
-    use_bias = bias is not None and n > 0
-    bias = bias if use_bias else row_max  # not read without the bias
-    fn = _CU.function(f"ovq_readout_rows_{_suffix(t.dtype)}")
-    fn((-(-L // ROWS_PER_BLOCK),), (32, ROWS_PER_BLOCK), (t, bias, row_max, np.int32(L), np.int32(n), f(beta), np.int32(use_bias)))
+    # refimpl.ovq._chunk_logits, then numerics.softmax: logits *= beta; logits[:, :n] += log_c; mask; softmax
+    with np.errstate(over="ignore", invalid="ignore"):
+        t *= f(beta)
+        if bias is not None and n:
+            t[:, :n] += bias
+    # causal inside the chunk: position a sees the chunk keys b <= a only
+    t[:, n:][np.triu(np.ones((L, L), dtype=bool), k=1)] = -np.inf
+    row_max[...] = np.max(t, axis=1)
+    with np.errstate(invalid="ignore"):  # an overflowed row (refused by the caller) gives NaN, not a warning
+        t[...] = numerics.softmax(t, axis=1)
     return t
 
 
@@ -109,39 +110,23 @@ def _constant_rate_twin(D, x, assign, eta):
 
 
 def update_rows(xp, D, x, assign, counts, eta):
-    """Fused, in place: fold the rows of ``x (L, W)`` into the rows ``assign`` of ``D (n_rows, W)``, in token order.
+    """NumPy twin of the update, in place: fold the rows of ``x (L, W)`` into the rows ``assign`` of ``D (n_rows, W)``, in token order.
 
     ``assign (L,)`` int64, ``-1`` for a row that is not merged (a seed);
     ``counts (n_rows,)`` int64, the counts before the merge (not changed).
     ``eta`` None: the running mean ``(c D + sum_S x) / (c + |S|)``; a
     number: the steps ``D += eta (x_i - D)``.  Returns the counts after the
-    merge, ``c + |S|`` (a new array).
+    merge, ``c + |S|`` (a new array).  The device computes the same in
+    ``ovq_update_*``.
     """
-    n_rows, W = D.shape
-    L = x.shape[0]
-    if xp is np:
-        keep = assign >= 0
-        if eta is None:
-            # exact running mean: (c D + sum_S x) / (c + |S|), sums in token order
-            D[...], new_counts = gmm.running_mean_update(D, counts, x[keep], assign[keep])
-            return new_counts
-        _constant_rate_twin(D, x, assign, eta)
-        return counts + np.bincount(assign[keep], minlength=n_rows)
-    new_counts = counts.copy()
-    if L == 0 or n_rows == 0 or W == 0:
+    n_rows = D.shape[0]
+    keep = assign >= 0
+    if eta is None:
+        # exact running mean: (c D + sum_S x) / (c + |S|), sums in token order
+        D[...], new_counts = gmm.running_mean_update(D, counts, x[keep], assign[keep])
         return new_counts
-    item = D.dtype.itemsize
-    if D.strides[1] != item or x.strides[1] != item or not (assign.flags.c_contiguous and counts.flags.c_contiguous):
-        raise ValueError("update_rows: D and x need contiguous rows, assign and counts contiguous entries")
-    fn = _CU.function(f"ovq_update_{_suffix(D.dtype)}")
-    bx, by = UPDATE_BLOCK
-    grid = (-(-W // bx), -(-n_rows // by))
-    f = D.dtype.type
-    fn(grid, UPDATE_BLOCK, (
-        D, np.int64(D.strides[0] // item), x, np.int64(x.strides[0] // item), assign, counts, new_counts,
-        np.int32(L), np.int32(n_rows), np.int32(W), f(0 if eta is None else eta), np.int32(eta is not None),
-    ))
-    return new_counts
+    _constant_rate_twin(D, x, assign, eta)
+    return counts + np.bincount(assign[keep], minlength=n_rows)
 
 
 def unit_rows_xp(xp, x):
@@ -151,59 +136,188 @@ def unit_rows_xp(xp, x):
     return x / xp.maximum(norms, norms.dtype.type(ref_ovq.NORM_EPS))[:, None]
 
 
+def unit_rows(xp, q, k):
+    """Fused: ``(q^, k^)``, the unit rows of ``q`` and ``k`` (N, d) in one launch."""
+    N, d = q.shape
+    qhat, khat = xp.empty_like(q), xp.empty_like(k)
+
+    def twin():
+        qhat[...], khat[...] = unit_rows_xp(np, q), unit_rows_xp(np, k)
+
+    launch(_CU, f"ovq_unit_rows_{_suffix(q.dtype)}", (max(1, min(1024, -(-2 * N // FLAT))),), (FLAT,),
+           (q, k, qhat, khat, np.int64(N), np.int32(d), q.dtype.type(ref_ovq.NORM_EPS)), twin)
+    return qhat, khat
+
+
 # ---------------------------------------------------------------------------
 # Cores
 # ---------------------------------------------------------------------------
 
 
-def _tokens(xp, arrays, checked, names, dtype):
-    """The token arrays on ``xp``: device arrays checked for finite values, host arrays as the checker returned them."""
+def _tokens(xp, arrays, checked, names, dtype, checks):
+    """The token arrays on ``xp``: device arrays counted into ``checks`` when not finite, host arrays as the checker returned them."""
     out = []
     for a, h, name in zip(arrays, checked, names):
         if is_device_array(a):
-            check_finite(a, name)
-            out.append(as_module_array(xp, a, dtype))
+            a = as_module_array(xp, a, dtype)
+            checks.count_bad(a, name)
+            out.append(a)
         else:
             out.append(as_module_array(xp, h, dtype))
     return out
 
 
-def _overflow(xp, row_max):
-    """``(rows whose logits have no finite maximum, the first of them)``, one transfer when all are finite."""
-    bad = ~xp.isfinite(row_max)
-    if all_true(xp, ~bad):
-        return 0, -1
-    return int(bad.sum()), int(xp.argmax(bad))
+def _raise_bad_tokens(checks, arrays, names):
+    """After the one copy: refimpl's error for the first token array with non-finite entries (a copy to word it)."""
+    for a, name in zip(arrays, names):
+        if checks.failed(name):
+            validation.check_finite(to_host(a), name)
 
 
-def _plan(xp, khat, Dk, n, n_add, p, t):
-    """Row each key of the chunk joins (``-1`` for the seeds) and the seeds in centroid order (refimpl.ovq._plan_chunk)."""
-    L = khat.shape[0]
-    if n == 0:
-        # first chunk: key 0 seeds centroid 0; the n_add - 1 keys least similar to it seed
-        # centroids 1.. in ascending order of score (stable sort: ties -> lowest index)
-        scores = xp.matmul(khat[1:], khat[0])
-        seeds = xp.concatenate([xp.zeros(1, dtype=np.int64), 1 + xp.argsort(scores, kind="stable")[: n_add - 1]]).astype(np.int64)
-        rows = xp.zeros(L, dtype=np.int64)
-    else:
-        sims = xp.matmul(khat, Dk[:n].T)  # (L, n)
-        # nearest centroid by dot product; argmax returns the first maximum (lowest index)
-        rows = xp.argmax(sims, axis=1).astype(np.int64)
-        if n_add == 0:
-            seeds = xp.empty(0, dtype=np.int64)
-        elif p.init == "spread":
-            scores = xp.take_along_axis(sims, rows[:, None], axis=1)[:, 0]
-            seeds = xp.argsort(scores, kind="stable")[:n_add].astype(np.int64)
-        else:
+class _Chunk:
+    """One chunk of the host plan: its first token ``s``, its length ``L``, the sizes ``n, n'`` and ``t`` before it."""
+
+    __slots__ = ("s", "L", "n", "n_next", "t", "draw")
+
+    def __init__(self, s, L, n, n_next, t, draw):
+        self.s, self.L, self.n, self.n_next, self.t, self.draw = s, L, n, n_next, t, draw
+
+
+def _plan(N, p, n, t):
+    """Every chunk's sizes, known on the host before the first launch, and the seeds ``init="random"`` draws."""
+    chunks, draws, offset = [], [], 0
+    for s in range(0, N, p.chunk_size):
+        L = min(s + p.chunk_size, N) - s
+        # grow: n' = max(n, growth(t + L, n_max))
+        n_next = max(n, ref_ovq.dictionary_size(t + L, p.max_size, p.growth))
+        draw = -1
+        if n and n_next > n and p.init == "random":
             # refimpl's generator on the host: the same draw for the same (seed, t)
             rng = np.random.default_rng([p.seed, t])
-            seeds = xp.asarray(rng.choice(L, size=n_add, replace=False).astype(np.int64))
-    rows[seeds] = -1  # a seeded centroid starts at its key and value with count 1; it is not merged
-    return rows, seeds
+            draws.append(rng.choice(L, size=n_next - n, replace=False).astype(np.int64))
+            draw, offset = offset, offset + n_next - n
+        chunks.append(_Chunk(s, L, n, n_next, t, draw))
+        n, t = n_next, t + L
+    return chunks, (np.concatenate(draws) if draws else np.zeros(1, np.int64))
+
+
+def _chunk_launch(xp, st, c, read, assign, first, dict_keys, n_dict, z=None):
+    """Launch 1 of chunk ``c``: the read-out of its query rows (``read``) and the assignment of its keys (``assign``)."""
+    L, n, s = c.L, c.n, c.s
+    f = st.dtype.type
+    indirect = z is not None
+    use_bias = bool(st.count_bias and n > 0)
+
+    def twin():
+        qa, ka = st.qhat[s : s + L], st.khat[s : s + L]
+        if read:
+            log_c = None
+            if use_bias:
+                with np.errstate(divide="ignore"):
+                    # log c (VQ: log L_m, -inf for codes no earlier chunk used)
+                    log_c = np.log(st.counts[:n].astype(st.dtype))
+            with np.errstate(over="ignore", invalid="ignore"):
+                if indirect:
+                    # past: q^ . D_k[m] (+ log L_m); current: q^_a . D_k[z_b], b <= a
+                    raw = np.concatenate([qa @ st.Dk[:n].T, qa @ st.Dk[z[:L]].T], axis=1)
+                    P = readout_rows(np, raw, log_c, st.beta, n, st.row_max[s : s + L])
+                    st.out[s : s + L] = P[:, :n] @ st.Dv[:n] + P[:, n:] @ st.v[s : s + L]
+                else:
+                    keys = np.concatenate([st.Dk[:n], ka]) if n else ka
+                    P = readout_rows(np, qa @ keys.T, log_c, st.beta, n, st.row_max[s : s + L])
+                    values = np.concatenate([st.Dv[:n], st.v[s : s + L]]) if n else st.v[s : s + L]
+                    st.out[s : s + L] = P @ values
+        if assign:
+            st.seeded[:L] = 0
+            if first:
+                # first chunk: every key joins centroid 0; scores against k^_0 (for the seeds)
+                st.rows[:L] = 0
+                st.scores[1:L] = ka[1:] @ ka[0]
+                st.scores[0] = 0
+            else:
+                sims = ka @ dict_keys[:n_dict].T  # (L, n)
+                # nearest centroid by dot product; argmax returns the first maximum (lowest index)
+                st.rows[:L] = np.argmax(sims, axis=1)
+                st.scores[:L] = sims[np.arange(L), st.rows[:L]]
+
+    read_blocks = -(-L // ROWS_PER_BLOCK) if read else 0
+    assign_blocks = -(-L // ROWS_PER_BLOCK) if assign else 0
+    launch(_CU, f"ovq_chunk_{_suffix(st.dtype)}", (read_blocks + assign_blocks,), (32, ROWS_PER_BLOCK), (
+        st.qhat, st.khat, st.v, st.Dk, st.Dv, st.counts, st.rows if z is None else z, np.int32(indirect), np.int64(s),
+        np.int32(L), np.int32(n), np.int32(st.qhat.shape[1]), np.int32(st.v.shape[1]), f(st.beta), np.int32(use_bias),
+        st.P, np.int64(st.P.shape[1]), st.out, st.row_max, np.int32(read_blocks),
+        dict_keys, np.int32(n_dict), np.int32(first), st.rows, st.scores, st.seeded,
+    ), twin)
+
+
+def _seed_launch(xp, st, c, init, drawn):
+    """Launch 2 of chunk ``c`` (when the dictionary grows): which keys seed rows ``n, n + 1, ...``."""
+    L, n, n_add = c.L, c.n, c.n_next - c.n
+    first = n == 0
+    use_drawn = c.draw >= 0
+    draw_at = max(c.draw, 0)
+
+    def twin():
+        if first:
+            # key 0 seeds centroid 0; the n_add - 1 keys least similar to it seed centroids 1.. in ascending order of
+            # score (stable sort: ties -> lowest index)
+            seeds = np.concatenate([[0], 1 + np.argsort(st.scores[1:L], kind="stable")[: n_add - 1]]).astype(np.int64)
+        elif use_drawn:
+            seeds = drawn[draw_at : draw_at + n_add]
+        else:
+            seeds = np.argsort(st.scores[:L], kind="stable")[:n_add]
+        st.rows[seeds] = n + np.arange(seeds.size)
+        st.seeded[seeds] = 1
+
+    launch(_CU, f"ovq_seed_{_suffix(st.dtype)}", (-(-L // FLAT),), (FLAT,), (
+        st.scores, np.int32(L), np.int32(n), np.int32(n_add), drawn[draw_at:], np.int32(use_drawn), np.int32(first),
+        st.rows, st.seeded,
+    ), twin)
+
+
+def _update_launch(xp, st, c, eta, with_keys):
+    """Launch 3 of chunk ``c``: the seeds and members of its keys folded into ``D_k`` (``with_keys``) and ``D_v``; new counts."""
+    L, s = c.L, c.s
+    n_rows = c.n_next
+    d, dv = st.Dk.shape[1], st.Dv.shape[1]
+
+    def twin():
+        seeded = st.seeded[:L].astype(bool)
+        rows = st.rows[:L]
+        vc = st.v[s : s + L]
+        counts = st.counts[:n_rows].copy()
+        # a seeded centroid starts at its key and value with count 1; it is not merged
+        if with_keys:
+            st.Dk[rows[seeded]] = st.khat[s : s + L][seeded]
+        st.Dv[rows[seeded]] = vc[seeded]
+        counts[rows[seeded]] = 1
+        assign = np.where(seeded, -1, rows)
+        m = max(c.n, 1) if with_keys else n_rows  # the rows that take members (centroid 0 in the first chunk)
+        with np.errstate(over="ignore", invalid="ignore"):
+            if with_keys:
+                update_rows(np, st.Dk[:m], st.khat[s : s + L], assign, counts[:m], eta)
+            new = update_rows(np, st.Dv[:m], vc, assign, counts[:m], eta)
+        st.counts_next[:n_rows] = counts
+        st.counts_next[:m] = new
+
+    work = n_rows * ((d if with_keys else 0) + dv)
+    launch(_CU, f"ovq_update_{_suffix(st.dtype)}", (max(1, min(4096, -(-work // FLAT))),), (FLAT,), (
+        st.khat, st.v, np.int64(s), np.int32(L), st.rows, st.seeded, st.Dk, st.Dv, np.int32(d), np.int32(dv),
+        st.counts, st.counts_next, np.int32(n_rows), st.dtype.type(0 if eta is None else eta), np.int32(eta is not None),
+        np.int32(with_keys),
+    ), twin)
+    st.counts, st.counts_next = st.counts_next, st.counts
+
+
+class _State:
+    """The device arrays of one run: the unit rows, the dictionary, the two count buffers, the chunk's work arrays."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
 
 
 def _ovq_run_xp(xp, q, k, v, p, state, dtype):
-    """Core: ``(out, (D_k, D_v, c, n, t), row maxima (N,))`` on ``xp``; no raise."""
+    """Core: ``(out, (D_k, D_v, c, n, t), row maxima (N,))`` on ``xp``; no raise, no sync."""
     N, d = q.shape
     d_v = v.shape[1]
     n_max, C = p.max_size, p.chunk_size
@@ -214,60 +328,51 @@ def _ovq_run_xp(xp, q, k, v, p, state, dtype):
         Dk, Dv = (as_module_array(xp, a, dtype).copy() for a in (state.keys, state.values))
         counts = as_module_array(xp, state.counts, np.int64).copy()
         n, t = state.size, state.tokens_seen
-    out = xp.empty((N, d_v), dtype=dtype)
-    row_max = xp.empty(N, dtype=dtype)
-    for s in range(0, N, C):
-        e = min(s + C, N)
-        L = e - s
-        qhat, khat = unit_rows_xp(xp, q[s:e]), unit_rows_xp(xp, k[s:e])
-        vc = v[s:e]
-        log_c = xp.log(counts[:n].astype(dtype)) if p.count_bias else None
-        # predict, before the chunk touches the state
-        keys = xp.concatenate([Dk[:n], khat]) if n else khat
-        with np.errstate(over="ignore", invalid="ignore"):
-            P = readout_rows(xp, xp.matmul(qhat, keys.T), log_c, p.beta, n, row_max[s:e])
-            values = xp.concatenate([Dv[:n], vc]) if n else vc
-            out[s:e] = xp.matmul(P, values)
-        # grow: n' = max(n, growth(t + L, n_max))
-        t_next = t + L
-        n_next = max(n, ref_ovq.dictionary_size(t_next, n_max, p.growth))
-        # assign and update
-        rows, seeds = _plan(xp, khat, Dk, n, n_next - n, p, t)
-        Dk[n:n_next] = khat[seeds]
-        Dv[n:n_next] = vc[seeds]
-        counts[n:n_next] = 1
-        m = max(n, 1)  # the rows that take members: the dictionary (centroid 0 in the first chunk)
-        with np.errstate(over="ignore", invalid="ignore"):
-            update_rows(xp, Dk[:m], khat, rows, counts[:m], p.eta)
-            counts[:m] = update_rows(xp, Dv[:m], vc, rows, counts[:m], p.eta)
-        n, t = n_next, t_next
-    return out, (Dk, Dv, counts, n, t), row_max
+    chunks, drawn = _plan(N, p, n, t)
+    Cm = min(C, N)
+    qhat, khat = unit_rows(xp, q, k)
+    st = _State(
+        dtype=np.dtype(dtype), beta=p.beta, count_bias=p.count_bias, qhat=qhat, khat=khat, v=v, Dk=Dk, Dv=Dv,
+        counts=counts, counts_next=counts.copy(), out=xp.empty((N, d_v), dtype=dtype), row_max=xp.empty(N, dtype=dtype),
+        P=xp.empty((Cm, n_max + Cm), dtype=dtype), rows=xp.zeros(Cm, np.int64), scores=xp.zeros(Cm, dtype),
+        seeded=xp.zeros(Cm, np.int64),
+    )
+    drawn = as_module_array(xp, drawn, np.int64)
+    for c in chunks:
+        first = c.n == 0
+        # 1. predict, before the chunk touches the state; assign (the first chunk against k^_0)
+        dict_keys = khat[c.s : c.s + 1] if first else Dk
+        _chunk_launch(xp, st, c, True, True, first, dict_keys, 1 if first else c.n)
+        # 2. seed the new rows
+        if c.n_next > c.n:
+            _seed_launch(xp, st, c, p.init, drawn)
+        # 3. update
+        _update_launch(xp, st, c, p.eta, True)
+    n, t = (chunks[-1].n_next, chunks[-1].t + chunks[-1].L) if chunks else (n, t)
+    return st.out, (Dk, Dv, st.counts, n, t), st.row_max
 
 
 def _vq_run_xp(xp, q, k, v, codebook, C, beta):
-    """Core of :func:`vq_attention`: ``(out, row maxima (N,))`` on ``xp``; no raise."""
+    """Core of :func:`vq_attention`: ``(out, row maxima (N,))`` on ``xp``; no raise, no sync."""
     N, S, dtype = q.shape[0], codebook.shape[0], q.dtype
-    value_means = xp.zeros((S, v.shape[1]), dtype=dtype)
+    Cm = min(C, N)
+    qhat, khat = unit_rows(xp, q, k)
     counts = xp.zeros(S, dtype=np.int64)
-    out = xp.empty((N, v.shape[1]), dtype=dtype)
-    row_max = xp.empty(N, dtype=dtype)
+    st = _State(
+        dtype=np.dtype(dtype), beta=beta, count_bias=True, qhat=qhat, khat=khat, v=v, Dk=codebook,
+        Dv=xp.zeros((S, v.shape[1]), dtype=dtype), counts=counts, counts_next=counts.copy(),
+        out=xp.empty((N, v.shape[1]), dtype=dtype), row_max=xp.empty(N, dtype=dtype), P=xp.empty((Cm, S + Cm), dtype=dtype),
+        rows=xp.zeros(Cm, np.int64), scores=xp.zeros(Cm, dtype), seeded=xp.zeros(Cm, np.int64),
+    )
     for s in range(0, N, C):
-        e = min(s + C, N)
-        qhat, khat = unit_rows_xp(xp, q[s:e]), unit_rows_xp(xp, k[s:e])
-        # nearest code by dot product; argmax takes the lowest index on ties
-        z = xp.argmax(xp.matmul(khat, codebook.T), axis=1).astype(np.int64)
-        with np.errstate(divide="ignore"):
-            # log L_m: -inf for codes no earlier chunk used
-            log_counts = xp.log(counts.astype(dtype))
-        with np.errstate(over="ignore", invalid="ignore"):
-            # past: q^ . D_k[m] (+ log L_m); current: q^_a . D_k[z_b], b <= a
-            raw = xp.concatenate([xp.matmul(qhat, codebook.T), xp.matmul(qhat, codebook[z].T)], axis=1)
-            P = readout_rows(xp, raw, log_counts, beta, S, row_max[s:e])
-            out[s:e] = xp.matmul(P[:, :S], value_means) + xp.matmul(P[:, S:], v[s:e])
-        # U_m / L_m: running mean of the values each code summarises
-        with np.errstate(over="ignore", invalid="ignore"):
-            counts = update_rows(xp, value_means, v[s:e], z, counts, None)
-    return out, row_max
+        c = _Chunk(s, min(s + C, N) - s, S, S, 0, -1)
+        # 1. nearest code by dot product; argmax takes the lowest index on ties
+        _chunk_launch(xp, st, c, False, True, False, codebook, S)
+        # 2. past codes (log L_m) and the current chunk through its codes
+        _chunk_launch(xp, st, c, True, False, False, codebook, S, z=st.rows)
+        # 3. U_m / L_m: running mean of the values each code summarises
+        _update_launch(xp, st, c, None, False)
+    return st.out, st.row_max
 
 
 # ---------------------------------------------------------------------------
@@ -283,23 +388,37 @@ def ovq_attention_xp(xp, q, k, v, *, max_size, chunk_size, beta=None, growth="pl
         host_view(q), host_view(k), host_view(v), max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state
     )
     return_state = validation.check_bool(return_state, "return_state")
-    q, k, v = _tokens(xp, (q, k, v), (a.q, a.k, a.v), ("q", "k", "v"), a.dtype)
+    checks = Checks(xp, ["q", "k", "v", "overflow"])
+    inputs = (q, k, v)
+    q, k, v = _tokens(xp, inputs, (a.q, a.k, a.v), ("q", "k", "v"), a.dtype, checks)
     out, (Dk, Dv, counts, n, t), row_max = _ovq_run_xp(xp, q, k, v, a.params, a.state, a.dtype)
-    ref_ovq.check_overflow(_overflow(xp, row_max), a.state, a.dtype)
+    checks.count_bad(row_max, "overflow")
+    # the one copy of the call: every check at once
+    checks.fetch()
+    _raise_bad_tokens(checks, inputs, ("q", "k", "v"))
+    ref_ovq.check_overflow((checks.failed("overflow"), checks.first("overflow")), a.state, a.dtype)
     out = result(out, on_device)
     if not return_state:
         return out
-    return out, ref_ovq.OVQState(to_host(Dk), to_host(Dv), to_host(counts), n, t)
+    # the state a caller asked for: results, copied after the checks
+    return out, ref_ovq.OVQState(*(result(a, False) for a in (Dk, Dv, counts)), n, t)
 
 
 def vq_attention_xp(xp, q, k, v, codebook, *, chunk_size, beta=None):
     """:func:`vq_attention` computed with the array module ``xp``."""
     on_device = any(is_device_array(x) for x in (q, k, v, codebook))
-    a = ref_ovq.check_vq_arguments(host_view(q), host_view(k), host_view(v), to_host(codebook), chunk_size, beta)
+    a = ref_ovq.check_vq_arguments(host_view(q), host_view(k), host_view(v), parameter_to_host(codebook), chunk_size, beta)
     dtype = a.codebook.dtype
-    q, k, v = _tokens(xp, (q, k, v), (a.q, a.k, a.v), ("q", "k", "v"), dtype)
+    checks = Checks(xp, ["q", "k", "v", "overflow"])
+    inputs = (q, k, v)
+    q, k, v = _tokens(xp, inputs, (a.q, a.k, a.v), ("q", "k", "v"), dtype, checks)
     out, row_max = _vq_run_xp(xp, q, k, v, as_module_array(xp, a.codebook, dtype), a.chunk_size, a.beta)
-    validation.check_overflowed_rows(*_overflow(xp, row_max), dtype, "beta, codebook", "lower beta or rescale the codebook")
+    checks.count_bad(row_max, "overflow")
+    # the one copy of the call: every check at once
+    checks.fetch()
+    _raise_bad_tokens(checks, inputs, ("q", "k", "v"))
+    validation.check_overflowed_rows(checks.failed("overflow"), checks.first("overflow"), dtype, "beta, codebook",
+                                     "lower beta or rescale the codebook")
     return result(out, on_device)
 
 

@@ -48,3 +48,11 @@ __device__ __forceinline__ void warp_lse_max(T& m, T& s, T& mx) {
         mx = nan_max(mx, x_o);
     }
 }
+
+// A result check (gpu/cupy_kernels/_backend.py, Checks): the pair (count, first) of unsigned 64-bit counters, how
+// many entries failed and the smallest flat index among them (~0 while none has).  Integer atomics only: the totals
+// and the minimum do not depend on the order in which the threads get there.
+__device__ __forceinline__ void check_fail(unsigned long long* check, long long i) {
+    atomicAdd(check, 1ULL);
+    atomicMin(check + 1, (unsigned long long)i);
+}

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._backend import RawModuleSource, Reduction
+from ._backend import RawModuleSource, Reduction, launch, matmul
 
 __all__: list = []
 
@@ -64,23 +64,25 @@ def chunk_tri(xp, A, B, C, out, chunk, upper):
     if S * N == 0 or W == 0:
         return out
     nc = N // chunk
-    if xp is np:
-        shape4 = lambda a: a.reshape(S, nc, chunk, a.shape[2])
+    shape4 = lambda a: a.reshape(S, nc, chunk, a.shape[2])
+
+    def twin():
         with np.errstate(over="ignore", invalid="ignore"):
             block = np.matmul(shape4(A), shape4(B).swapaxes(-1, -2))  # (S, n_c, C, C): A_t . B_j
         keep = np.triu(np.ones((chunk, chunk), dtype=bool)) if upper else np.tri(chunk, dtype=bool)
         np.copyto(block, 0, where=~keep)  # set to 0, not multiplied: inf * 0 is NaN
         shape4(out)[...] += np.matmul(block, shape4(C))
-        return out
+
     item = A.dtype.itemsize
     lds = [a.strides[1] // item for a in (A, B, C, out)]
-    for a, ld in zip((A, B, C, out), lds):
-        if a.strides[2] != item or a.strides[0] != N * ld * item:
-            raise ValueError("chunk_tri: each array needs a contiguous last axis and sequences N rows apart")
-    fn = _CU.function(f"chunk_{'upper' if upper else 'lower'}_{_suffix(A.dtype)}")
+    if xp is not np:
+        for a, ld in zip((A, B, C, out), lds):
+            if a.strides[2] != item or a.strides[0] != N * ld * item:
+                raise ValueError("chunk_tri: each array needs a contiguous last axis and sequences N rows apart")
     tiles = -(-chunk // TILE)
     grid = (S * nc * tiles, -(-W // TILE))
-    fn(grid, (TILE, 8), (A, B, C, out, np.int64(N), np.int32(F), np.int32(W), *(np.int64(ld) for ld in lds), np.int32(chunk)))
+    launch(_CU, f"chunk_{'upper' if upper else 'lower'}_{_suffix(A.dtype)}", grid, (TILE, 8),
+           (A, B, C, out, np.int64(N), np.int32(F), np.int32(W), *(np.int64(ld) for ld in lds), np.int32(chunk)), twin)
     return out
 
 
@@ -133,14 +135,14 @@ def scan_forward_xp(xp, phi_q, phi_k, v, causal, eps, chunk_size):
     with np.errstate(over="ignore", invalid="ignore"):
         if not causal:
             # (Phi_Q Phi_K^T) [V, 1] = Phi_Q (Phi_K^T [V, 1]): an F x (d_v + 1) memory instead of an N x N matrix
-            s1 = xp.matmul(phi_k.swapaxes(1, 2), _with_ones(xp, v))
-            num = xp.matmul(phi_q, s1)
+            s1 = matmul(xp, phi_k.swapaxes(1, 2), _with_ones(xp, v))
+            num = matmul(xp, phi_q, s1)
         else:
             chunk, rows = _chunk_layout(N, chunk_size)
             pq, pk, v1 = _padded(xp, phi_q, rows), _padded(xp, phi_k, rows), _with_ones(xp, v, rows)
             # [S, z] after each chunk c: S += phi_k_c^T [v_c, 1]; each chunk starts from the sum over the chunks before
-            prev = _exclusive_prefix(xp, xp.matmul(_chunks(pk, chunk).swapaxes(-1, -2), _chunks(v1, chunk)))
-            num = xp.matmul(_chunks(pq, chunk), prev).reshape(S, rows, v1.shape[2])
+            prev = _exclusive_prefix(xp, matmul(xp, _chunks(pk, chunk).swapaxes(-1, -2), _chunks(v1, chunk)))
+            num = matmul(xp, _chunks(pq, chunk), prev).reshape(S, rows, v1.shape[2])
             # + tril(Phi_Q,c Phi_K,c^T) [V_c, 1], the masked block within the chunk
             chunk_tri(xp, pq, pk, v1, num, chunk, upper=False)
             num = num[:, :N]
@@ -167,22 +169,22 @@ def scan_backward_xp(xp, g, phi_q, phi_k, v, out, den, causal, chunk_size):
     with np.errstate(over="ignore", invalid="ignore"):
         if not causal:
             v1 = _with_ones(xp, v)
-            s1 = xp.matmul(phi_k.swapaxes(1, 2), v1)  # [S, z]
-            r1 = xp.matmul(phi_q.swapaxes(1, 2), g1)  # [dS, dz] = Phi_Q^T [gn, delta]
+            s1 = matmul(xp, phi_k.swapaxes(1, 2), v1)  # [S, z]
+            r1 = matmul(xp, phi_q.swapaxes(1, 2), g1)  # [dS, dz] = Phi_Q^T [gn, delta]
             # dphi_q = gn S^T + delta z^T, dphi_k = v dS^T + 1 dz^T, dv = phi_k dS
-            return xp.matmul(g1, s1.swapaxes(1, 2)), xp.matmul(v1, r1.swapaxes(1, 2)), xp.matmul(phi_k, r1[..., :-1])
+            return matmul(xp, g1, s1.swapaxes(1, 2)), matmul(xp, v1, r1.swapaxes(1, 2)), matmul(xp, phi_k, r1[..., :-1])
         chunk, rows = _chunk_layout(N, chunk_size)
         pq, pk, v1, g1p = _padded(xp, phi_q, rows), _padded(xp, phi_k, rows), _with_ones(xp, v, rows), _padded(xp, g1, rows)
         dv_cols = v.shape[2]
         # forward sweep: dphi_q_t = [S, z]_t g1_t with the inclusive prefix sums
-        prev = _exclusive_prefix(xp, xp.matmul(_chunks(pk, chunk).swapaxes(-1, -2), _chunks(v1, chunk)))
-        dphi_q = xp.matmul(_chunks(g1p, chunk), prev.swapaxes(-1, -2)).reshape(S, rows, F)
+        prev = _exclusive_prefix(xp, matmul(xp, _chunks(pk, chunk).swapaxes(-1, -2), _chunks(v1, chunk)))
+        dphi_q = matmul(xp, _chunks(g1p, chunk), prev.swapaxes(-1, -2)).reshape(S, rows, F)
         chunk_tri(xp, g1p, v1, pk, dphi_q, chunk, upper=False)
         # backward sweep with the reverse prefix sums [R, r]_t = sum_{j >= t} phi_q_j [gn_j, delta_j]^T:
         # dphi_k_t = [R, r]_t [v_t, 1], dv_t = R_t^T phi_k_t
-        later = _exclusive_prefix(xp, xp.matmul(_chunks(pq, chunk).swapaxes(-1, -2), _chunks(g1p, chunk)), reverse=True)
-        dphi_k = xp.matmul(_chunks(v1, chunk), later.swapaxes(-1, -2)).reshape(S, rows, F)
+        later = _exclusive_prefix(xp, matmul(xp, _chunks(pq, chunk).swapaxes(-1, -2), _chunks(g1p, chunk)), reverse=True)
+        dphi_k = matmul(xp, _chunks(v1, chunk), later.swapaxes(-1, -2)).reshape(S, rows, F)
         chunk_tri(xp, v1, g1p, pq, dphi_k, chunk, upper=True)
-        dv = xp.matmul(_chunks(pk, chunk), later[..., :dv_cols]).reshape(S, rows, dv_cols)
+        dv = matmul(xp, _chunks(pk, chunk), later[..., :dv_cols]).reshape(S, rows, dv_cols)
         chunk_tri(xp, pk, pq, g1p[..., :dv_cols], dv, chunk, upper=True)
     return dphi_q[:, :N], dphi_k[:, :N], dv[:, :N]

@@ -45,6 +45,7 @@ __all__ = [
     "check_finite",
     "result",
     "blocks",
+    "Checks",
 ]
 
 #: The floating types every kernel is compiled for.
@@ -245,3 +246,76 @@ def result(a, on_device: bool):
 def blocks(n: int, threads: int) -> int:
     """The number of blocks of ``threads`` threads that cover ``n`` items (at least 1)."""
     return max(1, -(-int(n) // int(threads)))
+
+
+class Checks:
+    """The result checks of one public call, gathered on the device and copied to the host once.
+
+    :meth:`finite` counts the non-finite entries of a device array (the
+    per-block counts of :func:`_count_nonfinite`); :meth:`rows` keeps a
+    small per-row array whole (the denominators with ``eps = 0``).
+    :meth:`fetch` copies every part into one device buffer (device to
+    device) and that buffer to the host: one ``copy_to_host`` per call.
+    Only when a count is not zero is more copied, to word the error with
+    the checker of :mod:`refimpl.validation`.
+
+    Parameters
+    ----------
+    dtype : dtype
+        The float dtype of the call (every part has it).
+    """
+
+    def __init__(self, dtype):
+        self.dtype = np.dtype(dtype)
+        self.parts = {}
+        self.host = {}
+
+    def finite(self, a, name: str) -> None:
+        """Count the non-finite entries of the device array ``a`` as check ``name`` (on the device)."""
+        a = _as_numba(a)
+        if a.size == 0:
+            return
+        flat = a.reshape(a.size) if a.is_c_contiguous() else to_device(a, a.dtype).reshape(a.size)
+        if flat.dtype != self.dtype:
+            raise ValueError("Checks.finite: the array's dtype is not the call's")
+        n_blocks = blocks(a.size, COUNT_THREADS)
+        counts = cuda.device_array(n_blocks, dtype=self.dtype)
+        _count_nonfinite[n_blocks, COUNT_THREADS](flat, counts)
+        self.parts[name] = counts
+
+    def rows(self, a, name: str) -> None:
+        """Keep the device array ``a`` (of the call's dtype) whole as part ``name``."""
+        a = _as_numba(a)
+        if a.size:
+            self.parts[name] = a.reshape(a.size)
+
+    def fetch(self) -> "Checks":
+        """One device buffer holding every part, copied to the host once; nothing when there is no part."""
+        total = sum(p.size for p in self.parts.values())
+        if total == 0:
+            return self
+        buf = cuda.device_array(total, dtype=self.dtype)
+        offsets, o = {}, 0
+        for name, part in self.parts.items():
+            buf[o : o + part.size].copy_to_device(part)
+            offsets[name] = (o, o + part.size)
+            o += part.size
+        host = buf.copy_to_host()
+        self.host = {name: host[a:b] for name, (a, b) in offsets.items()}
+        return self
+
+    def failed(self, name: str) -> bool:
+        """Whether check ``name`` counted a non-finite entry (after :meth:`fetch`; False when it was not asked for)."""
+        part = self.host.get(name)
+        return part is not None and part.sum() > 0
+
+    def part(self, name: str):
+        """The host copy of part ``name`` (after :meth:`fetch`)."""
+        return self.host[name]
+
+
+def raise_bad_inputs(checks, arrays) -> None:
+    """After :meth:`Checks.fetch`: refimpl's error for the first device input ``(array, name)`` that is not finite."""
+    for a, name in arrays:
+        if checks.failed(name):
+            validation.check_finite(_as_numba(a).copy_to_host(), name)

@@ -71,7 +71,7 @@ from numba import boolean, cuda
 
 from refimpl.validation import check_batched_softmax_attention, check_score_maxima
 
-from ._device import any_device, check_finite, host_view, is_device_array, kernel, result, to_device
+from ._device import Checks, any_device, host_view, is_device_array, kernel, raise_bad_inputs, result, to_device
 
 __all__ = ["softmax_attention"]
 
@@ -242,13 +242,19 @@ def softmax_attention(q, k, v, *, scale=None, causal: bool = False):
     """
     on_device = any_device(q, k, v)
     qh, kh, vh, scale, causal, batch_shape = check_batched_softmax_attention(host_view(q), host_view(k), host_view(v), scale, causal)
-    for a, name in ((q, "q"), (k, "k"), (v, "v")):
-        if is_device_array(a):
-            check_finite(a, name)
     dtype = qh.dtype
     (N_q, d), (N_k, d_v) = qh.shape[-2:], vh.shape[-2:]
     BH = int(np.prod(batch_shape, dtype=np.int64))
+    inputs = ((q, "q"), (k, "k"), (v, "v"))
+    checks = Checks(dtype)
     q, k, v = (to_device(a, dtype) for a in (q, k, v))
+    for (a, name), dev in zip(inputs, (q, k, v)):
+        if is_device_array(a):
+            checks.finite(dev, name)
     out, row_max = attention_device(q.reshape(BH, N_q, d), k.reshape(BH, N_k, d), v.reshape(BH, N_k, d_v), scale, causal)
-    check_score_maxima(row_max.copy_to_host())
+    checks.finite(row_max, "row_max")
+    # the one copy of the call: every check at once
+    raise_bad_inputs(checks.fetch(), inputs)
+    if checks.failed("row_max"):
+        check_score_maxima(row_max.copy_to_host())
     return result(out.reshape(batch_shape + (N_q, d_v)), on_device)

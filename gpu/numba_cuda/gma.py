@@ -55,7 +55,7 @@ from refimpl.gma import (
 )
 from refimpl.scan import DEFAULT_CHUNK_SIZE
 
-from ._device import any_device, blocks, check_finite, host_view, is_device_array, kernel, result, to_device, to_host
+from ._device import Checks, any_device, blocks, host_view, is_device_array, kernel, raise_bad_inputs, result, to_device, to_host
 from .gmm import posterior_device
 from . import scan as device_scan
 from .scan import THREADS, TILE, TILE2, ScanDeviceCache, scan_backward_device, scan_forward_device
@@ -227,13 +227,6 @@ def _parameter_sums(mu_q, var_q, c_q, mu_k, var_k, c_k, variances, sigmoid_raw, 
     draw[h, m, j] = half * acc_var * prec * prec * sigmoid_raw[h, m, j]
 
 
-def _check_token_values(arrays):
-    # host arrays were fully checked by refimpl's checker; device arrays are checked on the device
-    for a, name in arrays:
-        if is_device_array(a):
-            check_finite(a, name)
-
-
 def _flat(a, dtype, leading):
     """``a`` on the device as ``(B, N, d)`` with ``B`` the product of the leading dimensions."""
     a = to_device(a, dtype)
@@ -248,14 +241,32 @@ def _heads(a, per_head):
 
 
 def _forward(x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size, leading):
-    """Responsibilities and scan on the device; checks min_quad and the denominators as refimpl does."""
+    """Responsibilities and scan on the device; checks the inputs, min_quad and the denominators as refimpl does.
+
+    Every check is gathered on the device and copied to the host once
+    (:class:`~gpu.numba_cuda._device.Checks`); only a failing one copies more,
+    to word refimpl's error.
+    """
     dtype = means.dtype
-    xq, xk, vd = (_flat(a, dtype, leading) for a in (x_q, x_k, v))
+    inputs = ((x_q, "x_q"), (x_k, "x_k"), (v, "v"))
+    xq, xk, vd = (_flat(a, dtype, leading) for a, _ in inputs)
+    checks = Checks(dtype)
+    # host arrays were fully checked by refimpl's checker; device arrays are checked on the device
+    for (a, name), dev in zip(inputs, (xq, xk, vd)):
+        if is_device_array(a):
+            checks.finite(dev, name)
     m, var, lw = (to_device(np.ascontiguousarray(a, dtype=dtype), dtype) for a in (means, variances, log_weights))
     gamma_q, min_quad_q = posterior_device(xq, m, var, lw)
     gamma_k, min_quad_k = posterior_device(xk, m, var, lw)
     out, scan = scan_forward_device(gamma_q, gamma_k, vd, causal, eps, chunk_size)
-    check_gma_results(to_host(min_quad_q).ravel(), to_host(min_quad_k).ravel(), to_host(scan.den).ravel(), eps)
+    checks.finite(min_quad_q, "min_quad_q")
+    checks.finite(min_quad_k, "min_quad_k")
+    if eps == 0:
+        checks.rows(scan.den, "den")
+    raise_bad_inputs(checks.fetch(), inputs)
+    den_bad = eps == 0 and not np.all(checks.part("den") > 0) if "den" in checks.host else False
+    if checks.failed("min_quad_q") or checks.failed("min_quad_k") or den_bad:
+        check_gma_results(to_host(min_quad_q).ravel(), to_host(min_quad_k).ravel(), to_host(scan.den).ravel(), eps)
     return xq, xk, m, var, out, scan
 
 
@@ -289,7 +300,6 @@ def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: fl
         host_view(x_q), host_view(x_k), host_view(v), to_host(means), to_host(variances), to_host(weights), causal, eps, chunk_size
     )
     hq, _, hv, means, variances, weights, causal, eps, chunk_size = checked
-    _check_token_values(((x_q, "x_q"), (x_k, "x_k"), (v, "v")))
     leading = hq.shape[:-2]
     # a zero weight is a component that never wins: log 0 = -inf
     with np.errstate(divide="ignore"):
@@ -343,7 +353,6 @@ def gma_forward(
         causal, eps, min_variance, chunk_size,
     )
     hq, _, _, means, raw_variances, logits, causal, eps, min_variance, chunk_size = checked
-    _check_token_values(((x_q, "x_q"), (x_k, "x_k"), (v, "v")))
     leading = hq.shape[:-2]
     per_head = means.ndim == 3
     means, raw_variances, logits = (_heads(a, per_head) for a in (means, raw_variances, logits))
@@ -380,9 +389,13 @@ def gma_backward(grad_out, cache) -> GMAGrads:
     dtype = scan.out.dtype
     out_shape = cache.leading + tuple(scan.out.shape)[1:]
     check_gma_grad_out(host_view(grad_out), out_shape, dtype)
-    _check_token_values(((grad_out, "grad_out"),))
     on_device = cache.on_device or is_device_array(grad_out)
     g = _flat(grad_out, dtype, cache.leading)
+    checks = Checks(dtype)
+    if is_device_array(grad_out):
+        checks.finite(g, "grad_out")
+    # the one copy of the call: grad_out's check (a backward has no other), before the kernels read it
+    raise_bad_inputs(checks.fetch(), ((grad_out, "grad_out"),))
     dphi_q, dphi_k, dv = scan_backward_device(g, scan)
     means, variances = cache.means, cache.variances
     H, K, d = means.shape

@@ -47,7 +47,7 @@ from numba import boolean, cuda
 from refimpl import validation
 from refimpl.gmm import LOG_2PI
 
-from ._device import any_device, blocks, check_finite, host_view, is_device_array, kernel, result, to_device, to_host
+from ._device import Checks, any_device, blocks, host_view, is_device_array, kernel, raise_bad_inputs, result, to_device, to_host
 
 __all__ = ["log_responsibilities", "responsibilities"]
 
@@ -196,13 +196,19 @@ def posterior_device(x, means, variances, log_weights, *, log=False):
 
 
 def _checked_posterior(x, means, variances, weights, log):
-    """Validate as :mod:`refimpl.gmm` does, run :func:`posterior_device` with ``B = H = 1``, check ``min_quad``."""
+    """Validate as :mod:`refimpl.gmm` does, run :func:`posterior_device` with ``B = H = 1``, check ``min_quad``.
+
+    The checks (a device ``x``'s finiteness, ``min_quad``) are counted on the
+    device and copied to the host once (:class:`~gpu.numba_cuda._device.Checks`).
+    """
     on_device = any_device(x, means, variances, weights)
     _, means, variances, weights = validation.check_gmm(host_view(x), to_host(means), to_host(variances), to_host(weights))
-    if is_device_array(x):
-        check_finite(x, "x")
     dtype = means.dtype
+    x_in = x
     x = to_device(x, dtype)
+    checks = Checks(dtype)
+    if is_device_array(x_in):
+        checks.finite(x, "x")
     N, d = x.shape
     K = means.shape[0]
     # a zero weight is a component that never wins: log 0 = -inf
@@ -212,7 +218,10 @@ def _checked_posterior(x, means, variances, weights, log):
         x.reshape(1, N, d), to_device(means[None], dtype), to_device(variances[None], dtype),
         to_device(log_weights[None], dtype), log=log,
     )
-    validation.check_scaled_distances(min_quad.copy_to_host()[0], "x")
+    checks.finite(min_quad, "min_quad")
+    raise_bad_inputs(checks.fetch(), ((x_in, "x"),))
+    if checks.failed("min_quad"):
+        validation.check_scaled_distances(min_quad.copy_to_host()[0], "x")
     return result(gamma.reshape(N, K), on_device)
 
 

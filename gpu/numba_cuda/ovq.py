@@ -62,7 +62,7 @@ from numba import boolean, cuda, int64
 
 from refimpl import ovq, validation
 
-from ._device import any_device, blocks, check_finite, host_view, kernel, result, to_device, to_host
+from ._device import Checks, any_device, blocks, host_view, kernel, raise_bad_inputs, result, to_device, to_host
 
 __all__ = ["ovq_attention", "vq_attention"]
 
@@ -377,9 +377,12 @@ def _normalise(q, k):
     return qhat, khat
 
 
-def _overflow(rowmax):
+def _overflow(checks, rowmax):
+    """``(rows whose logits have no finite maximum, the first of them)``, from the checks; a copy only when some overflowed."""
+    if not checks.failed("rowmax"):
+        return 0, -1
     bad = ~np.isfinite(rowmax.copy_to_host())
-    return int(np.sum(bad)), int(np.argmax(bad)) if np.any(bad) else -1
+    return int(np.sum(bad)), int(np.argmax(bad))
 
 
 def _ovq_run(q, k, v, p, state, dtype):
@@ -399,7 +402,8 @@ def _ovq_run(q, k, v, p, state, dtype):
         Dv = cuda.to_device(np.array(state.values, dtype=dtype, copy=True))
         counts = cuda.to_device(np.array(state.counts, dtype=np.int64, copy=True))
         n, t = state.size, state.tokens_seen
-    counts_next = cuda.to_device(counts.copy_to_host())
+    counts_next = cuda.device_array_like(counts)
+    counts_next.copy_to_device(counts)  # device to device
     Cm = min(C, N)
     rows = cuda.device_array(Cm, dtype=np.int64)
     seeded = cuda.device_array(Cm, dtype=np.int64)
@@ -437,7 +441,7 @@ def _ovq_run(q, k, v, p, state, dtype):
         )
         counts, counts_next = counts_next, counts
         n, t = n_next, t_next
-    return out, (Dk, Dv, counts, n, t), _overflow(rowmax)
+    return out, (Dk, Dv, counts, n, t), rowmax
 
 
 def _vq_run(q, k, v, codebook, C, beta):
@@ -468,7 +472,7 @@ def _vq_run(q, k, v, codebook, C, beta):
             khat, v, s, L, z, seeded, codebook, value_means, counts, counts_next, S, S, b - b, False, False
         )
         counts, counts_next = counts_next, counts
-    return out, _overflow(rowmax)
+    return out, rowmax
 
 
 # ---------------------------------------------------------------------------
@@ -523,14 +527,19 @@ def ovq_attention(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau",
         host_view(q), host_view(k), host_view(v), max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state
     )
     return_state = validation.check_bool(return_state, "return_state")
-    if on_device:
-        for x, name in ((q, "q"), (k, "k"), (v, "v")):
-            check_finite(x, name)
-    else:
+    inputs = ((q, "q"), (k, "k"), (v, "v"))
+    if not on_device:
         q, k, v = a.q, a.k, a.v
     q, k, v = (to_device(x, a.dtype) for x in (q, k, v))
-    out, (Dk, Dv, counts, n, t), overflow = _ovq_run(q, k, v, a.params, a.state, a.dtype)
-    ovq.check_overflow(overflow, a.state, a.dtype)
+    checks = Checks(a.dtype)
+    if on_device:
+        for x, (_, name) in zip((q, k, v), inputs):
+            checks.finite(x, name)
+    out, (Dk, Dv, counts, n, t), rowmax = _ovq_run(q, k, v, a.params, a.state, a.dtype)
+    checks.finite(rowmax, "rowmax")
+    # the one copy of the call: every check at once
+    raise_bad_inputs(checks.fetch(), inputs)
+    ovq.check_overflow(_overflow(checks, rowmax), a.state, a.dtype)
     out = result(out, on_device)
     if not return_state:
         return out
@@ -560,12 +569,17 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
     on_device = any_device(q, k, v, codebook)
     a = ovq.check_vq_arguments(host_view(q), host_view(k), host_view(v), to_host(codebook), chunk_size, beta)
     dtype = a.q.dtype
-    if on_device:
-        for x, name in ((q, "q"), (k, "k"), (v, "v")):
-            check_finite(x, name)
-    else:
+    inputs = ((q, "q"), (k, "k"), (v, "v"))
+    if not on_device:
         q, k, v = a.q, a.k, a.v
     q, k, v, codebook = (to_device(x, dtype) for x in (q, k, v, a.codebook))
-    out, overflow = _vq_run(q, k, v, codebook, a.chunk_size, a.beta)
-    validation.check_overflowed_rows(*overflow, dtype, "beta, codebook", "lower beta or rescale the codebook")
+    checks = Checks(dtype)
+    if on_device:
+        for x, (_, name) in zip((q, k, v), inputs):
+            checks.finite(x, name)
+    out, rowmax = _vq_run(q, k, v, codebook, a.chunk_size, a.beta)
+    checks.finite(rowmax, "rowmax")
+    # the one copy of the call: every check at once
+    raise_bad_inputs(checks.fetch(), inputs)
+    validation.check_overflowed_rows(*_overflow(checks, rowmax), dtype, "beta, codebook", "lower beta or rescale the codebook")
     return result(out, on_device)

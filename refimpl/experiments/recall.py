@@ -84,9 +84,10 @@ from __future__ import annotations
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from .. import backend
 from ..attention import linear_attention
-from ..tuned import em_step, gma, softmax_rows
-from ..ovq import ovq_attention, unit_rows, vq_attention
+from ..tuned import em_step, softmax_rows
+from ..ovq import unit_rows
 
 __all__ = [
     "NAME", "PARAMS", "METRICS", "TIMINGS", "TASKS", "METHODS",
@@ -378,6 +379,7 @@ def run_point(point: dict) -> dict:
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     N = int(round(float(point["fraction"]) * T))
+    kern = backend.kernels()  # GMA, VQ and OVQ from numba's kernels or NumPy (refimpl.backend)
     with threadpool_limits(limits=1):
         data = make_task(task, T, seed)
         q, k, v, rows = data["q"], data["k"], data["v"], data["rows"]
@@ -389,12 +391,12 @@ def run_point(point: dict) -> dict:
             # codebook from another sequence of the same generator (its own bindings)
             held_out = make_task(task, T, seed + 1_000_003)["k"][: KMEANS_POINTS * N]
             codebook = spherical_kmeans(held_out, held_out[:N], KMEANS_ITERS)
-            out = vq_attention(q, k, v, codebook, chunk_size=CHUNK, beta=BETA)[rows]
+            out = kern.vq_attention(q, k, v, codebook, chunk_size=CHUNK, beta=BETA)[rows]
         elif method == "gma":
             means, variances, weights = _fit_gmm(k, N, np.random.default_rng([seed, _TASK_ID[task], T, 2]))
-            out = gma(q, k, v, means, variances, weights, causal=True, chunk_size=CHUNK)[rows]
+            out = kern.gma(q, k, v, means, variances, weights, causal=True, chunk_size=CHUNK)[rows]
         else:
-            out = ovq_attention(q, k, v, max_size=N, chunk_size=CHUNK, beta=BETA, seed=seed,
+            out = kern.ovq_attention(q, k, v, max_size=N, chunk_size=CHUNK, beta=BETA, seed=seed,
                                 **OVQ_VARIANTS[method])[rows]
         acc = accuracy(out, data["values"], data["targets"])
     return {"accuracy": acc, "state_fraction": _state_fraction(method, T, N)}

@@ -81,7 +81,8 @@ import numpy as np
 from ..attention import linear_attention, softmax_attention
 from ..gmm import kmeans_step, running_mean_update
 from ..gmr import ovq_readout
-from ..ovq import ovq_attention, unit_rows
+from .. import backend
+from ..ovq import unit_rows
 
 NAME = "regression"
 PARAMS = ("functions", "context", "memory", "beta", "seed")
@@ -252,7 +253,7 @@ def ovq_memory(keys, values, *, max_size, beta):
     counts : ndarray of int, shape (n,)
         The ``n`` active rows of the state (library defaults otherwise, chunks of :data:`CHUNK`).
     """
-    _, state = ovq_attention(keys, keys, values, max_size=max_size, chunk_size=CHUNK, beta=beta, return_state=True)
+    _, state = backend.kernels().ovq_attention(keys, keys, values, max_size=max_size, chunk_size=CHUNK, beta=beta, return_state=True)
     n = state.size
     return state.keys[:n], state.values[:n], state.counts[:n]
 

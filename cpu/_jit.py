@@ -1,0 +1,30 @@
+"""Every kernel compiled twice: across the threads (``prange``), and in the calling thread for small work."""
+
+from __future__ import annotations
+
+import types
+
+from numba import njit
+
+__all__ = ["SERIAL_WORK", "threaded_and_serial", "pick"]
+
+SERIAL_WORK = 1 << 18
+"""Below this many inner-loop steps a kernel runs in the calling thread.
+
+Waking the thread pool costs tens of microseconds, and on a machine whose
+cores the BLAS threads of the previous matrix product still hold it costs
+far more: a training step calls hundreds of small kernels.  The two versions
+run the same loops in the same order, so they give the same bits.
+"""
+
+
+def threaded_and_serial(fn):
+    """``(threaded, serial)``: ``fn`` compiled with ``parallel=True`` and without (``prange`` then runs as ``range``)."""
+    serial = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__)
+    serial.__qualname__ = fn.__qualname__ + "_serial"  # its own entry in the on-disk cache
+    return njit(cache=True, parallel=True)(fn), njit(cache=True)(serial)
+
+
+def pick(kernels, work):
+    """The threaded kernel of a :func:`threaded_and_serial` pair for ``work`` >= :data:`SERIAL_WORK` steps, else the serial one."""
+    return kernels[0] if work >= SERIAL_WORK else kernels[1]

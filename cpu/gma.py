@@ -1,0 +1,152 @@
+"""Gaussian Mixture Attention on the CPU with Numba kernels: :mod:`refimpl.gma`'s ``gma``, ``gma_forward``, ``gma_backward``.
+
+The same arguments, results (:class:`refimpl.gma.GMACache`,
+:class:`~refimpl.gma.GMABatchCache`, :class:`~refimpl.gma.GMAGrads`) and
+errors as :mod:`refimpl.gma`, whose batch rule (:func:`refimpl.gma.forward_with`,
+:func:`~refimpl.gma.backward_with`) runs here with three kernels in place of
+NumPy's passes:
+
+* the responsibilities, one fused pass over ``N x K`` (:mod:`cpu.gmm`);
+* the causal scan and its two sweeps (:mod:`cpu.scan`; the bidirectional
+  form is two matrix products, as in the reference);
+* the backward through the responsibilities (:func:`responsibility_backward`):
+  ``prange`` over blocks of :data:`BLOCK` rows, each thread writing the
+  ``dx`` of its rows and its block's partial sums of the parameter
+  gradients; the partials are then added in block order, so the result does
+  not depend on the number of threads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from refimpl import gma as ref_gma
+from refimpl import numerics
+from refimpl.gma import GMABatchCache, GMACache, GMAGrads
+from refimpl.scan import DEFAULT_CHUNK_SIZE
+
+from . import gmm as cpu_gmm
+from ._jit import pick, threaded_and_serial
+from . import scan as cpu_scan
+
+__all__ = ["gma", "gma_forward", "gma_backward", "responsibility_backward", "GMACache", "GMABatchCache", "GMAGrads"]
+
+BLOCK = 256
+"""Rows per block of the backward's partial sums (a fixed number: the order of the sums is fixed)."""
+
+
+def _responsibilities(x, means, variances, log_weights):
+    return cpu_gmm.posterior(x, means, variances, log_weights)
+
+
+def _responsibility_backward_kernel(x, gamma, grad, means, precisions, dx, part_mu, part_sq, part_c):
+    n, d = x.shape
+    K = means.shape[0]
+    for blk in prange(part_c.shape[0]):
+        c = np.empty(K, x.dtype)
+        for i in range(blk * BLOCK, min(n, (blk + 1) * BLOCK)):
+            # c_im = gamma_im (g_im - sum_m gamma_im g_im): the softmax backward
+            gbar = x.dtype.type(0)
+            for k in range(K):
+                gbar += gamma[i, k] * grad[i, k]
+            for k in range(K):
+                c[k] = gamma[i, k] * (grad[i, k] - gbar)
+                part_c[blk, k] += c[k]
+            for j in range(d):
+                dx[i, j] = 0
+            for k in range(K):
+                ck = c[k]
+                for j in range(d):
+                    t = x[i, j] - means[k, j]
+                    u = ck * (t * precisions[k, j])
+                    # dL/dx_i = sum_m c_im (mu_m - x_i) / sigma_m^2
+                    dx[i, j] -= u
+                    # dL/dmu_m = sum_i c_im (x_i - mu_m) / sigma_m^2
+                    part_mu[blk, k, j] += u
+                    # sum_i c_im (x_ij - mu_mj)^2 (the sigma2_mj sum_i c_im term is added after)
+                    part_sq[blk, k, j] += ck * (t * t)
+
+
+_RESPONSIBILITY_BACKWARD = threaded_and_serial(_responsibility_backward_kernel)
+
+
+def responsibility_backward(x, gamma, grad_gamma, means, variances):
+    """Core: :func:`refimpl.gma`'s backward through ``gamma = softmax(l(x))``: ``(dx, dmeans, dvariances, dlogits)``.
+
+    From the differences ``x_i - mu_m`` (``gma.md#backward-through-the-responsibilities``),
+    in one kernel; arrays checked, of one dtype.
+    """
+    x, gamma, grad_gamma = (np.ascontiguousarray(a) for a in (x, gamma, grad_gamma))
+    n = x.shape[0]
+    blocks = (n + BLOCK - 1) // BLOCK
+    dx = np.empty_like(x)
+    part_mu = np.zeros((blocks,) + means.shape, dtype=x.dtype)
+    part_sq = np.zeros_like(part_mu)
+    part_c = np.zeros((blocks, means.shape[0]), dtype=x.dtype)
+    precisions = 1.0 / variances
+    kernel = pick(_RESPONSIBILITY_BACKWARD, gamma.size * x.shape[1])
+    kernel(x, gamma, grad_gamma, means, precisions, dx, part_mu, part_sq, part_c)
+    # the partial sums added in block order (NumPy's reduction over the first axis is sequential)
+    dmeans, sq, csum = part_mu.sum(axis=0), part_sq.sum(axis=0), part_c.sum(axis=0)
+    # dL/dsigma2_mj = sum_i c_im ((x_ij - mu_mj)^2 - sigma2_mj) / (2 sigma2_mj^2)
+    dvariances = 0.5 * (sq - variances * csum[:, None]) * precisions * precisions
+    # dL/da_m = sum_i c_im: the -pi_m sum_k c_ik term of the log-softmax Jacobian vanishes (rows of c sum to 0)
+    return dx, dmeans, dvariances.astype(x.dtype, copy=False), csum
+
+
+def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """:func:`refimpl.gma.gma` with the kernels of this package; the same arguments, results and errors.
+
+    Parameters
+    ----------
+    x_q : array_like, shape (..., N_q, d_r)
+    x_k : array_like, shape (..., N_k, d_r)
+    v : array_like, shape (..., N_k, d_v)
+    means, variances : array_like, shape (K, d_r) or (H, K, d_r)
+    weights : array_like, shape (K,) or (H, K)
+    causal : bool, default False
+    eps : float, default 1e-6
+    chunk_size : int, default 64
+        Accepted and checked as by the reference; the causal kernel runs
+        token by token and needs no chunks.
+
+    Returns
+    -------
+    ndarray, shape (..., N_q, d_v)
+    """
+    a = ref_gma.check_gma_arguments(x_q, x_k, v, means, variances, weights, causal, eps, chunk_size)
+    args = (a.x_q, a.x_k, a.v, a.means, a.variances, numerics.log_weights(a.weights), a.causal, a.eps, a.chunk_size)
+    return ref_gma.forward_with(_responsibilities, *args, keep=False, scan=cpu_scan.scan_forward)[0]
+
+
+def gma_forward(
+    x_q, x_k, v, means, raw_variances, logits, *, causal: bool = False, eps: float = 1e-6, min_variance: float = 1e-6,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+):
+    """:func:`refimpl.gma.gma_forward` with the kernels of this package: ``(out, cache)`` for :func:`gma_backward`.
+
+    Parameters and results are those of :func:`refimpl.gma.gma_forward`.
+    """
+    a = ref_gma.check_gma_forward_arguments(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size)
+    variances, log_weights = ref_gma.mixture_from_raw(a.raw_variances, a.logits, a.min_variance)
+    return ref_gma.forward_with(
+        _responsibilities, a.x_q, a.x_k, a.v, a.means, variances, log_weights, a.causal, a.eps, a.chunk_size,
+        raw_variances=a.raw_variances, scan=cpu_scan.scan_forward,
+    )
+
+
+def gma_backward(grad_out, cache) -> GMAGrads:
+    """:func:`refimpl.gma.gma_backward` with the kernels of this package; the same arguments, results and errors.
+
+    Parameters
+    ----------
+    grad_out : array_like, shape (..., N_q, d_v)
+    cache : GMACache or GMABatchCache
+        From :func:`gma_forward` (or :func:`refimpl.gma.gma_forward`).
+
+    Returns
+    -------
+    GMAGrads
+    """
+    return ref_gma.backward_with(responsibility_backward, grad_out, cache, scan=cpu_scan.scan_backward)

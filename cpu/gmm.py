@@ -1,0 +1,205 @@
+"""Responsibilities of a diagonal GMM as one fused Numba kernel: :func:`refimpl.gmm.responsibilities` on the CPU.
+
+The kernel computes, for every row ``x_i``, the log joint
+``l_ik = log pi_k + log N(x_i | mu_k, diag sigma_k^2)`` from the differences
+``x_ij - mu_kj`` (every term of the quadratic form is >= 0, so nothing
+cancels and the result is right to rounding for every input, the spread
+means included), then the row's maximum, the sum of ``exp(l_ik - max)`` and
+the normalised row: one pass over the ``N x K`` output, where NumPy makes
+about nine.
+
+How the work maps onto the loops:
+
+* ``prange`` over groups of :data:`ROWS` rows: each thread owns whole rows,
+  so every sum is taken in the same order whatever the number of threads
+  (the same bits with one thread or many);
+* inside a group, the coordinates ``j`` outside and the components ``k``
+  inside: the means and precisions are stored transposed, ``(d, K)``, so the
+  inner loop runs over contiguous ``k`` and vectorises, and each load of
+  ``mu_kj`` and ``1/sigma_kj^2`` serves the :data:`ROWS` rows of the group;
+* float32 inputs are computed in float32 (every constant is cast to the
+  input's dtype first).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from refimpl import gmm as ref_gmm
+from refimpl import numerics, validation
+
+from ._jit import pick, threaded_and_serial
+
+__all__ = ["log_responsibilities", "responsibilities", "log_joint_rows", "posterior"]
+
+ROWS = 4
+"""Rows that share each load of the means and precisions in the quadratic-form loop."""
+
+
+@njit(cache=True, inline="always")
+def quadratic_forms(x, a, r, mu_t, prec_t, q):
+    """``q[s, k] = sum_j (x[a+s, j] - mu_t[j, k])^2 prec_t[j, k]`` for the ``r <= ROWS`` rows from ``a``.
+
+    Coordinates outside, components inside (contiguous in ``k``); ``q`` is
+    ``(ROWS, K)`` work space, overwritten.
+    """
+    d, K = mu_t.shape
+    q[:] = 0
+    if r == ROWS:
+        for j in range(d):
+            x0, x1, x2, x3 = x[a, j], x[a + 1, j], x[a + 2, j], x[a + 3, j]
+            for k in range(K):
+                m, p = mu_t[j, k], prec_t[j, k]
+                # (x_ij - mu_kj)^2 / sigma_kj^2: a square times a positive number, nothing cancels
+                t0, t1, t2, t3 = x0 - m, x1 - m, x2 - m, x3 - m
+                q[0, k] += t0 * t0 * p
+                q[1, k] += t1 * t1 * p
+                q[2, k] += t2 * t2 * p
+                q[3, k] += t3 * t3 * p
+    else:
+        for s in range(r):
+            for j in range(d):
+                xs = x[a + s, j]
+                for k in range(K):
+                    t = xs - mu_t[j, k]
+                    q[s, k] += t * t * prec_t[j, k]
+
+
+@njit(cache=True, inline="always")
+def normalise_row(lrow, out_row, log):
+    """Softmax (or log-softmax when ``log``) of one row of log joints ``lrow`` into ``out_row``.
+
+    The row maximum is subtracted first, so the largest exponent is 0.
+    """
+    K = lrow.shape[0]
+    m = lrow[0]
+    for k in range(1, K):
+        m = max(m, lrow[k])
+    s = lrow.dtype.type(0)
+    for k in range(K):
+        # gamma_k = exp(l_k - m) / sum_m exp(l_m - m)
+        e = math.exp(lrow[k] - m)
+        out_row[k] = e
+        s += e
+    if log:
+        # log gamma_k = (l_k - m) - log sum_m exp(l_m - m)
+        ls = math.log(s)
+        for k in range(K):
+            out_row[k] = (lrow[k] - m) - ls
+    else:
+        for k in range(K):
+            out_row[k] = out_row[k] / s
+
+
+def _posterior_kernel(x, mu_t, prec_t, log_norm, half, log, out, min_quad):
+    n = x.shape[0]
+    K = mu_t.shape[1]
+    for g in prange((n + ROWS - 1) // ROWS):
+        a = g * ROWS
+        r = min(ROWS, n - a)
+        q = np.empty((ROWS, K), x.dtype)
+        quadratic_forms(x, a, r, mu_t, prec_t, q)
+        for s in range(r):
+            mq = q[s, 0]
+            for k in range(K):
+                mq = min(mq, q[s, k])
+                # l_ik = log pi_k - (d/2) log 2 pi - (1/2) sum_j log sigma_kj^2 - q_ik / 2
+                q[s, k] = log_norm[k] - half * q[s, k]
+            min_quad[a + s] = mq
+            normalise_row(q[s], out[a + s], log)
+
+
+def _log_joint_kernel(x, mu_t, prec_t, log_norm, half, out, min_quad):
+    n = x.shape[0]
+    K = mu_t.shape[1]
+    for g in prange((n + ROWS - 1) // ROWS):
+        a = g * ROWS
+        r = min(ROWS, n - a)
+        q = np.empty((ROWS, K), x.dtype)
+        quadratic_forms(x, a, r, mu_t, prec_t, q)
+        for s in range(r):
+            mq = q[s, 0]
+            for k in range(K):
+                mq = min(mq, q[s, k])
+                out[a + s, k] = log_norm[k] - half * q[s, k]
+            min_quad[a + s] = mq
+
+
+_POSTERIOR = threaded_and_serial(_posterior_kernel)
+_LOG_JOINT = threaded_and_serial(_log_joint_kernel)
+
+
+def _constants(means, variances, log_weights):
+    """``(mu_t (d, K), prec_t (d, K), log_norm (K,), 1/2)`` in the dtype of ``means``."""
+    d = means.shape[1]
+    # log N(x | mu, sigma^2) = -(d/2) log 2 pi - (1/2) sum_j log sigma_j^2 - q / 2
+    log_norm = log_weights - 0.5 * (d * ref_gmm.LOG_2PI + np.sum(np.log(variances), axis=1))
+    mu_t = np.ascontiguousarray(means.T)
+    prec_t = np.ascontiguousarray((1.0 / variances).T)
+    return mu_t, prec_t, log_norm.astype(means.dtype), means.dtype.type(0.5)
+
+
+def log_joint_rows(x, means, variances, log_weights):
+    """Core: ``(logits (N, K), min_quad (N,))`` as :func:`refimpl.gmm.log_joint` (arrays checked, one dtype; no raise)."""
+    x = np.ascontiguousarray(x)
+    out = np.empty((x.shape[0], means.shape[0]), dtype=x.dtype)
+    min_quad = np.empty(x.shape[0], dtype=x.dtype)
+    pick(_LOG_JOINT, out.size * x.shape[1])(x, *_constants(means, variances, log_weights), out, min_quad)
+    return out, min_quad
+
+
+def posterior(x, means, variances, log_weights, *, log=False):
+    """Core: ``(gamma (N, K), min_quad (N,))``, the responsibilities (or their logs) of checked arrays; no raise.
+
+    The caller checks ``min_quad`` (:func:`refimpl.validation.check_scaled_distances`).
+    """
+    x = np.ascontiguousarray(x)
+    out = np.empty((x.shape[0], means.shape[0]), dtype=x.dtype)
+    min_quad = np.empty(x.shape[0], dtype=x.dtype)
+    pick(_POSTERIOR, out.size * x.shape[1])(x, *_constants(means, variances, log_weights), bool(log), out, min_quad)
+    return out, min_quad
+
+
+def _checked(x, means, variances, weights, log):
+    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
+    gamma, min_quad = posterior(x, means, variances, numerics.log_weights(weights), log=log)
+    validation.check_scaled_distances(min_quad, "x")
+    return gamma
+
+
+def log_responsibilities(x, means, variances, weights):
+    """:func:`refimpl.gmm.log_responsibilities` as one fused kernel; the same arguments, results and errors.
+
+    Parameters
+    ----------
+    x : array_like, shape (N, d)
+    means, variances : array_like, shape (K, d)
+    weights : array_like, shape (K,)
+
+    Returns
+    -------
+    ndarray, shape (N, K)
+        ``log p(z = k | x_i)``, in the dtype of the inputs.
+    """
+    return _checked(x, means, variances, weights, True)
+
+
+def responsibilities(x, means, variances, weights):
+    """:func:`refimpl.gmm.responsibilities` as one fused kernel; the same arguments, results and errors.
+
+    Parameters
+    ----------
+    x : array_like, shape (N, d)
+    means, variances : array_like, shape (K, d)
+    weights : array_like, shape (K,)
+
+    Returns
+    -------
+    ndarray, shape (N, K)
+        ``p(z = k | x_i)``: nonnegative rows summing to one, in the dtype of
+        the inputs.
+    """
+    return _checked(x, means, variances, weights, False)

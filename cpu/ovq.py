@@ -1,0 +1,1075 @@
+r"""Online vector-quantized (OVQ) attention and the VQ baseline on the CPU with Numba (:mod:`refimpl.ovq`).
+
+The contract is :mod:`refimpl.ovq`'s, word for word: unit rows, predict then
+update chunk by chunk, growth, spread or random seeding, argmax assignment
+with ties to the lowest index, the running-mean or constant-rate update in
+token order, streaming through :class:`refimpl.ovq.OVQState`, the backward
+with the assignments held fixed, and the same checks and messages (the
+checkers are :mod:`refimpl.ovq`'s own).  :func:`dictionary_size`,
+:func:`unit_rows`, :class:`OVQState`, :class:`OVQCache` and
+:class:`OVQGrads` are :mod:`refimpl.ovq`'s.
+
+Leading dimensions
+------------------
+:func:`ovq_attention_forward` and :func:`ovq_attention_backward` also take
+``(..., N, d)`` arrays: every sequence is independent and starts from an
+empty dictionary, exactly as one :func:`refimpl.ovq.ovq_attention_forward`
+call per sequence.  With leading dimensions ``state`` and ``return_state``
+are refused, and ``cache.state`` is ``None``.
+
+How the work maps onto loops and threads
+----------------------------------------
+Every size of the chunk plan is known before the data is read: the number
+of centroids read by chunk ``j`` is ``n_j`` (growth depends on the token
+count only), so the host computes the plan (``starts``, ``n_j``, the number
+of seeds, and the draws of ``init="random"`` with refimpl's generator) and
+one ``@njit(parallel=True)`` kernel runs the whole chunk loop.
+
+* Many sequences, or short ones (``B`` the product of the leading
+  dimensions): ``prange`` over the ``B`` sequences, one parallel region per
+  call; each thread runs a sequence's whole chunk loop (unit rows, read-out
+  with the online softmax, assignment, seeding, update), the products by
+  loop nests.
+* One long sequence (``C n_max max(d, d_v) >= BLAS_WORK``): the chunks in
+  order, and within a chunk ``prange`` over blocks of ``ROWS`` query rows,
+  each block one single-threaded BLAS ``gemm`` for its logits, its softmax
+  rows (scale, log-count bias, causal mask, maximum, ``exp``, sum) and one
+  ``gemm`` for its output rows; then ``prange`` over blocks of key rows for
+  the assignment (``gemm`` and argmax); seeding (a stable sort of the
+  chunk's ``L`` scores) and the sparse k-means update of the touched rows in
+  token order on one thread.  BLAS is held at one thread while this kernel
+  runs, so that its threads and Numba's do not compete for the cores.  The
+  backward of one long sequence runs on one thread and lets BLAS thread its
+  six products per chunk.
+
+Each reduction (a dot product, a row sum, a per-centroid sum) is computed
+by one thread in a fixed order, and the row blocks have a fixed size, so the
+bits do not depend on the number of threads.  VQ attention (2-D only) runs
+its chunk loop in one kernel, ``prange`` over the chunk's rows.
+
+Float32 stays float32 (every scalar of the arithmetic has the inputs' dtype);
+float64 by default.  Results agree with :mod:`refimpl.ovq` to rounding (the
+dot products and sums run in another order than NumPy's); the discrete
+choices are the same unless two scores differ only in their last bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import threadpoolctl
+from numba import njit, prange
+
+from refimpl import ovq as _ovq
+from refimpl import validation
+from refimpl.ovq import (
+    GROWTHS,
+    INITS,
+    NORM_EPS,
+    OVQCache,
+    OVQGrads,
+    OVQState,
+    check_overflow,
+    check_ovq_arguments,
+    check_vq_arguments,
+    dictionary_size,
+    unit_rows,
+)
+
+__all__ = [
+    "NORM_EPS",
+    "GROWTHS",
+    "INITS",
+    "dictionary_size",
+    "unit_rows",
+    "OVQState",
+    "OVQCache",
+    "OVQGrads",
+    "ChunkRecords",
+    "ovq_attention",
+    "ovq_attention_forward",
+    "ovq_attention_backward",
+    "vq_attention",
+]
+
+#: Work per sequence and chunk (``C n_max d``) from which a single sequence's products go to BLAS.
+BLAS_WORK = 1 << 16
+#: Query rows per block of the single-sequence path (fixed, so the bits do not depend on the thread count).
+ROWS = 32
+
+
+# ---------------------------------------------------------------------------
+# Row helpers (one thread each)
+# ---------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _unit_row(x, out, eps):
+    """``out = x / max(||x||, eps)``; returns ``||x||``."""
+    acc = x[0] * x[0]
+    for c in range(1, x.shape[0]):
+        acc += x[c] * x[c]
+    norm = math.sqrt(acc)
+    # x^ = x / max(||x||, 1e-12): unit rows, and no division by zero
+    den = norm if norm > eps else eps
+    for c in range(x.shape[0]):
+        out[c] = x[c] / den
+    return norm
+
+
+@njit(cache=True)
+def _unit_row_backward(g, xhat, norm, eps, out):
+    # d(x/||x||)/dx = (I - x^ x^T) / ||x||; below the floor x^ = x / 1e-12 is linear
+    den = norm if norm > eps else eps
+    for c in range(g.shape[0]):
+        out[c] = g[c] / den
+    if norm > eps:
+        proj = xhat[0] * g[0]
+        for c in range(1, g.shape[0]):
+            proj += xhat[c] * g[c]
+        f = proj / norm
+        for c in range(g.shape[0]):
+            out[c] -= xhat[c] * f
+
+
+@njit(cache=True)
+def _mm_nt(A, B, out):
+    """``out = A @ B.T`` by loops, each entry summed in feature order."""
+    for i in range(A.shape[0]):
+        for j in range(B.shape[0]):
+            acc = A[i, 0] * B[j, 0]
+            for p in range(1, A.shape[1]):
+                acc += A[i, p] * B[j, p]
+            out[i, j] = acc
+
+
+@njit(cache=True)
+def _mm_nn(A, B, out):
+    """``out = A @ B`` by loops (rows of ``B`` added in order)."""
+    for i in range(A.shape[0]):
+        for j in range(B.shape[1]):
+            out[i, j] = A[i, 0] * B[0, j]
+        for p in range(1, A.shape[1]):
+            a = A[i, p]
+            for j in range(B.shape[1]):
+                out[i, j] += a * B[p, j]
+
+
+@njit(cache=True)
+def _mm_tn(A, B, out):
+    """``out = A.T @ B`` by loops (rows of ``A`` and ``B`` added in order)."""
+    for i in range(A.shape[1]):
+        for j in range(B.shape[1]):
+            out[i, j] = A[0, i] * B[0, j]
+    for p in range(1, A.shape[0]):
+        for i in range(A.shape[1]):
+            a = A[p, i]
+            for j in range(B.shape[1]):
+                out[i, j] += a * B[p, j]
+
+
+@njit(cache=True)
+def _chunk_logits_row(row, n, a, beta, log_c, count_bias):
+    """Row ``a`` of the chunk's logits in place, from the dot products; returns the visible width ``n + a + 1``."""
+    # l_{a,m} = beta q^_a . D_k[m] + log c_m (m < n): a centroid of count c stands for c tokens, weight pi ~ c
+    for u in range(n):
+        x = row[u] * beta
+        if count_bias:
+            x = x + log_c[u]
+        row[u] = x
+    # l_{a,b} = beta q^_a . k^_b: causal inside the chunk, position a sees the chunk keys b <= a only
+    for u in range(n, n + a + 1):
+        row[u] = row[u] * beta
+    return n + a + 1
+
+
+@njit(cache=True)
+def _row_max(row, width):
+    """``(max, finite)`` of ``row[:width]``; NaN makes it not finite, like ``np.max``."""
+    m = row[0]
+    nan = m != m
+    for u in range(1, width):
+        x = row[u]
+        if x != x:
+            nan = True
+        elif x > m:
+            m = x
+    return m, (not nan) and (not math.isinf(m))
+
+
+@njit(cache=True)
+def _argmax_row(row):
+    """``(first index of the maximum, maximum)``: ties to the lowest index, like ``np.argmax``."""
+    best = row[0]
+    arg = 0
+    for m in range(1, row.shape[0]):
+        if row[m] > best:
+            best = row[m]
+            arg = m
+    return arg, best
+
+
+@njit(cache=True)
+def _softmax_row(row, n, a, beta, log_c, count_bias):
+    """Row ``a`` of the chunk: dot products -> ``exp(l - max l)`` in place (0 where masked); ``(sum, finite max)``."""
+    width = _chunk_logits_row(row, n, a, beta, log_c, count_bias)
+    m, ok = _row_max(row, width)
+    # softmax(l) = softmax(l - max): the largest term is exp(0) = 1
+    tot = beta - beta
+    for u in range(width):
+        e = math.exp(row[u] - m)
+        row[u] = e
+        tot += e
+    for u in range(width, row.shape[0]):
+        row[u] = 0
+    return tot, ok
+
+
+# ---------------------------------------------------------------------------
+# The forward kernel
+# ---------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _plan_and_update(b, j, s, L, n, n_add, khat, v, sc, drawn, use_drawn, seed_off, Dk, Dv, counts, rows, seeded,
+                     seeds, counts_mid, added, record, eta, constant_rate, sums, sums_v, cnt, cf):
+    """Seed, then update the dictionary of sequence ``b`` with chunk ``j`` (rows ``[s, s + L)``)."""
+    if n == 0:
+        # first chunk: key 0 seeds centroid 0; the n_add - 1 keys least similar to it seed centroids 1.. in
+        # ascending order of score (stable sort: ties -> lowest index); the other keys join centroid 0
+        for i in range(L):
+            rows[b, s + i] = 0
+        for i in range(1, L):
+            acc = khat[b, s + i, 0] * khat[b, s, 0]
+            for c in range(1, khat.shape[2]):
+                acc += khat[b, s + i, c] * khat[b, s, c]
+            sc[b, i - 1] = acc
+        order = np.argsort(sc[b, : L - 1], kind="mergesort")
+        seeds[b, seed_off[j]] = 0
+        for r in range(1, n_add):
+            seeds[b, seed_off[j] + r] = 1 + order[r - 1]
+    elif n_add > 0:
+        if use_drawn:
+            # init="random": refimpl's draw, made on the host, in centroid order
+            for r in range(n_add):
+                seeds[b, seed_off[j] + r] = drawn[seed_off[j] + r]
+        else:
+            # spread: the keys least similar to their nearest centroid (stable sort: ties -> lowest index)
+            order = np.argsort(sc[b, :L], kind="mergesort")
+            for r in range(n_add):
+                seeds[b, seed_off[j] + r] = order[r]
+    for i in range(L):
+        seeded[b, s + i] = False
+    # rows[seeds] = n + arange(n_add): a seeded centroid starts at its key and value with count 1
+    for r in range(n_add):
+        i = seeds[b, seed_off[j] + r]
+        rows[b, s + i] = n + r
+        seeded[b, s + i] = True
+        for c in range(Dk.shape[2]):
+            Dk[b, n + r, c] = khat[b, s + i, c]
+        for c in range(Dv.shape[2]):
+            Dv[b, n + r, c] = v[b, s + i, c]
+        counts[b, n + r] = 1
+    n_next = n + n_add
+    if record:
+        for m in range(counts.shape[1]):
+            counts_mid[b, j, m] = counts[b, m]
+    for m in range(n_next):
+        cnt[b, m] = 0
+    if constant_rate:
+        # D[m] <- D[m] + eta (x_i - D[m]) for each i in S_m, token by token in token order
+        for i in range(L):
+            if seeded[b, s + i]:
+                continue
+            m = rows[b, s + i]
+            cnt[b, m] += 1
+            for c in range(Dk.shape[2]):
+                Dk[b, m, c] = Dk[b, m, c] + eta * (khat[b, s + i, c] - Dk[b, m, c])
+            for c in range(Dv.shape[2]):
+                Dv[b, m, c] = Dv[b, m, c] + eta * (v[b, s + i, c] - Dv[b, m, c])
+    else:
+        # sum_{i in S_m} x_i, accumulated in token order (from 0, like np.add.at)
+        for i in range(L):
+            if seeded[b, s + i]:
+                continue
+            m = rows[b, s + i]
+            if cnt[b, m] == 0:
+                for c in range(Dk.shape[2]):
+                    sums[b, m, c] = khat[b, s + i, c]
+                for c in range(Dv.shape[2]):
+                    sums_v[b, m, c] = v[b, s + i, c]
+            else:
+                for c in range(Dk.shape[2]):
+                    sums[b, m, c] += khat[b, s + i, c]
+                for c in range(Dv.shape[2]):
+                    sums_v[b, m, c] += v[b, s + i, c]
+            cnt[b, m] += 1
+        # exact running mean: D' = (c D + sum_S x) / (c + |S|), c and c + |S| in the float dtype
+        for m in range(n_next):
+            if cnt[b, m] > 0:
+                cf[b, 0] = counts[b, m]
+                cf[b, 1] = counts[b, m] + cnt[b, m]
+                for c in range(Dk.shape[2]):
+                    Dk[b, m, c] = (cf[b, 0] * Dk[b, m, c] + sums[b, m, c]) / cf[b, 1]
+                for c in range(Dv.shape[2]):
+                    Dv[b, m, c] = (cf[b, 0] * Dv[b, m, c] + sums_v[b, m, c]) / cf[b, 1]
+    for m in range(n_next):
+        counts[b, m] += cnt[b, m]
+    if record:
+        for m in range(counts.shape[1]):
+            added[b, j, m] = cnt[b, m] if m < n_next else 0
+
+
+@njit(cache=True)
+def _stage(b, j, s, L, n, khat, v, Dk, Dv, counts, log_c, record, snap_off, snapK, snapV):
+    """The keys and values chunk ``j`` reads, ``[D_k[:n]; k^_s, ...]`` and ``[D_v[:n]; v_s, ...]``, and ``log c``."""
+    for i in range(L):
+        for c in range(Dk.shape[2]):
+            Dk[b, n + i, c] = khat[b, s + i, c]
+        for c in range(Dv.shape[2]):
+            Dv[b, n + i, c] = v[b, s + i, c]
+    for m in range(n):
+        log_c[b, m] = counts[b, m]
+        log_c[b, m] = math.log(log_c[b, m])
+    if record:
+        for m in range(n):
+            for c in range(Dk.shape[2]):
+                snapK[b, snap_off[j] + m, c] = Dk[b, m, c]
+            for c in range(Dv.shape[2]):
+                snapV[b, snap_off[j] + m, c] = Dv[b, m, c]
+
+
+@njit(cache=True)
+def _forward_sequence(b, q, k, v, qhat, khat, starts, lengths, ns, nadd, seed_off, drawn, use_drawn, snap_off, beta,
+                      eps, eta, count_bias, constant_rate, record, Dk, Dv, counts, out, bad, rows, seeded, seeds,
+                      counts_mid, added, snapK, snapV, sc, log_c, sums, sums_v, cnt, cf):
+    """The whole chunk loop of sequence ``b`` on one thread, the products by loops."""
+    N = q.shape[1]
+    dv = v.shape[2]
+    n_max = counts.shape[1]
+    Cm = Dk.shape[1] - n_max
+    dt = q.dtype
+    for i in range(N):
+        _unit_row(q[b, i], qhat[b, i], eps)
+        _unit_row(k[b, i], khat[b, i], eps)
+    Pf = np.empty(Cm * (n_max + Cm), dt)
+    Sf = np.empty(Cm * n_max, dt)
+    O = np.empty((Cm, dv), dt)
+    rowsum = np.empty(Cm, dt)
+    for j in range(starts.shape[0]):
+        s = starts[j]
+        L = lengths[j]
+        n = ns[j]
+        K = n + L
+        _stage(b, j, s, L, n, khat, v, Dk, Dv, counts, log_c, record, snap_off, snapK, snapV)
+        # predict, before the chunk touches the state
+        P = Pf[: L * K].reshape((L, K))
+        _mm_nt(qhat[b, s : s + L], Dk[b, :K], P)
+        for a in range(L):
+            tot, ok = _softmax_row(P[a], n, a, beta, log_c[b], count_bias)
+            bad[b, s + a] = not ok
+            rowsum[a] = tot
+        # o_a = softmax(l_a) [D_v[:n]; v_0..v_a] = (sum_u e_u values_u) / sum_u e_u
+        _mm_nn(P, Dv[b, :K], O[:L])
+        for a in range(L):
+            for c in range(dv):
+                out[b, s + a, c] = O[a, c] / rowsum[a]
+        if n > 0:
+            # assign: nearest centroid by dot product, the first maximum on ties (np.argmax)
+            S = Sf[: L * n].reshape((L, n))
+            _mm_nt(khat[b, s : s + L], Dk[b, :n], S)
+            for a in range(L):
+                rows[b, s + a], sc[b, a] = _argmax_row(S[a])
+        # grow (seed n_add new centroids), then update
+        _plan_and_update(b, j, s, L, n, nadd[j], khat, v, sc, drawn, use_drawn, seed_off, Dk, Dv, counts, rows,
+                         seeded, seeds, counts_mid, added, record, eta, constant_rate, sums, sums_v, cnt, cf)
+
+
+@njit(parallel=True, cache=True)
+def _forward_kernel(q, k, v, starts, lengths, ns, nadd, seed_off, drawn, use_drawn, snap_off, beta, eps, eta,
+                    count_bias, constant_rate, record, blas, Dk, Dv, counts, out, bad, rows, seeded, seeds,
+                    counts_mid, added, snapK, snapV):
+    """The chunk loop of ``B`` sequences: ``q, k (B, N, d)``, ``v (B, N, d_v)``; state ``Dk, Dv`` of ``n_max + C`` rows."""
+    B, N, d = q.shape
+    dv = v.shape[2]
+    n_max = counts.shape[1]
+    Cm = Dk.shape[1] - n_max
+    dt = q.dtype
+    qhat = np.empty_like(q)
+    khat = np.empty_like(k)
+    rowsum = np.empty((B, Cm), dt)
+    sc = np.empty((B, Cm), dt)
+    log_c = np.zeros((B, n_max), dt)
+    sums = np.empty((B, n_max, d), dt)
+    sums_v = np.empty((B, n_max, dv), dt)
+    cnt = np.zeros((B, n_max), np.int64)
+    cf = np.empty((B, 2), dt)
+    if not blas:
+        # many sequences (or short ones): one thread per sequence runs its whole chunk loop, one parallel region
+        for b in prange(B):
+            _forward_sequence(b, q, k, v, qhat, khat, starts, lengths, ns, nadd, seed_off, drawn, use_drawn, snap_off,
+                              beta, eps, eta, count_bias, constant_rate, record, Dk, Dv, counts, out, bad, rows, seeded,
+                              seeds, counts_mid, added, snapK, snapV, sc, log_c, sums, sums_v, cnt, cf)
+        return
+    for r in prange(B * N):
+        b = r // N
+        i = r % N
+        _unit_row(q[b, i], qhat[b, i], eps)
+        _unit_row(k[b, i], khat[b, i], eps)
+    for j in range(starts.shape[0]):
+        s = starts[j]
+        L = lengths[j]
+        n = ns[j]
+        K = n + L
+        _stage(0, j, s, L, n, khat, v, Dk, Dv, counts, log_c, record, snap_off, snapK, snapV)
+        # predict, before the chunk touches the state: dot products of the queries with every key they may read;
+        # one long sequence: blocks of ROWS query rows, each block's products one single-threaded gemm
+        nblk = (L + ROWS - 1) // ROWS
+        for blk in prange(nblk):
+            a0 = blk * ROWS
+            a1 = min(L, a0 + ROWS)
+            Pb = np.dot(qhat[0, s + a0 : s + a1], Dk[0, :K].T)
+            for a in range(a0, a1):
+                tot, ok = _softmax_row(Pb[a - a0], n, a, beta, log_c[0], count_bias)
+                bad[0, s + a] = not ok
+                rowsum[0, a] = tot
+            # o_a = softmax(l_a) [D_v[:n]; v_0..v_a] = (sum_u e_u values_u) / sum_u e_u
+            Ob = np.dot(Pb, Dv[0, :K])
+            for a in range(a0, a1):
+                for c in range(dv):
+                    out[0, s + a, c] = Ob[a - a0, c] / rowsum[0, a]
+        if n > 0:
+            # assign: nearest centroid by dot product, the first maximum on ties (np.argmax)
+            for blk in prange(nblk):
+                a0 = blk * ROWS
+                a1 = min(L, a0 + ROWS)
+                Sb = np.dot(khat[0, s + a0 : s + a1], Dk[0, :n].T)
+                for a in range(a0, a1):
+                    rows[0, s + a], sc[0, a] = _argmax_row(Sb[a - a0])
+        # grow (seed n_add new centroids), then update
+        _plan_and_update(0, j, s, L, n, nadd[j], khat, v, sc, drawn, use_drawn, seed_off, Dk, Dv, counts, rows,
+                         seeded, seeds, counts_mid, added, record, eta, constant_rate, sums, sums_v, cnt, cf)
+
+
+# ---------------------------------------------------------------------------
+# The backward kernel
+# ---------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _update_backward(b, j, s, L, n, n_add, rows, seeded, seeds, seed_off, counts_mid, added, gDk, gDv, g_khat, g_vc,
+                     eta, constant_rate, ranks, cf):
+    """The update of chunk ``j`` of sequence ``b`` in reverse: adjoint of the state after -> before, plus the chunk's."""
+    d = gDk.shape[2]
+    dv = gDv.shape[2]
+    n_max = gDk.shape[1]
+    one = eta / eta
+    for i in range(L):
+        for c in range(d):
+            g_khat[b, i, c] = 0
+        for c in range(dv):
+            g_vc[b, i, c] = 0
+    if constant_rate:
+        # D'[m] = (1-eta)^|S_m| D[m] + eta sum_j (1-eta)^(|S_m|-j) x_(j): the j-th member's weight
+        for m in range(n_max):
+            ranks[b, m] = 0
+        for i in range(L):
+            if seeded[b, s + i]:
+                continue
+            m = rows[b, s + i]
+            cf[b, 0] = added[b, j, m] - 1 - ranks[b, m]
+            ranks[b, m] += 1
+            w = eta * (one - eta) ** cf[b, 0]
+            for c in range(d):
+                g_khat[b, i, c] = w * gDk[b, m, c]
+            for c in range(dv):
+                g_vc[b, i, c] = w * gDv[b, m, c]
+        for m in range(n_max):
+            if added[b, j, m] > 0:
+                # the state's rows scale by (1-eta)^|S_m| (a power taken in float64, as NumPy does for integer exponents)
+                cf[b, 1] = np.float64(one - eta) ** np.float64(added[b, j, m])
+                for c in range(d):
+                    gDk[b, m, c] = gDk[b, m, c] * cf[b, 1]
+                for c in range(dv):
+                    gDv[b, m, c] = gDv[b, m, c] * cf[b, 1]
+    else:
+        # D'[m] = (c_m D[m] + sum_S x_i) / c'_m: dD'/dx_i = 1/c'_m, dD'/dD[m] = c_m/c'_m
+        for i in range(L):
+            if seeded[b, s + i]:
+                continue
+            m = rows[b, s + i]
+            cf[b, 1] = counts_mid[b, j, m] + added[b, j, m]
+            cf[b, 1] = one / cf[b, 1]
+            for c in range(d):
+                g_khat[b, i, c] = gDk[b, m, c] * cf[b, 1]
+            for c in range(dv):
+                g_vc[b, i, c] = gDv[b, m, c] * cf[b, 1]
+        for m in range(n_max):
+            if added[b, j, m] > 0:
+                cf[b, 0] = counts_mid[b, j, m]
+                cf[b, 1] = counts_mid[b, j, m] + added[b, j, m]
+                cf[b, 0] = cf[b, 0] / cf[b, 1]
+                for c in range(d):
+                    gDk[b, m, c] = gDk[b, m, c] * cf[b, 0]
+                for c in range(dv):
+                    gDv[b, m, c] = gDv[b, m, c] * cf[b, 0]
+    # a seeded row was set to its seed's key/value just before the merge: the seed takes its gradient
+    for r in range(n_add):
+        i = seeds[b, seed_off[j] + r]
+        for c in range(d):
+            g_khat[b, i, c] += gDk[b, n + r, c]
+            gDk[b, n + r, c] = 0
+        for c in range(dv):
+            g_vc[b, i, c] += gDv[b, n + r, c]
+            gDv[b, n + r, c] = 0
+
+
+@njit(cache=True)
+def _backward_sequence(b, q, k, v, G, starts, lengths, ns, nadd, seed_off, snap_off, beta, eps, eta, count_bias,
+                       constant_rate, blas, rows, seeded, seeds, counts_mid, added, snapK, snapV, gq, gk, gv,
+                       qhat, khat, qn, kn, gDk, gDv, g_khat, g_vc, Kb, Vb, log_c, ranks, cf):
+    """The backward of sequence ``b`` on one thread, the chunks last to first; products by BLAS or by loops."""
+    N, d = q.shape[1], q.shape[2]
+    dv = v.shape[2]
+    dt = q.dtype
+    for i in range(N):
+        qn[b, i] = _unit_row(q[b, i], qhat[b, i], eps)
+        kn[b, i] = _unit_row(k[b, i], khat[b, i], eps)
+    for jj in range(starts.shape[0]):
+        j = starts.shape[0] - 1 - jj
+        s = starts[j]
+        L = lengths[j]
+        n = ns[j]
+        K = n + L
+        # (1) the update, in reverse; the keys, values and log-counts the chunk's read-out saw
+        _update_backward(b, j, s, L, n, nadd[j], rows, seeded, seeds, seed_off, counts_mid, added, gDk, gDv,
+                         g_khat, g_vc, eta, constant_rate, ranks, cf)
+        for m in range(n):
+            for c in range(d):
+                Kb[b, m, c] = snapK[b, snap_off[j] + m, c]
+            for c in range(dv):
+                Vb[b, m, c] = snapV[b, snap_off[j] + m, c]
+            log_c[b, m] = counts_mid[b, j, m]
+            log_c[b, m] = math.log(log_c[b, m])
+        for i in range(L):
+            for c in range(d):
+                Kb[b, n + i, c] = khat[b, s + i, c]
+            for c in range(dv):
+                Vb[b, n + i, c] = v[b, s + i, c]
+        # (2) the read-out against the dictionary the chunk saw: P = softmax(l), dP = G values^T
+        if blas:
+            P = np.dot(qhat[b, s : s + L], Kb[b, :K].T)
+            dP = np.dot(G[b, s : s + L], Vb[b, :K].T)
+        else:
+            P = np.empty((L, K), dt)
+            dP = np.empty((L, K), dt)
+            _mm_nt(qhat[b, s : s + L], Kb[b, :K], P)
+            _mm_nt(G[b, s : s + L], Vb[b, :K], dP)
+        for a in range(L):
+            row = P[a]
+            drow = dP[a]
+            tot, ok = _softmax_row(row, n, a, beta, log_c[b], count_bias)
+            for u in range(K):
+                row[u] = row[u] / tot
+            # the softmax backward: dl_u = p_u (dp_u - sum_w p_w dp_w), masked entries have p = 0
+            acc = row[0] * drow[0]
+            for u in range(1, K):
+                acc += row[u] * drow[u]
+            for u in range(K):
+                drow[u] = row[u] * (drow[u] - acc)
+                # l = beta q^ keys^T: the chain rule through the scale
+                drow[u] = drow[u] * beta
+        # l = beta q^ keys^T: dq^ = beta dl keys, dkeys = beta dl^T q^; out = P values: dvalues = P^T G
+        if blas:
+            gqh = np.dot(dP, Kb[b, :K])
+            gkeys = np.dot(dP.T, qhat[b, s : s + L])
+            gvals = np.dot(P.T, G[b, s : s + L])
+        else:
+            gqh = np.empty((L, d), dt)
+            gkeys = np.empty((K, d), dt)
+            gvals = np.empty((K, dv), dt)
+            _mm_nn(dP, Kb[b, :K], gqh)
+            _mm_tn(dP, qhat[b, s : s + L], gkeys)
+            _mm_tn(P, G[b, s : s + L], gvals)
+        for m in range(n):
+            for c in range(d):
+                gDk[b, m, c] += gkeys[m, c]
+            for c in range(dv):
+                gDv[b, m, c] += gvals[m, c]
+        for i in range(L):
+            for c in range(d):
+                g_khat[b, i, c] += gkeys[n + i, c]
+            for c in range(dv):
+                g_vc[b, i, c] += gvals[n + i, c]
+        # (3) the unit normalisation
+        for i in range(L):
+            _unit_row_backward(gqh[i], qhat[b, s + i], qn[b, s + i], eps, gq[b, s + i])
+            _unit_row_backward(g_khat[b, i], khat[b, s + i], kn[b, s + i], eps, gk[b, s + i])
+            for c in range(dv):
+                gv[b, s + i, c] = g_vc[b, i, c]
+
+
+@njit(parallel=True, cache=True)
+def _backward_kernel(q, k, v, G, starts, lengths, ns, nadd, seed_off, snap_off, beta, eps, eta, count_bias,
+                     constant_rate, blas, rows, seeded, seeds, counts_mid, added, snapK, snapV, gq, gk, gv):
+    """Gradients of ``B`` sequences; ``G (B, N, d_v)`` is ``dL/d out``.  One long sequence: BLAS threads the products;
+    otherwise one thread per sequence."""
+    B, N, d = q.shape
+    dv = v.shape[2]
+    n_max = counts_mid.shape[2]
+    Cm = 0
+    for j in range(lengths.shape[0]):
+        Cm = max(Cm, lengths[j])
+    dt = q.dtype
+    qhat = np.empty_like(q)
+    khat = np.empty_like(k)
+    qn = np.empty((B, N), dt)
+    kn = np.empty((B, N), dt)
+    # adjoint of the state after the chunk being visited; the loss does not read the final state
+    gDk = np.zeros((B, n_max, d), dt)
+    gDv = np.zeros((B, n_max, dv), dt)
+    g_khat = np.empty((B, Cm, d), dt)
+    g_vc = np.empty((B, Cm, dv), dt)
+    Kb = np.empty((B, n_max + Cm, d), dt)
+    Vb = np.empty((B, n_max + Cm, dv), dt)
+    log_c = np.zeros((B, n_max), dt)
+    ranks = np.empty((B, n_max), np.int64)
+    cf = np.empty((B, 2), dt)
+    if blas:
+        _backward_sequence(0, q, k, v, G, starts, lengths, ns, nadd, seed_off, snap_off, beta, eps, eta, count_bias,
+                           constant_rate, True, rows, seeded, seeds, counts_mid, added, snapK, snapV, gq, gk, gv,
+                           qhat, khat, qn, kn, gDk, gDv, g_khat, g_vc, Kb, Vb, log_c, ranks, cf)
+        return
+    for b in prange(B):
+        _backward_sequence(b, q, k, v, G, starts, lengths, ns, nadd, seed_off, snap_off, beta, eps, eta, count_bias,
+                           constant_rate, False, rows, seeded, seeds, counts_mid, added, snapK, snapV, gq, gk, gv,
+                           qhat, khat, qn, kn, gDk, gDv, g_khat, g_vc, Kb, Vb, log_c, ranks, cf)
+
+
+# ---------------------------------------------------------------------------
+# VQ attention
+# ---------------------------------------------------------------------------
+
+
+@njit(parallel=True, cache=True)
+def _vq_kernel(q, k, v, codebook, C, beta, eps, out, bad):
+    N, d = q.shape
+    dv = v.shape[1]
+    S = codebook.shape[0]
+    dt = q.dtype
+    qhat = np.empty_like(q)
+    khat = np.empty_like(k)
+    for i in prange(N):
+        _unit_row(q[i], qhat[i], eps)
+        _unit_row(k[i], khat[i], eps)
+    means = np.zeros((S, dv), dt)
+    counts = np.zeros(S, np.int64)
+    log_counts = np.empty(S, dt)
+    z = np.empty(C, np.int64)
+    sums = np.empty((S, dv), dt)
+    cnt = np.zeros(S, np.int64)
+    cf = np.empty(2, dt)
+    P = np.empty((C, S + C), dt)
+    for s in range(0, N, C):
+        L = min(C, N - s)
+        # nearest code by dot product; argmax takes the lowest index on ties
+        for i in prange(L):
+            best = khat[s + i, 0] * codebook[0, 0]
+            for c in range(1, d):
+                best += khat[s + i, c] * codebook[0, c]
+            arg = 0
+            for m in range(1, S):
+                acc = khat[s + i, 0] * codebook[m, 0]
+                for c in range(1, d):
+                    acc += khat[s + i, c] * codebook[m, c]
+                if acc > best:
+                    best = acc
+                    arg = m
+            z[i] = arg
+        for m in range(S):
+            # log L_m: -inf for codes no earlier chunk used
+            log_counts[m] = counts[m]
+            log_counts[m] = math.log(log_counts[m]) if counts[m] > 0 else -math.inf
+        for a in prange(L):
+            row = P[a]
+            # past: beta q^ . D_k[m] + log L_m; current: beta q^_a . D_k[z_b], b <= a
+            for m in range(S):
+                acc = qhat[s + a, 0] * codebook[m, 0]
+                for c in range(1, d):
+                    acc += qhat[s + a, c] * codebook[m, c]
+                row[m] = acc * beta + log_counts[m]
+            for i in range(a + 1):
+                acc = qhat[s + a, 0] * codebook[z[i], 0]
+                for c in range(1, d):
+                    acc += qhat[s + a, c] * codebook[z[i], c]
+                row[S + i] = acc * beta
+            width = S + a + 1
+            m, ok = _row_max(row, width)
+            bad[s + a] = not ok
+            tot = beta - beta
+            for u in range(width):
+                e = math.exp(row[u] - m)
+                row[u] = e
+                tot += e
+            for c in range(dv):
+                out[s + a, c] = 0
+            for u in range(S):
+                e = row[u]
+                for c in range(dv):
+                    out[s + a, c] += e * means[u, c]
+            for i in range(a + 1):
+                e = row[S + i]
+                for c in range(dv):
+                    out[s + a, c] += e * v[s + i, c]
+            for c in range(dv):
+                out[s + a, c] = out[s + a, c] / tot
+        # U_m / L_m: running mean of the values each code summarises (sums in token order)
+        for i in range(L):
+            m = z[i]
+            if cnt[m] == 0:
+                for c in range(dv):
+                    sums[m, c] = v[s + i, c]
+            else:
+                for c in range(dv):
+                    sums[m, c] += v[s + i, c]
+            cnt[m] += 1
+        for m in range(S):
+            if cnt[m] > 0:
+                cf[0] = counts[m]
+                cf[1] = counts[m] + cnt[m]
+                for c in range(dv):
+                    means[m, c] = (cf[0] * means[m, c] + sums[m, c]) / cf[1]
+                counts[m] += cnt[m]
+                cnt[m] = 0
+
+
+# ---------------------------------------------------------------------------
+# Host side: the plan, the records, the public functions
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _single_threaded_blas(blas):
+    """One BLAS thread while a kernel that calls BLAS runs (its own threads share the cores; none when ``blas`` is off)."""
+    if not blas:
+        yield
+        return
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+        yield
+
+
+class _Plan:
+    """The data-independent chunk plan of one call (the same for every sequence of a batch)."""
+
+    def __init__(self, N, p, n0, t0):
+        C, n_max = p.chunk_size, p.max_size
+        self.starts = np.arange(0, N, C, dtype=np.int64)
+        self.lengths = np.minimum(self.starts + C, N) - self.starts
+        J = self.starts.size
+        self.ns = np.empty(J, np.int64)
+        self.nadd = np.empty(J, np.int64)
+        ts = np.empty(J, np.int64)
+        n, t = n0, t0
+        for j in range(J):
+            L = int(self.lengths[j])
+            # grow: n' = max(n, growth(t + L, n_max))
+            n_next = max(n, _ovq._growth(t + L, n_max, p.growth))
+            self.ns[j], self.nadd[j], ts[j] = n, n_next - n, t
+            n, t = n_next, t + L
+        self.n_final, self.t_final = n, t
+        self.seed_off = np.concatenate([[0], np.cumsum(self.nadd)]).astype(np.int64)
+        self.snap_off = np.concatenate([[0], np.cumsum(self.ns)]).astype(np.int64)
+        self.drawn = np.zeros(max(int(self.seed_off[-1]), 1), np.int64)
+        self.use_drawn = p.init == "random"
+        if self.use_drawn:
+            for j in range(J):
+                if self.ns[j] and self.nadd[j]:
+                    rng = np.random.default_rng([p.seed, int(ts[j])])
+                    self.drawn[self.seed_off[j] : self.seed_off[j + 1]] = rng.choice(int(self.lengths[j]), size=int(self.nadd[j]), replace=False)
+        self.C = int(self.lengths.max())
+
+
+class ChunkRecords(Sequence):
+    """What the backward needs from the forward, packed for ``B`` sequences; a sequence of refimpl's chunk records.
+
+    Attributes
+    ----------
+    plan : the chunk plan (``starts``, ``lengths``, ``ns``, ``nadd``, ``seed_off``, ``snap_off``)
+    rows : ndarray of int64, shape (B, N)
+        The row each key went to (the assignments the backward holds fixed).
+    seeded : ndarray of bool, shape (B, N)
+    seeds : ndarray of int64, shape (B, sum of seeds)
+        The seeding keys of chunk ``j`` (chunk positions, centroid order) at ``seed_off[j]:seed_off[j + 1]``.
+    counts_mid, added : ndarray of int64, shape (B, J, n_max)
+        Counts after seeding and ``|S_m|`` of every chunk.
+    dict_keys, dict_values : ndarray, shape (B, sum n_j, d) and (B, sum n_j, d_v)
+        The dictionary chunk ``j`` read at ``snap_off[j]:snap_off[j + 1]``.
+
+    Notes
+    -----
+    With ``B = 1`` (a 2-D call), ``records[j]`` is chunk ``j``'s record in
+    :mod:`refimpl.ovq`'s form (views into these arrays), so that
+    :func:`refimpl.ovq.ovq_attention_backward` accepts the cache too.
+    """
+
+    def __init__(self, plan, rows, seeded, seeds, counts_mid, added, dict_keys, dict_values, count_bias):
+        self.plan, self.rows, self.seeded, self.seeds = plan, rows, seeded, seeds
+        self.counts_mid, self.added, self.dict_keys, self.dict_values = counts_mid, added, dict_keys, dict_values
+        self.count_bias = count_bias
+
+    def __len__(self):
+        return int(self.plan.starts.size)
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        if self.rows.shape[0] != 1:
+            raise TypeError("ChunkRecords: refimpl's per-chunk records exist for one sequence only (leading dimensions given)")
+        j = range(len(self))[j]
+        p = self.plan
+        s, e, n = int(p.starts[j]), int(p.starts[j] + p.lengths[j]), int(p.ns[j])
+        o = int(p.snap_off[j])
+        dict_keys, dict_values = self.dict_keys[0, o : o + n], self.dict_values[0, o : o + n]
+        log_c = np.log(self.counts_mid[0, j, :n].astype(dict_keys.dtype)) if self.count_bias else None
+        return _ovq._ChunkRecord(s, e, n, dict_keys, dict_values, log_c, self.rows[0, s:e], self.seeded[0, s:e],
+                                 self.seeds[0, p.seed_off[j] : p.seed_off[j + 1]], self.counts_mid[0, j], self.added[0, j])
+
+
+def _check_batch(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state):
+    """The checks of refimpl's loop over the sequences of ``(..., N, d)`` arrays: ``(args of sequence 0, q3, k3, v3, lead)``."""
+    arrays = [validation.as_float_array(x, name, finite=False) for x, name in ((q, "q"), (k, "k"), (v, "v"))]
+    lead = arrays[0].shape[:-2]
+    for x, name in zip(arrays[1:], "kv"):
+        if x.ndim != arrays[0].ndim or x.shape[:-2] != lead:
+            raise ValueError(f"{name}: expected shape (..., N, {'d' if name == 'k' else 'd_v'}) with the leading dimensions "
+                             f"{lead} of q, got {x.shape}")
+    if state is not None:
+        raise ValueError(f"state: a stream continues one sequence, q of shape (N, d); got leading dimensions {lead}, "
+                         f"so call once per sequence")
+    B = math.prod(lead)
+    if B == 0:
+        raise ValueError(f"q: expected at least one sequence in the leading dimensions, got shape {arrays[0].shape}")
+    q3, k3, v3 = (x.reshape((B,) + x.shape[-2:]) for x in arrays)
+    args = (max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, None)
+    a = check_ovq_arguments(q3[0], k3[0], v3[0], *args)
+    # the other sequences pass the same checks when the whole arrays are finite and the largest value cannot overflow;
+    # otherwise the first sequence that fails raises refimpl's message
+    ok = all(np.isfinite(x).all() for x in (q3, k3, v3))
+    ok = ok and float(np.max(np.abs(v3))) * q3.shape[1] <= float(np.finfo(a.dtype).max)
+    if not ok:
+        for b in range(1, B):
+            check_ovq_arguments(q3[b], k3[b], v3[b], *args)
+    q3, k3, v3 = (np.ascontiguousarray(x, dtype=a.dtype) for x in (q3, k3, v3))
+    return a, q3, k3, v3, lead
+
+
+def _forward(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state, record,
+             return_state=False):
+    """Core of the public forwards: ``(out, new_state or None, records or None, inputs, params)``."""
+    batched = np.ndim(q) > 2
+    if batched:
+        a, q3, k3, v3, lead = _check_batch(q, k, v, max_size, chunk_size, beta, growth, init, count_bias,
+                                           learning_rate, seed, state)
+    else:
+        a = check_ovq_arguments(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state)
+        q3, k3, v3, lead = (np.ascontiguousarray(a.q)[None], np.ascontiguousarray(a.k)[None],
+                            np.ascontiguousarray(a.v)[None], ())
+    validation.check_bool(return_state, "return_state")
+    dtype, p = a.dtype, a.params
+    B, N, d = q3.shape
+    d_v = v3.shape[2]
+    n_max = p.max_size
+    n0, t0 = (0, 0) if state is None else (state.size, state.tokens_seen)
+    plan = _Plan(N, p, n0, t0)
+    C = plan.C
+    Dk = np.zeros((B, n_max + C, d), dtype)
+    Dv = np.zeros((B, n_max + C, d_v), dtype)
+    counts = np.zeros((B, n_max), np.int64)
+    if state is not None:
+        Dk[0, :n_max], Dv[0, :n_max], counts[0] = state.keys, state.values, state.counts
+    J = plan.starts.size
+    out = np.empty((B, N, d_v), dtype)
+    bad = np.zeros((B, N), np.bool_)
+    rows = np.zeros((B, N), np.int64)
+    seeded = np.zeros((B, N), np.bool_)
+    seeds = np.zeros((B, max(int(plan.seed_off[-1]), 1)), np.int64)
+    shape_rec = (B, J, n_max) if record else (B, 1, n_max)
+    counts_mid, added = np.zeros(shape_rec, np.int64), np.zeros(shape_rec, np.int64)
+    n_snap = int(plan.snap_off[-1]) if record else 0
+    snapK, snapV = np.zeros((B, n_snap, d), dtype), np.zeros((B, n_snap, d_v), dtype)
+    f = np.dtype(dtype).type
+    blas = B == 1 and C * n_max * max(d, d_v) >= BLAS_WORK
+    with _single_threaded_blas(blas):
+        _forward_kernel(q3, k3, v3, plan.starts, plan.lengths, plan.ns, plan.nadd, plan.seed_off, plan.drawn,
+                        plan.use_drawn, plan.snap_off, f(p.beta), f(NORM_EPS), f(1 if p.eta is None else p.eta), p.count_bias,
+                        p.eta is not None, record, blas, Dk, Dv, counts, out, bad, rows, seeded, seeds, counts_mid, added,
+                        snapK, snapV)
+    for b in range(B):
+        # refimpl's loop over the sequences stops at the first that overflows
+        n_bad = int(np.count_nonzero(bad[b]))
+        if n_bad:
+            check_overflow((n_bad, int(np.argmax(bad[b]))), state, dtype)
+    new_state = None
+    if not batched:
+        keys, values = Dk[0, :n_max].copy(), Dv[0, :n_max].copy()
+        # rows the stream never reached keep what the incoming state held there (zeros for a new stream)
+        if state is None:
+            keys[plan.n_final :], values[plan.n_final :] = 0, 0
+        else:
+            keys[plan.n_final :], values[plan.n_final :] = state.keys[plan.n_final :], state.values[plan.n_final :]
+        new_state = OVQState(keys, values, counts[0], plan.n_final, plan.t_final)
+    records = ChunkRecords(plan, rows, seeded, seeds, counts_mid, added, snapK, snapV, p.count_bias) if record else None
+    out = out.reshape(lead + (N, d_v)) if batched else out[0]
+    inputs = (q3.reshape(lead + (N, d)), k3.reshape(lead + (N, d)), v3.reshape(lead + (N, d_v))) if batched else (a.q, a.k, a.v)
+    return out, new_state, records, inputs, p
+
+
+def ovq_attention(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread", count_bias=True,
+                  learning_rate=None, seed=0, state=None, return_state=False):
+    """Online vector-quantized attention, causal, chunk by chunk: :func:`refimpl.ovq.ovq_attention` on the CPU.
+
+    Parameters
+    ----------
+    q, k : array_like, shape (N, d)
+        Queries and keys (unit-normalised inside).
+    v : array_like, shape (N, d_v)
+        Values (not normalised).
+    max_size : int
+        ``n_max``, the most centroids (>= 1).
+    chunk_size : int
+        ``C`` (>= 1); the last chunk may be shorter.
+    beta : float, optional
+        Scale of the dot products, ``sqrt(d)`` by default.
+    growth : {"plateau", "linear"}, default "plateau"
+        The growth function of :func:`dictionary_size`.
+    init : {"spread", "random"}, default "spread"
+        Which keys seed new centroids once a dictionary exists: the least
+        similar to it, or drawn with refimpl's generator.
+    count_bias : bool, default True
+        Add ``log c`` to the centroid logits.
+    learning_rate : float, optional
+        ``None``: the adaptive ``1/c`` running mean; ``eta`` in ``(0, 1]``:
+        ``D += eta (x - D)`` token by token in token order.
+    seed : int, default 0
+        Seed of ``init="random"`` (>= 0).
+    state : OVQState, optional
+        Continue a stream from this state (it is not modified).
+    return_state : bool, default False
+        Also return the state after the last chunk.
+
+    Returns
+    -------
+    out : ndarray, shape (N, d_v)
+        Dtype of the inputs (a float64 ``state`` makes it float64).
+    state : OVQState
+        Only with ``return_state=True``; a new object.
+    """
+    if np.ndim(q) > 2:
+        # leading dimensions belong to ovq_attention_forward; here the 2-D check gives refimpl's message
+        check_ovq_arguments(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state)
+    out, new_state, _, _, _ = _forward(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate,
+                                       seed, state, record=False, return_state=return_state)
+    return (out, new_state) if return_state else out
+
+
+def ovq_attention_forward(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread", count_bias=True,
+                          learning_rate=None, seed=0, state=None):
+    """:func:`ovq_attention`, keeping what the backward needs; also for a batch of sequences.
+
+    Parameters
+    ----------
+    q, k : array_like, shape (N, d) or (..., N, d)
+        Queries and keys; leading dimensions make a batch of independent
+        sequences, each with its own empty dictionary.
+    v : array_like, shape (N, d_v) or (..., N, d_v)
+        Values, with the leading dimensions of ``q``.
+    max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed
+        As in :func:`ovq_attention`.
+    state : OVQState, optional
+        As in :func:`ovq_attention`; refused with leading dimensions.
+
+    Returns
+    -------
+    out : ndarray, shape (N, d_v) or (..., N, d_v)
+    cache : OVQCache
+        ``q, k, v`` (cast to the common dtype), ``params`` and ``records``
+        (a :class:`ChunkRecords`); ``cache.state`` is the state after the
+        call for a 2-D call, ``None`` with leading dimensions.
+    """
+    out, new_state, records, (qc, kc, vc), p = _forward(q, k, v, max_size, chunk_size, beta, growth, init, count_bias,
+                                                        learning_rate, seed, state, record=True)
+    return out, OVQCache(qc, kc, vc, p, records, new_state)
+
+
+def ovq_attention_backward(grad_out, cache: OVQCache) -> OVQGrads:
+    """Gradients of OVQ attention with the assignments held at their forward values.
+
+    Parameters
+    ----------
+    grad_out : array_like, shape (N, d_v) or (..., N, d_v)
+        ``dL/d out``, the shape of the forward's output.
+    cache : OVQCache
+        From :func:`ovq_attention_forward` (a cache of
+        :func:`refimpl.ovq.ovq_attention_forward` is handed to
+        :func:`refimpl.ovq.ovq_attention_backward`).
+
+    Returns
+    -------
+    OVQGrads
+        Fields ``q`` (..., N, d), ``k`` (..., N, d), ``v`` (..., N, d_v), new
+        arrays in the dtype of the forward.
+    """
+    validation.check_instance(cache, "cache", OVQCache, "the OVQCache from ovq_attention_forward")
+    if not isinstance(cache.records, ChunkRecords):
+        return _ovq.ovq_attention_backward(grad_out, cache)
+    q, k, v, p, rec = cache.q, cache.k, cache.v, cache.params, cache.records
+    lead, N, d, d_v = q.shape[:-2], q.shape[-2], q.shape[-1], v.shape[-1]
+    labels = tuple(f"dim {i}" for i in range(len(lead))) + ("N", "d_v")
+    g = validation.check_grad_out(grad_out, v.shape, labels, q.dtype)
+    q3, k3, v3 = (x.reshape((-1,) + x.shape[-2:]) for x in (q, k, v))
+    g3 = np.ascontiguousarray(g.reshape(v3.shape))
+    B = q3.shape[0]
+    gq, gk, gv = np.empty_like(q3), np.empty_like(k3), np.empty_like(v3)
+    plan = rec.plan
+    f = np.dtype(q.dtype).type
+    blas = B == 1 and plan.C * p.max_size * max(d, d_v) >= BLAS_WORK
+    # no parallel region runs beside the BLAS calls here: BLAS keeps its threads
+    _backward_kernel(np.ascontiguousarray(q3), np.ascontiguousarray(k3), np.ascontiguousarray(v3), g3, plan.starts,
+                     plan.lengths, plan.ns, plan.nadd, plan.seed_off, plan.snap_off, f(p.beta), f(NORM_EPS),
+                     f(1 if p.eta is None else p.eta), p.count_bias, p.eta is not None, blas, rec.rows, rec.seeded,
+                     rec.seeds, rec.counts_mid, rec.added, rec.dict_keys, rec.dict_values, gq, gk, gv)
+    return OVQGrads(q=gq.reshape(q.shape), k=gk.reshape(k.shape), v=gv.reshape(v.shape))
+
+
+def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
+    """VQ attention with a fixed key codebook: :func:`refimpl.ovq.vq_attention` on the CPU.
+
+    Parameters
+    ----------
+    q, k : array_like, shape (N, d)
+        Queries and keys (unit-normalised inside).
+    v : array_like, shape (N, d_v)
+    codebook : array_like, shape (S, d)
+        The fixed key dictionary ``D_k`` (used as given, not normalised).
+    chunk_size : int
+        ``C`` (>= 1).
+    beta : float, optional
+        ``sqrt(d)`` by default.
+
+    Returns
+    -------
+    ndarray, shape (N, d_v)
+    """
+    q, k, v, codebook, C, beta = check_vq_arguments(q, k, v, codebook, chunk_size, beta)
+    dtype = q.dtype
+    out = np.empty((q.shape[0], v.shape[1]), dtype)
+    bad = np.zeros(q.shape[0], np.bool_)
+    f = dtype.type
+    _vq_kernel(*(np.ascontiguousarray(x) for x in (q, k, v, codebook)), min(C, q.shape[0]), f(beta), f(NORM_EPS), out, bad)
+    n_bad = int(np.count_nonzero(bad))
+    validation.check_overflowed_rows(n_bad, int(np.argmax(bad)) if n_bad else -1, dtype, "beta, codebook",
+                                     "lower beta or rescale the codebook")
+    return out
