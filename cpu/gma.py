@@ -36,10 +36,6 @@ BLOCK = 256
 """Rows per block of the backward's partial sums (a fixed number: the order of the sums is fixed)."""
 
 
-def _responsibilities(x, means, variances, log_weights):
-    return cpu_gmm.posterior(x, means, variances, log_weights)
-
-
 def _responsibility_backward_kernel(x, gamma, grad, means, precisions, dx, part_mu, part_sq, part_c):
     n, d = x.shape
     K = means.shape[0]
@@ -117,7 +113,7 @@ def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: fl
     """
     a = ref_gma.check_gma_arguments(x_q, x_k, v, means, variances, weights, causal, eps, chunk_size)
     args = (a.x_q, a.x_k, a.v, a.means, a.variances, numerics.log_weights(a.weights), a.causal, a.eps, a.chunk_size)
-    return ref_gma.forward_with(_responsibilities, *args, keep=False, scan=cpu_scan.scan_forward)[0]
+    return ref_gma.forward_with(cpu_gmm.posterior, *args, keep=False, scan=cpu_scan.scan_forward)[0]
 
 
 def gma_forward(
@@ -131,7 +127,7 @@ def gma_forward(
     a = ref_gma.check_gma_forward_arguments(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size)
     variances, log_weights = ref_gma.mixture_from_raw(a.raw_variances, a.logits, a.min_variance)
     return ref_gma.forward_with(
-        _responsibilities, a.x_q, a.x_k, a.v, a.means, variances, log_weights, a.causal, a.eps, a.chunk_size,
+        cpu_gmm.posterior, a.x_q, a.x_k, a.v, a.means, variances, log_weights, a.causal, a.eps, a.chunk_size,
         raw_variances=a.raw_variances, scan=cpu_scan.scan_forward,
     )
 

@@ -33,7 +33,7 @@ from refimpl import numerics, validation
 
 from ._jit import pick, threaded_and_serial
 
-__all__ = ["log_responsibilities", "responsibilities", "log_joint_rows", "posterior"]
+__all__ = ["log_responsibilities", "responsibilities", "posterior"]
 
 ROWS = 4
 """Rows that share each load of the means and precisions in the quadratic-form loop."""
@@ -112,24 +112,7 @@ def _posterior_kernel(x, mu_t, prec_t, log_norm, half, log, out, min_quad):
             normalise_row(q[s], out[a + s], log)
 
 
-def _log_joint_kernel(x, mu_t, prec_t, log_norm, half, out, min_quad):
-    n = x.shape[0]
-    K = mu_t.shape[1]
-    for g in prange((n + ROWS - 1) // ROWS):
-        a = g * ROWS
-        r = min(ROWS, n - a)
-        q = np.empty((ROWS, K), x.dtype)
-        quadratic_forms(x, a, r, mu_t, prec_t, q)
-        for s in range(r):
-            mq = q[s, 0]
-            for k in range(K):
-                mq = min(mq, q[s, k])
-                out[a + s, k] = log_norm[k] - half * q[s, k]
-            min_quad[a + s] = mq
-
-
 _POSTERIOR = threaded_and_serial(_posterior_kernel)
-_LOG_JOINT = threaded_and_serial(_log_joint_kernel)
 
 
 def _constants(means, variances, log_weights):
@@ -140,15 +123,6 @@ def _constants(means, variances, log_weights):
     mu_t = np.ascontiguousarray(means.T)
     prec_t = np.ascontiguousarray((1.0 / variances).T)
     return mu_t, prec_t, log_norm.astype(means.dtype), means.dtype.type(0.5)
-
-
-def log_joint_rows(x, means, variances, log_weights):
-    """Core: ``(logits (N, K), min_quad (N,))`` as :func:`refimpl.gmm.log_joint` (arrays checked, one dtype; no raise)."""
-    x = np.ascontiguousarray(x)
-    out = np.empty((x.shape[0], means.shape[0]), dtype=x.dtype)
-    min_quad = np.empty(x.shape[0], dtype=x.dtype)
-    pick(_LOG_JOINT, out.size * x.shape[1])(x, *_constants(means, variances, log_weights), out, min_quad)
-    return out, min_quad
 
 
 def posterior(x, means, variances, log_weights, *, log=False):
