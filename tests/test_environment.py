@@ -24,7 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # the pip wheels that conda-forge names differently
-PIP_TO_CONDA = {"cupy-cuda13x": "cupy", "nvidia-cuda-nvrtc": "cuda-nvrtc"}
+PIP_TO_CONDA = {
+    "cupy-cuda13x": "cupy",
+    "nvidia-cuda-nvrtc": "cuda-nvrtc",
+    "nvidia-cuda-nvcc": "cuda-nvcc",
+    "nvidia-cuda-cuobjdump": "cuda-cuobjdump",
+    "nvidia-cuda-nvdisasm": "cuda-nvdisasm",
+}
 #: the extra that environment.yml and `make install` add to dev
 CONDA_EXTRA = "cuda13"
 
@@ -118,7 +124,10 @@ def test_both_cuda_extras_name_the_same_stack():
     def roles(extra):
         return sorted(re.sub(r"(-cu12|12x|13x)$", "", r.name.lower()) for r in _requirements(extra))
 
-    assert roles("cuda12") == roles("cuda13") == ["cuda-bindings", "cupy-cuda", "numba-cuda", "nvidia-cuda-nvrtc"]
+    stack = ["cuda-bindings", "cupy-cuda", "numba-cuda", "nvidia-cuda-nvcc", "nvidia-cuda-nvrtc"]
+    assert roles("cuda12") == stack
+    # cuobjdump and nvdisasm (the SASS of the hot loops) have CUDA 13 wheels only
+    assert roles("cuda13") == sorted(stack + ["nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"])
 
 
 def test_make_install_installs_dev_with_a_cuda_extra():
