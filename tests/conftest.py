@@ -28,3 +28,23 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("reference")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def host_copies(monkeypatch):
+    """Count every ``copy_to_host`` of a Numba device array (the simulator's or a GPU's class): ``host_copies["n"]``."""
+    from numba import cuda
+
+    cls = type(cuda.device_array(1))
+    original = cls.copy_to_host
+    counter = {"n": 0}
+
+    def counted(self, *a, **kw):
+        counter["n"] += 1
+        return original(self, *a, **kw)
+
+    monkeypatch.setattr(cls, "copy_to_host", counted)
+    return counter

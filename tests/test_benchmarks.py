@@ -206,3 +206,71 @@ def test_torch_baselines_agree_with_the_reference():
     for n_max, chunk in ((8, 16), (3, 4), (40, 10), (1, 5)):
         np.testing.assert_allclose(tb.ovq_attention(T(q), T(k), T(vv), max_size=n_max, chunk_size=chunk).numpy(),
                                    ovq.ovq_attention(q, k, vv, max_size=n_max, chunk_size=chunk), rtol=1e-10, atol=1e-12)
+
+
+# --- gpu_model.py: a model from the compiled code, never a timing -------------------------------------------------
+
+
+def _static_row(kernel, hot_total, hot_flops, occupancy, dtype="float32"):
+    """A per-kernel static row as gpu.sass.kernel_rows gives it, with the fields the model reads."""
+    return {"kernel": kernel, "dtype": dtype, "loop": True, "hot_loop": {"total": hot_total, "fp": hot_flops // 2},
+            "hot_loop_flops": hot_flops, "occupancy": occupancy, "threads": 256, "registers": 32}
+
+
+def test_gpu_model_issue_time_on_a_hand_worked_row():
+    gm = _load("gpu_model")
+    row = _static_row("gpu.numba_cuda.gmm._rows", 100, 50, 0.5)  # 2 instructions a FLOP, 8 warps a scheduler
+    # 1e12 FLOPs x 2 / 32 threads = 6.25e10 warp instructions at 132 x 4 x 1.7e9 = 8.976e11 a second
+    assert gm.issue_time(1e12, row) == pytest.approx(0.0696301, rel=1e-6)
+    # 12.5% occupancy: 2 warps a scheduler, half of the 4 it needs to issue every cycle
+    assert gm.issue_efficiency(0.125) == 0.5 and gm.issue_efficiency(0.25) == 1.0
+    assert gm.issue_time(1e12, dict(row, occupancy=0.125)) == pytest.approx(2 * 0.0696301, rel=1e-6)
+
+
+def test_gpu_model_picks_the_kernel_named_for_the_work():
+    gm = _load("gpu_model")
+    rows = [_static_row("gpu.numba_cuda.gmm._component_constants", 200, 80, 0.5),
+            _static_row("gpu.numba_cuda.gmm._posterior_rows", 200, 16, 0.4),
+            _static_row("gpu.numba_cuda.gmm._posterior_rows", 200, 16, 0.4, dtype="float64")]
+    assert gm.main_kernel(rows, "gmm", "float32") is rows[1]  # named for the work, though it has fewer FLOPs
+    assert gm.main_kernel(rows[:1], "gmm", "float32") is rows[0]  # none named: the most FLOPs
+    assert gm.main_kernel(rows, "scan", "float32") is None
+    # a hot loop of comparisons (no FLOPs): the work loop paces the part
+    compare = dict(_static_row("gpu.numba_cuda.attention._flash", 100, 0, 0.5), work_loop={"total": 30, "fp": 10},
+                   work_loop_flops=20)
+    assert gm.main_kernel([compare], "attention", "float32") is compare
+    assert gm.issue_time(1e12, compare) == pytest.approx(1.5 / 2 * 0.0696301, rel=1e-6)  # 1.5 instructions a FLOP
+
+
+def test_gpu_model_json_covers_every_public_function_and_measures_nothing(tmp_path):
+    import ast
+    import json
+
+    gm, bg = _load("gpu_model"), _bench_gpu()
+    static = [_static_row(f"gpu.numba_cuda.{m}._{name}", 120, 40, 0.5)
+              for m, name in (("gmm", "posterior_rows"), ("scan", "chunk_states"), ("gma", "parameter_partials"),
+                              ("attention", "flash_forward"))]
+    (tmp_path / "static.json").write_text(json.dumps(static))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_model.py"), "--static", str(tmp_path / "static.json"),
+                           "--json", str(tmp_path / "model.json")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "MODEL" in proc.stdout and "not a measurement" in proc.stdout
+    report = json.loads((tmp_path / "model.json").read_text())
+    tree = ast.parse((ROOT / "gpu" / "numba_cuda" / "__init__.py").read_text())
+    names = next(n.value for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "__all__")
+    public = {ast.literal_eval(e) for e in names.elts if ast.literal_eval(e)[0].islower()}
+    rows = report["rows"]
+    assert {r["function"] for r in rows} == public
+    assert all(r["measured_s"] is None and r["measured_note"] == gm.NOT_MEASURED for r in rows)
+    resp = next(r for r in rows if r["function"] == "responsibilities")
+    nbytes, flops = bg.responsibilities_counts(1 << 20, 256, 64)
+    assert (resp["bytes"], resp["flops"]) == (nbytes, flops)
+    assert resp["roofline_s"] == pytest.approx(max(nbytes / 4.8e12, flops / 67e12))
+    assert resp["issue_bound_s"] == pytest.approx(gm.issue_time(flops, static[0]))
+    assert resp["predicted_s"] == max(resp["issue_bound_s"], nbytes / 4.3e12)
+    ovq = next(r for r in rows if r["function"] == "ovq_attention")  # no ovq kernel in the static table: no prediction
+    assert ovq["predicted_s"] is None and ovq["no_static_data"] == ["ovq"]
+    # with a slow memory, the model is the memory time
+    slow = gm.model_rows(static, device=dict(gm.H200, copy_bandwidth_Bps=1e9))
+    resp = next(r for r in slow if r["function"] == "responsibilities")
+    assert resp["predicted_s"] == nbytes / 1e9 and resp["predicted_bound"] == "memory"

@@ -1,9 +1,11 @@
 """gpu.numba_cuda.attention.softmax_attention (tiled online softmax) against refimpl.attention.softmax_attention.
 
-Runs the kernels in the CUDA simulator when there is no GPU (tests/conftest.py).
-Inputs that overflow on purpose run under :func:`quiet`: the simulator
-evaluates the kernel with NumPy scalars in threads that ``np.errstate`` does
-not reach.
+Runs the kernels in the CUDA simulator when there is no GPU (tests/conftest.py),
+with the simulator's small tiles (4 query rows by 2 keys, so that a key tile can
+be entirely masked) and, in two tests, the GPU's own tiles (64 x 64 in float32,
+32 x 32 in float64).  Inputs that overflow on purpose run under :func:`quiet`:
+the simulator evaluates the kernel with NumPy scalars in threads that
+``np.errstate`` does not reach.
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from gpu.numba_cuda import _primitives
 from gpu.numba_cuda import attention as G
-from gpu.numba_cuda.attention import COLS, DTILE, TILE
 from refimpl import attention as R
+
+_GEOMETRY = G.GEOMETRY[np.dtype(np.float64)]
+#: Query rows per tile, coordinates per chunk of d, value columns per block (the tiles the launches use).
+TILE, DTILE, COLS = _GEOMETRY.tile_q, _GEOMETRY.D_CHUNK, _GEOMETRY.COLS
 
 
 @contextmanager
@@ -34,6 +40,7 @@ def qkv(batch, N_q, N_k, d, d_v, seed=0, dtype=np.float64):
 
 # (batch, N_q, N_k, d, d_v, causal): tiles of TILE rows, d in steps of DTILE, d_v in groups of COLS
 CASES = [
+    ((2,), 3 * TILE + 1, 3 * TILE + 1, 2 * DTILE + 1, 2 * COLS + 1, True),
     ((), 5, 5, 3, 2, False),
     ((), TILE + 3, TILE + 3, 3, 4, True),
     ((), 1, 1, 2, 1, True),
@@ -122,3 +129,99 @@ def test_overflowed_scores_are_refused_with_the_references_message(q, k, kw):
             G.softmax_attention(q, k, v, **kw)
     assert str(got.value) == str(ref.value)
     assert "the logits of" in str(ref.value)
+
+
+@pytest.mark.parametrize(
+    "dtype, N_q, N_k, d, d_v, causal, rtol",
+    [
+        # float32: 64 x 64 tiles; 65 rows cross two query tiles and two key tiles, the second one masked in part
+        (np.float32, 65, 65, 3, 2, True, 1e-5),
+        # float64: 32 x 32 tiles; 33 rows and keys cross two tiles, d = 66 two chunks of 64 (the query tile staged per
+        # key tile), d_v = 65 two groups of 64 columns
+        (np.float64, 33, 33, 66, 65, True, 1e-12),
+    ],
+    ids=["float32 64x64", "float64 32x32"],
+)
+def test_the_gpus_own_tiles_match_the_reference(monkeypatch, dtype, N_q, N_k, d, d_v, causal, rtol):
+    monkeypatch.setattr(G, "GEOMETRY", G.GPU_GEOMETRY)
+    g = G.GPU_GEOMETRY[np.dtype(dtype)]
+    assert N_q > g.tile_q and N_k > g.tile_k and (d > g.D_CHUNK or d_v > g.COLS or dtype == np.float32)
+    q, k, v = qkv((), N_q, N_k, d, d_v, seed=7, dtype=dtype)
+    out = G.softmax_attention(q, k, v, causal=causal)
+    assert out.dtype == dtype
+    np.testing.assert_allclose(out, R.softmax_attention(q, k, v, causal=causal), rtol=rtol, atol=rtol / 10)
+
+
+def _first_tile_all_minus_inf(N, tile_k):
+    """q, k, v whose row ``tile_k + 1`` scores -inf (overflow) against every key of the first key tile, finite after."""
+    rng = np.random.default_rng(8)
+    q = np.zeros((N, 2))
+    q[:, 1] = rng.normal(size=N)
+    k = np.zeros((N, 2))
+    k[:, 1] = rng.normal(size=N)
+    k[:tile_k, 0] = -1e200  # q_i . k_j = 1e200 * -1e200 = -inf for the row below, 0 * -1e200 = 0 for the others
+    q[tile_k + 1, 0] = 1e200
+    v = rng.normal(size=(N, 3))
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_row_whose_first_key_tile_is_all_minus_inf(causal):
+    """The running pair starts at (-inf, 0) and stays there through a whole tile: e^{-inf - (-inf)} must not enter."""
+    tile_k = _GEOMETRY.tile_k
+    q, k, v = _first_tile_all_minus_inf(3 * tile_k + 1, tile_k)
+    with quiet():
+        ref = R.softmax_attention(q, k, v, scale=1.0, causal=causal)
+        out = G.softmax_attention(q, k, v, scale=1.0, causal=causal)
+    assert np.all(np.isfinite(ref))
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-13)
+
+
+def test_a_causal_key_tile_entirely_masked_for_some_rows():
+    """Tiles of 4 rows by 2 keys: rows 0 and 1 of a query tile see nothing of its second key tile (all j > i)."""
+    assert _GEOMETRY.tile_q > _GEOMETRY.tile_k or not G.SIMULATOR
+    q, k, v = qkv((), 2 * _GEOMETRY.tile_q + 1, 2 * _GEOMETRY.tile_q + 1, 3, 2, seed=9)
+    np.testing.assert_allclose(G.softmax_attention(q, k, v, causal=True), R.softmax_attention(q, k, v, causal=True),
+                               rtol=1e-12, atol=1e-13)
+
+
+def test_a_row_all_minus_inf_is_refused_as_the_reference_refuses_it():
+    q, k, v = qkv((), 6, 6, 2, 3, seed=12)
+    q[:, 0] = 0.0
+    k[:, 0] = -1e200
+    q[3, 0] = 1e200  # row 3 scores 1e200 * -1e200 = -inf against every key; the other rows finite scores
+    with quiet():
+        with pytest.raises(ValueError) as ref:
+            R.softmax_attention(q, k, v, scale=1.0)
+        with pytest.raises(ValueError) as got:
+            G.softmax_attention(q, k, v, scale=1.0)
+    assert str(got.value) == str(ref.value)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_launch_geometry_keeps_every_hardware_limit(monkeypatch, dtype):
+    """N = 2^24 queries and B H = 2^20 sequences, computed without launching."""
+    monkeypatch.setattr(G, "GEOMETRY", G.GPU_GEOMETRY)
+    g = G.GPU_GEOMETRY[np.dtype(dtype)]
+    for BH, N, d_v in ((2**20, 2**24, 64), (2**20, 1, 1), (1, 2**24, 129), (65536, 7, 8), (3, 5, 2)):
+        (x, y, z), block = G.launch_geometry(BH, N, d_v, dtype)
+        assert 1 <= x <= _primitives.MAX_GRID_X and 1 <= y <= 65535 and 1 <= z <= 65535
+        assert int(np.prod(block)) <= 1024 and block == (g.threads,)
+        assert y * z >= BH and x * g.tile_q >= N * 1  # every sequence and every query tile has a block
+        assert x == -(-N // g.tile_q) * -(-d_v // g.COLS)
+    assert g.tile_q >= (64 if dtype == np.float32 else 32) and g.tile_k >= (64 if dtype == np.float32 else 32)
+    assert g.shared_bytes(np.dtype(dtype).itemsize) <= 48 * 1024
+
+
+def test_more_sequences_than_one_grid_axis_holds(monkeypatch):
+    """B H = 70,000 > 65,535: the sequences go onto grid y and z (the old grid put them on y alone)."""
+    monkeypatch.setattr(G, "sequence_axes", lambda n: (max(1, -(-n // 3)), 3) if n > 1 else (1, 1))
+    q, k, v = qkv((7,), 3, 3, 2, 2, seed=10)
+    np.testing.assert_allclose(G.softmax_attention(q, k, v, causal=True), R.softmax_attention(q, k, v, causal=True),
+                               rtol=1e-12, atol=1e-13)
+
+
+def test_a_device_call_across_tiles_copies_to_the_host_once(host_copies):
+    q, k, v = (cuda.to_device(a) for a in qkv((2,), 2 * TILE + 1, 2 * TILE + 1, DTILE + 1, COLS + 1, seed=11))
+    out = G.softmax_attention(q, k, v, causal=True)
+    assert host_copies["n"] == 1 and hasattr(out, "copy_to_host")

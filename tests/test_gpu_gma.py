@@ -1,19 +1,24 @@
 """gpu.numba_cuda.gma against refimpl.gma: outputs, all six gradients, batch and head dimensions, errors, determinism.
 
 Runs the kernels in the CUDA simulator when there is no GPU (tests/conftest.py),
-so the shapes are tiny; the simulator's blocks are then 4 x 4 threads, so even
-these shapes cross tile, chunk and (with SEGMENT patched) segment boundaries.
+so the shapes are tiny; the simulator's blocks are then 2 x 2 or 4 x 4 threads, so
+even these shapes cross tile, chunk and (with SEGMENT patched) segment boundaries.
+The tests named ``gpu_geometry`` run the GPU's own tiles (``geometry()``) on
+shapes that cross them.
 """
 
 import importlib
 import warnings
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
 from numba import cuda
 
+from gpu.numba_cuda import gmm as gpu_gmm
 from gpu.numba_cuda import scan as gpu_scan
-from refimpl import gma, gmm
+from gpu.numba_cuda._device import SIMULATOR
+from refimpl import gma, gmm, numerics
 
 gpu_gma = importlib.import_module("gpu.numba_cuda.gma")  # the package's attribute gma is the function
 
@@ -163,3 +168,85 @@ def test_errors_on_device_arrays_and_computed_quantities_are_refimpls():
     _raises_like_refimpl(lambda: gpu_gma.gma_backward(cuda.to_device(g), cache), lambda: gma.gma_backward(g, ref_cache))
     with pytest.raises(TypeError, match="cache: expected the GMADeviceCache from gpu.numba_cuda.gma.gma_forward, got GMABatchCache"):
         gpu_gma.gma_backward(np.ones((2, 3, 3)), ref_cache)
+
+
+# ---------------------------------------------------------------------------
+# The GPU's own tiles in the simulator, and the launch geometry
+# ---------------------------------------------------------------------------
+
+
+def gpu_tiles():
+    """The GPU's tile geometries (responsibilities and backward): switched on in the simulator, already there on a GPU."""
+    return gpu_gma.geometry() if SIMULATOR else nullcontext()
+
+
+def test_gpu_geometry_forward_and_gradients_cross_the_tiles():
+    """GPU tiles, float64: N = 17 crosses dL/dx's 16-row tile, K = 17 its 16-component stage and the 16 x 16 partial
+    tiles (the responsibilities' tiles are crossed in tests/test_gpu_gmm.py)."""
+    g = gpu_gma.GPU_GEOMETRY
+    n, K = g.threads_y * g.rows_per_thread + 1, g.m_chunk + 1
+    args = problem(21, (), False, n=n, K=K, d_r=3, d_v=2)
+    with gpu_tiles():
+        assert (gpu_gma.ROW_TILE, gpu_gma.MC, gpu_gma.TILE) == (n - 1, K - 1, K - 1)
+        out, cache = gpu_gma.gma_forward(*args)
+        g_out = np.random.default_rng(22).normal(size=out.shape)
+        grads = gpu_gma.gma_backward(g_out, cache)
+    ref_out, ref_cache = gma.gma_forward(*args)
+    assert_matches(out, grads, ref_out, gma.gma_backward(g_out, ref_cache), F64)
+
+
+def test_gpu_geometry_row_gradients_cross_the_coordinate_tile():
+    """dL/dx and c of _responsibility_rows at the GPU's tiles with d_r = 33: two 32-coordinate tiles, two stages of K."""
+    g = gpu_gma.GPU_GEOMETRY
+    N, K, d = 20, g.m_chunk + 1, g.threads_x * g.coords_per_thread + 1
+    rng = np.random.default_rng(23)
+    x = rng.normal(size=(1, N, d))
+    means = rng.normal(size=(1, K, d))
+    variances = rng.uniform(0.5, 2.0, size=(1, K, d))
+    gamma = rng.dirichlet(np.ones(K), size=(1, N))
+    grad = rng.normal(size=(1, N, K))
+    c, dx = cuda.device_array((1, N, K)), cuda.device_array((1, N, d))
+    with gpu_tiles():
+        assert gpu_gma.COORD_TILE == d - 1
+        grid, block = gpu_gma.backward_geometry(1, N, N, K, d)["_responsibility_rows q"]
+        gpu_gma._rows_kernel(np.float64)[grid, block](*(cuda.to_device(a) for a in (x, gamma, grad, means, variances)), c, dx)
+    ref_c = numerics.softmax_backward(gamma[0], grad[0], axis=1)
+    # dL/dx_i = sum_m c_im (mu_m - x_i) / sigma_m^2
+    ref_dx = np.einsum("im,imj->ij", ref_c, (means[0][None] - x[0][:, None]) / variances[0][None])
+    np.testing.assert_allclose(c.copy_to_host()[0], ref_c, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(dx.copy_to_host()[0], ref_dx, rtol=1e-11, atol=1e-13)
+
+
+def test_backward_blocks_loop_over_the_tiles_when_the_grid_is_capped(monkeypatch):
+    """Grid x capped at 2 blocks: every backward kernel loops over several (sequence, tile) pairs; same gradients."""
+    monkeypatch.setattr(gpu_gma, "MAX_GRID_X", 2)
+    monkeypatch.setattr(gpu_gmm, "MAX_GRID_X", 2)
+    monkeypatch.setattr(gpu_scan, "SEGMENT", 2)
+    args = problem(24, (3,), True, n=5, K=5, d_r=3)
+    launches = gpu_gma.backward_geometry(3, 5, 5, 5, 3, 3, 2)
+    assert all(grid <= 2 for grid, _ in launches.values())
+    out, cache = gpu_gma.gma_forward(*args)
+    ref_out, ref_cache = gma.gma_forward(*args)
+    g = np.random.default_rng(25).normal(size=ref_out.shape)
+    assert_matches(out, gpu_gma.gma_backward(g, cache), ref_out, gma.gma_backward(g, ref_cache), F64)
+
+
+@pytest.mark.parametrize("B, N, K, d_r, H", [(1, 2**24, 256, 64, 1), (2**20, 64, 256, 64, 2**10), (2**20, 2**24, 1024, 129, 2**20)])
+def test_launch_geometry_is_inside_every_hardware_limit(B, N, K, d_r, H):
+    """N = 2^24 tokens, B H = 2^20 sequences: every launch of gma_forward's responsibilities and of gma_backward's
+    kernels inside the limits (grid x < 2^31, y and z <= 65,535, <= 1024 threads), computed without launching."""
+    with gpu_tiles():
+        launches = {**gpu_gma.forward_geometry(B, N, N, K, d_r, H), **gpu_gma.backward_geometry(B, N, N, K, d_r, H, 256)}
+        assert len(launches) == 9
+        whole = gpu_gma.launch_geometry(B, N, N, K, d_r, 64, H, causal=True, chunk_size=64)
+        assert whole["forward"] == gpu_gma.forward_geometry(B, N, N, K, d_r, H)
+        assert whole["backward"] == gpu_gma.backward_geometry(B, N, N, K, d_r, H)
+        for name, (grid, block) in launches.items():
+            grid = grid if isinstance(grid, tuple) else (grid,)
+            block = block if isinstance(block, tuple) else (block,)
+            assert all(isinstance(v, int) and v >= 1 for v in grid + block), name
+            assert grid[0] <= 2**31 - 1 and all(v <= 65535 for v in grid[1:]), (name, grid)
+            assert int(np.prod(block)) <= 1024 and all(v <= 64 for v in block[2:]), (name, block)
+        assert launches["_responsibility_rows q"][0] == min(B * -(-N // gpu_gma.ROW_TILE), 2**31 - 1)
+        # static shared memory of dL/dx's kernel in float64: at most 48 KiB
+        assert 8 * (gpu_gma.SH_RED + gpu_gma.SH_CR + 2 * gpu_gma.SH_MJ) <= 48 * 1024

@@ -1,6 +1,9 @@
 """gpu.numba_cuda.gmm against refimpl.gmm: responsibilities, log-responsibilities and the device core.
 
-Runs the kernels in the CUDA simulator when there is no GPU (tests/conftest.py).
+Runs the kernels in the CUDA simulator when there is no GPU (tests/conftest.py),
+with the simulator's small tiles, and, in the tests named ``gpu_geometry``,
+with the GPU's own tiles (:data:`gpu.numba_cuda.gmm.GPU_GEOMETRY`) on shapes
+that cross two tiles of rows, two of components and two stages of coordinates.
 The simulator evaluates a kernel with NumPy scalars in threads of its own,
 where ``np.errstate`` does not reach: inputs that overflow on purpose are run
 under :func:`quiet`, which silences those RuntimeWarnings (a GPU raises none).
@@ -9,14 +12,15 @@ under :func:`quiet`, which silences those RuntimeWarnings (a GPU raises none).
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import pytest
 from numba import cuda
 
 from gpu.numba_cuda import gmm as G
-from gpu.numba_cuda.gmm import THREADS, posterior_device
+from gpu.numba_cuda._device import SIMULATOR
+from gpu.numba_cuda.gmm import GPU_GEOMETRY, THREADS, launch_geometry, posterior_device
 from refimpl import gmm as R
 from refimpl import numerics
 from refimpl.testing import exact_responsibilities, row_relative_error, spread_means_example
@@ -38,7 +42,18 @@ def problem(N, K, d, seed=0, dtype=np.float64):
     return tuple(a.astype(dtype) for a in (x, means, variances, weights))
 
 
-SIZES = [(4, 4, 3), (1, 3, 2), (3, 1, 5), (2, THREADS + 6, 2)]
+def gpu_tiles():
+    """The GPU's tile geometry: switched on in the simulator, already there on a GPU."""
+    return G.geometry(GPU_GEOMETRY) if SIMULATOR else nullcontext()
+
+
+def crossing(g=None):
+    """``(N, K, d)`` one more than a tile of rows, a tile of components and a stage of coordinates of geometry ``g``."""
+    g = g or G.GEOMETRY
+    return g.threads_y * g.rows_per_thread + 1, g.threads_x * g.comps_per_thread + 1, g.d_chunk + 1
+
+
+SIZES = [(4, 4, 3), (1, 3, 2), (3, 1, 5), (2, THREADS + 6, 2), crossing()]
 
 
 @pytest.mark.parametrize("N, K, d", SIZES)
@@ -201,3 +216,73 @@ def test_posterior_device_with_one_point_and_one_component():
     gamma, min_quad = posterior_device(*(cuda.to_device(a) for a in (x, means, variances, np.zeros((1, 1)))), log=True)
     assert gamma.copy_to_host().tolist() == [[[0.0]]]
     np.testing.assert_allclose(min_quad.copy_to_host(), [[0.25 / 2.0 + 4.0 / 0.5]], rtol=1e-15)
+
+
+def test_gpu_geometry_float64_crosses_every_tile():
+    """64 x 64 block tiles of 16 x 16 threads, 8 coordinates a stage: N = 65, K = 65, d = 9 cross each once."""
+    N, K, d = crossing(GPU_GEOMETRY)
+    args = problem(N, K, d, seed=11)
+    with gpu_tiles():
+        assert (G.TILE_ROWS, G.TILE_COMPS, G.DC) == (N - 1, K - 1, d - 1)
+        got = G.responsibilities(*args)
+    np.testing.assert_allclose(got, R.responsibilities(*args), rtol=1e-12, atol=1e-14)
+
+
+def test_gpu_geometry_float32_log_two_sequences_two_mixtures():
+    """float32 log-responsibilities of B = 2 sequences under H = 2 mixtures (b % H), crossing the component tiles."""
+    _, K, _ = crossing(GPU_GEOMETRY)
+    N = 40  # one partial row tile per sequence: two blocks
+    rng = np.random.default_rng(12)
+    x = rng.normal(size=(2, N, 3)).astype(np.float32)
+    means = rng.normal(size=(2, K, 3)).astype(np.float32)
+    variances = rng.uniform(0.5, 2.0, size=(2, K, 3)).astype(np.float32)
+    log_weights = np.log(rng.dirichlet(np.ones(K), size=2)).astype(np.float32)
+    with gpu_tiles():
+        gamma, min_quad = posterior_device(*(cuda.to_device(a) for a in (x, means, variances, log_weights)), log=True)
+    gamma, min_quad = gamma.copy_to_host(), min_quad.copy_to_host()
+    assert gamma.dtype == np.float32
+    for b in range(2):
+        logits, ref_min = R.log_joint(x[b], means[b], variances[b], log_weights[b])
+        np.testing.assert_allclose(gamma[b], numerics.log_softmax(logits, axis=1), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(min_quad[b], ref_min, rtol=2e-5)
+
+
+def test_blocks_loop_over_the_tiles_when_the_grid_is_capped(monkeypatch):
+    """With grid x capped at 2 blocks, each block runs several (sequence, row tile) pairs in turn."""
+    monkeypatch.setattr(G, "MAX_GRID_X", 2)
+    rng = np.random.default_rng(13)
+    B, H = 3, 3
+    N, K, d = crossing()
+    x = rng.normal(size=(B, N, d))
+    means = rng.normal(size=(H, K, d))
+    variances = rng.uniform(0.5, 2.0, size=(H, K, d))
+    log_weights = np.log(rng.dirichlet(np.ones(K), size=H))
+    assert launch_geometry(B, N, K, d, H)["_posterior_tiles"][0] == 2
+    gamma, min_quad = posterior_device(*(cuda.to_device(a) for a in (x, means, variances, log_weights)))
+    gamma, min_quad = gamma.copy_to_host(), min_quad.copy_to_host()
+    for b in range(B):
+        logits, ref_min = R.log_joint(x[b], means[b], variances[b], log_weights[b])
+        np.testing.assert_allclose(gamma[b], numerics.softmax(logits, axis=1), rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(min_quad[b], ref_min, rtol=1e-12)
+
+
+def _assert_inside_the_limits(launches):
+    for name, (grid, block) in launches.items():
+        grid = grid if isinstance(grid, tuple) else (grid,)
+        block = block if isinstance(block, tuple) else (block,)
+        assert all(isinstance(n, int) and n >= 1 for n in grid + block), name
+        assert grid[0] <= 2**31 - 1 and all(n <= 65535 for n in grid[1:]), (name, grid)
+        assert np.prod(block) <= 1024 and block[0] <= 1024 and all(n <= 64 for n in block[2:]), (name, block)
+
+
+@pytest.mark.parametrize("B, N, K, H", [(1, 2**24, 256, 1), (2**20, 64, 256, 2**10), (2**20, 2**24, 4096, 2**20), (1, 1, 1, 1)])
+def test_launch_geometry_is_inside_every_hardware_limit(B, N, K, H):
+    """N = 2^24 points, B H = 2^20 sequences and more: every grid and block inside the limits, computed without launching."""
+    with gpu_tiles():
+        launches = launch_geometry(B, N, K, 64, H)
+        _assert_inside_the_limits(launches)
+        assert launches["_posterior_tiles"][1] == (16, 16)
+        tiles = B * -(-N // G.TILE_ROWS)
+        assert launches["_posterior_tiles"][0] == min(tiles, 2**31 - 1)
+        # static shared memory of the tiles kernel, in float64: at most 48 KiB
+        assert 8 * (G.SH_X + 2 * G.SH_C + 3 * G.SH_RED) <= 48 * 1024

@@ -1,9 +1,13 @@
 """gpu.numba_cuda.ovq against refimpl.ovq: every switch, streaming through a state, device arrays, errors, overflow.
 
 Without a GPU the kernels run in the CUDA simulator (tests/conftest.py), which
-runs every thread as a Python thread: the cases are tiny and few.
+runs every thread as a Python thread: the cases are tiny and few, most at the
+simulator's block sizes, a few at the GPU's (``gpu_ovq.block_sizes``).  Also
+counted: the launches per chunk (two), the copies to the host per call (one),
+and the launch geometry at T = 2^24 and B H = 2^20 (computed, not launched).
 """
 
+import contextlib
 import inspect
 import warnings
 
@@ -61,8 +65,8 @@ def test_ovq_matches_refimpl_float64(N, C, n_max, d, kw):
 
 
 def test_feature_and_value_dimensions_above_a_tile_and_a_later_key_tile_with_the_row_maximum():
-    """d, d_v > TILE (several slabs); q = k without count bias: a row's largest logit, its own key, in a later tile."""
-    assert gpu_ovq.TILE < 9
+    """d, d_v above a slab (several slabs); q = k without count bias: a row's largest logit, its own key, in a later tile."""
+    assert gpu_ovq.SLAB < 9 and gpu_ovq.KEYS < 9
     q, _, v = qkv(12, 10, d=10, d_v=9)
     # the second chunk reads n = 5 centroids and 5 keys: two key tiles, rows 3 and 4 find their maximum in the second
     opts = dict(max_size=6, chunk_size=5, count_bias=False, growth="linear")
@@ -253,3 +257,164 @@ def test_vq_refuses_a_codebook_whose_logits_overflow_like_refimpl():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         assert _raised(lambda: gpu_ovq.vq_attention(*args, chunk_size=3, beta=1e10)) == expected
+
+
+# --- the GPU's block sizes, launches per chunk, copies per call, launch geometry -----------------
+
+
+def _gpu_block_sizes():
+    """The GPU's block sizes: switched to in the simulator, already in force on a GPU."""
+    return gpu_ovq.block_sizes(gpu_ovq.GPU_GEOMETRY) if gpu_ovq.SIMULATOR else contextlib.nullcontext()
+
+
+# (options, dtype): a stream continued from refimpl's state after 36 tokens (n = 36 > KEYS = 32 centroids: two key
+# tiles in the assignment and in the read-out), then a chunk of 9 > ROWS = 8 positions (two row tiles) and one of 2;
+# d = 34 > SLAB = 32 features (two slabs)
+GPU_CASES = [
+    ({"growth": "linear"}, np.float64),
+    ({"growth": "linear", "init": "random", "seed": 1, "learning_rate": 0.25, "count_bias": False}, np.float32),
+]
+
+
+@pytest.mark.parametrize("kw, dtype", GPU_CASES, ids=[f"{ids(c[0])}-{np.dtype(c[1])}" for c in GPU_CASES])
+def test_ovq_at_the_gpu_block_sizes_matches_refimpl(kw, dtype):
+    q, k, v = qkv(len(kw), 47, d=34, d_v=3, dtype=dtype)
+    opts = dict(max_size=48, chunk_size=9, return_state=True, **kw)
+    _, mid = ovq.ovq_attention(q[:36], k[:36], v[:36], **opts)
+    ref_out, ref_state = ovq.ovq_attention(q[36:], k[36:], v[36:], state=mid, **opts)
+    assert mid.size > gpu_ovq.GPU_GEOMETRY["KEYS"]
+    with _gpu_block_sizes():
+        assert gpu_ovq.ROWS < 9 and gpu_ovq.KEYS < mid.size and gpu_ovq.SLAB < 34
+        out, state = gpu_ovq.ovq_attention(q[36:], k[36:], v[36:], state=mid, **opts)
+    tol = TOL64 if dtype == np.float64 else TOL32
+    assert out.dtype == dtype
+    np.testing.assert_allclose(out, ref_out, **tol)
+    assert_state_close(state, ref_state, tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32])
+def test_vq_at_the_gpu_block_sizes_matches_refimpl(dtype):
+    """S = 33 codes: two key tiles of codes; chunks of 9 > ROWS positions and of 2."""
+    q, k, v = qkv(17, 11, d=34, d_v=3, dtype=dtype)
+    codebook = np.random.default_rng(4).normal(size=(33, 34)).astype(dtype)
+    with _gpu_block_sizes():
+        out = gpu_ovq.vq_attention(q, k, v, codebook, chunk_size=9)
+    tol = TOL64 if dtype == np.float64 else TOL32
+    np.testing.assert_allclose(out, ovq.vq_attention(q, k, v, codebook, chunk_size=9), **tol)
+
+
+class _CountedKernel:
+    """A kernel whose launches are logged by name: ``kernel[grid, block](...)`` appends to ``log``."""
+
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, config):
+        launch = self.kernel[config]
+
+        def call(*args):
+            self.log.append(self.name)
+            return launch(*args)
+
+        return call
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every launch of a kernel of gpu.numba_cuda.ovq, by name, in order."""
+    log = []
+    for name in ("_unit_rows_kernel", "_codes_kernel", "_predict_kernel", "_merge_kernel", "_pack_counts_kernel"):
+        monkeypatch.setattr(gpu_ovq, name, _CountedKernel(getattr(gpu_ovq, name), name, log))
+    return log
+
+
+@pytest.mark.parametrize("kw", [{}, {"init": "random", "seed": 2, "growth": "linear", "learning_rate": 0.5}], ids=ids)
+def test_ovq_launches_two_kernels_per_chunk(launches, kw):
+    q, k, v = qkv(3, 22)
+    gpu_ovq.ovq_attention(q, k, v, max_size=6, chunk_size=3, return_state=True, **kw)
+    chunks = -(-22 // 3)
+    per_call = [x for x in launches if x not in ("_predict_kernel", "_merge_kernel")]
+    assert per_call == ["_unit_rows_kernel", "_pack_counts_kernel"]
+    assert [x for x in launches if x in ("_predict_kernel", "_merge_kernel")] == ["_predict_kernel", "_merge_kernel"] * chunks
+
+
+def test_vq_launches_two_kernels_per_chunk(launches):
+    q, k, v = qkv(4, 10)
+    gpu_ovq.vq_attention(q, k, v, q[:3], chunk_size=4)
+    assert launches == ["_unit_rows_kernel", "_codes_kernel"] + ["_predict_kernel", "_merge_kernel"] * 3
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host inputs", "device inputs"])
+def test_one_copy_to_the_host_per_call_with_the_state_and_the_output(host_copies, device):
+    q, k, v = qkv(5, 13)
+    args = [cuda.to_device(x) for x in (q, k, v)] if device else [q, k, v]
+    out, state = gpu_ovq.ovq_attention(*args, max_size=5, chunk_size=3, init="random", seed=1, return_state=True)
+    assert host_copies["n"] == 1
+    ref_out, ref_state = ovq.ovq_attention(q, k, v, max_size=5, chunk_size=3, init="random", seed=1, return_state=True)
+    assert_state_close(state, ref_state, TOL64)
+    host_copies["n"] = 0
+    codebook = q[:4]
+    vargs = [cuda.to_device(x) for x in (q, k, v, codebook)] if device else [q, k, v, codebook]
+    vout = gpu_ovq.vq_attention(*vargs, chunk_size=3)
+    assert host_copies["n"] == 1
+    np.testing.assert_allclose(out.copy_to_host() if device else out, ref_out, **TOL64)
+    np.testing.assert_allclose(vout.copy_to_host() if device else vout, ovq.vq_attention(q, k, v, codebook, chunk_size=3), **TOL64)
+
+
+def test_counts_beyond_float32_integers_reach_the_host_exactly():
+    """The counts travel in 24-bit pieces in the call's float dtype: a count above 2^24 (and 2^48) comes back exact."""
+    big = 2**50 + 2**24 + 3
+    state = ovq.OVQState(np.eye(3, dtype=np.float32)[:, :3], np.ones((3, 2), np.float32), np.array([big, 5, 0]), 2, big + 5)
+    q, k, v = qkv(6, 2, dtype=np.float32)
+    _, st = gpu_ovq.ovq_attention(q, k, v, max_size=3, chunk_size=2, state=state, return_state=True)
+    _, ref_st = ovq.ovq_attention(q, k, v, max_size=3, chunk_size=2, state=state, return_state=True)
+    assert st.counts.dtype == np.int64 and np.array_equal(st.counts, ref_st.counts) and st.counts[0] >= big
+
+
+@pytest.mark.parametrize("N, heads, C, with_keys", [
+    (2**24, 2**20, 256, True), (2**24, 2**20, 2**24, True), (2**24, 1, 256, False), (1, 1, 1, True), (2**31 + 7, 3, 2**30, True),
+])
+def test_launch_geometry_stays_within_the_hardware_limits(N, heads, C, with_keys):
+    d, d_v, n_max = 64, 64, 1024
+    with _gpu_block_sizes():
+        g = gpu_ovq.launch_geometry(N, heads, d, d_v, n_max, C, with_keys)
+        rows, keys, flat = gpu_ovq.ROWS, gpu_ovq.KEYS, gpu_ovq.FLAT
+    for grid, threads in (g.unit, g.codes, g.predict, g.merge, g.pack):
+        x, y, z = grid
+        assert 1 <= x <= 2**31 - 1 and 1 <= y <= 65535 and 1 <= z <= 65535 and 1 <= threads <= 1024
+        assert all(isinstance(n, int) for n in (x, y, z, threads))
+    Cm = min(C, N)
+    assert g.chunk == Cm and g.splits * keys >= n_max + Cm and g.row_tiles * rows >= Cm
+    # every head has its blocks: y z >= heads (the unit rows: q and k of each head)
+    assert g.predict[0][1] * g.predict[0][2] >= heads and g.merge[0][1] * g.merge[0][2] >= heads
+    assert g.unit[0][1] * g.unit[0][2] >= 2 * heads
+    # the grids cover the work, or are capped at 2^31 - 1 blocks (the kernels loop grid-stride over the rest)
+    width = d + d_v if with_keys else d_v
+    for (grid, threads), items in ((g.predict, g.row_tiles * g.splits), (g.merge, -(-Cm * (d_v + width) // flat)),
+                                   (g.unit, -(-N // (flat // keys))), (g.codes, -(-N // flat))):
+        assert grid[0] == min(items, 2**31 - 1)
+    assert g.predict[1] == rows * keys
+
+
+def test_launch_geometry_refuses_more_heads_than_two_grid_axes_hold():
+    with pytest.raises(ValueError, match="heads"):
+        gpu_ovq.launch_geometry(8, 65535**2, 4, 4, 8, 4)
+
+
+def test_heads_launched_together_equal_one_call_each():
+    """The kernels take H sequences at once (heads on the grid's y, z); each head is refimpl's call on its own."""
+    N, n_max, C, d, d_v = 10, 5, 3, 3, 2
+    seqs = [qkv(40 + h, N, d=d, d_v=d_v) for h in range(3)]
+    p = ovq.check_ovq_arguments(*seqs[0], n_max, C, None, "linear", "random", True, None, 1, None).params
+    q, k, v = (cuda.to_device(np.stack([s[i] for s in seqs])) for i in range(3))
+    Dk, Dv = cuda.to_device(np.zeros((3, n_max, d))), cuda.to_device(np.zeros((3, n_max, d_v)))
+    counts = cuda.to_device(np.zeros((3, n_max), np.int64))
+    out, n, t, _, _ = gpu_ovq._ovq_run(q, k, v, p, Dk, Dv, counts, 0, 0)
+    out, Dk, counts = out.copy_to_host(), Dk.copy_to_host(), counts.copy_to_host()
+    for h, (qh, kh, vh) in enumerate(seqs):
+        ref_out, ref_state = ovq.ovq_attention(qh, kh, vh, max_size=n_max, chunk_size=C, growth="linear", init="random",
+                                               seed=1, return_state=True)
+        assert (n, t) == (ref_state.size, ref_state.tokens_seen)
+        np.testing.assert_allclose(out[h], ref_out, **TOL64)
+        np.testing.assert_allclose(Dk[h], ref_state.keys, **TOL64)
+        assert np.array_equal(counts[h], ref_state.counts)

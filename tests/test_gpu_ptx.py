@@ -3,7 +3,9 @@
 The CUDA simulator runs kernels as Python, so it accepts code that the CUDA
 compiler refuses.  These tests compile every kernel registered with
 ``gpu.numba_cuda._device.kernel`` to PTX with :func:`numba.cuda.compile_ptx`,
-in float32 and float64, for compute capabilities 9.0 and 8.0.  That needs
+in float32 and float64, for compute capability 8.0, and 9.0 where ptxas is
+missing (with ptxas, ``tests/test_gpu_resources.py`` compiles every kernel
+for 9.0 and assembles it, which is the stricter check).  That needs
 the real CUDA target, so each module is compiled in a fresh process with
 ``NUMBA_ENABLE_CUDASIM=0`` (this process may be running the simulator); it
 needs NVVM (from the ``numba-cuda[cu12]`` or ``[cu13]`` wheels of the CUDA extra ``make install`` adds), not a GPU.
@@ -27,10 +29,12 @@ MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
 _COMPILE = """
 import importlib, json, sys
 module = importlib.import_module("gpu.numba_cuda." + sys.argv[1])
-from gpu.numba_cuda._device import KERNELS, compile_all
+from gpu.numba_cuda._device import KERNELS, REPLACED, compile_all, kernel_dtypes
 names = [n for n in KERNELS if n.rsplit(".", 1)[0] == module.__name__]
-result = {f"sm_{cc[0]}{cc[1]}": sorted(f"{n}:{t}" for n, t in compile_all(cc, names)) for cc in ((9, 0), (8, 0))}
-print(json.dumps({"kernels": names, "compiled": result}))
+ccs = [tuple(int(c) for c in cc.split(".")) for cc in sys.argv[2].split(",")]
+result = {f"sm_{cc[0]}{cc[1]}": sorted(f"{n}:{t}" for n, t in compile_all(cc, names)) for cc in ccs}
+dtypes = {n: [str(f) for f in kernel_dtypes(n)] for n in names}
+print(json.dumps({"kernels": names, "compiled": result, "dtypes": dtypes, "replaced": REPLACED}))
 """
 
 
@@ -39,9 +43,18 @@ def _real_target_env():
     return env
 
 
+def _targets():
+    """sm_80 here, and sm_90 too unless ptxas is installed: then ``test_gpu_resources.py`` compiles every kernel for
+    sm_90 and assembles it (a stricter check of the same compile), so it is not done twice."""
+    from gpu import sass
+
+    return ["8.0"] if sass.find_tool("ptxas") else ["9.0", "8.0"]
+
+
 def _compile(module):
     proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE, module], capture_output=True, text=True, cwd=ROOT, env=_real_target_env(), timeout=600
+        [sys.executable, "-c", _COMPILE, module, ",".join(_targets())], capture_output=True, text=True, cwd=ROOT,
+        env=_real_target_env(), timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -68,14 +81,24 @@ def _kernel_functions(path):
     return kernels, raw_jit
 
 
+def _function_name(registered):
+    """``module.function[float32]`` -> ``function``: the Python function a registry name stands for."""
+    return registered.rsplit(".", 1)[1].split("[", 1)[0]
+
+
 @pytest.mark.parametrize("module", MODULES)
 def test_every_kernel_compiles_to_ptx_for_sm90_and_sm80(module):
+    """Every kernel, in every float type it runs in (both, or the one of a per-type build), for both GPUs."""
     kernels, _ = _kernel_functions(PACKAGE / f"{module}.py")
     report = _compile(module)
-    assert sorted(n.rsplit(".", 1)[1] for n in report["kernels"]) == sorted(kernels)
+    assert sorted({_function_name(n) for n in report["kernels"]}) == sorted(set(kernels))
+    assert not report["replaced"], f"registered twice (give each build its dtypes=): {report['replaced']}"
+    assert sorted(report["compiled"]) == sorted(f"sm_{cc.replace('.', '')}" for cc in _targets())
     for cc, compiled in report["compiled"].items():
-        expected = sorted(f"{n}:{t}" for n in report["kernels"] for t in ("float32", "float64"))
+        expected = sorted(f"{n}:{t}" for n in report["kernels"] for t in report["dtypes"][n])
         assert compiled == expected, cc
+    covered = {(_function_name(n), t) for n in report["kernels"] for t in report["dtypes"][n]}
+    assert covered == {(k, t) for k in kernels for t in ("float32", "float64")}, "a kernel misses a float type"
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -114,6 +137,109 @@ def bad(x):
     real = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
                           env=_real_target_env(), timeout=300)
     assert real.returncode != 0 and "TypingError" in real.stderr, real.stderr[-2000:]
+
+
+def test_a_kernel_calling_a_device_function_compiles_without_a_gpu(tmp_path):
+    """Numba-CUDA compiles a device function for the current device; :func:`compile_all` stands in for it.
+
+    Without the stand-in, compiling a kernel that calls ``@cuda.jit(device=True)``
+    asks the CUDA driver for the current device's compute capability and fails
+    on a machine without one.  The PTX must hold the device function's body
+    (its ``x + x`` as an ``add`` of the kernel's float type).
+    """
+    source = '''
+from numba import cuda
+from gpu.numba_cuda._device import kernel
+
+@cuda.jit(device=True)
+def twice(a):
+    return a + a
+
+@kernel(lambda f: (f[::1],))
+def calls_twice(x):
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        x[i] = twice(x[i])
+'''
+    (tmp_path / "device_function_module.py").write_text(source)
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[1]); import device_function_module\n"
+        "from gpu.numba_cuda._device import compile_all\n"
+        "out = {}\n"
+        "for cc in ((9, 0), (8, 0)):\n"
+        "    for (n, t), ptx in compile_all(cc, ['device_function_module.calls_twice'], ptx=True).items():\n"
+        "        out[f'sm_{cc[0]}{cc[1]}:{t}'] = ptx\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                          env=_real_target_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(ptx) == ["sm_80:float32", "sm_80:float64", "sm_90:float32", "sm_90:float64"]
+    for key, text in ptx.items():
+        cc, t = key.split(":")
+        assert f".target {cc}" in text, key
+        assert "twice" in text, key  # the device function is part of the module
+        assert f"add.f{t[-2:]}" in text or f"add.rn.f{t[-2:]}" in text, key
+
+
+def test_the_registry_keeps_block_sizes_tags_and_compile_options(tmp_path):
+    """``kernel(..., threads=, tags=, options=)``: what the resource checks read, and the launch bounds compiled in.
+
+    A kernel registered without ``threads`` is given the default block size,
+    marked as assumed; options given per float type reach the PTX (the
+    launch bounds become ``.maxntid`` and ``.minnctapersm``); a kernel built
+    once per float type is compiled in that type only, and a build that
+    replaces another under the same name is recorded.
+    """
+    source = '''
+from numba import cuda, float32, float64
+from gpu.numba_cuda._device import kernel
+
+@kernel(lambda f: (f[::1],))
+def plain(x):
+    x[cuda.grid(1)] = 0
+
+@kernel(lambda f: (f[::1],), threads=lambda f: 128 if f == float32 else 64, tags=("gma",),
+        options=lambda f: {"launch_bounds": (128 if f == float32 else 64, 4)})
+def bounded(x):
+    x[cuda.grid(1)] = 0
+
+def build(f, width):
+    @kernel(lambda f: (f[::1],), dtypes=(f,))
+    def per_type(x):
+        x[cuda.grid(1)] = width
+    return per_type
+
+build(float32, 1)
+build(float64, 2)
+build(float64, 3)  # a second build under the name of the second: it replaces it
+'''
+    (tmp_path / "registry_module.py").write_text(source)
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[1]); import registry_module\n"
+        "from numba import float32, float64\n"
+        "from gpu.numba_cuda._device import compile_all, launch_info, DEFAULT_THREADS\n"
+        "info = {n: [list(launch_info('registry_module.' + n, f)[:2]) + [sorted(launch_info('registry_module.' + n, f)[2])]\n"
+        "            for f in (float32, float64)] for n in ('plain', 'bounded')}\n"
+        "ptx = {t: p for (n, t), p in compile_all((9, 0), ['registry_module.bounded'], ptx=True).items()}\n"
+        "from gpu.numba_cuda._device import KERNELS, REPLACED\n"
+        "per_type = sorted(f'{n}:{t}' for n, t in compile_all((9, 0), [k for k in KERNELS if 'per_type' in k]))\n"
+        "print(json.dumps({'info': info, 'default': DEFAULT_THREADS, 'ptx': ptx, 'per_type': per_type,\n"
+        "                  'replaced': REPLACED}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                          env=_real_target_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    default = out["default"]
+    assert out["info"]["plain"] == [[default, True, []], [default, True, []]]
+    assert out["info"]["bounded"] == [[128, False, ["gma"]], [64, False, ["gma"]]]
+    assert ".maxntid 128" in out["ptx"]["float32"] and ".maxntid 64" in out["ptx"]["float64"]
+    assert all(".minnctapersm 4" in p for p in out["ptx"].values())
+    # one build per float type: each compiled in its own type only, a second build of one type recorded
+    assert out["per_type"] == ["registry_module.per_type[float32]:float32", "registry_module.per_type[float64]:float64"]
+    assert [n for n in out["replaced"] if n.startswith("registry_module.")] == ["registry_module.per_type[float64]"]
 
 
 def _calls(tree):

@@ -20,18 +20,23 @@
 #
 # - implement a block reduction (log-sum-exp, softmax) as a tree in shared
 #   memory, and check it against `refimpl`, extreme inputs included;
-# - count the reads from global memory of a matrix product, and explain why
-#   shared-memory tiling divides them by the tile width;
-# - prove that the online softmax is exact, and implement it as a tiled kernel;
-# - turn the chunked causal scan into three parallel steps, and check them
-#   against the sequential scan;
-# - explain why float atomics make results change from run to run, and
-#   measure it.
+# - count the reads from global memory of a matrix product, explain why
+#   shared-memory tiling divides them by the tile width, and why a register
+#   tile of $r\times c$ quadratic forms needs only $(r+c)/(rc)$ shared-memory
+#   loads per multiply-add;
+# - prove that the online softmax is exact, entirely masked tiles included,
+#   and implement it as a tiled (flash) kernel;
+# - turn the chunked causal scan into parallel steps, the prefix over the
+#   chunks a log-depth scan, and check them against the sequential scan;
+# - explain why float atomics make results change from run to run, what an
+#   ordered reduction fixes and what it does not, and choose a launch
+#   geometry within the hardware's limits.
 #
-# **Before this lesson**: lessons 1, 2 and 3 (the responsibilities, GMA and
-# its chunked causal scan). From outside the course: floating-point
-# arithmetic (rounding, why addition is not associative) and matrix
-# products. No experience of GPUs is needed.
+# **Before this lesson**: lessons 1, 2, 3 and 4 (the responsibilities and
+# the cancellation of their expanded quadratic form, GMA, its chunked causal
+# scan, and its gradients, which section 5 computes on the GPU). From
+# outside the course: floating-point arithmetic (rounding, why addition is
+# not associative) and matrix products. No experience of GPUs is needed.
 #
 # Notation follows `docs/glossary.md`.
 #
@@ -39,27 +44,40 @@
 # mathematics as CUDA kernels in Python with Numba, the way `gpu.numba_cuda`
 # does: no deep-learning framework, one thread at a time. Each kernel of
 # `gpu.numba_cuda` mirrors one loop body of a `refimpl` core, and its tests
-# compare the two.
+# compare the two. Where a design needs sizes that the simulator cannot run
+# (tiles of $64\times 64$, thousands of blocks), the lesson shows it in
+# NumPy, with the same loops.
 #
 # **The claims of this lesson.**
 #
-# 1. The responsibilities kernel gives each row a block of threads and each
-#    thread a set of components; the block combines its threads' partial
-#    log-sum-exps by a tree in shared memory. It agrees with `refimpl`,
-#    extreme inputs included.
+# 1. The responsibilities kernel combines partial log-sum-exps by a tree in
+#    shared memory, and agrees with `refimpl`, extreme inputs included.
 # 2. Shared-memory tiling cuts the reads from global memory of a matrix
-#    product by the tile width, without changing a single addition.
+#    product by the tile width, without changing a single addition; a
+#    register tile of $r\times c$ quadratic forms needs $(r+c)\,d$ loads for
+#    $r c\,d$ multiply-adds, which is what lets the arithmetic, not shared
+#    memory, set the speed.
 # 3. The online softmax (a running maximum, sum and accumulator, rescaled at
-#    each tile) gives the exact softmax: we prove it, then check it.
-# 4. Causal GMA's chunked scan becomes three parallel steps on a GPU: all
-#    chunk states at once, a prefix over the chunks, the masked product
-#    inside each chunk. It never holds an $N\times K\times d_v$ array.
+#    each tile) gives the exact softmax, provided an entirely masked tile is
+#    guarded: we prove it, then check it, and build flash attention from it.
+# 4. Causal GMA's chunked scan becomes parallel steps on a GPU: all chunk
+#    states at once, a prefix over the $n$ chunks, the masked product inside
+#    each chunk. The prefix walked chunk by chunk takes $n - 1$ dependent
+#    steps; Blelloch's scan takes $2\log_2 n$ steps and $O(n)$ work, in a
+#    combination order fixed by $n$ alone. It never holds an
+#    $N\times K\times d_v$ array.
 # 5. Float atomics would make results depend on the order in which threads
 #    are scheduled, because floating-point addition is not associative; an
-#    ordered reduction makes every run give the same bits.
+#    ordered reduction makes every run with the same launch configuration,
+#    device, compiler and library versions give the same bits, and no more.
 # 6. The same GMA through cuBLAS plus a few fused kernels (`gpu.cupy_kernels`):
-#    the matrix products are most of the work, and the rest is fused.
-# 7. Speed, measured when a GPU is present; without one, the kernels run in
+#    the matrix products are most of the arithmetic, but they are skinny:
+#    float32 without TF32 runs them on the CUDA cores, and their arithmetic
+#    intensity lies near or below the H200's ridge point, so memory
+#    bandwidth or the CUDA cores' rate bounds them, never a tensor-core rate.
+# 7. The launch geometry is one pure function of the shapes, within the
+#    hardware's limits: sequences on grid y break from $B\cdot H = 65{,}536$.
+# 8. Speed, measured when a GPU is present; without one, the kernels run in
 #    the CUDA simulator, which checks correctness and measures no speed.
 #
 # The simulator runs every GPU thread as a Python thread, so without a GPU
@@ -121,7 +139,7 @@ for backend, (usable, why) in gpu.backend_status().items():
 # and the block combines its $T$ pairs by a tree in shared memory: at each
 # step, thread $t < h$ combines its pair with thread $t+h$'s, $h = T/2, T/4,
 # \dots, 1$. The order of the combinations is fixed by the thread indices, so
-# every run gives the same bits (section 5). The empty pair is
+# every run with the same block size gives the same bits (section 5). The empty pair is
 # $(-\infty, 0)$: combining two of them must give it back, not
 # $e^{-\infty+\infty} = $ nan (exercise 9.1).
 #
@@ -174,14 +192,16 @@ print(f"block-per-row log-sum-exp against scipy: max abs error {err:.1e}")
 assert err < 1e-12
 
 # %% [markdown]
-# `gpu.numba_cuda.responsibilities` is this kernel grown up: each thread
-# first computes its components' logits
+# `gpu.numba_cuda.responsibilities` computes the logits
 # $l_k = \log\pi_k - \tfrac12\sum_j (x_j-\mu_{kj})^2/\sigma^2_{kj} - \tfrac12\sum_j\log 2\pi\sigma^2_{kj}$
 # from the differences themselves (a GPU has arithmetic to spare; lesson 1's
 # cancellation never happens), writes them to the output, combines the
-# pairs, then rescales its own entries: one pass over the row, no
-# $N\times K\times d$ array. It must agree with `refimpl` where lesson 1
-# showed the naive formula failing: $|x| \sim 10^4$ and variances near $10^{-8}$.
+# pairs $(m, s)$ of each row, then rescales the row's entries: one pass, no
+# $N\times K\times d$ array. One block per row is the plainest mapping of
+# that work; section 2 shows the one that keeps a GPU's arithmetic busy (a
+# block per tile of rows and components, a register tile per thread). It
+# must agree with `refimpl` where lesson 1 showed the naive formula failing:
+# $|x| \sim 10^4$ and variances near $10^{-8}$.
 #
 # Every check in this lesson compares two computations of one quantity that
 # add in different orders, and allows a small multiple of the rounding that
@@ -218,7 +238,8 @@ assert log_err < 1e-13
 # same: a sum of squares of differences, which never cancels. Where the GPU
 # kernel needs a tree of pairs to combine its threads' maxima, the CPU
 # thread owns its row and keeps one running maximum: one fixed order either
-# way, so both give the same bits on every run.
+# way, so each gives the same bits on every run of the same build (section
+# 5 says what may change them).
 
 # %%
 import inspect
@@ -293,43 +314,184 @@ for shape in ((M, n, P), (64, 64, 64)):
 assert global_reads(64, 64, 64) == W * global_reads(64, 64, 64, W=W)  # exactly W when the tiles fit
 
 # %% [markdown]
+# GMA's write $\Gamma_K^\top[\mathbf V, \mathbf 1]$ and read
+# $\Gamma_Q[S, z]$ are such products, tiled this way, with one more level
+# below the shared-memory tile: registers.
+#
+# ### Register tiles: a tile of quadratic forms per thread
+#
+# Shared memory is fast, not free. Per clock, one streaming multiprocessor
+# (SM) of an H200 performs 128 float32 multiply-adds (FMAs) but reads only 32
+# four-byte words from shared memory (32 banks of one word each; NVIDIA's
+# Hopper figures). The tiled product above loads two words per FMA: shared
+# memory then feeds 16 FMAs a clock, an eighth of what the SM can do. The
+# cure is to make each number loaded into a register serve several FMAs.
+#
+# The responsibilities kernel is built that way. A block owns a tile of
+# rows $\times$ components of $\Gamma$ (say $64\times 64$ on a GPU). It stages
+# the tile's rows of $x$, its means $\mu_{kj}$ and its half-precisions
+# $h_{kj} = 1/(2\sigma^2_{kj})$ in shared memory, and each thread owns an
+# $r\times c$ **register tile** of half quadratic forms
+# $\tfrac12 q_{ik} = \sum_j (x_{ij}-\mu_{kj})^2 h_{kj}$, from the
+# differences, as in section 1. At coordinate $j$ the thread loads its $r$
+# numbers $x_{ij}$ and its $c$ pairs $(\mu_{kj}, h_{kj})$ (one 8-byte load
+# each) into registers, $r + c$ loads, and updates its $rc$ accumulators:
+# $rc$ terms, each a subtraction, a multiplication and one FMA. Over the $d$
+# coordinates:
+#
+# $$(r + c)\,d \text{ loads for } r c\,d \text{ FMAs}:\qquad \text{arithmetic intensity } \frac{rc}{r+c} \text{ FMAs per load},$$
+#
+# or $(r + 2c)\,d$ words in float32. A $1\times 1$ tile (one quadratic form
+# per thread) does half an FMA per load; a $4\times 4$ tile, two; an
+# $8\times 8$ tile, four, holding $64$ accumulators and $r + 2c = 24$
+# operands in registers (of the 255 a thread may have).
+#
+# **The row softmax, fused online in the epilogue.** When the block's tile
+# of logits $l_{ik} = \log\pi_k - \tfrac12\sum_j\log 2\pi\sigma^2_{kj} - \tfrac12 q_{ik}$
+# is complete, each row's pair $(m, s)$ of section 1 absorbs it, one tile of
+# components after the other (the online log-sum-exp, with the guard of
+# section 3 for a tile of $-\infty$); the logits go to the output, and a
+# last sweep over the row writes $\gamma_{ik} = e^{l_{ik} - m}/s$. Neither
+# the $N\times K\times d$ differences nor a second read of $x$ is needed.
+#
+# Below: this design in NumPy, one register tile at a time, counting its
+# loads and FMAs, at the extreme inputs of section 1; then the numbers for
+# an H200.
+
+# %%
+def register_tile(x_rows, mu_cols, h_cols):
+    """One thread's r x c half quadratic forms sum_j (x_ij - mu_kj)^2 h_kj, with its loads and FMAs counted."""
+    acc = np.zeros((x_rows.shape[0], mu_cols.shape[0]))  # [r, c] accumulators, in registers
+    loads = fmas = 0
+    for j in range(x_rows.shape[1]):
+        xr, mr, hr = x_rows[:, j], mu_cols[:, j], h_cols[:, j]  # r numbers and c pairs (mu, h): r + c loads
+        loads += xr.size + mr.size
+        diff = xr[:, None] - mr[None, :]
+        acc += diff * diff * hr[None, :]  # r c terms: a subtraction, a multiplication, one FMA each
+        fmas += diff.size
+    return acc, loads, fmas
+
+
+def tiled_responsibilities(x, means, variances, weights, r, c, block_rows, block_comps):
+    """gamma (N, K) by blocks of block_rows x block_comps and r x c register tiles; the row softmax online, tile by tile."""
+    N, d = x.shape
+    K = means.shape[0]
+    half_prec = 0.5 / variances  # h = 1 / (2 sigma^2), in shared memory with the means
+    const = np.log(weights) - 0.5 * (d * np.log(2 * np.pi) + np.log(variances).sum(axis=1))
+    out = np.empty((N, K))
+    loads = fmas = 0
+    for i0 in range(0, N, block_rows):
+        rows = slice(i0, min(i0 + block_rows, N))
+        m = np.full(rows.stop - i0, -np.inf)  # each row's pair (m, s), across the tiles of components
+        s = np.zeros(rows.stop - i0)
+        for k0 in range(0, K, block_comps):
+            comps = slice(k0, min(k0 + block_comps, K))
+            for a in range(i0, rows.stop, r):  # the block's threads, one register tile each
+                for b in range(k0, comps.stop, c):
+                    ra, cb = slice(a, min(a + r, rows.stop)), slice(b, min(b + c, comps.stop))
+                    half, n_loads, n_fmas = register_tile(x[ra], means[cb], half_prec[cb])
+                    loads, fmas = loads + n_loads, fmas + n_fmas
+                    out[ra, cb] = const[cb] - half  # l = log pi - (1/2) sum log 2 pi sigma^2 - q / 2
+            # epilogue: (m, s) absorbs the tile of logits, rescaled when the maximum grows (guarded: -inf stays empty)
+            tile = out[rows, comps]
+            m_new = np.maximum(m, tile.max(axis=1))
+            ref_m = np.where(m_new > -np.inf, m_new, 0.0)
+            s = s * np.exp(m - ref_m) + np.exp(tile - ref_m[:, None]).sum(axis=1)
+            m = m_new
+        out[rows] = np.exp(out[rows] - m[:, None]) / s[:, None]  # the last sweep: gamma = e^(l - m) / s
+    return out, loads, fmas
+
+
+N, K, d = 8, 12, 3
+x_t = rng.standard_normal((N, d)) * 1e4
+mu_t = x_t[rng.integers(0, N, K)] + rng.standard_normal((K, d)) * 1e-4  # components right at some points
+var_t, w_t = np.full((K, d), 1e-8), np.full(K, 1.0 / K)
+gamma_ref = gmm.responsibilities(x_t, mu_t, var_t, w_t)
+for r, c in ((1, 1), (2, 2), (4, 4)):
+    gamma_t, loads, fmas = tiled_responsibilities(x_t, mu_t, var_t, w_t, r, c, block_rows=4, block_comps=8)
+    err = np.max(np.abs(gamma_t - gamma_ref))
+    print(f"{r} x {c} register tiles: {loads:4d} loads for {fmas} FMAs ({fmas / loads:.2f} per load), "
+          f"max abs difference to refimpl {err:.1e}")
+    assert err < 1e-12
+    assert fmas == N * K * d and loads == N * K * d * (r + c) // (r * c)  # (r + c) d loads per r c d FMAs
+
+# %%
+# one H200 SM per clock (NVIDIA's Hopper figures, not measured here): 128 float32 FMA lanes, 32 words of shared memory
+FP32_LANES, SHARED_WORDS = 128, 32
+INSTRUCTIONS_PER_TERM = 3  # x - mu, times h, then one FMA into the accumulator
+
+
+def shared_memory_ceiling(r, c):
+    """The fraction of the SM's float32 rate that shared memory can feed, for r x c register tiles (float32)."""
+    words_per_term = (r + 2 * c) / (r * c)  # r numbers x_ij and c pairs (mu_kj, h_kj) per r c terms
+    return min(1.0, SHARED_WORDS / words_per_term * INSTRUCTIONS_PER_TERM / FP32_LANES)
+
+
+print("tile   FMAs/load  words/term  float32 rate that shared memory allows")
+for r, c in ((1, 1), (2, 2), (4, 4), (8, 4), (8, 8)):
+    print(f"{r} x {c}  {r * c / (r + c):9.2f}  {(r + 2 * c) / (r * c):10.3f}  {shared_memory_ceiling(r, c):6.0%}")
+assert shared_memory_ceiling(1, 1) == 0.25  # one quadratic form per thread: shared memory caps it at a quarter
+assert shared_memory_ceiling(4, 4) == 1.0  # from 4 x 4 on, the arithmetic sets the speed
+
+# %% [markdown]
 # ## 3. The online softmax
 #
 # Dense attention $O = \operatorname{softmax}(\beta\,\mathbf Q\mathbf K^\top)\mathbf V$
 # (scale $\beta = 1/\sqrt d$) forms an $N\times N$ matrix. A tiled kernel (flash attention) instead visits the keys
 # tile by tile and keeps, for each query row, three running quantities after
-# the tiles seen so far, $\mathcal S$:
+# the tiles seen so far, $\mathcal S$. A score may be $-\infty$: a masked key
+# (the causal mask, a padding mask, a log-weight $\log 0$), whose softmax
+# weight is 0. With $\mathcal S^*$ the keys of $\mathcal S$ whose score is
+# finite,
 #
-# $$m = \max_{j\in\mathcal S} s_j,\qquad \ell = \sum_{j\in\mathcal S} e^{s_j - m},\qquad y = \sum_{j\in\mathcal S} e^{s_j - m}\,v_j .$$
+# $$m = \max_{j\in\mathcal S} s_j,\qquad \ell = \sum_{j\in\mathcal S^*} e^{s_j - m},\qquad y = \sum_{j\in\mathcal S^*} e^{s_j - m}\,v_j ,$$
 #
+# and $m = -\infty$, $\ell = 0$, $y = 0$ while $\mathcal S^*$ is empty.
 # A new tile $\mathcal T$ with maximum $\tilde m$ updates them by
 #
 # $$m' = \max(m, \tilde m),\qquad \ell' = e^{m - m'}\ell + \sum_{j\in\mathcal T} e^{s_j - m'},\qquad
-#   y' = e^{m - m'}y + \sum_{j\in\mathcal T} e^{s_j - m'}v_j .$$
+#   y' = e^{m - m'}y + \sum_{j\in\mathcal T} e^{s_j - m'}v_j ,$$
 #
-# **Claim: after the last tile, $y/\ell$ is exactly the softmax read-out.**
-# *Proof.* By induction on the tiles: if the three invariants hold for
-# $\mathcal S$, then $e^{m - m'}e^{s_j - m} = e^{s_j - m'}$ for every
-# $j\in\mathcal S$, so $e^{m-m'}\ell = \sum_{j\in\mathcal S}e^{s_j-m'}$ and
-# $\ell' = \sum_{j\in\mathcal S\cup\mathcal T} e^{s_j - m'}$; the same for
-# $y'$; and $m'$ is the maximum over $\mathcal S\cup\mathcal T$. (Before the
-# first tile $m = -\infty$, $\ell = 0$, $y = 0$, and $e^{-\infty} = 0$.) At
-# the end, $\mathcal S$ is every key and
+# **guarded**: when $m' = -\infty$ (the tile is entirely masked, and so was
+# everything before it), the tile is skipped and the state stays
+# $(-\infty, 0, 0)$.
+#
+# **Claim: after the last tile, if at least one score is finite, $y/\ell$ is
+# exactly the softmax read-out.**
+# *Proof.* By induction on the tiles. Before the first tile the invariants
+# hold ($\mathcal S^*$ is empty). Suppose they hold for $\mathcal S$.
+# *Case $m' = -\infty$*: every score of $\mathcal S\cup\mathcal T$ is
+# $-\infty$, $(\mathcal S\cup\mathcal T)^*$ is empty, and the skipped tile
+# leaves the state of an empty set: the invariants hold. (Without the guard,
+# $e^{m - m'} = e^{-\infty-(-\infty)}$ is nan in IEEE arithmetic, and the nan
+# stays in $\ell$ and $y$ for good.)
+# *Case $m' > -\infty$*: $m'$ is finite, so every exponent is defined; a
+# masked key adds $e^{-\infty} = 0$, and if $m = -\infty$ then
+# $e^{m - m'} = 0$ multiplies $\ell = 0$, $y = 0$. For every
+# $j\in\mathcal S^*$, $e^{m - m'}e^{s_j - m} = e^{s_j - m'}$, so
+# $e^{m-m'}\ell = \sum_{j\in\mathcal S^*}e^{s_j-m'}$ and
+# $\ell' = \sum_{j\in(\mathcal S\cup\mathcal T)^*} e^{s_j - m'}$; the same for
+# $y'$; and $m'$ is the maximum over $\mathcal S\cup\mathcal T$. At the end,
+# $\mathcal S$ is every key, $m$ is finite by assumption, and
 # $y/\ell = \sum_j e^{s_j-m}v_j / \sum_j e^{s_j-m} = \sum_j \operatorname{softmax}(s)_j v_j$,
 # since the common factor $e^{-m}$ cancels. $\square$
 #
-# Every exponent is $\le 0$, so nothing overflows, and $\ell \ge 1$. The only
-# difference from the two-pass softmax is rounding: the rescaling factors
-# $e^{m-m'}$ are extra multiplications.
+# Every exponent is $\le 0$, so nothing overflows, and $\ell \ge 1$ once a
+# finite score has been seen (the maximum contributes $e^0$); if every
+# score is $-\infty$, the softmax is undefined and $\ell = 0$ says so. The
+# only difference from the two-pass softmax is rounding: the rescaling
+# factors $e^{m-m'}$ are extra multiplications.
 
 # %%
-def online_softmax_readout(s, v, tile):
-    """The three running quantities of one query row, updated tile by tile."""
+def online_softmax_readout(s, v, tile, guard=True):
+    """The three running quantities of one query row, updated tile by tile; a score -inf is a masked key."""
     m, ell, acc = -np.inf, 0.0, np.zeros(v.shape[1])
     for a0 in range(0, s.size, tile):
         st, vt = s[a0 : a0 + tile], v[a0 : a0 + tile]
         m_new = max(m, st.max())
-        scale = np.exp(m - m_new)  # e^(m - m'), 0 before the first tile
+        if guard and m_new == -np.inf:
+            continue  # every score so far is masked: the state stays (-inf, 0, 0), never -inf - (-inf) = nan
+        scale = np.exp(m - m_new)  # e^(m - m'), 0 before the first unmasked tile
         p = np.exp(st - m_new)
         ell = scale * ell + p.sum()
         acc = scale * acc + p @ vt
@@ -346,11 +508,101 @@ for tile in (1, 7, 50):
     print(f"tile of {tile:2d} keys: max abs difference to the two-pass softmax {err:.1e}")
     assert err < 1e-14
 
+# an entirely masked leading tile: scores [-inf, -inf, 1, 2] in tiles of 2
+s_masked, v_masked = np.array([-np.inf, -np.inf, 1.0, 2.0]), rng.standard_normal((4, 3))
+p = np.exp(s_masked - 2.0)
+exact = (p / p.sum()) @ v_masked  # the masked keys get weight exactly 0
+with np.errstate(invalid="ignore"):  # -inf - (-inf): numpy's "invalid value" warning, the nan itself is the point
+    unguarded = online_softmax_readout(s_masked, v_masked, 2, guard=False)
+guarded = online_softmax_readout(s_masked, v_masked, 2)
+print(f"masked leading tile: without the guard {unguarded}, with it max abs difference "
+      f"{np.max(np.abs(guarded - exact)):.1e}")
+assert np.isnan(unguarded).all() and np.max(np.abs(guarded - exact)) < 1e-14
+
 # %% [markdown]
-# `gpu.numba_cuda.softmax_attention` runs this per query row: a block owns a
-# tile of query rows, stages each tile of keys and values in shared memory,
-# and keeps $(m, \ell, y)$ per row. When causal, it skips the key tiles that
-# lie entirely above the diagonal and masks the diagonal tile.
+# ### Flash attention: a resident query tile, streamed key tiles, guarded masks
+#
+# A flash-attention kernel gives each block a tile of $B_q$ query rows,
+# loads it once, and keeps it resident (in shared memory and registers)
+# while it streams the keys and values a tile of $B_k$ rows at a time:
+# the $B_q\times B_k$ scores $\beta\,Q_tK_t^\top$ (a tiled product, as in
+# section 2), the online update of each row's $(m, \ell, y)$, the next tile.
+# No $N\times N$ array exists anywhere; the keys and values are read from
+# global memory once per query tile, $\lceil N/B_q\rceil$ times in all,
+# which is why a GPU wants big tiles: at least $64\times 64$ (4,096 scores
+# a block, in registers), where the simulator runs tiles of 8. When causal,
+# the key tiles entirely above the diagonal are skipped (with $T$ tiles of
+# equal size, $T(T+1)/2$ of the $T^2$ are visited) and the diagonal tile is
+# masked.
+#
+# The guard works row by row: in a tile where a row has seen only $-\infty$,
+# the kernel subtracts 0 instead of $m' = -\infty$, so that
+# $e^{s_j - 0} = e^{-\infty} = 0$ and $e^{m - 0} = 0$: the row stays
+# $(-\infty, 0, 0)$. The causal mask alone never triggers it when the keys
+# are visited in order (key 0 is in every row's first tile), but a padding
+# mask, a window, or a log-weight $\log 0$ added to the scores does. Below,
+# the design in NumPy: against `refimpl`, and with the first tile of keys
+# masked for every row.
+
+# %%
+def flash_attention(q, k, v, causal=False, bias=None, Bq=4, Bk=4, guard=True):
+    """o_i = sum_j softmax_j(beta q_i.k_j + bias_j) v_j, a resident query tile at a time; (out (N, d_v), key tiles visited)."""
+    beta = 1.0 / math.sqrt(q.shape[1])
+    out = np.empty((q.shape[0], v.shape[1]))
+    visited = 0
+    for i0 in range(0, q.shape[0], Bq):
+        rows = np.arange(i0, min(i0 + Bq, q.shape[0]))
+        q_tile = q[rows]  # loaded once, resident for the whole loop over key tiles
+        m, ell, y = np.full(rows.size, -np.inf), np.zeros(rows.size), np.zeros((rows.size, v.shape[1]))
+        for j0 in range(0, k.shape[0], Bk):
+            if causal and j0 > rows[-1]:
+                break  # this tile and all later ones lie above the diagonal
+            cols = np.arange(j0, min(j0 + Bk, k.shape[0]))
+            visited += 1
+            s = beta * (q_tile @ k[cols].T)  # [Bq, Bk] scores
+            if bias is not None:
+                s = s + bias[cols]
+            if causal:
+                s = np.where(cols[None, :] <= rows[:, None], s, -np.inf)  # the diagonal tile's mask
+            m_new = np.maximum(m, s.max(axis=1))
+            # the guard: rows that have seen only -inf subtract 0, not -inf, and stay (-inf, 0, 0)
+            ref_m = np.where(m_new > -np.inf, m_new, 0.0) if guard else m_new
+            scale = np.exp(m - ref_m)
+            p = np.exp(s - ref_m[:, None])
+            ell = scale * ell + p.sum(axis=1)
+            y = scale[:, None] * y + p @ v[cols]
+            m = m_new
+        out[rows] = y / ell[:, None]
+    return out, visited
+
+
+Nf, df = 11, 4  # 3 tiles of 4: not a multiple
+q, k, v = (rng.standard_normal((Nf, df)) * 3.0 for _ in range(3))
+for causal in (False, True):
+    got, visited = flash_attention(q, k, v, causal)
+    err = np.max(np.abs(got - attention.softmax_attention(q, k, v, causal=causal)))
+    print(f"flash tiles of 4 x 4, causal={causal}: {visited} key tiles visited, max abs difference to refimpl {err:.1e}")
+    assert err < 1e-13
+    assert visited == (3 * 4 // 2 if causal else 3 * 3)  # T (T + 1) / 2 of the T^2 tiles when causal
+
+bias = np.zeros(Nf)
+bias[:4] = -np.inf  # the first tile of keys masked for every row
+scores = q @ k.T / math.sqrt(df) + bias
+p = np.exp(scores - scores.max(axis=1, keepdims=True))
+dense = (p / p.sum(axis=1, keepdims=True)) @ v
+got, _ = flash_attention(q, k, v, bias=bias)
+with np.errstate(invalid="ignore"):
+    unguarded, _ = flash_attention(q, k, v, bias=bias, guard=False)
+err = np.max(np.abs(got - dense))
+print(f"first key tile masked: guarded max abs difference to the dense softmax {err:.1e}; "
+      f"unguarded rows that are nan: {np.isnan(unguarded).any(axis=1).sum()} of {Nf}")
+assert err < 1e-13 and np.isnan(unguarded).all()
+
+# %% [markdown]
+# `gpu.numba_cuda.softmax_attention` runs this design: a block owns a tile
+# of query rows, stages each tile of keys and values in shared memory, and
+# keeps $(m, \ell, y)$ per row. When causal, it skips the key tiles that lie
+# entirely above the diagonal and masks the diagonal tile.
 
 # %%
 Nq, dh = (12, 5)
@@ -368,21 +620,33 @@ for causal in (False, True):
 # Lesson 3 computed causal GMA by a scan over chunks of $C$ tokens, carrying
 # $[S, z] = \sum_{j<\text{chunk}}\gamma^K_j[v_j^\top, 1]$ from chunk to chunk. On a
 # GPU, a loop over chunks would leave almost every thread idle. The scan
-# becomes three parallel steps:
+# becomes three steps, over $n = \lceil N/C\rceil$ chunks:
 #
 # 1. **chunk states**, all chunks at once: $P_c = \Gamma_{K,c}^\top [\mathbf V_c, \mathbf 1]$
-#    ($K\times(d_v+1)$ per chunk);
-# 2. **an exclusive prefix over the chunks**, $S_c = \sum_{c' < c} P_{c'}$: one
-#    thread per entry of the $K\times(d_v+1)$ state walks the chunks in order;
+#    ($K\times(d_v+1)$ per chunk), a tiled product per chunk;
+# 2. **an exclusive prefix over the chunks**, $S_c = \sum_{c' < c} P_{c'}$;
 # 3. **within each chunk**, in parallel:
 #    $O_c = \Gamma_{Q,c}S_c + \operatorname{tril}(\Gamma_{Q,c}\Gamma_{K,c}^\top)[\mathbf V_c, \mathbf 1]$,
 #    the last column being the denominator.
 #
-# The states take $\lceil N/C\rceil\cdot K\cdot(d_v+1)$ numbers, $C$ times
-# fewer than the $N\times K\times d_v$ prefix sums of lesson 3. Here are the
-# three steps in NumPy, checked against `refimpl`, then the kernels.
+# Steps 1 and 3 are parallel over the chunks. Step 2 is not, if written the
+# obvious way: one thread per entry of the $K\times(d_v+1)$ state walking
+# the chunks in order (exercise 9.3) makes $n - 1$ additions, each waiting
+# for the one before: a chain of depth $n - 1$, with only $K(d_v+1)$ threads
+# at work. It becomes a log-depth parallel scan, below.
+#
+# The states take $n\cdot K\cdot(d_v+1)$ numbers, against the
+# $N\times K\times d_v$ prefix sums of lesson 3: when $C$ divides $N$, a ratio of
+#
+# $$\frac{N K d_v}{(N/C)\,K\,(d_v + 1)} = \frac{C\,d_v}{d_v + 1},$$
+#
+# not $C$: each state carries the denominator's column as well. Here are the
+# three steps in NumPy, step 2 as the walk over the chunks, checked against
+# `refimpl`.
 
 # %%
+from fractions import Fraction
+
 N, K, d_r, d_v, C = 13, 3, 3, 2, 4
 x_q, x_k = rng.standard_normal((N, d_r)), rng.standard_normal((N, d_r))
 vals = rng.standard_normal((N, d_v))
@@ -392,17 +656,148 @@ v1 = np.hstack([vals, np.ones((N, 1))])  # [V, 1]
 starts = range(0, N, C)
 # step 1: every chunk's state at once
 P = np.stack([g_k[a : a + C].T @ v1[a : a + C] for a in starts])  # [chunks, K, d_v + 1]
-# step 2: exclusive prefix over the chunks
-S = np.cumsum(P, axis=0) - P
-# step 3: every chunk at once
-num = np.vstack([g_q[a : a + C] @ S[c] + np.tril(g_q[a : a + C] @ g_k[a : a + C].T) @ v1[a : a + C] for c, a in enumerate(starts)])
-three_steps = num[:, :-1] / (num[:, -1:] + 1e-6)
+
+
+def sequential_scan(P):
+    """The exclusive prefix S_c = sum_{c' < c} P_c', one chunk after the other: n - 1 dependent additions."""
+    S = np.zeros_like(P)
+    for c in range(1, P.shape[0]):
+        S[c] = S[c - 1] + P[c - 1]
+    return S
+
+
+def chunk_outputs(S):
+    """Step 3, every chunk at once: Gamma_Q,c S_c plus the masked within-chunk product, then the division."""
+    num = np.vstack([g_q[a : a + C] @ S[c] + np.tril(g_q[a : a + C] @ g_k[a : a + C].T) @ v1[a : a + C]
+                     for c, a in enumerate(starts)])
+    return num[:, :-1] / (num[:, -1:] + 1e-6)
+
+
+# step 2: exclusive prefix over the chunks; step 3
+three_steps = chunk_outputs(sequential_scan(P))
 ref = gma.gma(x_q, x_k, vals, mu, var, w, causal=True, chunk_size=C)
 err = np.max(np.abs(three_steps - ref))
-print(f"three parallel steps against refimpl's sequential scan: max abs difference {err:.1e}")
+print(f"the three steps against refimpl's sequential scan: max abs difference {err:.1e}")
 assert err < 1e-13
-print(f"memory of the states: {P.size} numbers, against {N * K * d_v} for N x K x d_v prefix sums")
 
+
+def state_ratio(N, K, d_v, C):
+    """The N x K x d_v prefix sums over the ceil(N / C) x K x (d_v + 1) chunk states, as an exact fraction."""
+    return Fraction(N * K * d_v, -(-N // C) * K * (d_v + 1))
+
+
+assert P.size == -(-N // C) * K * (d_v + 1)
+print(f"memory of the states: {P.size} numbers, against {N * K * d_v} for N x K x d_v prefix sums "
+      f"({float(state_ratio(N, K, d_v, C)):.2f}x fewer; C = {C})")
+for shape in ((16, K, d_v, C), (65536, 64, 64, 64)):
+    ratio = state_ratio(*shape)
+    print(f"N, K, d_v, C = {shape}: {float(ratio):.2f}x fewer numbers")
+    assert ratio == Fraction(shape[3] * shape[2], shape[2] + 1)  # C d_v / (d_v + 1), not C
+
+# %% [markdown]
+# ### Step 2 as a log-depth scan
+#
+# Blelloch's scan computes the exclusive prefix of $n$ states (padded with
+# zeros to $n' = 2^{\lceil\log_2 n\rceil}$) in two sweeps over a balanced
+# binary tree:
+#
+# - **up-sweep**, $\log_2 n'$ steps: at step $l$, every pair
+#   $(i - 2^l, i)$ with $i + 1$ a multiple of $2^{l+1}$ does
+#   $a_i \leftarrow a_{i-2^l} + a_i$, so that $a_i$ holds the sum of its
+#   subtree;
+# - **down-sweep**, $\log_2 n'$ steps: set the root $a_{n'-1} = 0$; then, from
+#   the top, every pair does $(a_{i-2^l}, a_i) \leftarrow (a_i,\ a_{i-2^l} + a_i)$:
+#   the left child receives the prefix before its subtree, the right child
+#   that prefix plus the left subtree.
+#
+# The pairs of one step are disjoint, so they run in parallel (one thread
+# per pair and state entry); only the steps wait for each other. **Depth**
+# $2\log_2 n'$ steps instead of $n - 1$; **work** $2(n' - 1)$ state
+# additions instead of $n - 1$, still $O(n)$. And the tree is fixed by $n$
+# alone: which partial sums are added to which does not depend on the data
+# or on how the threads are scheduled, so the bits are those of one fixed
+# association (a different one from the sequential walk's: the two agree to
+# rounding, not bit for bit).
+#
+# The single-pass alternative, a **decoupled look-back** scan, has each
+# block publish its chunk's aggregate and then look back at its
+# predecessors until it finds one that has published its inclusive prefix.
+# It reads the states once, but the sum it forms depends on how far back it
+# had to look, that is, on timing: for floats it keeps the same bits only if
+# it is made to combine in a fixed order.
+
+# %%
+def blelloch_schedule(n):
+    """(n', up, down): Blelloch's steps over n states padded to n' = 2^ceil(log2 n), each a list of pairs (left, right)."""
+    size = 1 << max(0, (n - 1).bit_length())
+    up, down, h = [], [], 1
+    while h < size:
+        up.append([(i - h, i) for i in range(2 * h - 1, size, 2 * h)])
+        h *= 2
+    h = size // 2
+    while h >= 1:
+        down.append([(i - h, i) for i in range(2 * h - 1, size, 2 * h)])
+        h //= 2
+    return size, up, down
+
+
+def blelloch_scan(P, thread_order=None):
+    """The exclusive prefix of P[0..n-1] by Blelloch's scan; (S, steps, additions).
+
+    thread_order, optional, a Generator: the pairs of every step run in a random order, as threads may.
+    """
+    n = P.shape[0]
+    size, up, down = blelloch_schedule(n)
+    a = np.zeros((size,) + P.shape[1:], dtype=P.dtype)
+    a[:n] = P
+    additions = 0
+
+    def shuffled(pairs):
+        return pairs if thread_order is None else [pairs[i] for i in thread_order.permutation(len(pairs))]
+
+    for pairs in up:
+        for left, right in shuffled(pairs):  # a_right = sum of its subtree
+            a[right] = a[left] + a[right]
+            additions += 1
+    a[size - 1] = 0
+    for pairs in down:
+        for left, right in shuffled(pairs):  # (left, right) <- (prefix before the subtree, prefix + left subtree)
+            a[left], a[right] = a[right].copy(), a[left] + a[right]
+            additions += 1
+    return a[:n], len(up) + len(down), additions
+
+
+S_tree, steps, additions = blelloch_scan(P)
+err = np.max(np.abs(S_tree - sequential_scan(P)))
+err_out = np.max(np.abs(chunk_outputs(S_tree) - ref))
+print(f"Blelloch over {P.shape[0]} chunk states: {steps} steps, {additions} additions; "
+      f"max abs difference to the walk {err:.1e}, of the output to refimpl {err_out:.1e}")
+assert err < 1e-13 and err_out < 1e-13
+
+# 37 float32 states (padded to 64): depth, work, and one combination order whatever the thread schedule
+P32 = (rng.standard_normal((37, K, d_v + 1)) * 100.0).astype(np.float32)
+S32, steps, additions = blelloch_scan(P32)
+assert steps == 2 * 6 and additions == 2 * (64 - 1)  # 2 log2(n') steps, 2 (n' - 1) additions
+schedules = [blelloch_scan(P32, thread_order=np.random.default_rng(seed))[0] for seed in range(5)]
+same_bits = all(np.array_equal(S, S32) for S in schedules)
+walk = sequential_scan(P32)
+n = P32.shape[0]
+print(f"{n} float32 states: {steps} steps and {additions} additions (the walk: {n - 1} and {n - 1}); five random "
+      f"thread orders give the same bits: {same_bits}; entries that differ from the walk's bits: {np.mean(S32 != walk):.0%}, "
+      f"by at most {np.max(np.abs(S32 - walk) / np.maximum(np.abs(walk), 1)):.1e} relative")
+assert same_bits
+
+for n in (1024, 16384):  # N = 65,536 and 1,048,576 tokens in chunks of 64
+    size, up, down = blelloch_schedule(n)
+    print(f"{n:5d} chunks: the walk {n - 1:5d} dependent steps; Blelloch {len(up) + len(down)} steps, "
+          f"{2 * (size - 1)} additions")
+    assert len(up) + len(down) == 2 * int(math.log2(n))
+
+# %% [markdown]
+# `gpu.numba_cuda.gma` runs the three steps as kernels on the device, and
+# must agree with the same reference:
+
+# %%
 got = nc.gma(x_q, x_k, vals, mu, var, w, causal=True, chunk_size=C)
 err_gpu = np.max(np.abs(got - ref))
 print(f"gpu.numba_cuda.gma (causal) against refimpl: max abs difference {err_gpu:.1e}")
@@ -434,8 +829,9 @@ assert len(sequential) > 1
 # segment of tokens by a tree whose shape depends only on the thread indices
 # (as in section 1), writes one partial result per block, and a second step
 # adds the partial results in block order. The result then depends only on
-# the data, never on the scheduling. Every reduction in `gpu.numba_cuda` is
-# done this way, so two runs give the same bits:
+# the data and the launch configuration, never on the scheduling. Every
+# reduction in `gpu.numba_cuda` is done this way, so two runs give the same
+# bits:
 
 # %%
 raw = rng.standard_normal((K, d_r))
@@ -454,6 +850,39 @@ print(f"and agree with refimpl's hand-derived gradients: max relative difference
 assert worst < 1e-10
 
 # %% [markdown]
+# **What "the same bits" promises, and what it does not.** The tree's shape
+# is fixed by the block size, the number of blocks and the tiles: the
+# *launch configuration*. Change it and the association changes, and with
+# it the bits (by rounding only). So the promise holds for one launch
+# configuration, on one device, built by one compiler (which may contract a
+# multiplication and an addition into an FMA, or not) with the same library
+# versions (cuBLAS chooses its GEMM algorithm per GPU and version). The
+# simulator's block sizes are smaller than a GPU's (`gpu.numba_cuda`'s are
+# module constants, smaller in the simulator; section 7), so the simulator
+# and a GPU agree to rounding, not bit for bit. The same float32 terms as
+# above, summed by the tree of section 1 (threads strided over the terms,
+# then the pairs of a shared-memory tree) with three block sizes:
+
+# %%
+def block_tree_sum(terms, threads):
+    """One block's ordered sum: thread t adds terms t, t + T, ... in order, then a tree over the T partial sums."""
+    partial = np.zeros(threads, dtype=terms.dtype)
+    for t in range(threads):
+        for value in terms[t::threads]:
+            partial[t] = partial[t] + value
+    h = threads // 2
+    while h > 0:
+        partial[:h] = partial[:h] + partial[h : 2 * h]  # thread t < h adds thread t + h's partial sum
+        h //= 2
+    return partial[0]
+
+
+sums = {T: block_tree_sum(terms, T) for T in (8, 32, 256)}
+print("block size -> float32 sum: " + ", ".join(f"{T}: {float(s):.9g}" for T, s in sums.items()))
+assert all(block_tree_sum(terms, T) == s for T, s in sums.items())  # each configuration: the same bits every run
+assert len(set(sums.values())) > 1  # another block size: another association, other bits
+
+# %% [markdown]
 # ## 6. The same GMA through cuBLAS and fused kernels
 #
 # `gpu.numba_cuda` writes every step as a kernel, to be read. `gpu.cupy_kernels`
@@ -463,14 +892,65 @@ assert worst < 1e-10
 #
 # | step | how | work |
 # | --- | --- | --- |
-# | quadratic form of $\Gamma_Q$ and $\Gamma_K$ | one GEMM each, $[x_c^2, x_c]\,[-p/2;\ \mu_c p]$ | $2\cdot 2N\cdot 2d_r\cdot K$ flops |
-# | log-sum-exp and normalise | one fused row kernel (`gmm.cu`) | reads and writes $N\times K$ twice |
+# | quadratic form of $\Gamma_Q$ and $\Gamma_K$ | one GEMM each, $[x_c^2, x_c]\,[-p/2;\ \mu_c p]$, on $x$ and $\mu$ centred on the mean of the means | $2\cdot 2N\cdot 2d_r\cdot K$ flops |
+# | log-sum-exp, normalise, screen | one fused row kernel (`gmm.cu`), which also evaluates the $O(d)$ cancellation screen of `refimpl.tuned` on each row | reads and writes $N\times K$ twice |
+# | refine | only for the rows the screen cannot clear: their spoiled logits near the row maximum recomputed from the differences, then the scan again | rare; none for most inputs |
 # | write $\Gamma_K^\top[\mathbf V, \mathbf 1]$ | GEMM | $2NK(d_v+1)$ flops |
 # | read $\Gamma_Q[S, z]$, divide | GEMM, element-wise | $2NK(d_v+1)$ flops |
 #
-# The GEMMs run at the tensor cores' rate; the fused kernels move $N\times K$
-# numbers at memory speed. The host code is written once for an array module
-# `xp`, NumPy or CuPy, so its logic runs here with NumPy, and must equal the
+# The screen and the refinement are there because the $[x_c^2, x_c]$ GEMM is
+# the expanded quadratic form of lesson 1, which cancels: where a point lies
+# far from the means on the scale of $\sigma$ (the inputs of section 1),
+# the product loses the logit's digits, and a GEMM alone would return wrong
+# responsibilities. The screen finds the rows where that can matter, in
+# $O(Nd)$, and only those are recomputed.
+#
+# **How fast can the GEMMs go?** Not at a tensor-core rate. In float32 with
+# TF32 off (`gpu.cupy_kernels.tf32(False)`, the default) cuBLAS runs them on
+# the CUDA cores, whose peak on an H200 is about 67 TFLOP/s. And they are
+# skinny: one side is $N$, the others $K$, $2d_r$, $d_v + 1$, a few dozen.
+# A product of $(m\times k)$ by $(k\times n)$ does $2mkn$ flops and moves at
+# least $4(mk + kn + mn)$ bytes in float32; its arithmetic intensity, flops
+# per byte, is to be compared with the H200's ridge point, 67 TFLOP/s over
+# 4.8 TB/s, about 14 flops per byte (the vendor's figures, the ones
+# `benchmarks/bench_gpu.py` uses). Below the ridge, memory bandwidth bounds
+# the time; above it, the arithmetic. The fused kernels move $N\times K$
+# numbers for a few flops each: memory-bound, at an intensity near 1.
+
+# %%
+PEAK_FP32, PEAK_TF32, PEAK_BANDWIDTH = 67e12, 495e12, 4.8e12  # H200 SXM, vendor figures (TF32: dense tensor cores)
+RIDGE_FP32, RIDGE_TF32 = PEAK_FP32 / PEAK_BANDWIDTH, PEAK_TF32 / PEAK_BANDWIDTH
+
+
+def gemm_intensity(m, k, n, itemsize=4):
+    """Flops per byte of an (m x k) (k x n) product that reads each input and writes the output once."""
+    return 2 * m * k * n / (itemsize * (m * k + k * n + m * n))
+
+
+print(f"H200 ridge points: {RIDGE_FP32:.1f} flops/byte on the CUDA cores (float32), {RIDGE_TF32:.0f} with TF32 tensor cores")
+for N_, K_, d_, dv_ in ((1 << 16, 64, 32, 32), (1 << 16, 64, 64, 64)):
+    gemms = {
+        "[x_c^2, x_c] W": gemm_intensity(N_, 2 * d_, K_),
+        "Gamma_K^T [V, 1]": gemm_intensity(K_, N_, dv_ + 1),
+        "Gamma_Q [S, z]": gemm_intensity(N_, K_, dv_ + 1),
+    }
+    for name, intensity in gemms.items():
+        bound = "memory-bound" if intensity < RIDGE_FP32 else "at most the float32 peak"
+        print(f"N = {N_}, K = {K_}, d_r = {d_}, d_v = {dv_}: {name:17s} {intensity:5.1f} flops/byte, {bound}; "
+              f"ceiling {min(PEAK_FP32, intensity * PEAK_BANDWIDTH) / 1e12:4.1f} TFLOP/s")
+        assert intensity < RIDGE_TF32 / 4  # even with TF32, bandwidth would hold them far below a tensor-core rate
+    if d_ == 32:
+        assert gemms["Gamma_K^T [V, 1]"] < RIDGE_FP32 and gemms["Gamma_Q [S, z]"] < RIDGE_FP32  # the write and read
+
+# %% [markdown]
+# At $K = d_r = d_v = 64$ the GEMMs sit just above the float32 ridge (16 to
+# 21 flops per byte); at $d_v = 32$ the write and the read fall below it,
+# memory-bound. Either way their ceiling is the CUDA cores' rate or less, a
+# seventh of the TF32 tensor cores' peak, which they could not approach even
+# with TF32 on: bandwidth would cap them at 52 to 102 TFLOP/s.
+#
+# The host code is written once for an array module `xp`, NumPy or CuPy, so
+# its logic runs here with NumPy, and must equal the
 # reference:
 
 # %%
@@ -524,7 +1004,84 @@ else:
           "whole gpu.cupy_kernels.gma_forward; benchmarks/bench_gpu.py does it at full size.")
 
 # %% [markdown]
-# ## 7. Speed
+# ## 7. Launch geometry, within the hardware's limits
+#
+# A launch `kernel[grid, block](...)` names a grid of blocks and a block of
+# threads, each up to three-dimensional, and the hardware bounds both:
+#
+# | | limit (compute capability 9.0, H200) |
+# | --- | --- |
+# | grid x | $2^{31} - 1$ blocks |
+# | grid y, grid z | 65,535 blocks each |
+# | threads per block | 1,024 (x and y at most 1,024, z at most 64) |
+#
+# The driver refuses a launch outside them (an invalid configuration), so a
+# geometry that works at the sizes of the tests can fail at a caller's. The kernels
+# of `gpu.numba_cuda` take their geometry from **one pure function of the
+# shapes**: it reads nothing but its arguments (no device query, no state),
+# so the same shapes always give the same grid and block, hence the same
+# trees and the same bits (section 5), and it can be checked without a
+# GPU for every shape a caller may pass. The block sizes are constants of
+# the module (of the simulator, when it runs).
+#
+# A natural choice for attention over $B\cdot H$ sequences puts the query
+# tiles on grid x and the sequences on grid y. It is right for every
+# $N$, and wrong from $B\cdot H = 65{,}536$ sequences on (for instance
+# $B = 2048$ sequences of $H = 32$ heads). Two ways out: spread the
+# sequences over grid y and z, with a loop in the kernel for what they still
+# cannot hold, or fold the (sequence, tile) pairs into grid x, with grid y
+# for what grid x cannot hold, the kernel recovering its pair from the block
+# index and returning when it is past the end. Below: the natural choice and
+# the fold, as pure functions, checked against the limits, the fold checked
+# to visit every pair exactly once.
+
+# %%
+MAX_GRID_X, MAX_GRID_YZ, MAX_THREADS = 2**31 - 1, 65_535, 1024
+
+
+def within_limits(grid, block):
+    """Whether a launch's grid (x, y, z) and block (x, y, z) fit compute capability 9.0's limits."""
+    return (1 <= grid[0] <= MAX_GRID_X and all(1 <= g <= MAX_GRID_YZ for g in grid[1:])
+            and block[0] <= 1024 and block[1] <= 1024 and block[2] <= 64 and math.prod(block) <= MAX_THREADS)
+
+
+def sequences_on_y(B, H, N, tile_rows, threads):
+    """(grid, block): query tiles on grid x, the B H sequences on grid y."""
+    return (-(-N // tile_rows), B * H, 1), (threads, 1, 1)
+
+
+def launch_geometry(B, H, N, tile_rows, threads, max_x=MAX_GRID_X):
+    """(grid, block): the B H ceil(N / tile_rows) (sequence, tile) pairs folded into grid x, then y; a pure function."""
+    pairs = B * H * -(-N // tile_rows)
+    grid_x = min(pairs, max_x)
+    return (grid_x, -(-pairs // grid_x), 1), (threads, 1, 1)
+
+
+def block_pair(block_x, block_y, grid_x, N, tile_rows):
+    """What the kernel does first: its (sequence, tile) from the block index (past the end when sequence >= B H)."""
+    flat = block_y * grid_x + block_x
+    tiles = -(-N // tile_rows)
+    return divmod(flat, tiles)  # (sequence b h, tile); the caller checks b h < B H
+
+
+for B, H in ((8, 32), (2048, 32)):
+    naive, folded = sequences_on_y(B, H, 4096, 64, 256), launch_geometry(B, H, 4096, 64, 256)
+    print(f"B H = {B * H:6d}: sequences on grid y {naive[0]} fits: {within_limits(*naive)}; "
+          f"folded {folded[0]} fits: {within_limits(*folded)}")
+    assert within_limits(*folded) and within_limits(*naive) == (B * H <= 65_535)  # grid y holds 65,535 blocks
+assert within_limits((1, 1, 1), (32, 32, 1)) and not within_limits((1, 1, 1), (32, 32, 2))  # 1,024 threads a block
+assert launch_geometry(2048, 32, 4096, 64, 256) == launch_geometry(2048, 32, 4096, 64, 256)  # shapes in, geometry out
+
+# the fold, with a grid x limited to 7 blocks so that grid y is used: every (sequence, tile) exactly once
+B, H, N_seq, tile_rows = 3, 2, 10, 4
+(grid_x, grid_y, _), _ = launch_geometry(B, H, N_seq, tile_rows, 32, max_x=7)
+seen = [block_pair(bx, by, grid_x, N_seq, tile_rows) for by in range(grid_y) for bx in range(grid_x)]
+seen = [pair for pair in seen if pair[0] < B * H]  # the blocks past the end return at once
+print(f"grid ({grid_x}, {grid_y}) for {B * H} sequences of {-(-N_seq // tile_rows)} tiles: {len(seen)} pairs")
+assert sorted(seen) == [(b, t) for b in range(B * H) for t in range(-(-N_seq // tile_rows))]
+
+# %% [markdown]
+# ## 8. Speed
 #
 # On a GPU, the cell below times GMA (bidirectional and causal) against the
 # NumPy reference at a size where a GPU has work to do;
@@ -577,15 +1134,29 @@ else:
 # * Reductions inside a block go through a tree in shared memory;
 #   log-sum-exp pairs $(m, s)$ combine exactly.
 # * Tiling reads each number from global memory once per tile instead of
-#   once per thread.
+#   once per thread; a register tile of $r\times c$ results makes each
+#   load from shared memory serve $rc/(r+c)$ FMAs on average, enough from
+#   $4\times 4$ on for the arithmetic, not shared memory, to set the speed.
 # * The online softmax is exact up to rounding: the rescaling by
-#   $e^{m-m'}$ keeps every partial sum relative to the current maximum.
+#   $e^{m-m'}$ keeps every partial sum relative to the current maximum, and
+#   a tile entirely masked so far must be skipped, not rescaled by
+#   $e^{-\infty+\infty}$. Flash attention keeps a query tile resident and
+#   streams the key tiles through that update.
 # * A sequential scan becomes chunk states, a prefix over chunks, and a
-#   masked product per chunk.
+#   masked product per chunk; the prefix is a log-depth scan (Blelloch:
+#   $2\log_2 n$ steps, $O(n)$ work) in a combination order fixed by $n$.
+#   The states are $C\,d_v/(d_v+1)$ times smaller than the prefix sums.
 # * Fix the order of every floating-point reduction, and a GPU gives the
-#   same bits on every run.
-# * For speed, give the matrix products to cuBLAS and fuse only the rest;
-#   host code written once for NumPy and CuPy is tested without a GPU.
+#   same bits on every run with the same launch configuration, device,
+#   compiler and library versions; the simulator, with other block sizes,
+#   agrees to rounding.
+# * Take the launch geometry from one pure function of the shapes, and keep
+#   it within the limits: grid y and z hold 65,535 blocks, not $B\cdot H$.
+# * For speed, give the matrix products to cuBLAS and fuse only the rest
+#   (the screen of the expanded quadratic form included, with its rare
+#   refinement); skinny float32 GEMMs without TF32 run on the CUDA cores,
+#   near or below the ridge point. Host code written once for NumPy and
+#   CuPy is tested without a GPU.
 
 # %% [markdown]
 # ## Exercises

@@ -6,15 +6,25 @@ it:
 
 * :func:`~gpu.numba_cuda.gmm.log_responsibilities` and
   :func:`~gpu.numba_cuda.gmm.responsibilities` mirror :mod:`refimpl.gmm`
-  (one fused kernel: log-densities, log-sum-exp, normalise);
+  (per-component constants, then one register-tiled kernel: each thread a
+  tile of rows by components, the quadratic form from the differences, the
+  coordinates staged in shared memory, the row softmax fused into its
+  epilogue);
 * :func:`~gpu.numba_cuda.attention.softmax_attention` mirrors
-  :func:`refimpl.attention.softmax_attention` (a tiled online softmax);
+  :func:`refimpl.attention.softmax_attention` (a tiled online softmax, each
+  thread a register tile of queries by keys);
 * :func:`~gpu.numba_cuda.gma.gma`, :func:`~gpu.numba_cuda.gma.gma_forward` and
   :func:`~gpu.numba_cuda.gma.gma_backward` mirror :mod:`refimpl.gma` (the
-  scan of :mod:`gpu.numba_cuda.scan`);
+  responsibilities above, then the scan of :mod:`gpu.numba_cuda.scan`, whose
+  chunk states are prefix-summed by a work-efficient tree);
 * :func:`~gpu.numba_cuda.ovq.ovq_attention` and
-  :func:`~gpu.numba_cuda.ovq.vq_attention` mirror :mod:`refimpl.ovq` (a host
-  loop over chunks; the state stays on the device).
+  :func:`~gpu.numba_cuda.ovq.vq_attention` mirror :mod:`refimpl.ovq` (two
+  launches per chunk, the read-out split over key tiles and merged; the state
+  stays on the device).
+
+The device functions several kernels share (the online softmax's running
+pair, ordered block reductions, the tree scan) are written once, in
+``gpu.numba_cuda._primitives``.
 
 ``gma``, ``gma_forward``/``gma_backward`` and ``softmax_attention`` take
 leading batch and head dimensions ``(..., N, d)``, with one GMM per head
@@ -28,8 +38,17 @@ fixed order (no float atomics), so two runs give the same bits.
 
 Each kernel carries, above its definition, the formula it computes (in the
 words of the :mod:`refimpl` line it mirrors) and how its work maps to
-threads, blocks and shared memory.  Without a GPU, the kernels run in the
-CUDA simulator (:func:`gpu.use_simulator_without_device`, before numba is
+threads, blocks and shared memory.  Each module gives the grid and block of
+every launch as a pure function of the shapes, ``launch_geometry``, within
+the GPU's limits for any size.  Every kernel is declared with
+``_device.kernel``, with the block size it is launched with, what it is for
+(its tags) and its compile options (launch bounds), so that the tests compile
+exactly what runs: to PTX for sm_90 and sm_80, then through ``ptxas`` and
+``cuobjdump`` for its registers, spills, shared memory, occupancy and the
+instruction mix of its hot loop (:mod:`gpu.sass`), all without a GPU;
+``benchmarks/gpu_model.py`` turns these into a model of each function on an
+H200, labelled as a model.  Without a GPU, the kernels run in the CUDA
+simulator (:func:`gpu.use_simulator_without_device`, before numba is
 imported), where block sizes are smaller; the code is the same.  Lesson 9
 (``tutorials/09_gpu_kernels.ipynb``) teaches how they are written.
 """

@@ -24,6 +24,7 @@ the host.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -33,6 +34,12 @@ from refimpl import validation
 
 __all__ = [
     "KERNELS",
+    "LAUNCH",
+    "DEFAULT_THREADS",
+    "launch_info",
+    "compile_options",
+    "kernel_dtypes",
+    "REPLACED",
     "DTYPES",
     "SIMULATOR",
     "kernel",
@@ -110,8 +117,19 @@ if SIMULATOR:
 #: ``{qualified name: (python function, signature builder)}``; the builder maps a float type to the argument types.
 KERNELS: dict = {}
 
+#: ``{qualified name: launch facts}``: ``threads`` (threads per block the public function launches it with, or a
+#: callable of the float type giving them), ``tags`` (a set of words saying what the kernel is for, e.g.
+#: ``"responsibilities"``, ``"gma"``, ``"attention"``).  Read it with :func:`launch_info`.
+LAUNCH: dict = {}
 
-def kernel(signature):
+#: Registry names registered a second time by another function (see :func:`kernel`'s ``dtypes``).
+REPLACED: list = []
+
+#: Threads per block assumed for a kernel registered without ``threads`` (the usual 1-D launch of these modules).
+DEFAULT_THREADS = 256
+
+
+def kernel(signature, threads=None, tags=(), options=None, dtypes=None):
     """Declare a kernel: register it for :func:`compile_all`, return ``cuda.jit(fn)``.
 
     Parameters
@@ -120,33 +138,136 @@ def kernel(signature):
         ``signature(f)`` returns the tuple of Numba argument types for the
         float type ``f`` (``float32`` or ``float64``), e.g.
         ``lambda f: (f[:, ::1], f[::1], int64)``.
+    threads : int or callable, optional
+        Threads per block of the kernel's launches on a GPU (the product of
+        the block's dimensions), or ``threads(f)`` giving them for the float
+        type ``f``.  The static resource checks compute occupancy at this
+        block size.  Default: :data:`DEFAULT_THREADS` (256), marked as assumed.
+    tags : iterable of str, optional
+        What the kernel is for (``"responsibilities"``, ``"gma"``,
+        ``"attention"``, ...): the resource checks select kernels by tag.
+    options : dict or callable, optional
+        The compile options of :func:`numba.cuda.compile_ptx` the kernel is
+        launched with (``launch_bounds``, ``fastmath``), or ``options(f)``
+        giving them for the float type ``f``.  A dict is passed to
+        ``cuda.jit`` as well; a module that compiles the kernel per float type
+        with other options (``cuda.jit(k.py_func, **compile_options(name, f))``)
+        gives them as a callable, so that :func:`compile_all` compiles what
+        runs.
+    dtypes : tuple of Numba float types, optional
+        The float types this kernel runs in (default :data:`DTYPES`, both).  A
+        module that builds one kernel per float type (other tile sizes, say)
+        registers each build for its own type: the registry names it
+        ``module.function[float32]``, so that the builds do not replace each
+        other.  A kernel registered again under the same name by another
+        function is listed in :data:`REPLACED` (the PTX check refuses it: the
+        first build would escape the check).
     """
 
     def wrap(fn):
-        KERNELS[f"{fn.__module__}.{fn.__name__}"] = (fn, signature)
-        return cuda.jit(fn)
+        name = f"{fn.__module__}.{fn.__name__}"
+        types = DTYPES if dtypes is None else tuple(dtypes)
+        if set(map(str, types)) != set(map(str, DTYPES)):
+            name += "[" + ",".join(str(f) for f in types) + "]"
+        if name in KERNELS and KERNELS[name][0] is not fn:
+            REPLACED.append(name)
+        KERNELS[name] = (fn, signature)
+        LAUNCH[name] = {"threads": threads, "tags": frozenset(tags), "options": options, "dtypes": types}
+        return cuda.jit(fn, **options) if isinstance(options, dict) else cuda.jit(fn)
 
     return wrap
 
 
-def compile_all(cc=(9, 0), names=None):
-    """Compile registered kernels to PTX for compute capability ``cc`` in float32 and float64.
+def kernel_dtypes(name) -> tuple:
+    """The float types the registered kernel ``name`` is compiled for (:data:`DTYPES` unless it was given others)."""
+    return tuple(LAUNCH.get(name, {}).get("dtypes") or DTYPES)
+
+
+def launch_info(name, f=float32):
+    """``(threads per block, assumed, tags)`` of the registered kernel ``name`` for the float type ``f``.
+
+    ``assumed`` is True when the kernel was registered without ``threads``
+    (:data:`DEFAULT_THREADS` is returned then).
+    """
+    info = LAUNCH.get(name, {"threads": None, "tags": frozenset()})
+    threads = info["threads"]
+    if threads is None:
+        return DEFAULT_THREADS, True, info["tags"]
+    if callable(threads):
+        threads = threads(f)
+    return int(threads), False, info["tags"]
+
+
+def compile_options(name, f=float32) -> dict:
+    """The compile options of the registered kernel ``name`` for the float type ``f`` (``{}`` when none)."""
+    options = LAUNCH.get(name, {}).get("options")
+    if callable(options):
+        options = options(f)
+    return dict(options or {})
+
+
+class _TargetDevice:
+    """A stand-in for the current CUDA device that only reports a compute capability.
+
+    Numba-CUDA compiles a device function (``@cuda.jit(device=True)``) called
+    from a kernel for the *current* device: its dispatcher asks
+    ``get_current_device().compute_capability``, which needs a CUDA driver.
+    Compiling to PTX for a named capability needs no GPU otherwise, so
+    :func:`compile_all` answers that question with the target's capability.
+    """
+
+    def __init__(self, cc):
+        self.compute_capability = tuple(cc)
+
+
+@contextlib.contextmanager
+def _current_device_reports(cc):
+    """Within the block, Numba-CUDA's dispatcher sees a current device of capability ``cc`` (no driver asked)."""
+    from numba.cuda import dispatcher
+
+    original = dispatcher.get_current_device
+    stand_in = _TargetDevice(cc)
+    dispatcher.get_current_device = lambda: stand_in
+    try:
+        yield stand_in
+    finally:
+        dispatcher.get_current_device = original
+
+
+def compile_all(cc=(9, 0), names=None, ptx=False):
+    """Compile registered kernels to PTX for compute capability ``cc`` in float32 and float64 (or their own types).
 
     Needs the real CUDA target (not the simulator) and NVVM, which the
-    ``numba-cuda[cu13]`` wheels ship; no GPU is needed.
+    ``numba-cuda[cu13]`` wheels ship; no GPU is needed.  The device functions
+    a kernel calls are compiled for ``cc`` too: while compiling, Numba-CUDA's
+    question for the current device's capability is answered with ``cc``
+    (:class:`_TargetDevice`), so no CUDA driver is asked.  A device function
+    is compiled once per argument types and kept by Numba, so after a first
+    ``cc`` later ones reuse its compiled body (NVVM still writes each
+    kernel's PTX for its own ``cc``).
+
+    Parameters
+    ----------
+    cc : tuple of int
+        The compute capability, e.g. ``(9, 0)``.
+    names : collection of str, optional
+        Qualified names of the kernels to compile (default: every one).
+    ptx : bool
+        Return the PTX text instead of its length.
 
     Returns
     -------
     dict
-        ``{(name, dtype name): length of the PTX}``.
+        ``{(name, dtype name): length of the PTX}`` (or the PTX itself).
     """
     out = {}
-    for name, (fn, signature) in sorted(KERNELS.items()):
-        if names is not None and name not in names:
-            continue
-        for f in DTYPES:
-            ptx, _ = cuda.compile_ptx(fn, signature(f), cc=cc)
-            out[(name, str(f))] = len(ptx)
+    with _current_device_reports(cc):
+        for name, (fn, signature) in sorted(KERNELS.items()):
+            if names is not None and name not in names:
+                continue
+            for f in kernel_dtypes(name):
+                code, _ = cuda.compile_ptx(fn, signature(f), cc=cc, **compile_options(name, f))
+                out[(name, str(f))] = code if ptx else len(code)
     return out
 
 

@@ -45,145 +45,331 @@ factors :math:`e^{m_t - m_{t+1}}`.
 
 Launch plan
 -----------
-One kernel, :func:`_flash_forward`.  Grid ``(BH, ceil(N_q / TILE), ceil(d_v / COLS))``:
-a block per (sequence, tile of :data:`TILE` query rows, group of
-:data:`COLS` value columns), all sequences (batch and head dimensions
-flattened) in one launch; blocks of ``TILE x TILE`` threads, thread
-``(ty, tx)`` = (query row of the tile, key of the tile / value column).  For
-each key tile, ``q`` and ``k`` are staged in shared memory
-``DTILE`` coordinates at a time (any ``d``); thread ``(ty, tx)`` forms score
-``(ty, tx)``; the row's maximum and sum are updated as above (every thread
-of a row computes them, in the same order, from the shared scores); the
-value tile ``[TILE, COLS]`` is staged in shared memory and each thread
-updates its ``COLS / TILE`` accumulators.  Causal: key tiles above the
-diagonal are skipped, the diagonal tile is masked (``j > i`` gets
-``-inf``).  The kernel also writes every row's maximum score, which the host
-checks for overflow as the reference does.  ``d_v`` of any size is covered by
-the grid's third axis.
+One launch of one kernel, :func:`_flash_forward`, for every sequence (batch
+and head dimensions flattened to ``BH``), with the geometry of
+:func:`launch_geometry`, a pure function of the shapes:
+
+* a block of ``TY x TX`` threads (512 in float32, 256 in float64) owns a tile of
+  ``TILE_Q = TY RQ`` query rows and a group of up to ``COLS`` value columns
+  (all of ``d_v`` when ``d_v <= COLS``: one group), and runs over the key
+  tiles of ``TILE_K = TX RK`` keys (``TILE_Q x TILE_K`` = 64 x 64 in
+  float32, 32 x 32 in float64, whose shared memory is twice as large);
+* thread ``(ty, tx)`` owns the ``RQ`` query rows ``ty RQ + i`` of the tile:
+  the ``RQ x RK`` scores of those rows against keys ``tx RK + j``, their
+  running maxima and partial sums, and the accumulators of its value columns
+  (``V_CHUNK / TX`` consecutive ones in each staged chunk of ``V_CHUNK``);
+* the query tile stays in shared memory (transposed) for the whole key loop
+  when ``d <= D_CHUNK`` (64); a larger ``d`` is covered ``D_CHUNK``
+  coordinates at a time, the query tile then staged again per key tile;
+* a ``d_v`` larger than ``COLS`` (64) is split over the grid (the scores are
+  then computed once per group of ``COLS`` columns);
+* grid ``x`` runs over (query tile, column group), the heaviest causal tiles
+  first, and ``y``, ``z`` over the sequences (:func:`~gpu.numba_cuda._primitives.sequence_axes`);
+  every axis within the hardware's limits (x up to ``2^31 - 1`` tiles, that
+  is ``N`` up to about ``2^37``; ``y z`` up to ``65,535^2`` sequences).
+
+Per key tile a block passes two barriers per ``D_CHUNK`` of ``d``, one
+after the row maxima and two per ``V_CHUNK`` of value columns: 7 per 64
+keys for ``d, d_v <= 64`` in float32 (against about 160 for 8 x 8 tiles).  Causal: key tiles past the
+query tile's last row are skipped, ``j > i`` gets ``-inf``; an entirely
+masked tile, or a row whose scores are all ``-inf`` so far, leaves the
+running pair at ``(-inf, 0)`` through the guard of
+:func:`~gpu.numba_cuda._primitives.exp_shifted`.
+
+Host copies
+-----------
+The kernel also writes every row's maximum score (NaN when a score is NaN).
+:class:`~gpu.numba_cuda._device.Checks` counts the non-finite row maxima, and
+the non-finite entries of device inputs, on the device; their counts come to
+the host in one ``copy_to_host`` per call, the one result check.  Only when a
+count is not zero is more copied, to word the reference's error.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
-from numba import boolean, cuda
+from numba import boolean, config, cuda, int64
+from numba.np.numpy_support import from_dtype as numba_type
 
 from refimpl.validation import check_batched_softmax_attention, check_score_maxima
 
-from ._device import Checks, any_device, host_view, is_device_array, kernel, raise_bad_inputs, result, to_device
+from ._device import Checks, any_device, blocks, host_view, is_device_array, kernel, raise_bad_inputs, result, to_device
+from ._primitives import MAX_GRID_X, MAX_GRID_YZ, MAX_THREADS, exp_shifted, max_keep_nan, row_max, row_sum, sequence_axes
 
-__all__ = ["softmax_attention"]
+__all__ = ["softmax_attention", "Geometry", "GPU_GEOMETRY", "SIMULATOR_GEOMETRY", "GEOMETRY", "launch_geometry"]
 
-#: Query rows per block, and keys per key tile (the same: thread (ty, tx) stages row ty of both tiles).
-TILE = 8
-#: Coordinates of ``q`` and ``k`` staged per step of the score loop (= TILE: thread tx stages coordinate tx).
-DTILE = TILE
-#: Value columns per block (a multiple of TILE): each thread accumulates COLS / TILE of them.
-COLS = 32
-_GROUPS = COLS // TILE
+#: True when kernels run in the CUDA simulator (every thread a Python thread): the blocks are then kept small.
+SIMULATOR = bool(config.ENABLE_CUDASIM)
 
 
-# scores = q @ k.T; scores *= scale; scores[triu(k=1)] = -inf when causal; p = softmax(scores, axis=1); out = p @ v
-# (refimpl.attention.softmax_attention_forward), by the online softmax of the module docstring.
-# Block (b, query tile qt, column group cg) of TILE x TILE threads; thread (ty, tx): query row i = qt TILE + ty.
-# Shared: q_s [TILE, DTILE] and k_s [TILE, DTILE] (one step of the d loop), p_s [TILE, TILE] (scores, then weights),
-# v_s [TILE, COLS] (the value tile).  Registers: the row's (m, l) and acc[COLS / TILE] for columns c0 + tx + TILE g.
-@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f, boolean, f[:, :, ::1], f[:, ::1]))
-def _flash_forward(q, k, v, scale, causal, out, row_max):
-    f = q.dtype.type
-    q_s = cuda.shared.array((TILE, DTILE), dtype=q.dtype)  # [TILE, DTILE]
-    k_s = cuda.shared.array((TILE, DTILE), dtype=q.dtype)  # [TILE, DTILE]
-    p_s = cuda.shared.array((TILE, TILE), dtype=q.dtype)  # [TILE, TILE]
-    v_s = cuda.shared.array((TILE, COLS), dtype=q.dtype)  # [TILE, COLS]
-    acc = cuda.local.array(_GROUPS, dtype=q.dtype)  # [COLS / TILE]
-    N_q = q.shape[1]
-    N_k = k.shape[1]
-    d = q.shape[2]
-    d_v = v.shape[2]
-    b = cuda.blockIdx.x
-    q0 = cuda.blockIdx.y * TILE
-    c0 = cuda.blockIdx.z * COLS
-    ty = cuda.threadIdx.y
-    tx = cuda.threadIdx.x
-    i = q0 + ty
-    zero = f(0.0)
-    neg_inf = f(-math.inf)
-    m_run = neg_inf
-    l_run = zero
-    nan_seen = False
-    for g in range(_GROUPS):
-        acc[g] = zero
-    # causal: query rows < q0 + TILE see keys < q0 + TILE only (N_q == N_k)
-    k_end = min(N_k, q0 + TILE) if causal else N_k
-    for k0 in range(0, k_end, TILE):
-        # s_ij = scale * sum_j q_i . k_j, DTILE coordinates at a time (coalesced along d)
-        s = zero
-        for d0 in range(0, d, DTILE):
-            if i < N_q and d0 + tx < d:
-                q_s[ty, tx] = q[b, i, d0 + tx]
-            else:
-                q_s[ty, tx] = zero
-            if k0 + ty < N_k and d0 + tx < d:
-                k_s[ty, tx] = k[b, k0 + ty, d0 + tx]
-            else:
-                k_s[ty, tx] = zero
+class Geometry(NamedTuple):
+    """The tiles of :func:`_flash_forward`; every field a power of two.
+
+    A block has ``TY x TX`` threads; thread ``(ty, tx)`` owns ``RQ`` query
+    rows and ``RK`` keys of each key tile, so the tiles are
+    ``TILE_Q = TY RQ`` query rows by ``TILE_K = TX RK`` keys.
+    """
+
+    TX: int  # threads along the keys of a tile (and the value columns)
+    TY: int  # threads along the query rows
+    RQ: int  # query rows per thread
+    RK: int  # keys per thread per key tile
+    D_CHUNK: int  # coordinates of q and k held at once: the query tile is resident when d <= D_CHUNK
+    COLS: int  # value columns per block (a multiple of V_CHUNK)
+    V_CHUNK: int  # value columns staged at a time (a multiple of TX)
+
+    @property
+    def tile_q(self) -> int:
+        return self.TY * self.RQ
+
+    @property
+    def tile_k(self) -> int:
+        return self.TX * self.RK
+
+    @property
+    def threads(self) -> int:
+        return self.TX * self.TY
+
+    def shared_bytes(self, itemsize: int) -> int:
+        """Static shared memory of a block: q^T, k^T or P (rows padded by one), V [TILE_K, V_CHUNK], maxima [TILE_Q, TX]."""
+        kp = max(self.D_CHUNK, self.tile_q) * (self.tile_k + 1)
+        return itemsize * (self.D_CHUNK * (self.tile_q + 1) + kp + self.tile_k * self.V_CHUNK + self.tile_q * self.TX)
+
+
+#: The GPU's tiles, by dtype: 64 x 64 in float32 (512 threads, 44.5 KiB of shared memory), 32 x 32 in float64
+#: (256 threads, 45 KiB).
+GPU_GEOMETRY = {
+    np.dtype(np.float32): Geometry(TX=16, TY=32, RQ=2, RK=4, D_CHUNK=64, COLS=64, V_CHUNK=32),
+    np.dtype(np.float64): Geometry(TX=16, TY=16, RQ=2, RK=2, D_CHUNK=64, COLS=64, V_CHUNK=32),
+}
+#: Resident blocks per multiprocessor the GPU builds are bounded for (``launch_bounds``): 2 blocks of 512 threads
+#: (float32) or 4 of 256 (float64), 32 of the 64 warps of an sm_90 multiprocessor (50% occupancy, 64 registers a
+#: thread at most; ptxas -v: 60 and 64 registers, no spills).
+MIN_BLOCKS = {"float32": 2, "float64": 4}
+#: The simulator's tiles (4 threads a block, tiles of 4 rows by 2 keys: a key tile can be entirely masked).
+SIMULATOR_GEOMETRY = {dt: Geometry(TX=2, TY=2, RQ=2, RK=1, D_CHUNK=4, COLS=4, V_CHUNK=2) for dt in GPU_GEOMETRY}
+#: The tiles the launches use (a test may switch the simulator to :data:`GPU_GEOMETRY`).
+GEOMETRY = SIMULATOR_GEOMETRY if SIMULATOR else GPU_GEOMETRY
+
+
+def _flash_signature(f):
+    # q, k, v, out flattened (C order), row_max [BH N_q]; then BH, N_q, N_k, d, d_v
+    return (f[::1], f[::1], f[::1], f, boolean, f[::1], f[::1], int64, int64, int64, int64, int64)
+
+
+def _build_flash_forward(g: Geometry, f=None):
+    """:func:`_flash_forward` compiled for the tiles ``g`` (its sizes are compile-time constants).
+
+    On a GPU (``f`` the Numba float type the tiles are for) it is registered
+    for ``f`` alone, with launch bounds of :data:`MIN_BLOCKS` resident blocks
+    (so ptxas keeps the registers within what that occupancy allows); in the
+    simulator (``f`` None) for both types, without bounds.
+    """
+    options = None if f is None else {"launch_bounds": (g.threads, MIN_BLOCKS[str(f)])}
+    dtypes = None if f is None else (f,)
+    TX, TY, RQ, RK, D_CHUNK, COLS, V_CHUNK = g
+    TILE_Q, TILE_K, THREADS = g.tile_q, g.tile_k, g.threads
+    KP = max(D_CHUNK, TILE_Q)
+    QW, KW = TILE_Q + 1, TILE_K + 1  # padded rows
+    G = COLS // TX  # accumulated columns per row and thread
+    GC = V_CHUNK // TX  # of them in one staged value chunk
+    N_CHUNKS = COLS // V_CHUNK
+    D_SHIFT, V_SHIFT, TX_SHIFT = D_CHUNK.bit_length() - 1, V_CHUNK.bit_length() - 1, TX.bit_length() - 1
+
+    # scores = q @ k.T; scores *= scale; scores[triu(k=1)] = -inf when causal; p = softmax(scores, axis=1); out = p @ v
+    # (refimpl.attention.softmax_attention_forward), by the online softmax of the module docstring:
+    #     m' = max(m, max_j s_ij),  l' = e^{m - m'} l + sum_j e^{s_ij - m'},  acc' = e^{m - m'} acc + sum_j e^{s_ij - m'} v_j.
+    # Block (work item w = (query tile, column group) on grid x, sequence b on grid y, z) of TY x TX threads,
+    # t = ty TX + tx; thread (ty, tx) owns the rows r = ty RQ + i (i < RQ) of the tile, the keys tx RK + j (j < RK) of
+    # each key tile, the columns c0 + V_CHUNK h + tx GC + g (h < N_CHUNKS, g < GC).  Registers: s [RQ, RK],
+    # acc [RQ, G], m and l [RQ] (l partial: over this thread's keys only, summed over the TX threads of the row at the
+    # end).  Shared: qT [D_CHUNK, TILE_Q + 1] (q^T, resident for d <= D_CHUNK), kp [max(D_CHUNK, TILE_Q), TILE_K + 1]
+    # (k^T of the key tile, then the scores S and the weights P), vs [TILE_K, V_CHUNK] (a value chunk),
+    # red [TILE_Q, TX] (per-thread row maxima, then partial sums).  The rows of qT and kp are padded by one entry, so
+    # that the transposing stores (consecutive threads on consecutive coordinates) hit distinct banks.  The arrays
+    # come flat (C order): a flat index holds fewer registers than a 3-D one.
+    @kernel(_flash_signature, threads=g.threads, tags=("attention",), options=options, dtypes=dtypes)
+    def _flash_forward(q, k, v, scale, causal, out, row_max_out, BH, N_q, N_k, d, d_v):
+        dt = q.dtype
+        qT = cuda.shared.array((D_CHUNK, QW), dtype=dt)
+        kp = cuda.shared.array((KP, KW), dtype=dt)
+        vs = cuda.shared.array((TILE_K, V_CHUNK), dtype=dt)
+        red = cuda.shared.array((TILE_Q, TX), dtype=dt)
+        s = cuda.local.array((RQ, RK), dtype=dt)
+        acc = cuda.local.array((RQ, G), dtype=dt)
+        m_run = cuda.local.array(RQ, dtype=dt)
+        l_run = cuda.local.array(RQ, dtype=dt)
+        qv = cuda.local.array(RQ, dtype=dt)
+        kv = cuda.local.array(RK, dtype=dt)
+        pv = cuda.local.array(RQ, dtype=dt)
+        zero = dt.type(0.0)
+        neg_inf = dt.type(-math.inf)
+        b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
+        if b >= BH:
+            return
+        t = cuda.threadIdx.x
+        tx = t & (TX - 1)
+        ty = t >> TX_SHIFT
+        n_qt = (N_q + TILE_Q - 1) // TILE_Q
+        n_cg = max(1, (d_v + COLS - 1) // COLS)
+        w = cuda.blockIdx.x
+        q0 = (n_qt - 1 - w // n_cg) * TILE_Q  # the last query tiles (the most keys when causal) first
+        c0 = (w % n_cg) * COLS
+        q_base = b * N_q * d
+        k_base = b * N_k * d
+        v_base = b * N_k * d_v
+        resident = d <= D_CHUNK
+        for i in range(RQ):
+            m_run[i] = neg_inf
+            l_run[i] = zero
+            for gg in range(G):
+                acc[i, gg] = zero
+        # causal: the rows < q0 + TILE_Q see the keys < q0 + TILE_Q only (N_q == N_k)
+        k_end = min(N_k, q0 + TILE_Q) if causal else N_k
+        for k0 in range(0, k_end, TILE_K):
+            # s_ij = sum_c q_ic k_jc, D_CHUNK coordinates at a time (q^T stays when d <= D_CHUNK)
+            for i in range(RQ):
+                for j in range(RK):
+                    s[i, j] = zero
+            for d0 in range(0, d, D_CHUNK):
+                dn = min(D_CHUNK, d - d0)
+                if k0 == 0 or not resident:
+                    # qT[c, r] = q[q0 + r, d0 + c], read along c (coalesced)
+                    for e in range(t, TILE_Q * D_CHUNK, THREADS):
+                        r = e >> D_SHIFT
+                        c = e & (D_CHUNK - 1)
+                        ok = q0 + r < N_q and c < dn
+                        qT[c, r] = q[q_base + (q0 + r) * d + d0 + c] if ok else zero
+                # kp[c, j] = k[k0 + j, d0 + c]
+                for e in range(t, TILE_K * D_CHUNK, THREADS):
+                    j = e >> D_SHIFT
+                    c = e & (D_CHUNK - 1)
+                    ok = k0 + j < N_k and c < dn
+                    kp[c, j] = k[k_base + (k0 + j) * d + d0 + c] if ok else zero
+                cuda.syncthreads()
+                for c in range(dn):
+                    for i in range(RQ):
+                        qv[i] = qT[c, ty * RQ + i]
+                    for j in range(RK):
+                        kv[j] = kp[c, tx * RK + j]
+                    for i in range(RQ):
+                        for j in range(RK):
+                            s[i, j] += qv[i] * kv[j]
+                cuda.syncthreads()
+            # scale, mask (j > i when causal, and past the ends) into S[r, j] (kp, free after the barrier above), and
+            # this thread's maximum of each row
+            for i in range(RQ):
+                r = ty * RQ + i
+                mx = neg_inf
+                for j in range(RK):
+                    col = k0 + tx * RK + j
+                    x = s[i, j] * scale
+                    if col >= N_k or q0 + r >= N_q or (causal and col > q0 + r):
+                        x = neg_inf
+                    kp[r, tx * RK + j] = x
+                    mx = max_keep_nan(mx, x)
+                red[r, tx] = mx
             cuda.syncthreads()
-            for jj in range(DTILE):
-                s += q_s[ty, jj] * k_s[tx, jj]
-            cuda.syncthreads()
-        s *= scale
-        j = k0 + tx
-        if j >= N_k or (causal and j > i) or i >= N_q:
-            s = neg_inf
-        p_s[ty, tx] = s
-        # the value tile [TILE, COLS], coalesced along the columns
-        for g in range(_GROUPS):
-            c = c0 + tx + TILE * g
-            if k0 + ty < N_k and c < d_v:
-                v_s[ty, tx + TILE * g] = v[b, k0 + ty, c]
-            else:
-                v_s[ty, tx + TILE * g] = zero
+            # m' = max(m, the row's TX partial maxima, in order): the same bits on the TX threads of the row;
+            # p_ij = e^{s_ij - m'} over S[r, j] in place (the entries this thread wrote): P; l and acc rescaled by
+            # e^{m - m'} (0, not NaN, while the row is all -inf: exp_shifted)
+            for i in range(RQ):
+                r = ty * RQ + i
+                m_new = max_keep_nan(m_run[i], row_max(red, r, TX))
+                factor = exp_shifted(m_run[i], m_new)
+                m_run[i] = m_new
+                part = zero
+                for j in range(RK):
+                    p = exp_shifted(kp[r, tx * RK + j], m_new)
+                    part += p
+                    kp[r, tx * RK + j] = p
+                l_run[i] = l_run[i] * factor + part
+                for gg in range(G):
+                    acc[i, gg] *= factor
+            # acc += P V, V_CHUNK columns at a time
+            kn = min(TILE_K, N_k - k0)
+            for h in range(N_CHUNKS):
+                v0 = c0 + h * V_CHUNK
+                if h == 0 or v0 < d_v:  # the first chunk always (its barriers order P's writes and reads)
+                    for e in range(t, TILE_K * V_CHUNK, THREADS):
+                        j = e >> V_SHIFT
+                        c = e & (V_CHUNK - 1)
+                        ok = k0 + j < N_k and v0 + c < d_v
+                        vs[j, c] = v[v_base + (k0 + j) * d_v + v0 + c] if ok else zero
+                    cuda.syncthreads()
+                    for j in range(kn):
+                        for i in range(RQ):
+                            pv[i] = kp[ty * RQ + i, j]
+                        for gg in range(GC):
+                            vj = vs[j, tx * GC + gg]
+                            for i in range(RQ):
+                                acc[i, h * GC + gg] += pv[i] * vj
+                    cuda.syncthreads()
+        # l = the row's TX partial sums, in order; out = acc / l; the row maximum (NaN kept) for the check
+        for i in range(RQ):
+            red[ty * RQ + i, tx] = l_run[i]
         cuda.syncthreads()
-        # m_new = max(m_old, max_j s_ij), the same on every thread of the row (same reads, same order)
-        m_new = m_run
-        for jj in range(TILE):
-            sj = p_s[ty, jj]
-            if sj > m_new:
-                m_new = sj
-            elif sj != sj:
-                nan_seen = True
-        finite = m_new > neg_inf and m_new < -neg_inf
-        cuda.syncthreads()
-        if finite:
-            # the weight exp(s_ij - m_new) of this thread's key (exp(-inf) = 0 for a masked one)
-            p_s[ty, tx] = math.exp(s - m_new)
-        cuda.syncthreads()
-        if finite:
-            # l = exp(m_old - m_new) l + sum_j p_ij; acc = exp(m_old - m_new) acc + sum_j p_ij v_j
-            factor = math.exp(m_run - m_new)
-            l_tile = zero
-            for jj in range(TILE):
-                l_tile += p_s[ty, jj]
-            l_run = l_run * factor + l_tile
-            for g in range(_GROUPS):
-                a = zero
-                for jj in range(TILE):
-                    a += p_s[ty, jj] * v_s[jj, tx + TILE * g]
-                acc[g] = acc[g] * factor + a
-        m_run = m_new
-        cuda.syncthreads()
-    if i < N_q:
-        for g in range(_GROUPS):
-            c = c0 + tx + TILE * g
-            if c < d_v:
-                out[b, i, c] = acc[g] / l_run
-        if tx == 0 and cuda.blockIdx.z == 0:
-            # the row maximum of the scores, NaN when one score is NaN (as np.max gives)
-            if nan_seen:
-                row_max[b, i] = f(math.nan)
-            else:
-                row_max[b, i] = m_run
+        for i in range(RQ):
+            row = q0 + ty * RQ + i
+            if row < N_q:
+                l = row_sum(red, ty * RQ + i, TX)
+                for h in range(N_CHUNKS):
+                    for gg in range(GC):
+                        col = c0 + h * V_CHUNK + tx * GC + gg
+                        if col < d_v:
+                            out[(b * N_q + row) * d_v + col] = acc[i, h * GC + gg] / l
+                if tx == 0 and c0 == 0:
+                    row_max_out[b * N_q + row] = m_run[i]
+
+    return _flash_forward
+
+
+def _check_geometry(g: Geometry, itemsize: int) -> None:
+    for value in g:
+        assert value > 0 and value & (value - 1) == 0, g
+    assert g.COLS % g.V_CHUNK == 0 and g.V_CHUNK % g.TX == 0 and g.threads <= MAX_THREADS, g
+    assert g.shared_bytes(itemsize) <= 48 * 1024, (g, g.shared_bytes(itemsize))
+
+
+_FLASH = {}
+
+
+def _flash_kernel(dtype):
+    """The kernel for the tiles ``GEOMETRY[dtype]``, built once per geometry (and float type, on a GPU)."""
+    dtype = np.dtype(dtype)
+    g = GEOMETRY[dtype]
+    key = g if SIMULATOR else (g, dtype)
+    if key not in _FLASH:
+        _check_geometry(g, dtype.itemsize)
+        _FLASH[key] = _build_flash_forward(g, None if SIMULATOR else numba_type(dtype))
+    return _FLASH[key]
+
+
+def launch_geometry(BH: int, N_q: int, d_v: int, dtype) -> tuple:
+    """``(grid, block)`` of :func:`_flash_forward` for ``BH`` sequences of ``N_q`` queries and ``d_v`` value columns.
+
+    A pure function of the shapes: grid ``x`` counts (query tile, column
+    group) pairs up to ``2^31 - 1``, ``y`` and ``z`` the sequences up to
+    65,535 each (:func:`~gpu.numba_cuda._primitives.sequence_axes`; blocks
+    past the last sequence return at once); a shape beyond them (``N_q``
+    over about ``2^37``) is refused.  ``block`` is ``(TX TY,)`` threads, at
+    most 1,024.
+    """
+    g = GEOMETRY[np.dtype(dtype)]
+    work = blocks(N_q, g.tile_q) * blocks(d_v, g.COLS)
+    y, z = sequence_axes(BH)
+    if work > MAX_GRID_X or y * z < BH:
+        raise ValueError(f"softmax_attention: {BH} sequences of {N_q} queries exceed the grid's limits")
+    return (work, y, z), (g.threads,)
+
+
+# The GPU's kernels, built (and registered for the PTX check) when the module is imported for a GPU.
+if not SIMULATOR:
+    for _dt in (np.float64, np.float32):
+        _flash_kernel(_dt)
 
 
 def attention_device(q, k, v, scale, causal):
@@ -215,8 +401,10 @@ def attention_device(q, k, v, scale, causal):
     row_max = cuda.device_array((BH, N_q), dtype=dtype)
     if BH * N_q == 0:
         return out, row_max
-    grid = (BH, -(-N_q // TILE), max(1, -(-d_v // COLS)))
-    _flash_forward[grid, (TILE, TILE)](q, k, v, dtype.type(scale), bool(causal), out, row_max)
+    grid, block = launch_geometry(BH, N_q, d_v, dtype)
+    N_k, d = k.shape[1], q.shape[2]
+    fq, fk, fv, fo, fm = (a.reshape(a.size) for a in (q, k, v, out, row_max))
+    _flash_kernel(dtype)[grid, block](fq, fk, fv, dtype.type(scale), bool(causal), fo, fm, BH, N_q, N_k, d, d_v)
     return out, row_max
 
 

@@ -19,26 +19,53 @@ cancellation.
 Launch plan
 -----------
 The leading dimensions are flattened to ``B`` sequences (C order, so that
-sequence ``b`` has head ``b % H``); every kernel has the sequence as a grid
-axis, so each step is one launch for the whole batch.
+sequence ``b`` has head ``b % H``); every kernel folds the sequences onto
+grid x with its tiles, so each step is one launch for the whole batch, and
+the geometry of every launch is a pure function of the shapes
+(:func:`launch_geometry`: :func:`forward_geometry`, the scan's,
+:func:`backward_geometry`), inside the hardware's
+limits for any ``B``, ``N`` and ``H`` (1-D grids of at most
+:data:`~gpu.numba_cuda.gmm.MAX_GRID_X` blocks, which loop over their tiles
+when there are more).
 
-1. Responsibilities of the queries and of the keys: two launches of
-   :func:`gpu.numba_cuda.gmm.posterior_device`; the small GMM arrays
-   (``H x K x d_r``: softplus, log-softmax, sigmoid) are computed on the
-   host by :mod:`refimpl.numerics`, exactly as :mod:`refimpl.gma` does.
-2. The scan forward (:func:`gpu.numba_cuda.scan.scan_forward_device`); the
-   per-row ``min_quad`` and denominators are copied to the host and checked
-   by :func:`refimpl.gma.check_gma_results`.
-3. Backward: the scan backward, then :func:`_responsibility_rows` (``c`` and
-   ``dx`` per row, a block per ``TILE`` rows), :func:`_parameter_partials`
-   (per segment of :data:`~gpu.numba_cuda.scan.SEGMENT` tokens, a block per
-   ``TILE x TILE`` tile of ``(m, j)``) and :func:`_parameter_sums` (one thread
-   per parameter entry, adding the partials over segments and sequences in a
-   fixed order).  No atomics: the results are deterministic.
+1. Responsibilities of the queries and of the keys: two calls of
+   :func:`gpu.numba_cuda.gmm.posterior_device` (two launches each: the
+   per-component constants, the register-tiled log joint fused with the
+   row softmax); the small GMM arrays (``H x K x d_r``: softplus,
+   log-softmax, sigmoid) are computed on the host by :mod:`refimpl.numerics`,
+   exactly as :mod:`refimpl.gma` does.
+2. The scan forward (:func:`gpu.numba_cuda.scan.scan_forward_device`, its
+   own launches): the write :math:`[S, z] = \Gamma_K^\top[V, 1]` and the read
+   :math:`\Gamma_Q[S, z]` with the division.
+3. Backward: the scan backward, then, for the queries and for the keys,
+   :func:`_responsibility_rows` (``c`` and ``dx``: a block per tile of
+   ``ROW_TILE`` rows, ``dx`` a register-tiled product over the components,
+   from the differences), :func:`_parameter_partials` (per segment of
+   :data:`~gpu.numba_cuda.scan.SEGMENT` tokens, a block per ``TILE x TILE``
+   tile of ``(m, j)``), then one :func:`_parameter_sums` (one thread per
+   mean, raw variance and logit entry, adding the partials over segments
+   and sequences in a fixed order): 5 launches besides the scan's.  No
+   atomics: the results are deterministic for a given launch geometry.
+
+The tile sizes are module constants (:data:`GPU_GEOMETRY` on a GPU,
+:data:`SIMULATOR_GEOMETRY` in the simulator); :func:`geometry` runs the
+GPU's tiles in the simulator, for tests.
+
+Host copies
+-----------
+One small device array per public call: the result-check flag, gathered by
+:class:`~gpu.numba_cuda._device.Checks` (the non-finite counts of the device
+inputs and of both ``min_quad``, and the denominators when ``eps = 0``) and
+copied once; the backward copies only ``grad_out``'s count, before its
+kernels.  Only a failing check copies more, to word refimpl's error.  Device
+GMM parameters cost one more copy, all together
+(:func:`gpu.numba_cuda.gmm.parameters_to_host`): refimpl's checkers read their
+values on the host.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -55,12 +82,80 @@ from refimpl.gma import (
 )
 from refimpl.scan import DEFAULT_CHUNK_SIZE
 
-from ._device import Checks, any_device, blocks, host_view, is_device_array, kernel, raise_bad_inputs, result, to_device, to_host
-from .gmm import posterior_device
+from . import gmm as device_gmm
+from ._device import SIMULATOR, Checks, any_device, blocks, host_view, is_device_array, kernel, raise_bad_inputs, result, to_device, to_host
+from .gmm import MAX_GRID_X, parameters_to_host, posterior_device, u32
 from . import scan as device_scan
-from .scan import THREADS, TILE, TILE2, ScanDeviceCache, scan_backward_device, scan_forward_device
+from .scan import ScanDeviceCache, scan_backward_device, scan_forward_device
 
-__all__ = ["gma", "gma_forward", "gma_backward", "GMADeviceCache"]
+__all__ = ["gma", "gma_forward", "gma_backward", "GMADeviceCache", "launch_geometry", "forward_geometry", "backward_geometry", "geometry"]
+
+
+class Geometry(NamedTuple):
+    """Tile sizes of the backward kernels (module constants; :func:`geometry` switches them in the simulator)."""
+
+    rows_per_thread: int  # RM: rows of a thread's register tile in _responsibility_rows
+    coords_per_thread: int  # RJ: coordinates of that register tile
+    threads_x: int  # TX: threads along the components / coordinates (a power of two)
+    threads_y: int  # TY: threads along the rows
+    m_chunk: int  # MC: components per shared-memory stage of dL/dx
+    tile: int  # TILE: side of the square blocks and shared tiles of _parameter_partials
+    threads: int  # THREADS: threads per block of _parameter_sums
+
+
+#: On a GPU, in float32 and float64 alike: dL/dx in 16 x 32 block tiles (rows x coordinates) of 16 x 16 threads with
+#: 1 x 2 register tiles, 16 components a stage (shared memory 16 x 16 + 16 x 32 x 2 + 16 x 16 entries: 6 KiB in
+#: float32, 12 KiB in float64); 16 x 16 tiles of parameter partials; 128 threads per block for the sums.
+GPU_GEOMETRY = Geometry(1, 2, 16, 16, 16, 16, 128)
+#: In the simulator (every thread a Python thread): 2 x 2 register tiles of 2 x 2 threads, 2 components a stage,
+#: 4 x 4 parameter tiles, 32 threads for the sums.
+SIMULATOR_GEOMETRY = Geometry(2, 2, 2, 2, 2, 4, 32)
+
+
+def _set_geometry(g: Geometry) -> None:
+    # the kernels read these module globals; on a GPU they are compile-time constants (shared and local array shapes,
+    # unrolled loop bounds), set once at import
+    global GEOMETRY, RM, RJ, TX, TY, MC, TILE, TILE2, THREADS, NT, ROW_TILE, COORD_TILE, SH_RED, SH_CR, SH_MJ
+    global LOADS_CR, LOADS_MJ
+    rm, rj, tx, ty, mc, tile, threads = g
+    if tx & (tx - 1) or tile & (tile - 1) or threads & (threads - 1):
+        raise ValueError("Geometry: threads_x, tile and threads must be powers of two")
+    nt = tx * ty
+    if (ty * rm * mc) % nt or (mc * tx * rj) % nt:
+        raise ValueError("Geometry: the shared tiles must be a multiple of the block's threads")
+    GEOMETRY = g
+    RM, RJ, TX, TY, MC, TILE, THREADS = rm, rj, tx, ty, mc, tile, threads
+    TILE2 = (tile, tile)
+    NT = nt
+    ROW_TILE, COORD_TILE = ty * rm, tx * rj
+    SH_RED = ROW_TILE * TX  # [ROW_TILE rows, TX lanes]
+    SH_CR = ROW_TILE * MC  # [ROW_TILE rows, MC components]
+    SH_MJ = MC * COORD_TILE  # [MC components, COORD_TILE coordinates]
+    LOADS_CR = SH_CR // NT
+    LOADS_MJ = SH_MJ // NT
+
+
+_set_geometry(SIMULATOR_GEOMETRY if SIMULATOR else GPU_GEOMETRY)
+
+
+@contextmanager
+def geometry(g: Geometry = GPU_GEOMETRY, gmm: "device_gmm.Geometry" = device_gmm.GPU_GEOMETRY):
+    """Run the GMA kernels with the tile geometries ``g`` and ``gmm`` (the responsibilities'), in the CUDA simulator only.
+
+    The simulator reads the modules' constants at every launch, so a test can
+    run the GPU's own tiles there; a GPU compiles them into the kernels once,
+    so this refuses to run on one.  The scan (:mod:`gpu.numba_cuda.scan`)
+    keeps its own sizes.
+    """
+    if not SIMULATOR:
+        raise RuntimeError("gpu.numba_cuda.gma.geometry: the tile geometry is fixed on a GPU (compile-time constants)")
+    old = GEOMETRY
+    _set_geometry(g)
+    try:
+        with device_gmm.geometry(gmm):
+            yield
+    finally:
+        _set_geometry(old)
 
 
 class GMADeviceCache(NamedTuple):
@@ -77,111 +172,213 @@ class GMADeviceCache(NamedTuple):
     scan: ScanDeviceCache  # gamma_q, gamma_k, [V, 1], out, den, the chunk states
 
 
+#: Resident blocks per multiprocessor that ptxas must allow for :func:`_responsibility_rows` on a GPU (its launch
+#: bounds, TX x TY threads per block): 4 in both types (at most 64 registers: 32 of the 64 warps of an sm_90, 50%
+#: occupancy). ptxas -v (sm_90): 64 registers, no spills, in float32 and float64 with the 1 x 2 register tile; a
+#: 2 x 4 tile takes 135 unbounded (float32) and spills when held to 64, with 16 or 8 components a stage.
+MIN_BLOCKS = {np.dtype(np.float32): 4, np.dtype(np.float64): 4}
+_BOUNDED = {}
+
+
+def _launch_bounds(f):
+    """The compile options of :func:`_responsibility_rows` for the float type ``f``: its launch bounds."""
+    return {"launch_bounds": (NT, MIN_BLOCKS[np.dtype(str(f))])}
+
+
+def _bounded(kern, options, dtype):
+    """``kern`` for ``dtype``: on a GPU compiled with ``options(dtype)`` (its launch bounds), once per kernel and dtype.
+
+    The registry holds the same options, so the PTX and resource checks compile what runs.
+    """
+    if SIMULATOR:  # the simulator has no launch bounds
+        return kern
+    key = (kern.py_func.__name__, np.dtype(dtype))
+    if key not in _BOUNDED:
+        _BOUNDED[key] = cuda.jit(kern.py_func, **options(str(np.dtype(dtype))))
+    return _BOUNDED[key]
+
+
+def _rows_kernel(dtype):
+    """:func:`_responsibility_rows` for ``dtype``, compiled with its launch bounds (:func:`_launch_bounds`) on a GPU."""
+    return _bounded(_responsibility_rows, _launch_bounds, dtype)
+
+
 # c = grad - gbar[:, None]; c *= gam with gbar = (gam * grad) @ ones (dL/dl_m = gamma_m (g_m - gbar)), then
-# dL/dx_i = sum_m c_im (mu_m - x_i) / sigma_m^2 (refimpl.gma._responsibility_backward), from the differences.
-# Grid (row tiles, B); block TILE x TILE: row i = i0 + ty, its TILE threads tx stride over the components
-# (gbar: partial sums in shared memory [T rows, T lanes], combined by an ordered tree over the lanes), write c,
-# then stride over the coordinates j for dx.
-@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1]))
+# dL/dx_i = sum_m c_im (mu_m - x_i) / sigma_m^2 (refimpl.gma._responsibility_backward), from the differences, as the
+# register-tiled product dx = sum_m c_im (mu_mj - x_ij) p_mj with p = 1 / sigma^2.
+# Work: the rows of sequence b (mixture h = b % H) in tiles of ROW_TILE, the tiles of every sequence folded onto grid x
+# (block x loops over tiles x, x + gridDim.x, ...); a block of TY x TX threads (on a GPU 16 x 16 threads with
+# RM x RJ = 1 x 2: 16 rows by 32 coordinates, in both float types).
+# Phase 1: thread (ty, tx) sums gamma * grad over the components tx, tx + TX, ... of rows ty + a TY (a < RM); the TX
+# lanes of a row are combined by an ordered tree in shared memory [ROW_TILE rows, TX lanes]; then c is written.
+# Phase 2, per tile of COORD_TILE coordinates: thread (ty, tx) owns the RM x RJ register tile of rows ty + a TY and
+# coordinates tx + e TX; the components are staged MC at a time in shared memory, c [ROW_TILE rows, MC] and the means
+# and precisions [MC, COORD_TILE] (zeros past K and d_r): per component a thread reads RM + 2 RJ shared entries for
+# RM RJ (sub, mul, fma).
+@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1]),
+        threads=lambda f: NT, tags=("gma",), options=lambda f: _launch_bounds(f))
 def _responsibility_rows(x, gamma, grad, means, variances, c, dx):
-    sh = cuda.shared.array(TILE2, dtype=x.dtype)  # [T rows, T lanes]
-    zero = x.dtype.type(0.0)
-    N = x.shape[1]
-    d = x.shape[2]
+    f = x.dtype.type
+    red = cuda.shared.array(SH_RED, dtype=x.dtype)  # [ROW_TILE rows, TX lanes]
+    sh_c = cuda.shared.array(SH_CR, dtype=x.dtype)  # [ROW_TILE rows, MC components]
+    sh_mu = cuda.shared.array(SH_MJ, dtype=x.dtype)  # [MC components, COORD_TILE coordinates]
+    sh_p = cuda.shared.array(SH_MJ, dtype=x.dtype)  # [MC components, COORD_TILE coordinates]
+    acc = cuda.local.array((RM, RJ), dtype=x.dtype)
+    xr = cuda.local.array((RM, RJ), dtype=x.dtype)
+    cr = cuda.local.array(RM, dtype=x.dtype)
+    mr = cuda.local.array(RJ, dtype=x.dtype)
+    pr = cuda.local.array(RJ, dtype=x.dtype)
+    zero = f(0.0)
+    one = f(1.0)
+    B, N, d = x.shape
     K = gamma.shape[2]
     H = means.shape[0]
-    tx = cuda.threadIdx.x
-    ty = cuda.threadIdx.y
-    b = cuda.blockIdx.y
-    h = b % H
-    i = cuda.blockIdx.x * TILE + ty
-    ok = i < N
-    part = zero
-    if ok:
-        for m in range(tx, K, TILE):
-            part += gamma[b, i, m] * grad[b, i, m]
-    sh[ty, tx] = part
-    cuda.syncthreads()
-    stride = TILE // 2
-    while stride > 0:
-        if tx < stride:
-            sh[ty, tx] += sh[ty, tx + stride]
+    # shared and register offsets are unsigned 32-bit (< ROW_TILE * MC, MC * COORD_TILE: fixed by the geometry)
+    tx = u32(cuda.threadIdx.x)
+    ty = u32(cuda.threadIdx.y)
+    tid = ty * u32(TX) + tx
+    k_first = int64(tx)
+    tiles_n = (N + ROW_TILE - 1) // ROW_TILE
+    j_tiles = (d + COORD_TILE - 1) // COORD_TILE
+    m_chunks = max(1, (K + MC - 1) // MC)  # at least one stage: its barriers order the tiles' shared memory
+    for tile in range(cuda.blockIdx.x, B * tiles_n, cuda.gridDim.x):
+        b = tile // tiles_n
+        i0 = (tile - b * tiles_n) * ROW_TILE
+        h = b % H
+        for a in range(RM):
+            i = i0 + (ty + u32(a * TY))
+            part = zero
+            if i < N:
+                for m in range(k_first, K, TX):
+                    part += gamma[b, i, m] * grad[b, i, m]
+            red[(ty + u32(a * TY)) * u32(TX) + tx] = part
         cuda.syncthreads()
-        stride //= 2
-    gbar = sh[ty, 0]
-    if ok:
-        for m in range(tx, K, TILE):
-            c[b, i, m] = (grad[b, i, m] - gbar) * gamma[b, i, m]
-    cuda.syncthreads()
-    if ok:
-        for j in range(tx, d, TILE):
-            acc = zero
-            xj = x[b, i, j]
-            for m in range(K):
-                acc += c[b, i, m] * (means[h, m, j] - xj) / variances[h, m, j]
-            dx[b, i, j] = acc
+        stride = u32(TX // 2)
+        while stride > 0:
+            if tx < stride:
+                for a in range(RM):
+                    r = (ty + u32(a * TY)) * u32(TX) + tx
+                    red[r] += red[r + stride]
+            cuda.syncthreads()
+            stride //= u32(2)
+        for a in range(RM):
+            i = i0 + (ty + u32(a * TY))
+            if i < N:
+                gbar = red[(ty + u32(a * TY)) * u32(TX)]
+                for m in range(k_first, K, TX):
+                    c[b, i, m] = (grad[b, i, m] - gbar) * gamma[b, i, m]
+        cuda.syncthreads()  # c of the tile's rows written (and visible to the block), the row sums read
+        for jt in range(j_tiles):
+            j0 = jt * COORD_TILE
+            for a in range(RM):
+                i = i0 + (ty + u32(a * TY))
+                for e in range(RJ):
+                    j = j0 + (tx + u32(e * TX))
+                    acc[a, e] = zero
+                    xr[a, e] = x[b, i, j] if i < N and j < d else zero
+            for mc in range(m_chunks):
+                m0 = mc * MC
+                for u in range(LOADS_CR):
+                    q = tid + u32(u * NT)
+                    row = q // u32(MC)
+                    i = i0 + row
+                    m = m0 + (q - row * u32(MC))
+                    sh_c[q] = c[b, i, m] if i < N and m < K else zero
+                for u in range(LOADS_MJ):
+                    q = tid + u32(u * NT)
+                    mm = q // u32(COORD_TILE)
+                    m = m0 + mm
+                    j = j0 + (q - mm * u32(COORD_TILE))
+                    inside = m < K and j < d
+                    sh_mu[q] = means[h, m, j] if inside else zero
+                    sh_p[q] = one / variances[h, m, j] if inside else zero
+                cuda.syncthreads()
+                for mm in range(u32(MC)):
+                    for a in range(RM):
+                        cr[a] = sh_c[(ty + u32(a * TY)) * u32(MC) + mm]
+                    for e in range(RJ):
+                        mr[e] = sh_mu[mm * u32(COORD_TILE) + tx + u32(e * TX)]
+                        pr[e] = sh_p[mm * u32(COORD_TILE) + tx + u32(e * TX)]
+                    for a in range(RM):
+                        for e in range(RJ):
+                            acc[a, e] += cr[a] * (mr[e] - xr[a, e]) * pr[e]
+                cuda.syncthreads()
+            for a in range(RM):
+                i = i0 + (ty + u32(a * TY))
+                for e in range(RJ):
+                    j = j0 + (tx + u32(e * TX))
+                    if i < N and j < d:
+                        dx[b, i, j] = acc[a, e]
 
 
 # ctx += c.T @ xc, ctx2 += c.T @ xc**2, csum += ones @ c over the blocks of rows (refimpl.gma._responsibility_backward),
 # here from the differences x - mu per token: sum_i c_im (x_ij - mu_mj) and sum_i c_im ((x_ij - mu_mj)^2 - sigma2_mj),
 # and sum_i c_im, over the tokens of segment s.
-# Grid (segments * m-tiles * j-tiles, B); block TILE x TILE, thread (ty, tx) owns entry (m0 + ty, j0 + tx) [K, d_r];
+# Work: the (sequence b, segment s, m-tile, j-tile) tiles folded onto grid x, in that order (block x loops over tiles
+# x, x + gridDim.x, ...); block TILE x TILE, thread (ty, tx) owns entry (m0 + ty, j0 + tx) [K, d_r];
 # the segment's tokens are read TILE at a time into shared tiles c [T tokens, T components] and x [T tokens, T coords].
 # The threads tx = 0 of the blocks with j0 = 0 also sum c over the tokens for dlogits.
-@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], int64, f[:, :, :, ::1], f[:, :, :, ::1], f[:, :, ::1]))
+@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], int64, f[:, :, :, ::1], f[:, :, :, ::1], f[:, :, ::1]),
+        threads=lambda f: TILE * TILE)
 def _parameter_partials(x, c, means, variances, segment, part_mu, part_var, part_c):
     sh_c = cuda.shared.array(TILE2, dtype=x.dtype)  # [T tokens, T components]
     sh_x = cuda.shared.array(TILE2, dtype=x.dtype)  # [T tokens, T coordinates]
     zero = x.dtype.type(0.0)
+    B = x.shape[0]
     N = x.shape[1]
     d = x.shape[2]
     K = c.shape[2]
     H = means.shape[0]
+    n_seg = part_c.shape[1]
     tx = cuda.threadIdx.x
     ty = cuda.threadIdx.y
-    b = cuda.blockIdx.y
-    h = b % H
     m_tiles = (K + TILE - 1) // TILE
     j_tiles = max(1, (d + TILE - 1) // TILE)
-    s = cuda.blockIdx.x // (m_tiles * j_tiles)
-    rest = cuda.blockIdx.x - s * m_tiles * j_tiles
-    m0 = (rest // j_tiles) * TILE
-    j0 = (rest % j_tiles) * TILE
-    m = m0 + ty
-    j = j0 + tx
-    entry = m < K and j < d
-    mu = means[h, m, j] if entry else zero
-    s2 = variances[h, m, j] if entry else zero
-    acc_mu = zero
-    acc_var = zero
-    acc_c = zero
-    i_start = s * segment
-    i_end = min(i_start + segment, N)
-    for i0 in range(i_start, i_end, TILE):
-        i = i0 + ty
-        sh_c[ty, tx] = c[b, i, m0 + tx] if i < i_end and m0 + tx < K else zero
-        sh_x[ty, tx] = x[b, i, j] if i < i_end and j < d else zero
-        cuda.syncthreads()
-        for tt in range(TILE):
-            cm = sh_c[tt, ty]
-            diff = sh_x[tt, tx] - mu
-            acc_mu += cm * diff
-            acc_var += cm * (diff * diff - s2)
-            acc_c += cm
-        cuda.syncthreads()
-    if entry:
-        part_mu[b, s, m, j] = acc_mu
-        part_var[b, s, m, j] = acc_var
-    if j0 == 0 and tx == 0 and m < K:
-        part_c[b, s, m] = acc_c
+    per_seq = n_seg * m_tiles * j_tiles
+    for blk in range(cuda.blockIdx.x, B * per_seq, cuda.gridDim.x):
+        b = blk // per_seq
+        h = b % H
+        s = (blk - b * per_seq) // (m_tiles * j_tiles)
+        rest = blk - b * per_seq - s * m_tiles * j_tiles
+        m0 = (rest // j_tiles) * TILE
+        j0 = (rest % j_tiles) * TILE
+        m = m0 + ty
+        j = j0 + tx
+        entry = m < K and j < d
+        mu = means[h, m, j] if entry else zero
+        s2 = variances[h, m, j] if entry else zero
+        acc_mu = zero
+        acc_var = zero
+        acc_c = zero
+        i_start = s * segment
+        i_end = min(i_start + segment, N)
+        for i0 in range(i_start, i_end, TILE):
+            i = i0 + ty
+            sh_c[ty, tx] = c[b, i, m0 + tx] if i < i_end and m0 + tx < K else zero
+            sh_x[ty, tx] = x[b, i, j] if i < i_end and j < d else zero
+            cuda.syncthreads()
+            for tt in range(TILE):
+                cm = sh_c[tt, ty]
+                diff = sh_x[tt, tx] - mu
+                acc_mu += cm * diff
+                acc_var += cm * (diff * diff - s2)
+                acc_c += cm
+            cuda.syncthreads()
+        if entry:
+            part_mu[b, s, m, j] = acc_mu
+            part_var[b, s, m, j] = acc_var
+        if j0 == 0 and tx == 0 and m < K:
+            part_c[b, s, m] = acc_c
 
 
 # dmeans = (ctx - csum mc) * prec, dvariances = 0.5 * sq * prec * prec, draw = (dvar_q + dvar_k) * expit(raw),
 # logits = da_q + da_k (refimpl.gma._gma_backward), summed over the sequences of head h (every sequence when shared).
-# One thread per entry (h, m, j) of the (H, K, d_r + 1) parameters (j = d_r: the logit), over a 1-D grid; it adds
-# the partials of the query and the key tokens over the segments, sequence by sequence in order: deterministic.
+# One thread per entry (h, m, j) of the (H, K, 2 d_r + 1) sums, over a 1-D grid (striding by the grid when there are
+# more entries): j < d_r a mean's, d_r <= j < 2 d_r a raw variance's (coordinate j - d_r), j = 2 d_r the logit's, so
+# that each thread walks one pair of partial arrays (its query and key tokens'); it adds the partials of the query
+# and the key tokens over the segments, sequence by sequence in order: deterministic.
 @kernel(lambda f: (f[:, :, :, ::1], f[:, :, :, ::1], f[:, :, ::1], f[:, :, :, ::1], f[:, :, :, ::1], f[:, :, ::1],
-                   f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, ::1]))
+                   f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, ::1]), threads=lambda f: THREADS)
 def _parameter_sums(mu_q, var_q, c_q, mu_k, var_k, c_k, variances, sigmoid_raw, dmeans, draw, dlogits):
     zero = variances.dtype.type(0.0)
     half = variances.dtype.type(0.5)
@@ -189,42 +386,97 @@ def _parameter_sums(mu_q, var_q, c_q, mu_k, var_k, c_k, variances, sigmoid_raw, 
     B = mu_q.shape[0]
     n_q = mu_q.shape[1]
     n_k = mu_k.shape[1]
-    idx = cuda.grid(1)
-    if idx >= H * K * (d + 1):
-        return
-    j = idx % (d + 1)
-    m = (idx // (d + 1)) % K
-    h = idx // ((d + 1) * K)
-    if j == d:
+    width = 2 * d + 1
+    for idx in range(cuda.grid(1), H * K * width, cuda.gridsize(1)):
+        j = idx % width
+        m = (idx // width) % K
+        h = idx // (width * K)
         acc = zero
-        for b in range(h, B, H):
-            tq = zero
-            for s in range(n_q):
-                tq += c_q[b, s, m]
-            tk = zero
-            for s in range(n_k):
-                tk += c_k[b, s, m]
-            acc += tq + tk
-        dlogits[h, m] = acc
-        return
-    acc_mu = zero
-    acc_var = zero
-    for b in range(h, B, H):
-        tq = zero
-        tv = zero
-        for s in range(n_q):
-            tq += mu_q[b, s, m, j]
-            tv += var_q[b, s, m, j]
-        tk = zero
-        tw = zero
-        for s in range(n_k):
-            tk += mu_k[b, s, m, j]
-            tw += var_k[b, s, m, j]
-        acc_mu += tq + tk
-        acc_var += tv + tw
-    prec = variances.dtype.type(1.0) / variances[h, m, j]
-    dmeans[h, m, j] = acc_mu * prec
-    draw[h, m, j] = half * acc_var * prec * prec * sigmoid_raw[h, m, j]
+        if j == 2 * d:
+            for b in range(h, B, H):
+                tq = zero
+                for s in range(n_q):
+                    tq += c_q[b, s, m]
+                tk = zero
+                for s in range(n_k):
+                    tk += c_k[b, s, m]
+                acc += tq + tk
+            dlogits[h, m] = acc
+        elif j >= d:
+            j -= d
+            for b in range(h, B, H):
+                tq = zero
+                for s in range(n_q):
+                    tq += var_q[b, s, m, j]
+                tk = zero
+                for s in range(n_k):
+                    tk += var_k[b, s, m, j]
+                acc += tq + tk
+            prec = variances.dtype.type(1.0) / variances[h, m, j]
+            draw[h, m, j] = half * acc * prec * prec * sigmoid_raw[h, m, j]
+        else:
+            for b in range(h, B, H):
+                tq = zero
+                for s in range(n_q):
+                    tq += mu_q[b, s, m, j]
+                tk = zero
+                for s in range(n_k):
+                    tk += mu_k[b, s, m, j]
+                acc += tq + tk
+            dmeans[h, m, j] = acc * (variances.dtype.type(1.0) / variances[h, m, j])
+
+
+def forward_geometry(B, N_q, N_k, K, d_r, H=1):
+    """The launches of the responsibilities in :func:`gma` and :func:`gma_forward`, a pure function of the shapes.
+
+    ``{name: (grid, block)}``: :func:`gpu.numba_cuda.gmm.launch_geometry` for
+    the queries (names ending in `` q``) and the keys (`` k``); the scan's
+    launches are :mod:`gpu.numba_cuda.scan`'s.
+    """
+    out = {}
+    for side, n in (("q", N_q), ("k", N_k)):
+        for name, launch in device_gmm.launch_geometry(B, n, K, d_r, H).items():
+            out[f"{name} {side}"] = launch
+    return out
+
+
+def backward_geometry(B, N_q, N_k, K, d_r, H=1, segment=None):
+    """The launches of this module's kernels in :func:`gma_backward`, a pure function of the shapes.
+
+    ``{name: (grid, block)}`` for ``B`` sequences of ``N_q`` queries and
+    ``N_k`` keys, ``K`` components in ``d_r`` coordinates, ``H`` mixtures,
+    segments of ``segment`` tokens (default :data:`gpu.numba_cuda.scan.SEGMENT`).
+    Every grid is 1-D (sequences folded onto x) and at most :data:`MAX_GRID_X`
+    blocks: the kernels loop over their tiles when there are more.
+    """
+    segment = device_scan.SEGMENT if segment is None else int(segment)
+    B, K, d_r, H = int(B), int(K), int(d_r), int(H)
+    out = {}
+    for side, n in (("q", int(N_q)), ("k", int(N_k))):
+        rows = B * blocks(n, ROW_TILE)
+        out[f"_responsibility_rows {side}"] = (max(1, min(rows, MAX_GRID_X)), (TX, TY))
+        partials = B * blocks(n, segment) * blocks(K, TILE) * blocks(d_r, TILE)
+        out[f"_parameter_partials {side}"] = (max(1, min(partials, MAX_GRID_X)), (TILE, TILE))
+    out["_parameter_sums"] = (min(blocks(H * K * (2 * d_r + 1), THREADS), MAX_GRID_X), THREADS)
+    return out
+
+
+def launch_geometry(B, N_q, N_k, K, d_r, d_v, H=1, causal=False, chunk_size=DEFAULT_CHUNK_SIZE):
+    """Every launch of :func:`gma_forward` and :func:`gma_backward` (and so of :func:`gma`), a pure function of the shapes.
+
+    ``{"forward": forward_geometry(...), "scan": the scan's
+    launch_geometry (gpu.numba_cuda.scan), "backward": backward_geometry(...)}``
+    for ``B`` sequences of ``N_q`` queries and ``N_k`` keys, ``K``
+    components in ``d_r`` coordinates, ``d_v`` value columns, ``H`` mixtures.
+    """
+    chunk = min(int(chunk_size), max(1, int(N_k))) if causal else device_scan.SEGMENT
+    scan = {side: device_scan.launch_geometry(B=int(B), N=int(n), F=int(K), E=int(d_v) + 1, chunk=chunk)
+            for side, n in (("q", N_q), ("k", N_k))}
+    return {
+        "forward": forward_geometry(B, N_q, N_k, K, d_r, H),
+        "scan": scan,
+        "backward": backward_geometry(B, N_q, N_k, K, d_r, H),
+    }
 
 
 def _flat(a, dtype, leading):
@@ -297,7 +549,7 @@ def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: fl
     """
     on_device = any_device(x_q, x_k, v, means, variances, weights)
     checked = check_gma_arguments(
-        host_view(x_q), host_view(x_k), host_view(v), to_host(means), to_host(variances), to_host(weights), causal, eps, chunk_size
+        host_view(x_q), host_view(x_k), host_view(v), *parameters_to_host(means, variances, weights), causal, eps, chunk_size
     )
     hq, _, hv, means, variances, weights, causal, eps, chunk_size = checked
     leading = hq.shape[:-2]
@@ -349,7 +601,7 @@ def gma_forward(
     """
     on_device = any_device(x_q, x_k, v, means, raw_variances, logits)
     checked = check_gma_forward_arguments(
-        host_view(x_q), host_view(x_k), host_view(v), to_host(means), to_host(raw_variances), to_host(logits),
+        host_view(x_q), host_view(x_k), host_view(v), *parameters_to_host(means, raw_variances, logits),
         causal, eps, min_variance, chunk_size,
     )
     hq, _, _, means, raw_variances, logits, causal, eps, min_variance, chunk_size = checked
@@ -401,25 +653,27 @@ def gma_backward(grad_out, cache) -> GMAGrads:
     H, K, d = means.shape
     parts = []
     dxs = []
-    for x, gamma, dgamma in ((cache.x_q, scan.phi_q, dphi_q), (cache.x_k, scan.phi_k, dphi_k)):
+    segment = device_scan.SEGMENT  # read at call time
+    launches = backward_geometry(cache.x_q.shape[0], cache.x_q.shape[1], cache.x_k.shape[1], K, d, H, segment)
+    for side, x, gamma, dgamma in (("q", cache.x_q, scan.phi_q, dphi_q), ("k", cache.x_k, scan.phi_k, dphi_k)):
         B, N, _ = x.shape
         c = cuda.device_array(gamma.shape, dtype=dtype)
         dx = cuda.device_array(x.shape, dtype=dtype)
-        _responsibility_rows[(blocks(N, TILE), B), (TILE, TILE)](x, gamma, dgamma, means, variances, c, dx)
-        segment = device_scan.SEGMENT  # read at call time
+        grid, block = launches[f"_responsibility_rows {side}"]
+        _rows_kernel(dtype)[grid, block](x, gamma, dgamma, means, variances, c, dx)
         n_seg = blocks(N, segment)
         part_mu = cuda.device_array((B, n_seg, K, d), dtype=dtype)
         part_var = cuda.device_array((B, n_seg, K, d), dtype=dtype)
         part_c = cuda.device_array((B, n_seg, K), dtype=dtype)
-        grid = (n_seg * blocks(K, TILE) * blocks(d, TILE), B)
-        _parameter_partials[grid, (TILE, TILE)](x, c, means, variances, segment, part_mu, part_var, part_c)
+        grid, block = launches[f"_parameter_partials {side}"]
+        _parameter_partials[grid, block](x, c, means, variances, segment, part_mu, part_var, part_c)
         parts.append((part_mu, part_var, part_c))
         dxs.append(dx)
     dmeans = cuda.device_array((H, K, d), dtype=dtype)
     draw = cuda.device_array((H, K, d), dtype=dtype)
     dlogits = cuda.device_array((H, K), dtype=dtype)
-    n = H * K * (d + 1)
-    _parameter_sums[blocks(n, THREADS), THREADS](*parts[0], *parts[1], variances, cache.sigmoid_raw, dmeans, draw, dlogits)
+    grid, block = launches["_parameter_sums"]
+    _parameter_sums[grid, block](*parts[0], *parts[1], variances, cache.sigmoid_raw, dmeans, draw, dlogits)
     lead = cache.leading
     if not cache.per_head:
         dmeans, draw, dlogits = dmeans.reshape(K, d), draw.reshape(K, d), dlogits.reshape(K)

@@ -23,23 +23,44 @@ Nothing of size ``N x F x d_v`` or ``N x N`` is formed: the states are
 Launch plan
 -----------
 Every product-shaped kernel runs blocks of ``TILE x TILE`` threads with
-``TILE x TILE`` shared-memory tiles; the grid's second axis is the sequence.
+``TILE x TILE`` shared-memory tiles.  Every grid comes from
+:func:`launch_geometry`, a pure function of the shapes: its ``x`` axis runs
+over the work of one sequence, ``y`` and ``z`` over the sequences
+(:func:`~gpu.numba_cuda._primitives.sequence_axes`), all within the
+hardware's limits for any ``N`` and ``B``.
 
 1. :func:`_ones_column`: ``V_1 = [V, 1]``, one thread per entry.
 2. :func:`_chunk_states`: per chunk (causal) or segment (bidirectional), the
    ``F x E`` partial :math:`\Phi_{K,c}^\top V_{1,c}`, one block per chunk and
    ``TILE x TILE`` output tile, looping over the chunk's tokens in tiles.
-3. :func:`_scan_chunks`: one thread per state entry ``(b, f, e)``, looping
-   over the chunks in order: the exclusive prefix (forward or reverse) in
-   place, and the total.  Ordered, so deterministic; no atomics anywhere.
+3. The scan over the ``n = N / C`` chunk states, for every state entry
+   ``(b, f, e)`` at once (forward, or reversed for the backward's sweep over
+   the later chunks): :func:`_scan_spans` cuts the chunks into spans of
+   :data:`SPAN`, and each block (:data:`LANES` entries by :data:`SPAN`
+   chunks) replaces its span by its exclusive prefix sums with the
+   work-efficient tree of Blelloch (1990)
+   (:func:`~gpu.numba_cuda._primitives.exclusive_scan_columns`) and writes
+   the span's total; the totals (``n / SPAN`` of them) are scanned the same
+   way, and :func:`_add_offsets` adds each span's scanned total back.  Depth:
+   ``L = ceil(log_SPAN n)`` levels (``L`` launches of :func:`_scan_spans`,
+   ``L - 1`` of :func:`_add_offsets`), each ``2 log2(SPAN)`` steps of the
+   tree: :math:`O(\log n)` steps in all, against ``n`` for a loop over the
+   chunks.  Work: :math:`O(n)` additions per state entry (``2 n`` in the
+   trees, ``n`` for the offsets, and ``n / SPAN`` at the next level).  The
+   pairs combined depend on the launch configuration only, so two runs give
+   the same bits; there are no atomics anywhere.
 4. :func:`_chunk_rows`: one block per ``TILE`` rows of one chunk: the rows
    times their chunk's state, then, when causal, the masked
    ``TILE x TILE`` score tiles of the chunk times the values' tiles.
 5. :func:`_normalise` and :func:`_scaled_grads`: one thread per entry.
 
+Launches: the forward makes ``4 + (2 L - 1)`` (causal) or ``3 + L_seg``
+(bidirectional, over segments of :data:`SEGMENT` tokens); the backward
+``5 + (2 L - 1)`` or ``5 + L_seg``.
+
 :func:`scan_forward_device` and :func:`scan_backward_device` are the
-device-level cores (no validation, no raise; the caller checks the
-denominators), used by :mod:`gpu.numba_cuda.gma`.
+device-level cores (no validation, no raise, no copy to the host; the caller
+checks the denominators), used by :mod:`gpu.numba_cuda.gma`.
 """
 
 from __future__ import annotations
@@ -50,8 +71,19 @@ from typing import NamedTuple
 from numba import boolean, config, cuda, int64
 
 from ._device import blocks, kernel
+from ._primitives import MAX_GRID_X, exclusive_scan_columns, sequence_axes
 
-__all__ = ["TILE", "SEGMENT", "THREADS", "ScanDeviceCache", "scan_forward_device", "scan_backward_device"]
+__all__ = [
+    "TILE",
+    "SEGMENT",
+    "THREADS",
+    "SPAN",
+    "LANES",
+    "ScanDeviceCache",
+    "launch_geometry",
+    "scan_forward_device",
+    "scan_backward_device",
+]
 
 #: True when kernels run in the CUDA simulator (every thread a Python thread): the blocks are then kept small.
 SIMULATOR = bool(config.ENABLE_CUDASIM)
@@ -62,6 +94,10 @@ TILE2 = (TILE, TILE)
 SEGMENT = 256
 #: Threads per block of the one-thread-per-entry kernels.
 THREADS = 32 if SIMULATOR else 128
+#: Chunks per block of the scan over chunk states (a power of two): the tree of one block covers SPAN chunks.
+SPAN = 4 if SIMULATOR else 16
+#: State entries per block of the scan (consecutive entries on consecutive threads: coalesced).
+LANES = 2 if SIMULATOR else 32
 
 
 class ScanDeviceCache(NamedTuple):
@@ -79,17 +115,17 @@ class ScanDeviceCache(NamedTuple):
 
 
 # buf[:, -1] = 1 and vc[:, :-1] = v[a:b] (refimpl.scan._ones_column_buffer): [v_c, 1].
-# One thread per entry (b, j, e) of V_1 [B, N, E] over a 1-D grid, consecutive threads on consecutive e.
-@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1]))
+# One thread per entry (j, e) of one sequence's V_1 [N, E] on grid x (consecutive threads on consecutive e), the
+# sequence b on grid y, z.
+@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1]), threads=THREADS, tags=("gma",))
 def _ones_column(v, v1):
     B, N, E = v1.shape
-    i = cuda.grid(1)
-    if i >= B * N * E:
+    b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if b >= B or i >= N * E:
         return
     e = i % E
-    row = i // E
-    j = row % N
-    b = row // N
+    j = i // E
     if e < E - 1:
         v1[b, j, e] = v[b, j, e]
     else:
@@ -99,9 +135,10 @@ def _ones_column(v, v1):
 # s1 += pk.T @ vc (refimpl.scan._causal_forward), and s = phi_k.T @ v, z = phi_k.sum(axis=0) per segment
 # (refimpl.scan._bidirectional_forward); the backward's r1 += pq.T @ gc and ds, dz = phi_q.T @ [gn, delta] likewise:
 # partial[b, c] = Y_c^T Z_c over the tokens j of chunk c.
-# Grid (n_chunks * F-tiles * E-tiles, B); block TILE x TILE, thread (ty, tx) owns entry (f0 + ty, e0 + tx) [F, E];
-# the chunk's tokens are read TILE at a time into shared tiles, tokens x features [T, T] and tokens x columns [T, T].
-@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1], int64, f[:, :, :, ::1]))
+# Grid (n_chunks * F-tiles * E-tiles, sequences on y, z); block TILE x TILE, thread (ty, tx) owns entry
+# (f0 + ty, e0 + tx) [F, E]; the chunk's tokens are read TILE at a time into shared tiles, tokens x features [T, T]
+# and tokens x columns [T, T].
+@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1], int64, f[:, :, :, ::1]), threads=TILE * TILE, tags=("gma",))
 def _chunk_states(y, z, chunk, partial):
     sh_y = cuda.shared.array(TILE2, dtype=y.dtype)  # [T tokens, T features]
     sh_z = cuda.shared.array(TILE2, dtype=y.dtype)  # [T tokens, T columns]
@@ -111,7 +148,9 @@ def _chunk_states(y, z, chunk, partial):
     E = z.shape[2]
     tx = cuda.threadIdx.x
     ty = cuda.threadIdx.y
-    b = cuda.blockIdx.y
+    b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
+    if b >= y.shape[0]:
+        return
     f_tiles = (F + TILE - 1) // TILE
     e_tiles = (E + TILE - 1) // TILE
     c = cuda.blockIdx.x // (f_tiles * e_tiles)
@@ -134,26 +173,55 @@ def _chunk_states(y, z, chunk, partial):
 
 
 # s1 += pk.T @ vc across the chunks (refimpl.scan._causal_forward: the state before chunk c is the sum over the chunks
-# before it), r1 += pq.T @ gc over the later chunks (refimpl.scan._causal_backward), or the sum over the segments.
-# One thread per state entry (b, f, e) over a 1-D grid, consecutive threads on consecutive entries; each loops over
-# the chunks in order (reversed with `reverse`), writing the exclusive prefix in place when `exclusive`, then the total.
-@kernel(lambda f: (f[:, :, :, ::1], boolean, boolean, f[:, :, :, ::1]))
-def _scan_chunks(partial, exclusive, reverse, total):
-    B, C, F, E = partial.shape
-    i = cuda.grid(1)
-    if i >= B * F * E:
+# before it), r1 += pq.T @ gc over the later chunks (refimpl.scan._causal_backward), or the sum over the segments:
+#     x[b, c, m] <- sum_{c' before c} x[b, c', m]   (when `exclusive`; "before" in scan order, reversed with `reverse`),
+#     sums[b, s, m] = sum_{c in span s} x[b, c, m],
+# for span s = the chunks at scan positions s SPAN .. s SPAN + SPAN - 1 (position p is chunk p, or n - 1 - p reversed).
+# Grid (spans * tiles of LANES entries, sequences on y, z; a block steps over several tiles when spans * ceil(M / LANES)
+# exceeds the grid's limit); block (LANES, SPAN): thread (tx, ty) holds entry m = m0 + tx of
+# the chunk at position s SPAN + ty in shared buf [SPAN, LANES] (coalesced along m), and the block runs the tree of
+# exclusive_scan_columns down each column: 2 log2(SPAN) steps.
+@kernel(lambda f: (f[:, :, ::1], boolean, boolean, f[:, :, ::1]), threads=SPAN * LANES, tags=("gma",))
+def _scan_spans(x, exclusive, reverse, sums):
+    buf = cuda.shared.array((SPAN, LANES), dtype=x.dtype)  # [SPAN chunks, LANES entries]
+    B, n, M = x.shape
+    tx = cuda.threadIdx.x
+    ty = cuda.threadIdx.y
+    b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
+    if b >= B:
         return
-    e = i % E
-    k = (i // E) % F
-    b = i // (E * F)
-    run = partial.dtype.type(0.0)
-    for s in range(C):
-        c = C - 1 - s if reverse else s
-        val = partial[b, c, k, e]
-        if exclusive:
-            partial[b, c, k, e] = run
-        run += val
-    total[b, 0, k, e] = run
+    m_tiles = (M + LANES - 1) // LANES
+    per_span = cuda.gridDim.x // ((n + SPAN - 1) // SPAN)  # blocks per span: m_tiles, fewer past the grid's limit
+    span = cuda.blockIdx.x // per_span
+    p = span * SPAN + ty
+    c = n - 1 - p if reverse else p
+    for mt in range(cuda.blockIdx.x - span * per_span, m_tiles, per_span):
+        m = mt * LANES + tx
+        inside = p < n and m < M
+        buf[ty, tx] = x[b, c, m] if inside else x.dtype.type(0.0)
+        cuda.syncthreads()
+        total = exclusive_scan_columns(buf, SPAN, ty, tx)
+        if exclusive and inside:
+            x[b, c, m] = buf[ty, tx]
+        if ty == 0 and m < M:
+            sums[b, span, m] = total
+
+
+# The offsets of the spans: x[b, c, m] += offsets[b, p // SPAN, m] for the chunk c at scan position p, offsets being
+# the exclusive prefix of the span totals (scanned by _scan_spans one level up).
+# One thread per entry (p, m) of one sequence's x [n, M] on grid x (consecutive threads on consecutive m), the
+# sequence b on grid y, z.
+@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1], boolean), threads=THREADS, tags=("gma",))
+def _add_offsets(x, offsets, reverse):
+    B, n, M = x.shape
+    b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if b >= B or i >= n * M:
+        return
+    m = i % M
+    p = i // M
+    c = n - 1 - p if reverse else p
+    x[b, c, m] += offsets[b, p // SPAN, m]
 
 
 # num = pq @ s1 + block @ vc with block = tril(pq @ pk.T) (refimpl.scan._causal_forward), and its backward lines
@@ -162,11 +230,15 @@ def _scan_chunks(partial, exclusive, reverse, total):
 # v @ ds.T + dz, phi_k @ ds.  In general, for row r of chunk c:
 #     out[r, o] = sum_h p[r, h] state_c[h, o]  (state_c transposed when `transposed`)
 #               + sum_{j in chunk c, j <= r (lower) or j >= r} (x_r . y_j) z[j, o]       when `within`.
-# Grid (n_chunks * tiles per chunk, B); block TILE x TILE: thread (ty, tx) owns row r = row0 + ty and the columns
+# Grid (n_chunks * tiles per chunk, sequences on y, z); block TILE x TILE: thread (ty, tx) owns row r = row0 + ty and the columns
 # o = o0 + tx of every column tile.  The state product runs over shared tiles p [T rows, T h] and state [T h, T o];
 # each TILE-key score tile x y^T [T rows, T keys] is built from shared tiles of x and y, masked, kept in shared
 # memory and multiplied by the z tiles [T keys, T o], accumulated into out by the thread that owns the entry.
-@kernel(lambda f: (f[:, :, ::1], f[:, :, :, ::1], boolean, f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], int64, boolean, boolean, f[:, :, ::1]))
+@kernel(
+    lambda f: (f[:, :, ::1], f[:, :, :, ::1], boolean, f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], int64, boolean, boolean, f[:, :, ::1]),
+    threads=TILE * TILE,
+    tags=("gma",),
+)
 def _chunk_rows(p, states, transposed, x, y, z, chunk, within, lower, out):
     sh_a = cuda.shared.array(TILE2, dtype=p.dtype)  # [T rows, T h] or [T rows, T pair dims]
     sh_b = cuda.shared.array(TILE2, dtype=p.dtype)  # [T h, T o], [T keys, T pair dims] or [T keys, T o]
@@ -178,7 +250,9 @@ def _chunk_rows(p, states, transposed, x, y, z, chunk, within, lower, out):
     n_pair = x.shape[2]
     tx = cuda.threadIdx.x
     ty = cuda.threadIdx.y
-    b = cuda.blockIdx.y
+    b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
+    if b >= p.shape[0]:
+        return
     tiles = (chunk + TILE - 1) // TILE
     c = cuda.blockIdx.x // tiles
     row0 = c * chunk + (cuda.blockIdx.x - c * tiles) * TILE
@@ -241,17 +315,17 @@ def _chunk_rows(p, states, transposed, x, y, z, chunk, within, lower, out):
 
 # d = num[:, -1] + eps; out[a:b] = num[:, :-1] / d[:, None]; den[a:b] = d (refimpl.scan._causal_forward), and
 # den = phi_q @ z + eps, (phi_q @ s) / den[:, None] (refimpl.scan._bidirectional_forward).
-# One thread per entry (b, i, e) of num [B, N, E] over a 1-D grid; the thread of the last column writes den.
-@kernel(lambda f: (f[:, :, ::1], f, f[:, :, ::1], f[:, ::1]))
+# One thread per entry (i, e) of one sequence's num [N, E] on grid x, the sequence b on grid y, z; the thread of the
+# last column writes den.
+@kernel(lambda f: (f[:, :, ::1], f, f[:, :, ::1], f[:, ::1]), threads=THREADS, tags=("gma",))
 def _normalise(num, eps, out, den):
     B, N, E = num.shape
-    i = cuda.grid(1)
-    if i >= B * N * E:
+    b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if b >= B or i >= N * E:
         return
     e = i % E
-    row = i // E
-    t = row % N
-    b = row // N
+    t = i // E
     d = num[b, t, E - 1] + eps
     if e < E - 1:
         # d = 0 only with eps = 0, which the caller refuses; NaN is written without forming 0 / 0
@@ -261,18 +335,17 @@ def _normalise(num, eps, out, den):
 
 
 # np.divide(g, c.den[:, None], out=g1[:, :-1]); g1[:, -1] = -np.sum(g * c.out, axis=1) / c.den
-# (refimpl.scan._scaled_grads): [G / den, delta].  One thread per entry (b, i, e) of g1 [B, N, E] over a 1-D grid;
-# the thread of the last column sums g_i . out_i over the d_v columns.
-@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1], f[:, ::1], f[:, :, ::1]))
+# (refimpl.scan._scaled_grads): [G / den, delta].  One thread per entry (i, e) of one sequence's g1 [N, E] on grid x,
+# the sequence b on grid y, z; the thread of the last column sums g_i . out_i over the d_v columns.
+@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1], f[:, ::1], f[:, :, ::1]), threads=THREADS, tags=("gma",))
 def _scaled_grads(g, out, den, g1):
     B, N, E = g1.shape
-    i = cuda.grid(1)
-    if i >= B * N * E:
+    b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if b >= B or i >= N * E:
         return
     e = i % E
-    row = i // E
-    t = row % N
-    b = row // N
+    t = i // E
     if e < E - 1:
         g1[b, t, e] = g[b, t, e] / den[b, t]
     else:
@@ -282,8 +355,83 @@ def _scaled_grads(g, out, den, g1):
         g1[b, t, e] = -s / den[b, t]
 
 
-def _per_entry(kern, n, *args):
-    kern[blocks(n, THREADS), THREADS](*args)
+def launch_geometry(B: int, N: int, F: int, E: int, chunk: int) -> dict:
+    """``{launch: (grid, block)}`` of every kernel of the scan over ``B`` sequences of ``N`` tokens, a pure function.
+
+    ``F`` features, ``E`` columns (``d_v + 1``), chunks of ``chunk`` tokens
+    (:data:`SEGMENT` for the bidirectional sums).  Keys: ``"entries"`` (the
+    one-thread-per-entry kernels over ``N x E``, and ``N x F`` as
+    ``"entries F"``), ``"states"`` (:func:`_chunk_states`), ``"rows"``
+    (:func:`_chunk_rows`), ``"scan"`` (a list: :func:`_scan_spans` at each
+    level of the tree over the ``ceil(N / chunk)`` chunks) and ``"offsets"``
+    (:func:`_add_offsets` at each level but the last).  Grid ``x`` stays within
+    ``2^31 - 1`` and ``y``, ``z`` within 65,535 (the sequences, by
+    :func:`~gpu.numba_cuda._primitives.sequence_axes`); blocks have at most
+    1,024 threads.
+    """
+    y, z = sequence_axes(B)
+    chunk = max(1, int(chunk))
+    n_chunks = blocks(N, chunk)
+
+    def grid(x):
+        if x > MAX_GRID_X:
+            raise ValueError(f"scan: {x} blocks of one sequence exceed the grid's limit of {MAX_GRID_X}")
+        return (max(1, int(x)), y, z)
+
+    plan = {
+        "entries": _entries_geometry(B, N * E),
+        "entries F": _entries_geometry(B, N * F),
+        "states": (grid(n_chunks * blocks(F, TILE) * blocks(E, TILE)), (TILE, TILE)),
+        "rows": (grid(n_chunks * blocks(chunk, TILE)), (TILE, TILE)),
+        "scan": [],
+        "offsets": [],
+    }
+    n, M = n_chunks, F * E
+    while True:
+        spans = blocks(n, SPAN)
+        per_span = min(blocks(M, LANES), max(1, MAX_GRID_X // spans))
+        plan["scan"].append((grid(spans * per_span), (LANES, SPAN)))
+        if spans == 1:
+            break
+        plan["offsets"].append(_entries_geometry(B, n * M))
+        n = spans
+    return plan
+
+
+def _entries_geometry(B: int, n: int) -> tuple:
+    """``(grid, block)`` of a one-thread-per-entry kernel over ``n`` entries of each of ``B`` sequences."""
+    y, z = sequence_axes(B)
+    x = blocks(n, THREADS)
+    if x > MAX_GRID_X:
+        raise ValueError(f"scan: {x} blocks of one sequence exceed the grid's limit of {MAX_GRID_X}")
+    return (x, y, z), (THREADS,)
+
+
+def _per_entry(kern, B, n, *args):
+    """Launch a one-thread-per-entry kernel over ``n`` entries of each of ``B`` sequences."""
+    grid, block = _entries_geometry(B, n)
+    kern[grid, block](*args)
+
+
+def _prefix(x, exclusive, reverse, total, levels, offsets):
+    """The scan of :func:`_scan_spans` over axis 1 of ``x (B, n, M)``: the total into ``total (B, 1, M)``.
+
+    With ``exclusive``, ``x`` is replaced by its exclusive prefix sums (in
+    reversed order with ``reverse``).  One level of spans, then the same on
+    the span totals, then their offsets added back: ``ceil(log_SPAN n)``
+    levels, launched with the grids ``levels`` and ``offsets`` of
+    :func:`launch_geometry`.
+    """
+    B, n, M = x.shape
+    spans = blocks(n, SPAN)
+    sums = total if spans == 1 else cuda.device_array((B, spans, M), dtype=x.dtype)
+    grid, block = levels[0]
+    _scan_spans[grid, block](x, exclusive, reverse, sums)
+    if spans > 1:
+        _prefix(sums, exclusive, False, total, levels[1:], offsets[1:])
+        if exclusive:
+            grid, block = offsets[0]
+            _add_offsets[grid, block](x, sums, reverse)
 
 
 def _states(y, z, chunk, exclusive, reverse):
@@ -291,11 +439,12 @@ def _states(y, z, chunk, exclusive, reverse):
     B, N, F = y.shape
     E = z.shape[2]
     n_chunks = blocks(N, chunk)
+    plan = launch_geometry(B, N, F, E, chunk)
     partial = cuda.device_array((B, n_chunks, F, E), dtype=y.dtype)
     total = cuda.device_array((B, 1, F, E), dtype=y.dtype)
-    grid = (n_chunks * blocks(F, TILE) * blocks(E, TILE), B)
-    _chunk_states[grid, (TILE, TILE)](y, z, chunk, partial)
-    _per_entry(_scan_chunks, B * F * E, partial, exclusive, reverse, total)
+    grid, block = plan["states"]
+    _chunk_states[grid, block](y, z, chunk, partial)
+    _prefix(partial.reshape(B, n_chunks, F * E), exclusive, reverse, total.reshape(B, 1, F * E), plan["scan"], plan["offsets"])
     return partial, total
 
 
@@ -303,8 +452,8 @@ def _rows(p, states, transposed, x, y, z, chunk, within, lower, n_out):
     """Launch :func:`_chunk_rows` over the rows of ``p``: a new ``(B, N, n_out)`` array."""
     B, N, _ = p.shape
     out = cuda.device_array((B, N, n_out), dtype=p.dtype)
-    grid = (blocks(N, chunk) * blocks(chunk, TILE), B)
-    _chunk_rows[grid, (TILE, TILE)](p, states, transposed, x, y, z, chunk, within, lower, out)
+    grid, block = launch_geometry(B, N, 1, 1, chunk)["rows"]
+    _chunk_rows[grid, block](p, states, transposed, x, y, z, chunk, within, lower, out)
     return out
 
 
@@ -333,7 +482,7 @@ def scan_forward_device(phi_q, phi_k, v, causal, eps, chunk_size):
     n_k, d_v = v.shape[1], v.shape[2]
     dtype = phi_q.dtype
     v1 = cuda.device_array((B, n_k, d_v + 1), dtype=dtype)
-    _per_entry(_ones_column, v1.size, v, v1)
+    _per_entry(_ones_column, B, n_k * (d_v + 1), v, v1)
     if causal:
         chunk = min(int(chunk_size), n_k)
         states, _ = _states(phi_k, v1, chunk, True, False)
@@ -344,7 +493,7 @@ def scan_forward_device(phi_q, phi_k, v, causal, eps, chunk_size):
         num = _rows(phi_q, states, False, phi_q, phi_k, v1, n_q, False, True, d_v + 1)
     out = cuda.device_array((B, n_q, d_v), dtype=dtype)
     den = cuda.device_array((B, n_q), dtype=dtype)
-    _per_entry(_normalise, num.size, num, dtype.type(eps), out, den)
+    _per_entry(_normalise, B, n_q * (d_v + 1), num, dtype.type(eps), out, den)
     return out, ScanDeviceCache(phi_q, phi_k, v1, out, den, states, bool(causal), float(eps), chunk)
 
 
@@ -366,7 +515,7 @@ def scan_backward_device(g, cache):
     B, n_q, F = phi_q.shape
     n_k, E = v1.shape[1], v1.shape[2]
     g1 = cuda.device_array((B, n_q, E), dtype=g.dtype)
-    _per_entry(_scaled_grads, g1.size, g, cache.out, cache.den, g1)
+    _per_entry(_scaled_grads, B, n_q * E, g, cache.out, cache.den, g1)
     if cache.causal:
         chunk = cache.chunk
         # forward sweep with [S, z] before each chunk; backward sweep with [R, r] over the later chunks

@@ -1,0 +1,550 @@
+"""gpu.sass: what the compiled Numba-CUDA kernels use, read from the compiler's outputs, without a GPU.
+
+The PTX of every kernel (``gpu.numba_cuda._device.compile_all``) is
+assembled for a real GPU by ``ptxas`` and disassembled by ``cuobjdump``, the
+tools of the ``nvidia-cuda-nvcc`` and ``nvidia-cuda-cuobjdump`` wheels.  Three
+facts come out of them, each a plain function on text:
+
+* the resources of each kernel (:func:`parse_ptxas_info`, from ``ptxas -v``):
+  registers per thread, bytes of spill stores and loads, static shared memory;
+* its theoretical occupancy (:func:`occupancy`), from those resources and
+  the block size it is launched with, by the rules of compute capability 9.0
+  (H100, H200): 65,536 registers per multiprocessor allocated per warp in
+  units of 256, at most 64 resident warps and 32 resident blocks, 228 KB of
+  shared memory with 1 KB reserved for each block;
+* the instruction mix of its hot loop (:func:`hot_loop` and :func:`mix`, from
+  ``cuobjdump -sass``): the body of the largest innermost loop, its
+  instructions sorted into floating point, integer, memory and
+  control/other (:func:`classify`).
+
+These are static facts about the code: the occupancy is what the resources
+allow, not what a launch achieves, and the instruction mix counts
+instructions in the loop body once each, not as executed.  Nothing here
+needs or measures a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+__all__ = [
+    "SM90",
+    "find_tool",
+    "parse_ptxas_info",
+    "occupancy",
+    "parse_sass",
+    "classify",
+    "loops",
+    "basic_blocks",
+    "hot_loop",
+    "work_loop",
+    "mix",
+    "flops",
+    "assemble",
+    "analyse",
+    "compile_kernels",
+    "kernel_rows",
+    "ROLES",
+    "role",
+]
+
+#: The limits of compute capability 9.0 that bound residency on one multiprocessor.
+SM90 = {
+    "registers": 65536,  # 32-bit registers per multiprocessor
+    "register_unit": 256,  # registers are allocated per warp, in units of this many
+    "max_registers_per_thread": 255,
+    "warps": 64,  # resident warps per multiprocessor
+    "blocks": 32,  # resident blocks per multiprocessor
+    "shared": 228 * 1024,  # shared memory per multiprocessor, bytes
+    "shared_reserved": 1024,  # bytes the system keeps for each resident block
+    "shared_unit": 128,  # shared memory is allocated in units of this many bytes
+    "warp_size": 32,
+}
+
+#: Where each tool lives in the CUDA wheels, by package: CUDA 13 puts every tool in ``nvidia/cu13/bin``, CUDA 12
+#: one package per tool.
+_TOOL_HOMES = {
+    "ptxas": ("nvidia.cu13", "nvidia.cuda_nvcc"),
+    "cuobjdump": ("nvidia.cu13", "nvidia.cuda_cuobjdump"),
+}
+
+#: The wheel that brings each tool, for the message of a missing one.
+TOOL_WHEELS = {"ptxas": "nvidia-cuda-nvcc", "cuobjdump": "nvidia-cuda-cuobjdump"}
+
+
+def find_tool(name: str):
+    """The path of the CUDA tool ``name`` (``"ptxas"``, ``"cuobjdump"``) from the CUDA wheels, or ``None``.
+
+    The wheels' package folders are looked up with :mod:`importlib` (the
+    ``bin`` folder beside the package), then ``PATH``.
+    """
+    exe = name + (".exe" if os.name == "nt" else "")
+    for package in _TOOL_HOMES.get(name, ()):
+        try:
+            found = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            continue
+        if found is None:
+            continue
+        for folder in found.submodule_search_locations or ():
+            path = Path(folder) / "bin" / exe
+            if path.is_file() and os.access(path, os.X_OK):
+                return path
+    found = shutil.which(exe)
+    return Path(found) if found else None
+
+
+#: The roles whose kernels carry the roofline targets, and the module of :mod:`gpu.numba_cuda` that holds each
+#: role's kernels when they carry no tag.
+ROLES = {"responsibilities": ("gmm",), "gma": ("gma", "scan"), "attention": ("attention",)}
+
+
+def role(name: str, tags=()) -> str | None:
+    """The role of a registered kernel: its first tag that is a role of :data:`ROLES`, else its module's, else ``None``.
+
+    ``name`` is the qualified name (``"gpu.numba_cuda.gmm._posterior_rows"``).
+    """
+    for tag in sorted(tags):
+        if tag in ROLES:
+            return tag
+    module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    for r, modules in ROLES.items():
+        if module in modules:
+            return r
+    return None
+
+
+# --- ptxas -v ------------------------------------------------------------------------------------------------
+
+_FUNCTION = re.compile(r"Compiling entry function '([^']+)'")
+_PROPERTIES = re.compile(r"Function properties for (\S+)")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas_info(text: str) -> dict:
+    """The resources of each entry function in the output of ``ptxas -v``.
+
+    Parameters
+    ----------
+    text : str
+        What ``ptxas -v`` writes (to stderr).
+
+    Returns
+    -------
+    dict
+        ``{entry name: {"registers", "spill_stores", "spill_loads", "stack",
+        "shared"}}``, integers, bytes but for the registers (per thread);
+        ``"shared"`` is the static shared memory.  Device functions that are
+        not inlined (``.func``) have properties but no entry: their frames are
+        not counted in any entry.
+    """
+    out, entry, current = {}, None, None
+    for line in text.splitlines():
+        m = _FUNCTION.search(line)
+        if m:
+            entry = m.group(1)
+            out[entry] = {"registers": 0, "spill_stores": 0, "spill_loads": 0, "stack": 0, "shared": 0}
+            continue
+        m = _PROPERTIES.search(line)
+        if m:
+            current = m.group(1)
+            continue
+        m = _FRAME.search(line)
+        if m and current is not None and current == entry:
+            out[entry].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+            continue
+        m = _USED.search(line)
+        if m and entry is not None:
+            out[entry]["registers"] = int(m.group(1))
+            s = _SMEM.search(line)
+            out[entry]["shared"] = int(s.group(1)) if s else 0
+    return out
+
+
+# --- occupancy -----------------------------------------------------------------------------------------------
+
+
+def _round_up(x: int, unit: int) -> int:
+    return -(-x // unit) * unit
+
+
+def occupancy(threads: int, registers: int, shared: int = 0, limits: dict = SM90) -> dict:
+    """Theoretical occupancy of a kernel: resident warps per multiprocessor over the most it can hold.
+
+    Parameters
+    ----------
+    threads : int
+        Threads per block (1 to 1024).
+    registers : int
+        Registers per thread (``ptxas -v``).
+    shared : int
+        Static plus dynamic shared memory per block, bytes.
+    limits : dict
+        The multiprocessor's limits (default :data:`SM90`).
+
+    Returns
+    -------
+    dict
+        ``blocks`` resident blocks, ``warps`` resident warps, ``fraction``
+        (``warps`` over the most warps), and ``limit``, what bounds the blocks
+        (``"warps"``, ``"blocks"``, ``"registers"``, ``"shared"``; the first of
+        them when several give the same bound).
+    """
+    if not 1 <= threads <= 1024:
+        raise ValueError(f"threads per block must be in [1, 1024], got {threads}")
+    warps = -(-threads // limits["warp_size"])
+    bounds = {"warps": limits["warps"] // warps, "blocks": limits["blocks"]}
+    if registers > 0:
+        # registers are allocated per warp, in whole units: a warp of r-register threads holds ceil(32 r / 256) * 256
+        per_warp = _round_up(registers * limits["warp_size"], limits["register_unit"])
+        bounds["registers"] = (limits["registers"] // per_warp) // warps
+    per_block = _round_up(shared, limits["shared_unit"]) + limits["shared_reserved"]
+    bounds["shared"] = limits["shared"] // per_block
+    limit = min(bounds, key=bounds.get)
+    blocks = bounds[limit]
+    return {"blocks": blocks, "warps": blocks * warps, "fraction": blocks * warps / limits["warps"], "limit": limit}
+
+
+# --- cuobjdump -sass ----------------------------------------------------------------------------------------
+
+_SASS_FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)")
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-fA-F]{4,})\*/\s+(.*?)\s*;")
+_BRANCH_TARGET = re.compile(r"0x([0-9a-fA-F]+)")
+
+
+def parse_sass(text: str) -> dict:
+    """The instructions of each function in the output of ``cuobjdump -sass``.
+
+    Returns
+    -------
+    dict
+        ``{function name: [(address, opcode, operands, predicate), ...]}``
+        in address order: ``opcode`` with its modifiers (``"FFMA.FTZ"``),
+        ``operands`` the rest of the line (``""`` when none), ``predicate``
+        the guard (``"@!P0"``) or ``""``.
+    """
+    out, current = {}, None
+    for line in text.splitlines():
+        m = _SASS_FUNCTION.match(line)
+        if m:
+            current = out.setdefault(m.group(1), [])
+            continue
+        m = _SASS_LINE.match(line)
+        if m is None or current is None:
+            continue
+        body = m.group(2).split()
+        if not body:
+            continue
+        predicate = body.pop(0) if body[0].startswith("@") else ""
+        if not body:
+            continue
+        current.append((int(m.group(1), 16), body[0], " ".join(body[1:]), predicate))
+    return out
+
+
+#: Opcodes (without modifiers) of each class; an opcode of none of them is control/other.
+_FP = frozenset({
+    "FFMA", "FADD", "FMUL", "FMNMX", "FSETP", "FSEL", "FSET", "FCHK", "FRND", "FSWZADD", "MUFU",
+    "DFMA", "DADD", "DMUL", "DMNMX", "DSETP", "DSET",
+    "HFMA2", "HADD2", "HMUL2", "HMNMX2", "HSETP2", "HSET2",
+    "FFMA32I", "FADD32I", "FMUL32I",
+})
+_INT = frozenset({
+    "IMAD", "IMUL", "IADD", "IADD3", "IADD32I", "IMAD32I", "IMUL32I", "IABS", "IMNMX", "ISETP", "ISET", "ICMP",
+    "LEA", "LOP", "LOP3", "LOP32I", "SHF", "SHL", "SHR", "SEL", "PRMT", "POPC", "FLO", "BREV", "BMSK", "SGXT",
+    "IDP", "IDP4A", "VIADD", "VIADDMNMX", "VIMNMX", "VIMNMX3", "XMAD", "ISCADD", "BFE", "BFI",
+    "UIADD3", "UIMAD", "ULOP3", "USHF", "ULEA", "UISETP", "USEL", "UPRMT", "UFLO", "UPOPC", "UBREV", "USGXT",
+    "UBMSK", "UIMNMX", "ULOP", "ULOP32I",
+})
+_MEM = frozenset({
+    "LDG", "STG", "LDS", "STS", "LDL", "STL", "LD", "ST", "LDC", "ULDC", "LDSM", "STSM", "LDGSTS", "LDGDEPBAR",
+    "ATOM", "ATOMS", "ATOMG", "RED", "REDG", "LDTRAM", "TLD", "TEX", "SULD", "SUST", "UBLKCP", "UTMALDG",
+    "UTMASTG", "LDCU",
+})
+
+CLASSES = ("fp", "int", "mem", "other")
+
+
+def classify(opcode: str) -> str:
+    """``"fp"``, ``"int"``, ``"mem"`` or ``"other"`` for a SASS opcode, modifiers ignored (``"FFMA.FTZ"`` is fp).
+
+    Floating point: arithmetic, comparisons, selections and the special
+    function unit (``MUFU``) in half, single and double precision.  Integer:
+    integer arithmetic, logic, shifts and comparisons, the uniform datapath's
+    too (``UIADD3``).  Memory: loads, stores and atomics of every space,
+    constants (``LDC``) included.  Everything else (moves, conversions,
+    special registers, predicates, barriers, branches) is control/other.
+    """
+    base = opcode.split(".", 1)[0].upper()
+    if base in _FP:
+        return "fp"
+    if base in _INT:
+        return "int"
+    if base in _MEM:
+        return "mem"
+    return "other"
+
+
+def _branch_target(opcode, operands):
+    if opcode.split(".", 1)[0] not in ("BRA", "JMP"):
+        return None
+    m = _BRANCH_TARGET.search(operands)
+    return int(m.group(1), 16) if m else None
+
+
+def loops(instructions) -> list:
+    """The loops of a function: ``(start address, end address)`` of every backward branch, innermost first.
+
+    A branch to an address before its own (not to itself: the final
+    ``BRA`` that parks a thread after ``EXIT``) closes a loop whose body runs
+    from the target to the branch.  Only the kernel's own code counts: what
+    follows its last ``EXIT`` is the routines it calls (``CALL.REL``: integer
+    division, the slow path of a float division), whose loops are left out.
+    Sorted by nesting (the loops with fewest loops inside them first), then
+    by address.
+    """
+    exits = [address for address, opcode, _, _ in instructions if opcode.split(".", 1)[0] == "EXIT"]
+    end = max(exits) if exits else float("inf")
+    found = set()
+    for address, opcode, operands, _ in instructions:
+        target = _branch_target(opcode, operands)
+        if target is not None and target < address <= end:
+            found.add((target, address))
+
+    def contains(outer, inner):
+        return outer != inner and outer[0] <= inner[0] and inner[1] <= outer[1]
+
+    depth = {lp: sum(contains(lp, other) for other in found) for lp in found}  # loops inside it
+    return sorted(found, key=lambda lp: (depth[lp], lp[0]))
+
+
+#: Opcodes after which a basic block ends (the next instruction starts one).
+_BLOCK_ENDS = frozenset({"BRA", "BRX", "JMP", "JMX", "EXIT", "RET", "BREAK", "KILL"})
+
+
+def basic_blocks(instructions) -> list:
+    """The basic blocks of a function: lists of consecutive instructions entered only at their first one.
+
+    A block starts at the function's first instruction, at every branch
+    target and after every branch, ``EXIT`` or ``RET`` (guarded or not).
+    """
+    targets = {t for _, opcode, operands, _ in instructions if (t := _branch_target(opcode, operands)) is not None}
+    out, current = [], []
+    for ins in instructions:
+        if current and ins[0] in targets:
+            out.append(current)
+            current = []
+        current.append(ins)
+        if ins[1].split(".", 1)[0] in _BLOCK_ENDS:
+            out.append(current)
+            current = []
+    if current:
+        out.append(current)
+    return out
+
+
+def hot_loop(instructions) -> list:
+    """The instructions of the hot loop: the largest innermost loop body, or the largest basic block in a loop.
+
+    Innermost: a loop with no loop inside it (:func:`loops`).  When a loop's
+    work is unrolled into straight-line code (its trip count is a compile-time
+    constant), the innermost loops left may be small ones (staging a tile, a
+    remainder); the unrolled work is then a basic block of an enclosing loop
+    (:func:`basic_blocks`), larger than them, and that block is the hot loop.
+    An empty list when the function has no loop.  A call (``CALL.REL``, say
+    an integer division) counts as one instruction: the routine it calls is
+    not counted.
+    """
+    candidates = _loop_regions(instructions)
+    return max(candidates, key=len) if candidates else []
+
+
+def _loop_regions(instructions) -> list:
+    """The innermost loop bodies and the basic blocks inside a loop (the candidates of :func:`hot_loop`)."""
+    found = loops(instructions)
+    inner = [lp for lp in found if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in found)]
+    candidates = [[ins for ins in instructions if lp[0] <= ins[0] <= lp[1]] for lp in inner]
+    candidates += [b for b in basic_blocks(instructions) if any(lp[0] <= b[0][0] and b[-1][0] <= lp[1] for lp in found)]
+    return candidates
+
+
+def work_loop(instructions) -> list:
+    """Of :func:`hot_loop`'s candidates, the one with the most floating-point operations (:func:`flops`).
+
+    The hot loop is where the most instructions are; the work loop is where
+    the arithmetic is (they differ in a kernel whose largest block does
+    comparisons or index arithmetic).  An empty list without a loop.
+    """
+    candidates = _loop_regions(instructions)
+    return max(candidates, key=lambda c: (flops(c), len(c))) if candidates else []
+
+
+def mix(instructions) -> dict:
+    """``{class: count}`` over :data:`CLASSES`, plus ``"total"``, for a list of instructions (:func:`parse_sass`)."""
+    counts = dict.fromkeys(CLASSES, 0)
+    for _, opcode, _, _ in instructions:
+        counts[classify(opcode)] += 1
+    counts["total"] = len(instructions)
+    return counts
+
+
+#: Floating-point operations per thread of each arithmetic opcode (a fused multiply-add counts two; the paired half
+#: precision ones, four); comparisons, selections and the special function unit count none.
+FLOPS = {"FFMA": 2, "FADD": 1, "FMUL": 1, "DFMA": 2, "DADD": 1, "DMUL": 1, "HFMA2": 4, "HADD2": 2, "HMUL2": 2,
+         "FFMA32I": 2, "FADD32I": 1, "FMUL32I": 1}
+
+
+def flops(instructions) -> int:
+    """Floating-point operations per thread of a list of instructions, by :data:`FLOPS`."""
+    return sum(FLOPS.get(opcode.split(".", 1)[0].upper(), 0) for _, opcode, _, _ in instructions)
+
+
+# --- the tools, run -----------------------------------------------------------------------------------------
+
+
+def assemble(ptx: str, arch: str = "sm_90", sass: bool = True, ptxas=None, cuobjdump=None) -> dict:
+    """Assemble one PTX module with ``ptxas -v`` and disassemble the cubin it writes.
+
+    Parameters
+    ----------
+    ptx : str
+        The PTX text of one module.
+    arch : str
+        The real architecture (``"sm_90"``).
+    sass : bool
+        Also disassemble (``cuobjdump -sass``); needs :func:`find_tool`'s ``cuobjdump``.
+
+    Returns
+    -------
+    dict
+        ``{"resources": parse_ptxas_info(...), "sass": parse_sass(...) or None}``.
+    """
+    ptxas = ptxas or find_tool("ptxas")
+    if ptxas is None:
+        raise FileNotFoundError(f"ptxas not found: install the {TOOL_WHEELS['ptxas']} wheel")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
+        src.write_text(ptx)
+        proc = subprocess.run([str(ptxas), f"-arch={arch}", "-v", "-o", str(cubin), str(src)],
+                              capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ptxas failed: {proc.stderr[-2000:]}")
+        out = {"resources": parse_ptxas_info(proc.stderr + proc.stdout), "sass": None}
+        if sass:
+            cuobjdump = cuobjdump or find_tool("cuobjdump")
+            if cuobjdump is None:
+                raise FileNotFoundError(f"cuobjdump not found: install the {TOOL_WHEELS['cuobjdump']} wheel")
+            dis = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True)
+            out["sass"] = parse_sass(dis.stdout)
+    return out
+
+
+def analyse(ptx: str, threads: int, arch: str = "sm_90", sass: bool = True) -> dict:
+    """One kernel's row: resources, occupancy at ``threads`` threads per block, hot-loop mix and instruction count.
+
+    ``ptx`` must hold one entry function (the PTX of one kernel and one
+    signature, as ``gpu.numba_cuda._device.compile_all`` gives it).
+    Returns ``{"registers", "spill_stores", "spill_loads", "stack", "shared",
+    "threads", "occupancy", "limit", "loop", "hot_loop", "hot_loop_flops",
+    "instructions"}``: ``hot_loop`` is :func:`mix` of :func:`hot_loop`, or of
+    the whole function when it has no loop (``loop`` is then False), and
+    ``hot_loop_flops`` its :func:`flops`; ``work_loop`` and
+    ``work_loop_flops`` the same of :func:`work_loop`; these are ``None``
+    without ``sass``, as is ``instructions``, the function's whole length.
+    """
+    res = assemble(ptx, arch=arch, sass=sass)
+    if len(res["resources"]) != 1:
+        raise ValueError(f"expected one entry function, found {len(res['resources'])}")
+    (entry, row), = res["resources"].items()
+    occ = occupancy(threads, row["registers"], row["shared"])
+    row = dict(row, threads=threads, occupancy=occ["fraction"], limit=occ["limit"], loop=None, hot_loop=None,
+               hot_loop_flops=None, work_loop=None, work_loop_flops=None, instructions=None)
+    if res["sass"] is not None:
+        code = res["sass"].get(entry) or next(iter(res["sass"].values()))
+        body = hot_loop(code)
+        row["loop"] = bool(body)
+        row["hot_loop"] = mix(body or code)
+        row["hot_loop_flops"] = flops(body or code)
+        work = work_loop(code)
+        row["work_loop"] = mix(work)
+        row["work_loop_flops"] = flops(work)
+        row["instructions"] = len(code)
+    return row
+
+
+def compile_kernels(cc=(9, 0)) -> dict:
+    """The PTX and launch facts of every kernel of :mod:`gpu.numba_cuda`, compiled for ``cc`` without a GPU.
+
+    Call it in a process that imports numba with the real CUDA target
+    (``NUMBA_ENABLE_CUDASIM=0`` before numba is first imported): every module
+    of the package is imported, so every kernel is registered, and
+    ``gpu.numba_cuda._device.compile_all`` compiles them.
+
+    Returns
+    -------
+    dict
+        ``{"ptx": {name: {dtype name: PTX}}, "launch": {name: {dtype name:
+        {"threads", "assumed", "tags"}}}}``, JSON-ready.
+    """
+    import importlib
+    import pkgutil
+
+    import gpu.numba_cuda as package
+    from gpu.numba_cuda import _device
+
+    for m in sorted(p.name for p in pkgutil.iter_modules(package.__path__)):
+        importlib.import_module("gpu.numba_cuda." + m)
+    ptx = {}
+    for (name, t), code in _device.compile_all(cc, ptx=True).items():
+        ptx.setdefault(name, {})[t] = code
+    launch = {}
+    for name in ptx:
+        launch[name] = {}
+        for f in _device.DTYPES:
+            threads, assumed, tags = _device.launch_info(name, f)
+            launch[name][str(f)] = {"threads": threads, "assumed": assumed, "tags": sorted(tags)}
+    return {"ptx": ptx, "launch": launch}
+
+
+def kernel_rows(compiled: dict, sass_dtypes=("float32",), jobs: int = 2) -> list:
+    """:func:`analyse` of every kernel and float type of :func:`compile_kernels`' result, with its name and role.
+
+    Parameters
+    ----------
+    compiled : dict
+        What :func:`compile_kernels` returns.
+    sass_dtypes : tuple of str
+        The float types whose code is disassembled too (``cuobjdump`` takes a
+        second a module); none when ``cuobjdump`` is not installed.
+    jobs : int
+        ``ptxas`` and ``cuobjdump`` processes run at once.
+
+    Returns
+    -------
+    list of dict
+        One row per kernel and float type, sorted by name then type: the keys
+        of :func:`analyse` and ``kernel``, ``dtype``, ``assumed`` (the block
+        size is the registry's default), ``tags`` and ``role`` (:func:`role`).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    disassemble = find_tool("cuobjdump") is not None
+
+    def one(job):
+        name, t = job
+        launch = compiled["launch"][name][t]
+        row = analyse(compiled["ptx"][name][t], launch["threads"], sass=disassemble and t in sass_dtypes)
+        return dict(row, kernel=name, dtype=t, assumed=launch["assumed"], tags=launch["tags"],
+                    role=role(name, launch["tags"]))
+
+    work = [(name, t) for name in sorted(compiled["ptx"]) for t in sorted(compiled["ptx"][name])]
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(one, work))

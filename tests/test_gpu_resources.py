@@ -1,0 +1,346 @@
+"""What every Numba-CUDA kernel uses on sm_90 (H100, H200), read from ptxas and cuobjdump without a GPU.
+
+Every kernel registered with ``gpu.numba_cuda._device.kernel`` is compiled to
+PTX (float32 and float64, compute capability 9.0), assembled by ``ptxas -v``
+and, in float32, disassembled by ``cuobjdump -sass`` (:mod:`gpu.sass`).  The
+table printed gives, per kernel and float type: registers, spill stores and
+loads, static shared memory, threads per block (``*``: not registered, the
+default assumed), the theoretical occupancy at that block size, what bounds
+it, and the instruction mix of the hot loop.  Asserted:
+
+* no kernel spills registers to local memory;
+* the kernels of the responsibilities, of GMA (its scan included) and of
+  the flash attention reach a theoretical occupancy of at least 50% at their
+  own block size, which they must register, in float32 (the type
+  ``benchmarks/bench_gpu.py`` measures; float64 is printed);
+* floating point is at least 40% of the hot loop of the responsibilities
+  kernel.
+
+The table is printed (``pytest -s``, or without ``-n``: the processes of
+``pytest -n`` print nowhere) and kept in ``.pytest_cache/d/gpu-ptx/resources-sm90.txt``.
+The tools come from the ``nvidia-cuda-nvcc`` (ptxas) and
+``nvidia-cuda-cuobjdump`` wheels of the CUDA extras; without them the tests
+that need them skip and say which wheel is missing.  The pure functions
+(occupancy, the parsers, the classifier, the hot-loop finder) are tested on
+hand-worked cases first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gpu import sass  # noqa: E402  (after the path set-up above)
+
+#: Minimum theoretical occupancy of the kernels of each role of :data:`gpu.sass.ROLES`.
+MIN_OCCUPANCY = 0.5
+#: Minimum share of floating-point instructions in the hot loop of the responsibilities kernel.
+MIN_FP_SHARE = 0.4
+
+
+# --- the pure functions, on hand-worked cases --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "threads, registers, shared, blocks, warps, limit",
+    [
+        # 32 threads, 68 registers: a warp holds ceil(68 * 32 / 256) * 256 = 2304 registers, 65536 // 2304 = 28 warps
+        (32, 68, 384, 28, 28, "registers"),
+        # 256 threads (8 warps), 32 registers: 1024 a warp, 64 warps by registers, 8 blocks by warps and registers
+        (256, 32, 0, 8, 64, "warps"),
+        # 128 threads, 255 registers: 8192 a warp, 8 warps, 2 blocks of 4 warps
+        (128, 255, 0, 2, 8, "registers"),
+        # 256 threads, 16 registers, 48 KB shared: 233472 // (49152 + 1024) = 4 blocks of 8 warps
+        (256, 16, 48 * 1024, 4, 32, "shared"),
+        # one warp a block, few registers: the 32-block limit leaves half the warps
+        (32, 16, 0, 32, 32, "blocks"),
+        # 100 shared bytes round up to 128, + 1 KB reserved: 233472 // 1152 = 202 blocks; 2 warps a block: the warp
+        # and block limits both give 32 blocks (the warps are named first)
+        (64, 24, 100, 32, 64, "warps"),
+        # 1024 threads, 64 registers: 2048 a warp, 32 warps by registers, 32 // 32 = 1 block
+        (1024, 64, 0, 1, 32, "registers"),
+        # 6401 shared bytes round up to 6528, + 1 KB reserved = 7552: 233472 // 7552 = 30 blocks (unrounded, 7425:
+        # 31; without the reserve, 35, so the 32-block limit)
+        (32, 16, 6401, 30, 30, "shared"),
+    ],
+)
+def test_occupancy_on_hand_worked_cases(threads, registers, shared, blocks, warps, limit):
+    occ = sass.occupancy(threads, registers, shared)
+    assert (occ["blocks"], occ["warps"], occ["limit"]) == (blocks, warps, limit)
+    assert occ["fraction"] == warps / 64
+
+
+def test_occupancy_refuses_a_block_that_cannot_launch():
+    with pytest.raises(ValueError, match=r"\[1, 1024\]"):
+        sass.occupancy(2048, 32)
+
+
+PTXAS_SAMPLE = """\
+ptxas info    : 8 bytes gmem
+ptxas info    : Compiling entry function '_ZN3gpu4kern' for 'sm_90'
+ptxas info    : Function properties for _ZN3gpu4kern
+    16 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 68 registers, used 1 barriers, 384 bytes smem, 400 bytes cmem[0]
+ptxas info    : Compile time = 156.059 ms
+ptxas info    : Function properties for helper
+    40 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+"""
+
+
+def test_ptxas_info_is_read_per_entry_function():
+    info = sass.parse_ptxas_info(PTXAS_SAMPLE)
+    assert info == {"_ZN3gpu4kern": {"registers": 68, "spill_stores": 8, "spill_loads": 12, "stack": 16, "shared": 384}}
+
+
+SASS_SAMPLE = """\
+\tcode for sm_90
+\t\tFunction : kern
+\t.headerflags\t@"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                 /* 0x00000a00ff017b82 */
+                                                                          /* 0x000ff00000000800 */
+        /*0010*/                   S2R R0, SR_TID.X ;                     /* 0x0000000000007919 */
+        /*0020*/                   LDG.E R2, desc[UR4][R4.64] ;           /* 0x0000000404027981 */
+        /*0030*/                   FADD R3, R2, -R6 ;                     /* 0x8000000602037221 */
+        /*0040*/                   FMUL R3, R3, R3 ;                      /* 0x0000000303037220 */
+        /*0050*/                   FFMA.FTZ R7, R3, R8, R7 ;              /* 0x0000000803077223 */
+        /*0060*/                   IADD3 R4, P0, R4, 0x4, RZ ;            /* 0x0000000404047810 */
+        /*0070*/               @P0 BRA 0x30 ;                             /* 0xfffffff000000947 */
+        /*0080*/                   MUFU.EX2 R9, R7 ;                      /* 0x0000000700097308 */
+        /*0090*/                   STG.E desc[UR4][R10.64], R9 ;          /* 0x000000090a007986 */
+        /*00a0*/                   EXIT ;                                 /* 0x000000000000794d */
+        /*00b0*/                   BRA 0xb0;                              /* 0xfffffffc00fc7947 */
+\t\tFunction : other
+        /*0000*/                   EXIT ;                                 /* 0x000000000000794d */
+"""
+
+
+def test_sass_is_split_per_function_and_read_line_by_line():
+    functions = sass.parse_sass(SASS_SAMPLE)
+    assert list(functions) == ["kern", "other"]
+    kern = functions["kern"]
+    assert len(kern) == 12 and functions["other"] == [(0, "EXIT", "", "")]
+    assert kern[5] == (0x50, "FFMA.FTZ", "R7, R3, R8, R7", "")
+    assert kern[7] == (0x70, "BRA", "0x30", "@P0")
+
+
+@pytest.mark.parametrize(
+    "opcode, cls",
+    [("FFMA.FTZ", "fp"), ("FADD", "fp"), ("FMUL", "fp"), ("DFMA.RM", "fp"), ("MUFU.EX2", "fp"), ("FSETP.GT.AND", "fp"),
+     ("FMNMX", "fp"), ("IMAD.WIDE.U32", "int"), ("IADD3", "int"), ("LOP3.LUT", "int"), ("SHF.R.S32.HI", "int"),
+     ("ISETP.NE.AND", "int"), ("UIADD3", "int"), ("LDG.E.64", "mem"), ("STG.E", "mem"), ("LDS.128", "mem"),
+     ("STS", "mem"), ("LDL", "mem"), ("STL.64", "mem"), ("LDC.64", "mem"), ("ULDC", "mem"), ("BRA", "other"),
+     ("EXIT", "other"), ("BAR.SYNC.DEFER_BLOCKING", "other"), ("MOV", "other"), ("S2R", "other"), ("F2I.TRUNC", "other")],
+)
+def test_each_opcode_has_its_class(opcode, cls):
+    assert sass.classify(opcode) == cls
+
+
+def test_the_hot_loop_is_the_body_of_the_backward_branch():
+    kern = sass.parse_sass(SASS_SAMPLE)["kern"]
+    assert sass.loops(kern) == [(0x30, 0x70)]  # the parking BRA after EXIT branches to itself: no loop
+    body = sass.hot_loop(kern)
+    assert [ins[0] for ins in body] == [0x30, 0x40, 0x50, 0x60, 0x70]
+    assert sass.mix(body) == {"fp": 3, "int": 1, "mem": 0, "other": 1, "total": 5}
+    assert sass.flops(body) == 4  # FADD 1, FMUL 1, FFMA 2
+
+
+def _line(address, text):
+    return f"        /*{address:04x}*/  {text} ;"
+
+
+def test_the_hot_loop_is_the_largest_innermost_loop_of_the_kernel_body():
+    # outer loop 0x10..0xc0 holds two inner loops (0x20..0x40, 3 instructions; 0x50..0xb0, 7); a loop in a called
+    # routine after the last EXIT (0xe0..0x100) is not the kernel's
+    ops = {0x40: "@P0 BRA 0x20", 0xb0: "@P1 BRA 0x50", 0xc0: "@P2 BRA 0x10", 0xd0: "EXIT", 0x100: "@P3 BRA 0xe0",
+           0x110: "RET.REL.NODEC R2 0x0"}
+    text = "\t\tFunction : k\n" + "\n".join(_line(a, ops.get(a, "FFMA R1, R2, R3, R1")) for a in range(0, 0x120, 0x10))
+    code = sass.parse_sass(text)["k"]
+    assert sass.loops(code) == [(0x20, 0x40), (0x50, 0xB0), (0x10, 0xC0)]
+    assert [ins[0] for ins in sass.hot_loop(code)] == list(range(0x50, 0xC0, 0x10))
+    assert sass.hot_loop(sass.parse_sass("\t\tFunction : k\n" + _line(0, "EXIT"))["k"]) == []
+
+
+def test_unrolled_work_in_an_outer_loop_is_the_hot_loop():
+    # loop 0x0..0xf0: a small staging loop (0x10..0x30, 3 instructions), then 11 unrolled FFMAs in one basic block
+    ops = {0x10: "LDG.E R4, desc[UR4][R2.64]", 0x20: "STS [R5], R4", 0x30: "@P0 BRA 0x10", 0xF0: "@P1 BRA 0x0",
+           0x100: "EXIT"}
+    text = "\t\tFunction : k\n" + "\n".join(_line(a, ops.get(a, "FFMA R1, R2, R3, R1")) for a in range(0, 0x110, 0x10))
+    code = sass.parse_sass(text)["k"]
+    assert [len(b) for b in sass.basic_blocks(code)] == [1, 3, 12, 1]  # 0x0 | 0x10..0x30 | 0x40..0xf0 | EXIT
+    body = sass.hot_loop(code)
+    assert [ins[0] for ins in body] == list(range(0x40, 0x100, 0x10))
+    assert sass.mix(body)["fp"] == 11 and sass.flops(body) == 22
+
+
+def test_the_work_loop_is_where_the_flops_are():
+    # two loops: 0x0..0x70, 8 integer instructions (the hot loop: the most instructions), then 0x80..0xb0, 3 FFMAs
+    ops = {0x70: "@P0 BRA 0x0", 0x80: "FFMA R1, R2, R3, R1", 0x90: "FFMA R1, R2, R3, R1", 0xA0: "FFMA R1, R2, R3, R1",
+           0xB0: "@P1 BRA 0x80", 0xC0: "EXIT"}
+    text = "\t\tFunction : k\n" + "\n".join(_line(a, ops.get(a, "IADD3 R4, R4, 0x1, RZ")) for a in range(0, 0xD0, 0x10))
+    code = sass.parse_sass(text)["k"]
+    assert [ins[0] for ins in sass.hot_loop(code)] == list(range(0x0, 0x80, 0x10))
+    assert [ins[0] for ins in sass.work_loop(code)] == list(range(0x80, 0xC0, 0x10))
+    assert sass.flops(sass.work_loop(code)) == 6 and sass.flops(sass.hot_loop(code)) == 0
+
+
+def test_roles_come_from_tags_then_modules():
+    assert sass.role("gpu.numba_cuda.gmm._rows") == "responsibilities"
+    assert sass.role("gpu.numba_cuda.scan._chunk_rows") == sass.role("gpu.numba_cuda.gma._x") == "gma"
+    assert sass.role("gpu.numba_cuda.attention._flash") == "attention"
+    assert sass.role("gpu.numba_cuda.ovq._readout") is None
+    assert sass.role("gpu.numba_cuda.ovq._readout", {"attention"}) == "attention"
+    assert sass.role("gpu.numba_cuda.gmm._rows", {"setup"}) == "responsibilities"
+
+
+# --- every registered kernel -------------------------------------------------------------------------------------
+
+_COMPILE = """
+import json, sys
+from gpu import sass
+json.dump(sass.compile_kernels((9, 0)), open(sys.argv[1], "w"))
+"""
+
+
+def _tool_or_skip(name):
+    path = sass.find_tool(name)
+    if path is None:
+        pytest.skip(f"{name} not found: the {sass.TOOL_WHEELS[name]} wheel (in the CUDA extras) is not installed")
+    return path
+
+
+def _sources_key():
+    """A digest of what the PTX depends on: the kernel modules, the compile code, the numba-cuda version."""
+    import hashlib
+    from importlib import metadata
+
+    h = hashlib.sha256()
+    for path in sorted((ROOT / "gpu" / "numba_cuda").glob("*.py")) + [ROOT / "gpu" / "sass.py"]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for dist in ("numba-cuda", "numba"):
+        try:
+            h.update(metadata.version(dist).encode())
+        except metadata.PackageNotFoundError:
+            pass
+    return h.hexdigest()[:32]
+
+
+@pytest.fixture(scope="module")
+def compiled(request):
+    """``{"ptx": {name: {dtype: ptx}}, "launch": {name: {dtype: {threads, assumed, tags}}}}`` of every kernel, sm_90.
+
+    Compiled in a fresh process with the real CUDA target; kept in pytest's
+    cache under a digest of the sources (:func:`_sources_key`), so that an
+    unchanged tree is not compiled again.
+    """
+    _tool_or_skip("ptxas")
+    cache = getattr(request.config, "cache", None)  # None with -p no:cacheprovider: a temporary folder then
+    folder = cache.mkdir("gpu-ptx") if cache is not None else request.getfixturevalue("tmp_path_factory").mktemp("ptx")
+    out = folder / f"sm90-{_sources_key()}.json"
+    if not out.is_file():
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        proc = subprocess.run([sys.executable, "-c", _COMPILE, str(tmp)], capture_output=True, text=True, cwd=ROOT,
+                              env=env, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        os.replace(tmp, out)
+    return json.loads(out.read_text())
+
+
+def _short(name):
+    return name.replace("gpu.numba_cuda.", "")
+
+
+@pytest.fixture(scope="module")
+def table(compiled):
+    """One row per kernel and float type (:func:`gpu.sass.kernel_rows`); the float32 code disassembled."""
+    return sass.kernel_rows(compiled, sass_dtypes=("float32",))
+
+
+def format_table(rows):
+    """The resource table as text (what the tests print)."""
+    head = (f"{'kernel':36s} {'dtype':7s} {'regs':>4s} {'spill st':>8s} {'spill ld':>8s} {'smem B':>7s} {'threads':>8s} "
+            f"{'occupancy':>9s} {'bound by':9s}  {'hot loop: instr':>15s} {'fp':>6s} {'int':>6s} {'mem':>6s} {'other':>6s}")
+    lines = [head]
+    for r in rows:
+        mix = r["hot_loop"]
+        if mix is None:
+            loop = f"{'':>15s} {'':>6s} {'':>6s} {'':>6s} {'':>6s}"
+        else:
+            n = mix["total"] or 1
+            where = "" if r["loop"] else " (no loop)"
+            loop = (f"{str(mix['total']) + where:>15s} " + " ".join(f"{100 * mix[c] / n:5.1f}%" for c in sass.CLASSES))
+        lines.append(
+            f"{_short(r['kernel']):36s} {r['dtype']:7s} {r['registers']:4d} {r['spill_stores']:8d} {r['spill_loads']:8d} "
+            f"{r['shared']:7d} {str(r['threads']) + ('*' if r['assumed'] else ''):>8s} {100 * r['occupancy']:8.1f}% "
+            f"{r['limit']:9s}  {loop}"
+        )
+    lines.append("threads marked * are not registered with the kernel: the default of _device.kernel is assumed")
+    return "\n".join(lines)
+
+
+def test_the_resource_table_covers_every_kernel(table, compiled, capsys, request):
+    text = "sm_90 resources (ptxas -v) and hot-loop instruction mix (cuobjdump -sass, float32)\n" + format_table(table)
+    with capsys.disabled():
+        print("\n" + text)
+    cache = getattr(request.config, "cache", None)
+    if cache is not None:  # pytest -n hides what its processes print: the table is kept beside the PTX too
+        (cache.mkdir("gpu-ptx") / "resources-sm90.txt").write_text(text + "\n")
+    assert sorted({r["kernel"] for r in table}) == sorted(compiled["ptx"])
+    assert all(r["registers"] > 0 for r in table), format_table(table)
+    if sass.find_tool("cuobjdump") is None:
+        pytest.skip(f"no instruction mix: the {sass.TOOL_WHEELS['cuobjdump']} wheel is not installed")
+    assert all(r["instructions"] for r in table if r["dtype"] == "float32")
+
+
+def test_no_kernel_spills_registers(table):
+    spilled = [f"{_short(r['kernel'])} {r['dtype']}: {r['spill_stores']} B stored, {r['spill_loads']} B loaded"
+               for r in table if r["spill_stores"] or r["spill_loads"]]
+    assert not spilled, "\n".join(spilled) + "\n" + format_table(table)
+
+
+#: The float type the occupancy target is asserted in: the one ``bench_gpu.py`` measures and its targets are set for
+#: (a float64 register tile needs twice the registers; its occupancy is printed, not asserted).
+TARGET_DTYPE = "float32"
+
+
+def test_roofline_kernels_reach_half_occupancy_at_their_block_size(table):
+    mine = [r for r in table if r["role"] in sass.ROLES and r["dtype"] == TARGET_DTYPE]
+    assert {r["role"] for r in mine} == set(sass.ROLES), "a role has no kernel"
+    unregistered = sorted({_short(r["kernel"]) for r in mine if r["assumed"]})
+    assert not unregistered, f"register the block size of these kernels (kernel(..., threads=...)): {unregistered}"
+    low = [f"{_short(r['kernel'])} {r['dtype']}: {100 * r['occupancy']:.1f}% ({r['threads']} threads, "
+           f"{r['registers']} registers, {r['shared']} B shared; bound by {r['limit']})"
+           for r in mine if r["occupancy"] < MIN_OCCUPANCY]
+    assert not low, "\n".join(low)
+
+
+def responsibilities_kernels(rows):
+    """The rows of the responsibilities kernel: tagged ``"responsibilities"``, else its role's kernel named for it."""
+    tagged = [r for r in rows if "responsibilities" in r["tags"]]
+    if tagged:
+        return tagged
+    return [r for r in rows if r["role"] == "responsibilities"
+            and re.search(r"posterior|responsibilit", r["kernel"].rsplit(".", 1)[-1])]
+
+
+def test_floating_point_is_forty_percent_of_the_responsibilities_hot_loop(table):
+    _tool_or_skip("cuobjdump")
+    rows = [r for r in responsibilities_kernels(table) if r["dtype"] == "float32"]
+    assert rows, "no responsibilities kernel: tag it kernel(..., tags=('responsibilities',))"
+    for r in rows:
+        mix = r["hot_loop"]
+        share = mix["fp"] / mix["total"] if mix["total"] else 0.0
+        assert r["loop"], f"{_short(r['kernel'])}: no loop found"
+        assert share >= MIN_FP_SHARE, (
+            f"{_short(r['kernel'])}: floating point is {100 * share:.1f}% of its hot loop of {mix['total']} instructions "
+            f"({mix})"
+        )
