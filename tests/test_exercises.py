@@ -1,8 +1,8 @@
-"""The exercises: every lesson has 3 to 5, each solvable and none vacuous.
+"""The exercises: every lesson has 3 to 6, each solvable and none vacuous.
 
 For every lesson ``tutorials/NN_name.py`` this module checks that
 
-1. it has a ``## Exercises`` section with 3 to 5 check cells ``check("N.k", name)``,
+1. it has a ``## Exercises`` section with 3 to 6 check cells ``check("N.k", name)``,
    numbered 1, 2, ... in order, each right after the stub cell that defines ``name``,
    and that these are exactly the exercises ``tutorials/_exercises_NN.py`` registers;
 2. the section says where the solutions are (``tutorials/solutions/lesson_NN.py``);
@@ -15,7 +15,11 @@ For every lesson ``tutorials/NN_name.py`` this module checks that
    where a check has a tolerance, on an answer whose error is small but real
    (``solutions.off_by``: the solution's result off by a relative amount above
    the tolerance and below it loosened a millionfold), so a check whose
-   tolerance was loosened that much is caught too.
+   tolerance was loosened that much is caught too;
+6. every near miss carries a label saying which mistake it makes (``NEAR_MISSES``
+   maps each label to its answer), and its failure message diagnoses it: below
+   the entry, the expected value and the tolerance, a ``This looks like:``
+   section (``tutorials/_hints.py``) names the mistake with a word of its label.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ if str(TUTORIALS) not in sys.path:
     sys.path.insert(0, str(TUTORIALS))
 
 import _course  # noqa: E402  (from tutorials/)
+import _hints  # noqa: E402  (from tutorials/)
 
 CHECK_CALL = re.compile(r'^check\("(\d+)\.(\d+)",\s*([A-Za-z_]\w*)\)\s*$')
 
@@ -70,14 +75,14 @@ def _cases():
         try:
             exercises = _course.load(lesson)
         except ModuleNotFoundError:
-            continue  # test_every_lesson_has_three_to_five_exercises says so
+            continue  # test_every_lesson_has_three_to_six_exercises says so
         for ex in exercises:
             cases.append(pytest.param(script, ex.id, id=ex.id))
     return cases
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
-def test_every_lesson_has_three_to_five_exercises(script):
+def test_every_lesson_has_three_to_six_exercises(script):
     lesson = _lesson(script)
     text = script.read_text(encoding="utf-8")
     assert re.search(r"^# ## Exercises\s*$", text, re.M), f"{script.name} has no '## Exercises' section"
@@ -85,7 +90,7 @@ def test_every_lesson_has_three_to_five_exercises(script):
         f"{script.name}'s exercises do not say where the solutions are (tutorials/solutions/lesson_{lesson:02d}.py)"
     )
     in_notebook = [ex_id for ex_id, _, _ in _exercise_cells(script)]
-    assert 3 <= len(in_notebook) <= 5, f"{script.name} has {len(in_notebook)} exercises, not 3 to 5"
+    assert 3 <= len(in_notebook) <= 6, f"{script.name} has {len(in_notebook)} exercises, not 3 to 6"
     assert in_notebook == [f"{lesson}.{k}" for k in range(1, len(in_notebook) + 1)], in_notebook
     registered = [e.id for e in _course.load(lesson)]
     assert registered == in_notebook, f"_exercises_{lesson:02d}.py registers {registered}, the lesson checks {in_notebook}"
@@ -121,15 +126,45 @@ def test_the_stub_fails(script, ex_id):
     assert _course.check(ex_id, namespace[name]) is False
 
 
+# words of a near miss's label too common to name a mistake: one of the others must appear in the diagnosis
+_COMMON = {"with", "from", "that", "this", "than", "into", "instead", "wrong", "answer", "value", "values",
+           "entry", "entries", "every", "each", "only", "their", "your", "them", "they", "where", "when", "which"}
+
+
+def _keywords(label):
+    """The words of a near miss's label that name its mistake: four characters or more, not common, plural s dropped."""
+    words = {w for w in re.findall(r"[a-z0-9_'^-]+", label.lower()) if len(w.strip("'-^")) >= 4} - _COMMON
+    return {w[:-1] if w.endswith("s") and len(w) > 4 else w for w in words}
+
+
 @pytest.mark.parametrize(("script", "ex_id"), _cases())
 def test_every_wrong_answer_fails(script, ex_id):
     solutions = _solutions(_lesson(script))
-    wrong = solutions.NEAR_MISSES.get(ex_id, [])
+    wrong = solutions.NEAR_MISSES.get(ex_id, {})
     assert wrong, f"exercise {ex_id}: list at least one wrong answer in NEAR_MISSES of {solutions.__file__}"
-    for i, answer in enumerate(wrong):
+    assert isinstance(wrong, dict), (
+        f"exercise {ex_id}: NEAR_MISSES maps a label saying which mistake each wrong answer makes to the answer, "
+        f"got a {type(wrong).__name__}"
+    )
+    for label, answer in wrong.items():
         with pytest.raises(AssertionError) as info:
             _course.run(ex_id, answer)
-        assert not isinstance(info.value, _course.NotAttempted), f"exercise {ex_id}: near miss {i} counts as a stub"
+        assert not isinstance(info.value, _course.NotAttempted), f"exercise {ex_id}: near miss {label!r} counts as a stub"
+        # the message diagnoses: below its usual lines (entry, expected value, tolerance) it names the mistake
+        message = str(info.value)
+        assert _hints.HEADER in message, f"exercise {ex_id}, near miss {label!r}: the message diagnoses nothing:\n{message}"
+        diagnosis = message.split(_hints.HEADER, 1)[1].lower()
+        words = _keywords(label)
+        assert words, f"exercise {ex_id}: the label {label!r} has no word that names a mistake"
+        assert any(w in diagnosis for w in words), (
+            f"exercise {ex_id}, near miss {label!r}: the diagnosis names none of {sorted(words)}:\n{message}"
+        )
+
+
+def test_the_keyword_rule_is_not_vacuous():
+    assert _keywords("the guard eps missing") == {"guard", "missing"}
+    assert _keywords("no shift, so exp overflows") == {"shift", "overflow"}
+    assert _keywords("every value with the wrong answer") == set()
 
 
 def test_the_framework_tells_a_stub_from_a_wrong_answer():

@@ -82,6 +82,7 @@ import tracemalloc
 
 import matplotlib.pyplot as plt
 import numpy as np
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from refimpl import attention, gma, gmm
 
@@ -418,29 +419,49 @@ assert worst <= tol
 # **The chunk size is a time trade-off, not an accuracy one.** Small chunks
 # mean many Python iterations of small matrix products (interpreter overhead
 # per chunk), large chunks mean $C^2$ work per chunk on the masked block, of
-# which half is thrown away by `tril`. In between there is a broad optimum;
-# `refimpl` uses $C = 64$. The times below are printed and drawn, not
-# asserted: they depend on the machine.
+# which half is thrown away by `tril`. In between the time is flat over a
+# range of chunk sizes; `refimpl` uses $C = 64$. The times below are
+# printed and drawn, not asserted: they depend on the machine.
+#
+# **How they are measured, and what went wrong before.** Each matrix
+# product of the scan calls BLAS (OpenBLAS under NumPy), which starts as
+# many threads as the machine has cores once a product is large enough. An
+# earlier version of this figure showed a cliff of two orders of magnitude
+# at one chunk size and was read as a property of the algorithm; it was
+# not: when several lessons ran at once (as a test suite runs them), every
+# process's BLAS threads competed for the same cores, and a product just
+# above BLAS's threading threshold waited for its threads instead of
+# computing. On a 2-core machine shared with other processes, $C = 256$ at
+# $N = 8192$ took 0.40 s with OpenBLAS's 2 threads and 0.022 s with one
+# (median of 7 runs each, measured with `threadpoolctl` as below). So the
+# cell pins BLAS to one thread with `threadpoolctl` (what the scan's cost
+# model counts: multiply-adds, not threads) and reports the **median** of
+# several runs, which one slow run cannot move, rather than the best or a
+# single run.
 
 # %%
 n_t = 2048 if SMALL else 8192
 r = np.random.default_rng(2)
 gq_t, gk_t, v_t = r.dirichlet(np.ones(K_m), size=n_t), r.dirichlet(np.ones(K_m), size=n_t), r.normal(size=(n_t, d_v_m))
 chunk_sizes = 2 ** np.arange(0, 12 if SMALL else 14)
-times = []
-for c in chunk_sizes:
-    best = np.inf
-    for _ in range(3 if c >= 8 else 1):
-        t0 = time.perf_counter()
-        attention.feature_attention(gq_t, gk_t, v_t, causal=True, chunk_size=int(c))
-        best = min(best, time.perf_counter() - t0)
-    times.append(best)
+times, repeats = [], 5
+with threadpool_limits(limits=1, user_api="blas"):  # one BLAS thread: no oversubscription when processes share cores
+    blas = [pool for pool in threadpool_info() if pool["user_api"] == "blas"]
+    assert blas and all(pool["num_threads"] == 1 for pool in blas), blas  # pinned, in every BLAS library loaded
+    for c in chunk_sizes:
+        runs = []
+        for _ in range(repeats if c >= 8 else 3):  # C < 8: thousands of Python iterations, fewer repeats
+            t0 = time.perf_counter()
+            attention.feature_attention(gq_t, gk_t, v_t, causal=True, chunk_size=int(c))
+            runs.append(time.perf_counter() - t0)
+        assert len(runs) >= 3
+        times.append(np.median(runs))
 times = np.array(times)
 
 fig, ax = plt.subplots(figsize=(6.5, 4))
 ax.loglog(chunk_sizes, times, "o-")
 ax.axvline(64, color="gray", ls=":", label="default C = 64")
-ax.set(xlabel="chunk size $C$", ylabel="seconds (best of 3)", title=f"chunked causal scan, N = {n_t}, K = {K_m}, d_v = {d_v_m}")
+ax.set(xlabel="chunk size $C$", ylabel=f"seconds (median of {repeats}, one BLAS thread)", title=f"chunked causal scan, N = {n_t}, K = {K_m}, d_v = {d_v_m}")
 ax.legend()
 plt.show()
 print(f"fastest chunk size here: {chunk_sizes[times.argmin()]}; C = 1 is {times[0] / times.min():.0f}x slower, "
@@ -553,9 +574,9 @@ from _course import check  # noqa: E402  (the exercises come after the lesson)
 # (`S` of shape `(K, d_v)`, `z` of shape `(K,)`), token $t$'s
 # responsibilities `gq_t`, `gk_t` (shape `(K,)`) and value `v_t` (shape
 # `(d_v,)`). Return `((S_t, z_t), o_t)`: the new state and the output of
-# token $t$ (shape `(d_v,)`). Which comes first, the write or the read? The
-# check runs your step over sequences from the zero state and compares with
-# the explicit $\operatorname{tril}(A)$ form.
+# token $t$ (shape `(d_v,)`). The check runs your step over sequences from
+# the zero state and compares with the explicit $\operatorname{tril}(A)$
+# form. **Question 3.1.** Which comes first, the write or the read?
 
 # %%
 def generate_step(state, gq_t, gk_t, v_t, eps=1e-6):
@@ -602,9 +623,9 @@ check("3.2", anticausal_gma)
 # window's sums are $S_t - S_{t-w}$ and $z_t - z_{t-w}$. Write that first,
 # check it against an explicit banded mask in float64 on a short sequence,
 # then run it in float32 on $N = 32768$ tokens with $w = 8$ and values with a
-# common offset (`2 + normal`), against a float64 reference: find the failure
-# and explain it (how large is $S_t$, how large is the difference?). Then fix
-# it: write `window_gma(gamma_q, gamma_k, v, w, eps=1e-6)`, output `(N, d_v)`
+# common offset (`2 + normal`), against a float64 reference. **Question 3.3.**
+# Find the failure and explain it (how large is $S_t$, how large is the
+# difference?). Then fix it: write `window_gma(gamma_q, gamma_k, v, w, eps=1e-6)`, output `(N, d_v)`
 # in the dtype of the inputs, whose error stays within the rounding of one
 # window, $4(w + K + 1)\,u\max|v|$, however long the sequence (computing in
 # float64 only moves the failure to longer sequences: keep float32). It must

@@ -1305,8 +1305,8 @@ check("8.3", disagreement)
 #
 # Write `readout_backward(qhat, keys, values, log_c, beta, G)`, step 2 of the
 # backward in section 8, for one chunk of $C'$ positions reading $n$
-# centroids: `qhat` (L, d), `keys` $= [D_k[{:}n];\ \hat k]$ (n + L, d),
-# `values` $= [D_v[{:}n];\ v]$ (n + L, d_v), `log_c` (n,), `G`
+# centroids: `qhat` (C', d), `keys` $= [D_k[{:}n];\ \hat k]$ (n + C', d),
+# `values` $= [D_v[{:}n];\ v]$ (n + C', d_v), `log_c` (n,), `G`
 # $= \partial L/\partial O$ (C', d_v). The logits are
 # $\beta\,\hat q_a\cdot D_k[m] + \log c_m$ for the centroids and
 # $\beta\,\hat q_a\cdot\hat k_b$ for the chunk keys $b\le a$ (none for

@@ -74,7 +74,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from refimpl import gma, gmm, interpret, layers, model, tasks, train
+from matplotlib.colors import LogNorm
+
+from refimpl import gma, gmm, interpret, layers, model, optim, tasks, train
 from refimpl.gradcheck import numerical_gradient, relative_error
 
 SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
@@ -90,15 +92,16 @@ print(f"small sizes: {SMALL}")
 # token) by learned projections, runs $H$ GMAs side by side (the *heads*,
 # each with its own mixture), and projects their outputs back
 # (`refimpl.layers`; derivation in `docs/derivations/layers.md`). For one
-# sequence and head $h$,
+# sequence and head $\nu$ ($\nu = 1, \dots, H$; the letter $h$ is kept for the
+# finite-difference step below),
 #
-# $$X_Q^{(h)} = XW_Q^{(h)},\quad X_K^{(h)} = XW_K^{(h)},\quad \mathbf V^{(h)} = XW_V^{(h)},\quad
-#   O^{(h)} = \operatorname{GMA}\bigl(X_Q^{(h)}, X_K^{(h)}, \mathbf V^{(h)};\ \mu^{(h)}, s^{(h)}, a^{(h)}\bigr),$$
+# $$X_Q^{(\nu)} = XW_Q^{(\nu)},\quad X_K^{(\nu)} = XW_K^{(\nu)},\quad \mathbf V^{(\nu)} = XW_V^{(\nu)},\quad
+#   O^{(\nu)} = \operatorname{GMA}\bigl(X_Q^{(\nu)}, X_K^{(\nu)}, \mathbf V^{(\nu)};\ \mu^{(\nu)}, s^{(\nu)}, a^{(\nu)}\bigr),$$
 #
 # $$Y = \bigl[O^{(1)}\ \cdots\ O^{(H)}\bigr]\,W_O ,$$
 #
-# with $\sigma^{2(h)} = \operatorname{softplus}(s^{(h)}) + \sigma^2_{\min}$ and
-# $\pi^{(h)} = \operatorname{softmax}(a^{(h)})$. In the model of this lesson
+# with $\sigma^{2(\nu)} = \operatorname{softplus}(s^{(\nu)}) + \sigma^2_{\min}$ and
+# $\pi^{(\nu)} = \operatorname{softmax}(a^{(\nu)})$. In the model of this lesson
 # each head is $d_h = d_{\text{model}}/H$ wide: its values have $d_v = d_h$
 # columns, and its routing inputs $d_r$ (`d_route`), usually fewer. The
 # shapes through the layer, for a batch of $B$ sequences:
@@ -106,12 +109,12 @@ print(f"small sizes: {SMALL}")
 # | what | shape | how |
 # | --- | --- | --- |
 # | input $x$ | $B\times N\times d_{\text{model}}$ | |
-# | $W_Q$, $W_K$; $W_V$; $W_O$ | $d_{\text{model}}\times Hd_r$; $d_{\text{model}}\times Hd_h$; $Hd_h\times d_{\text{model}}$ | head $h$ uses the $h$-th block of $d_r$ (or $d_h$) columns, of rows for $W_O$ |
+# | $W_Q$, $W_K$; $W_V$; $W_O$ | $d_{\text{model}}\times Hd_r$; $d_{\text{model}}\times Hd_h$; $Hd_h\times d_{\text{model}}$ | head $\nu$ uses the $\nu$-th block of $d_r$ (or $d_h$) columns, of rows for $W_O$ |
 # | $X_Q$, $X_K$ | $B\times N\times H\times d_r$ | $xW_Q$, reshaped: the last axis split into $H$ blocks |
 # | $\mathbf V$ | $B\times N\times H\times d_h$ | $xW_V$, reshaped |
-# | $\mu^{(h)}$, $s^{(h)}$; $a^{(h)}$ | $K\times d_r$; $K$ | one mixture per head, shared by the $B$ sequences |
-# | $\Gamma_Q^{(h)}$, $\Gamma_K^{(h)}$ | $N\times K$ | per sequence and head |
-# | $O^{(h)}$ | $N\times d_h$ | GMA, per sequence and head |
+# | $\mu^{(\nu)}$, $s^{(\nu)}$; $a^{(\nu)}$ | $K\times d_r$; $K$ | one mixture per head, shared by the $B$ sequences |
+# | $\Gamma_Q^{(\nu)}$, $\Gamma_K^{(\nu)}$ | $N\times K$ | per sequence and head |
+# | $O^{(\nu)}$ | $N\times d_h$ | GMA, per sequence and head |
 # | heads, concatenated | $B\times N\times Hd_h$ | |
 # | output $Y$ | $B\times N\times d_{\text{model}}$ | times $W_O$ |
 #
@@ -134,16 +137,16 @@ def layer_forward(x, p, causal=False):
     B, N, _ = x.shape
     H, K, d_r = p.means.shape
     d_h = p.W_v.shape[1] // H
-    xq = (x @ p.W_q).reshape(B, N, H, d_r)  # head h: columns h d_r .. (h + 1) d_r - 1
+    xq = (x @ p.W_q).reshape(B, N, H, d_r)  # head nu: columns nu d_r .. (nu + 1) d_r - 1
     xk = (x @ p.W_k).reshape(B, N, H, d_r)
     v = (x @ p.W_v).reshape(B, N, H, d_h)
     heads = np.empty((B, N, H, d_h))
     for b in range(B):
-        for h in range(H):
-            variances = gmm.variances_from_raw(p.raw_variances[h])  # softplus(s) + sigma^2_min
-            weights = gmm.softmax(p.logits[h])
-            heads[b, :, h] = gma.gma(xq[b, :, h], xk[b, :, h], v[b, :, h], p.means[h], variances, weights, causal=causal,
-                                     chunk_size=2)
+        for head in range(H):
+            variances = gmm.variances_from_raw(p.raw_variances[head])  # softplus(s) + sigma^2_min
+            weights = gmm.softmax(p.logits[head])
+            heads[b, :, head] = gma.gma(xq[b, :, head], xk[b, :, head], v[b, :, head], p.means[head], variances, weights,
+                                        causal=causal, chunk_size=2)
     return heads.reshape(B, N, H * d_h) @ p.W_o
 
 
@@ -156,8 +159,8 @@ for causal in (False, True):
 # %% [markdown]
 # The backward runs the same steps in reverse (`docs/derivations/layers.md`):
 # $dW_O = \sum_b O_b^\top G_b$ and $dO = GW_O^\top$; lesson 4's GMA backward
-# turns each head's block of $dO$ into $dX_Q^{(h)}$, $dX_K^{(h)}$,
-# $d\mathbf V^{(h)}$ and its mixture's gradients, **summed over the batch**,
+# turns each head's block of $dO$ into $dX_Q^{(\nu)}$, $dX_K^{(\nu)}$,
+# $d\mathbf V^{(\nu)}$ and its mixture's gradients, **summed over the batch**,
 # since every sequence uses the same mixture; and the projections give
 # $dW_Q = \sum_b X_b^\top dX_{Q,b}$ (likewise $W_K$, $W_V$) and
 # $dX = dX_QW_Q^\top + dX_KW_K^\top + d\mathbf V W_V^\top$: three terms,
@@ -166,7 +169,7 @@ for causal in (False, True):
 # The check: the loss $L = \sum G\odot Y$ with a fixed random $G$ has
 # gradient exactly what the backward returns for $G$; central differences
 # $\bigl(L(\theta + he_i) - L(\theta - he_i)\bigr)/2h$ estimate it entry by
-# entry. With $h = 10^{-6}$ their error is about $u|L|/h + h^2|L'''|$, near
+# entry. With $h = 10^{-6}$ their error is about $u|L|/h + h^2|L'''|/6$, near
 # $10^{-9}$ here, so a relative difference of $10^{-6}$ (to the largest
 # entry of each gradient) leaves a margin of hundreds while any wrong term
 # of the backward shows at order 1. Why this tolerance:
@@ -270,7 +273,9 @@ print(f"majority-class rate (train): {tasks.majority_rate(y_train):.3f}")
 # weight matrices and clipping at global norm 1. A run can stop with a
 # checkpoint and resume bit for bit, so we train in segments and, between
 # them, measure how much of the validation tokens each component takes: the
-# mean responsibility $\bar\gamma_k$ over the non-padding tokens.
+# mean responsibility $\bar\gamma_k$ over the non-padding tokens, first at
+# step 0 (the initial parameters, `model.init_params` with the run's seed, as
+# `refimpl.train` draws them), then after each segment.
 
 # %%
 if SMALL:
@@ -282,15 +287,23 @@ mcfg = train.model_config(config)
 data = train.load_data(config)
 x_val, y_val = data["val"]
 val_mask = x_val != tasks.PAD_ID
-segments = np.linspace(0, config.steps, 7).astype(int)[1:]
+steps_seen = np.linspace(0, config.steps, 7).astype(int)  # step 0, then the end of each of 6 segments
 out = Path(tempfile.mkdtemp(prefix="lesson10-"))
-usage = []  # per segment: (layers, heads, K) mean responsibilities of the routing queries
-for i, stop in enumerate(segments):
+
+
+def component_usage(params):
+    """(layers, heads, K): the mean responsibility of each component over the non-padding validation tokens."""
+    routing = model.gma_routing(params, x_val, mcfg)
+    return [[interpret.mean_responsibilities(r["gamma_q"][:, head], val_mask) for head in range(mcfg.n_heads)]
+            for r in routing]
+
+
+usage = [component_usage(model.init_params(mcfg, config.seed))]  # step 0: the parameters train() starts from
+for i, stop in enumerate(steps_seen[1:]):
     result = train.train(config, out, resume=i > 0, progress=False, stop_after=int(stop) if stop < config.steps else None)
-    routing = model.gma_routing(result.params, x_val, mcfg)
-    usage.append([[interpret.mean_responsibilities(r["gamma_q"][:, h], val_mask) for h in range(mcfg.n_heads)] for r in routing])
-usage = np.array(usage)  # (segments, layers, heads, K)
-print(f"trained {result.step} steps in {len(segments)} segments, {1000 * result.seconds_per_step:.1f} ms per step")
+    usage.append(component_usage(result.params))
+usage = np.array(usage)  # (moments, layers, heads, K): step 0 and the end of each segment
+print(f"trained {result.step} steps in {len(steps_seen) - 1} segments, {1000 * result.seconds_per_step:.1f} ms per step")
 print(f"validation accuracy {result.val_accuracy:.3f}, test accuracy {result.test_accuracy:.3f}, "
       f"majority class {result.majority_rate:.3f}")
 
@@ -320,29 +333,66 @@ if not SMALL:
 # %% [markdown]
 # ## 5. How the components are used during training
 #
-# Each column below is one moment of training; each row a component of
-# layer 0, head 0; the colour is its share $\bar\gamma_k$ of the validation
-# tokens. Training moves the means, the variances and the weights together
-# with the projections that make the routing queries. A component that no
-# token reaches would get no gradient through the responsibilities
-# ($\partial L/\partial a_k = \sum_i \gamma_{ik}(g_{ik} - \bar g_i)$ vanishes
-# with $\gamma_{ik}$) and would stay dead; the counts below say whether any
-# did in this run.
+# Each column below is one moment of training, centred on its step (step 0
+# included); each row a component of layer 0, head 0; the colour is its
+# share $\bar\gamma_k$ of the validation tokens, on a **logarithmic** scale:
+# a linear one would paint every share below about $0.05$ the same dark
+# colour, and the components that are nearly unused are the interesting
+# ones. Training moves the means, the variances and the weights together
+# with the projections that make the routing queries.
+#
+# **Does a component that few tokens reach stay dead?** Its gradient through
+# the responsibilities is small, not zero:
+# $\partial L/\partial a_k = \sum_i \gamma_{ik}(g_{ik} - \bar g_i)$ shrinks with
+# $\gamma_{ik}$. Under plain gradient descent a small gradient means a small
+# step, and such a component would indeed barely move. AdamW divides by
+# $\sqrt{\hat v}$: a gradient that is small but *consistent* in sign gets
+# $\hat m/(\sqrt{\hat v} + \delta) \approx g/(|g| + \delta)$, a step of nearly
+# the full learning rate. The cell below runs `refimpl.optim.adam_step` for
+# 100 steps on one parameter with the constant gradient $g = 10^{-7}$ at the
+# default learning rate $\eta = 3\times10^{-3}$: it moves by
+# $100\,\eta\, g/(g + \delta) = 0.27$ ($\delta = 10^{-8}$), where SGD with the
+# same rate moves it by $100\,\eta g = 3\times10^{-8}$. So a nearly unused
+# component can come back; the counts printed below say how many components
+# are above $0.1/K$ at each moment, and whether the count rose. In the
+# full-size run ($K = 16$, this cell at `TUTORIAL_SMALL=0`, run once on
+# 2 cores) the count of head 1 went from 11 at step 1500 to 13 at step 2000,
+# and that of head 0 from 10 at step 1000 to 11 at step 1500: components
+# below the threshold came back.
 
 # %%
+# AdamW against SGD on a small, consistent gradient
+eta, g_small, n_steps = 3e-3, 1e-7, 100
+theta, state = {"logits": np.zeros(1)}, optim.adam_init({"logits": np.zeros(1)})
+for _ in range(n_steps):
+    theta, state, _ = optim.adam_step(theta, {"logits": np.full(1, g_small)}, state, lr=eta)
+adam_moved, sgd_moved = abs(float(theta["logits"][0])), n_steps * eta * g_small
+print(f"{n_steps} steps with g = {g_small:g}, lr = {eta:g}: AdamW moves the parameter {adam_moved:.4f}, SGD {sgd_moved:.1e}")
+# constant g: m_hat = g and v_hat = g^2 exactly up to rounding, so each step is eta g / (g + delta)
+assert abs(adam_moved - n_steps * eta * g_small / (g_small + 1e-8)) < 1e-12
+assert round(adam_moved, 2) == 0.27 and adam_moved > 1e6 * sgd_moved
+
 K = mcfg.n_components
-share = usage[:, 0, 0, :].T  # (K, segments)
+share = usage[:, 0, 0, :].T  # (K, moments)
+spacing = steps_seen[1] - steps_seen[0]  # the moments are equally spaced
+extent = (steps_seen[0] - spacing / 2, steps_seen[-1] + spacing / 2, -0.5, K - 0.5)
+centres = extent[0] + (np.arange(share.shape[1]) + 0.5) * (extent[1] - extent[0]) / share.shape[1]
+assert np.allclose(centres, steps_seen), (centres, steps_seen)  # each column drawn at its own step
 fig, ax = plt.subplots(figsize=(6, 3.5))
-im = ax.imshow(share, aspect="auto", cmap="viridis", origin="lower",
-               extent=(segments[0] - 0.5, segments[-1] + 0.5, -0.5, K - 0.5))
+floor = 1e-4  # shares below this are drawn in the lowest colour
+im = ax.imshow(np.maximum(share, floor), aspect="auto", cmap="viridis", origin="lower", extent=extent,
+               norm=LogNorm(vmin=floor, vmax=1.0))
+ax.set_xticks(steps_seen)
 ax.set_xlabel("step")
 ax.set_ylabel("component")
-fig.colorbar(im, label="mean responsibility")
+fig.colorbar(im, label="mean responsibility (log scale)")
 plt.show()
 threshold = 0.1 / K
-used = (usage > threshold).sum(axis=-1)  # (segments, layers, heads)
-for stop, n_used in zip(segments, used[:, 0, :]):
+used = (usage > threshold).sum(axis=-1)  # (moments, layers, heads)
+for stop, n_used in zip(steps_seen, used[:, 0, :]):
     print(f"step {stop:5d}: components with mean responsibility > 0.1/K, per head of layer 0: {[int(n) for n in n_used]} of {K}")
+rises = np.diff(used[:, 0, :], axis=0)  # (segments, heads)
+print(f"largest rise of a head's count from one moment to the next: {int(rises.max())}")
 assert np.allclose(usage.sum(axis=-1), 1.0)
 assert used[-1].min() >= 1
 
@@ -395,11 +445,53 @@ assert np.allclose(gamma_seq.sum(axis=1), 1.0)
 # The numbers are not the paper's, and should not be: its model routes the
 # tokens of natural text (a vocabulary of thousands, surface categories such
 # as punctuation and parts of speech) through 128 components, while ListOps
-# has 16 token types in 3 non-padding categories and the components here
-# are few. With so few categories the NMI is bounded by how much of a
-# component's choice the category alone can explain: the routing queries
-# depend on the position and the context too (a digit inside a MIN and one
-# inside a SUM_MOD are different tokens for the task).
+# has 15 non-padding token types (the digits 0 to 9, four operators and the
+# closing bracket; 16 with padding) in 3 categories, and the components here
+# are few.
+#
+# **How high can the NMI be?** With $A$ the hard assignments and
+# $\mathrm{cat}$ the categories, $\mathcal H$ the entropy (in nats; not the head
+# count $H$), $\mathrm{NMI} = 2I(A;\mathrm{cat})/(\mathcal H(A) + \mathcal H(\mathrm{cat}))$
+# (the arithmetic normalisation of `refimpl.interpret`), and
+# $I(A;\mathrm{cat}) \le \mathcal H(\mathrm{cat})$, so
+#
+# $$\mathrm{NMI} \le \frac{2\,\mathcal H(\mathrm{cat})}{\mathcal H(A) + \mathcal H(\mathrm{cat})} .$$
+#
+# Three categories carry at most $\log 3$ nats, far less than the
+# $\log K$ that $K$ components spread evenly would carry: when the
+# assignments use all $K$ components about equally, even a perfect
+# category detector cannot reach NMI 1. The cell below computes the bound
+# with the measured $\mathcal H(\mathrm{cat})$ of the test tokens, for the
+# measured $\mathcal H(A)$ of each head and for $\mathcal H(A) = \log K$ with
+# $K = 16$ (the full-size run) down to $8$ (the small one), and asserts that
+# every head's NMI is below its bound. Beyond the bound, the routing
+# queries depend on the position and the context too (a digit inside a MIN
+# and one inside a SUM_MOD are different tokens for the task).
+
+# %%
+def entropy_nats(labels):
+    """The entropy, in nats, of the empirical distribution of integer labels."""
+    _, counts = np.unique(labels, return_counts=True)
+    q = counts / counts.sum()
+    return float(-np.sum(q * np.log(q)))
+
+
+test_mask = x_test != tasks.PAD_ID
+cats = tasks.token_categories(x_test)[test_mask]
+types = np.unique(x_test[test_mask])
+print(f"non-padding token types in the test set: {types.size}; categories: {np.unique(cats).size}")
+assert types.size <= len(tasks.LISTOPS_TOKENS) - 1 == 15 and set(np.unique(cats)) == {1, 2, 3}
+H_cat = entropy_nats(cats)
+for k_bound in (16, 8):
+    print(f"H(cat) = {H_cat:.3f} nats: with H(A) = log {k_bound}, NMI <= {2 * H_cat / (np.log(k_bound) + H_cat):.3f}")
+routing_test = model.gma_routing(result.params, x_test, mcfg)
+for r in report:
+    assignments = np.argmax(routing_test[r.layer]["gamma_q"][:, r.head], axis=-1)[test_mask]
+    nmi = interpret.normalized_mutual_information(assignments, cats)
+    assert abs(nmi - r.nmi_q) < 1e-12  # the same hard assignments as the report's
+    bound = 2 * H_cat / (entropy_nats(assignments) + H_cat)
+    print(f"layer {r.layer} head {r.head}: NMI {nmi:.3f} <= bound {bound:.3f} at its own H(A) = {entropy_nats(assignments):.3f}")
+    assert nmi <= bound + 1e-12
 
 # %% [markdown]
 # ## 7. Lesson 4's bounds on the trained model
@@ -440,7 +532,9 @@ for layer, (queries, keys) in enumerate(result.bounds):
 #   float64: the difference is then accurate to about $10^{-9}$, and any
 #   wrong term shows at order one.
 # * The mixture is trained like any weight: AdamW with bias correction and
-#   decoupled decay (not applied to the means, variances and weights).
+#   decoupled decay (not applied to the means, variances and weights). A
+#   nearly unused component is not dead under AdamW: a small gradient of
+#   constant sign gets a step of nearly the full learning rate.
 # * How the components end up used (counts above a threshold, usage
 #   entropy, NMI with token categories) is measured, not assumed; the
 #   counts depend on the threshold.
@@ -450,13 +544,14 @@ for layer, (queries, keys) in enumerate(result.bounds):
 # %% [markdown]
 # ## Exercises
 #
-# Four exercises, graded ★ warm-up, ★★ core, ★★★ stretch. Each has a cell
+# Six exercises, graded ★ warm-up, ★★ core, ★★★ stretch. Each has a cell
 # for your answer and a check cell below it; until you answer, the check
 # prints that the exercise is not done yet, and a wrong answer stops with a
 # message that says what is wrong. You may use `refimpl.gma` and
 # `refimpl.gmm` inside your answers (the single-head GMA and its backward),
-# but not `refimpl.layers`, `refimpl.optim` or the loss functions of
-# `refimpl.model`: those are what the checks compare with. Worked solutions
+# but not `refimpl.layers`, `refimpl.optim`, the loss functions and the
+# backwards of `refimpl.model` or `refimpl.gradcheck`: those are what the
+# checks compare with. Worked solutions
 # are in `tutorials/solutions/lesson_10.py`; try first.
 
 # %%
@@ -467,15 +562,16 @@ from _course import check  # noqa: E402  (the exercises need it only here)
 #
 # The classifier's loss is the mean over the $B$ rows of
 # $-\log\operatorname{softmax}(z_b)_{y_b}$. Derive its gradient with respect
-# to the logits $z$ ($B\times C$) and write `cross_entropy_grad(logits,
-# targets)` returning it, shape $(B, C)$ (`targets` holds the class ids
-# $y_b$). The check uses logits of size up to $10^3$, so the softmax must
+# to the logits $z$ ($B\times n_{\text{cls}}$, one column per class; $C$ is
+# kept for the chunk length, as in the glossary) and write
+# `cross_entropy_grad(logits, targets)` returning it, shape
+# $(B, n_{\text{cls}})$ (`targets` holds the class ids $y_b$). The check uses logits of size up to $10^3$, so the softmax must
 # subtract each row's maximum, and compares with `refimpl.model` and with
 # central differences of the loss.
 
 # %%
 def cross_entropy_grad(logits, targets):
-    """dL/dlogits of the mean softmax cross-entropy over the rows; logits (B, C), targets (B,) ints; shape (B, C)."""
+    """dL/dlogits of the mean softmax cross-entropy over the rows; logits (B, n_cls), targets (B,) ints; shape (B, n_cls)."""
     raise NotImplementedError("exercise 10.1")
 
 
@@ -498,7 +594,7 @@ check("10.1", cross_entropy_grad)
 # steps against `refimpl.optim.adam_step`, with and without decay, on
 # gradients from $10^{-7}$ to $10$ (where it matters whether $\delta$ is
 # added inside or outside the square root) and one entry with no gradient.
-# Why must the decay stay out of $g$?
+# **Question 10.2.** Why must the decay stay out of $g$?
 
 # %%
 def adamw_step(theta, g, m, v, t, lr, rho1, rho2, delta, weight_decay):
@@ -519,7 +615,7 @@ check("10.2", adamw_step)
 # $B\times N\times d_{\text{model}}$. Use `refimpl.gma.gma` for each (sequence,
 # head), with variances $\operatorname{softplus}(s) + \sigma^2_{\min}$
 # (`refimpl.gmm.variances_from_raw`) and weights $\operatorname{softmax}(a)$
-# (`refimpl.gmm.softmax`). Mind which columns belong to head $h$. The check
+# (`refimpl.gmm.softmax`). Mind which columns belong to head $\nu$. The check
 # uses $Hd_v \ne d_{\text{model}}$ and compares with `refimpl.layers`.
 
 # %%
@@ -553,3 +649,69 @@ def multihead_backward(grad_out, x, params):
 
 # %%
 check("10.4", multihead_backward)
+
+# %% [markdown]
+# ### Exercise 10.5 ★★★ The layer norm and GELU backward
+#
+# Every block of the model runs $z = \mathrm{LN}(x)\odot g + b$ (layer norm
+# over the last axis, gain $g$, bias $b$) and the MLP applies
+# $\operatorname{gelu}$. Take the two together, $y = \operatorname{gelu}(z)$ with
+#
+# $$\hat x = \frac{x - \operatorname{mean}(x)}{\sqrt{\operatorname{var}(x) + \epsilon_{\mathrm{LN}}}},\qquad
+#   \operatorname{gelu}(z) = \tfrac12 z\bigl(1 + \tanh\bigl(\sqrt{2/\pi}\,(z + 0.044715\,z^3)\bigr)\bigr),$$
+#
+# mean and variance over the $d$ entries of each row, $\epsilon_{\mathrm{LN}}$ =
+# `refimpl.model.LN_EPS` $= 10^{-5}$. Derive $\operatorname{gelu}'$ and the
+# Jacobian $\partial\hat x_j/\partial x_i$ of one row (hint: it has a
+# centring part and a part along $\hat x$), then write
+# `ln_gelu_backward(dy, x, gain, bias)` returning the gradients of
+# $L = \sum \mathtt{dy}\odot y$ as `(dx, dgain, dbias)`: `dx` of the shape of
+# `x` ($B\times N\times d$), `dgain` and `dbias` of shape $(d,)$, summed over
+# every row, since every row shares them. The check compares with
+# `refimpl.model`'s `layer_norm_backward` and `gelu_derivative` (which your
+# answer may not call) and with central differences in `x`, `gain` and
+# `bias` (tolerance $10^{-6}$: `docs/floating_point.md`, section Lesson 10).
+
+# %%
+def ln_gelu_backward(dy, x, gain, bias):
+    """(dx (B, N, d), dgain (d,), dbias (d,)) of L = sum(dy * gelu(LN(x) * gain + bias))."""
+    raise NotImplementedError("exercise 10.5")
+
+
+# %%
+check("10.5", ln_gelu_backward)
+
+# %% [markdown]
+# ### Exercise 10.6 ★★ A gradient check of the whole model
+#
+# Section 2 checked the model's gradient along one random direction. The
+# check of CS231n (Stanford's course on neural networks) looks at single
+# entries instead: pick a few parameter entries at random, move each by
+# $\pm h$, and compare $n = (L(\theta + he) - L(\theta - he))/2h$ with the
+# analytic $a$ by the relative error $|a - n|/\max(|a|, |n|)$, which does not
+# depend on the scale of the gradient (take it as 0 when both are 0).
+#
+# Write `gradient_check(loss, params, grads, n_entries, h, seed)`: `loss`
+# maps a dict of parameter arrays to a float, `grads` holds the analytic
+# gradients (keyed like `params`). Draw `n_entries` distinct entries of all
+# the parameters with `np.random.default_rng(seed)` (how you draw them is up
+# to you) and return a list of records
+# `(name, index, analytic, numeric, rel_error)`, `index` a tuple into
+# `params[name]`. Leave `params` as you found it, bit for bit. You may not
+# call `refimpl.gradcheck.numerical_gradient`. The check runs your function on
+# a loss whose gradient is known in closed form (so a one-sided difference,
+# off by $hL''/2$ instead of $h^2L'''/6$, shows), on a gradient that is half
+# too small, and on the tiny model of section 2.
+#
+# **Question 10.6.** With $h = 10^{-5}$, what relative error do you expect
+# for a correct gradient, and why can it be large for an entry whose
+# gradient is near $10^{-10}$?
+
+# %%
+def gradient_check(loss, params, grads, n_entries, h, seed):
+    """[(name, index, analytic, numeric, rel_error)] for n_entries distinct random entries of params."""
+    raise NotImplementedError("exercise 10.6")
+
+
+# %%
+check("10.6", gradient_check)

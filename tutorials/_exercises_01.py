@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 from scipy import special
 
+import _hints
 from _course import exercise
 from refimpl import gmm, tuned
 
@@ -22,8 +23,19 @@ U = np.finfo(np.float64).eps  # machine epsilon u = 2^-52
 
 def _shape(a, expected, what):
     a = np.asarray(a)
-    assert a.shape == expected, f"{what}: expected shape {expected}, got {a.shape}"
+    assert a.shape == expected, _hints.explain(f"{what}: expected shape {expected}, got {a.shape}",
+                                               hints=[_hints.shape(a.shape, expected)])
     return a
+
+
+def _whole_array_maximum(row_max, bad_rows):
+    """A hint when the rows that failed are exactly those far (> 700) below the largest entry of the whole array."""
+    far = np.flatnonzero(row_max < np.max(row_max) - 700)
+    if len(bad_rows) and set(np.asarray(bad_rows).tolist()) <= set(far.tolist()):
+        return ("one maximum for the whole array (or none) cannot serve these rows: the rows that fail are those whose own "
+                "maximum lies more than 700 below the array's largest entry, where exp underflows; shift each row by its own "
+                "maximum")
+    return None
 
 
 def _reference(x, means, variances, weights):
@@ -93,6 +105,17 @@ def crowded_counterexample(n_points=200, seed=16):
     return x, means, variances, weights
 
 
+def _why_centring_works(x, means, variances, weights):
+    """What makes the centred expansion right on a proposed case: a one-hot posterior, or means close together."""
+    lj = np.sort(_direct_log_joint(x, means, variances, weights), axis=1)
+    if np.min(lj[:, -1] - lj[:, -2]) > 50:
+        return ("points far from every component but one: the two largest log-joints of every row differ by more than "
+                "50, a one-hot posterior that the expansion's errors cannot move")
+    spread = float(np.max(np.linalg.norm((means - means.mean(axis=0)) / np.sqrt(variances), axis=1)))
+    return (f"means close together: at most {spread:.3g} sd from the mean of the means (spread only that far), where "
+            "centring removes the cancellation; spread them much further")
+
+
 def well_scaled(rng, n_points=200, K=5, d=4):
     means = rng.normal(size=(K, d)) * 1.5
     variances = rng.uniform(0.3, 2.0, size=(K, d))
@@ -101,7 +124,8 @@ def well_scaled(rng, n_points=200, K=5, d=4):
     return x, means, variances, weights
 
 
-@exercise("1.1", "Log-sum-exp with the per-row maximum", 1)
+@exercise("1.1", "Log-sum-exp with the per-row maximum", 1,
+          refuse=("scipy.special.logsumexp", "refimpl.gmm.logsumexp", "refimpl.numerics.logsumexp"))
 def check_logsumexp_rows(logsumexp_rows):
     """``logsumexp_rows(a) -> (N,)``: ``log sum_k exp(a_ik)`` of each row of ``a`` (N, K), for rows of any scale.
 
@@ -120,20 +144,23 @@ def check_logsumexp_rows(logsumexp_rows):
     got = _shape(got, (len(a),), f"logsumexp_rows of a {a.shape[0]} x {a.shape[1]} array")
     ref = special.logsumexp(a, axis=1)
     bad = ~np.isfinite(got)
-    assert not bad.any(), (
+    assert not bad.any(), _hints.explain(
         f"rows {np.flatnonzero(bad)[:5].tolist()} give {got[bad][:3]}: exp overflowed or underflowed "
-        "(subtract each row's own maximum before exponentiating, and add it back)"
-    )
+        "(subtract each row's own maximum before exponentiating, and add it back)",
+        got, ref, hints=[_whole_array_maximum(np.max(a, axis=1), np.flatnonzero(bad))])
     # after the shift the sum has K = 4 terms in [0, 1], the largest exactly 1: the log carries ~K u relative
     # to max(1, |result|); 8 u allows twice that
     err = np.abs(got - ref) / np.maximum(1.0, np.abs(ref))
     i = int(np.argmax(err))
-    assert err[i] <= 8 * U, (
-        f"row {i} = {a[i]}: you give {float(got[i])!r}, SciPy {float(ref[i])!r} (relative error {err[i]:.1e}, allowed 8 u = {8 * U:.1e})"
-    )
+    assert err[i] <= 8 * U, _hints.explain(
+        f"row {i} = {a[i]}: you give {float(got[i])!r}, SciPy {float(ref[i])!r} (relative error {err[i]:.1e}, allowed 8 u = {8 * U:.1e})",
+        got, ref, known={"the shift not added back: you give the log-sum-exp minus each row's maximum": ref - np.max(a, axis=1)})
 
 
-@exercise("1.2", "Responsibilities that never overflow", 2)
+@exercise("1.2", "Responsibilities that never overflow", 2,
+          refuse=("refimpl.gmm.responsibilities", "refimpl.gmm.log_responsibilities", "refimpl.gmm.log_joint",
+                  "refimpl.tuned.responsibilities", "refimpl.tuned.log_responsibilities", "refimpl.tuned.posterior",
+                  "refimpl.tuned.log_joint"))
 def check_stable_responsibilities(stable_responsibilities):
     """``stable_responsibilities(x, means, variances, weights) -> (N, K)``: the posterior, finite for every input.
 
@@ -157,20 +184,26 @@ def check_stable_responsibilities(stable_responsibilities):
         with np.errstate(all="ignore"):
             got = stable_responsibilities(x.copy(), m.copy(), v.copy(), w.copy())
         got = _shape(got, (len(x), len(w)), f"{name}: responsibilities of {len(x)} points, {len(w)} components")
-        assert np.all(np.isfinite(got)), (
-            f"{name}: rows {np.flatnonzero(~np.all(np.isfinite(got), axis=1)).tolist()} are not finite "
-            "(densities that under- or overflow: work with log-densities and the per-row maximum)"
-        )
         ref, log_joint = _reference(x, m, v, w)
+        bad_rows = np.flatnonzero(~np.all(np.isfinite(got), axis=1))
+        assert np.all(np.isfinite(got)), _hints.explain(
+            f"{name}: rows {bad_rows.tolist()} are not finite "
+            "(densities that under- or overflow: work with log-densities and the per-row maximum)",
+            got, ref, hints=[_whole_array_maximum(np.max(log_joint, axis=1).astype(np.float64), bad_rows)])
         # a logit of size |l| is rounded by a few u |l| in float64; a responsibility moves by at most twice the
         # logit error: 16 u max|l| is the lesson's tolerance of section 2 (and at least 16 u)
         tol = 16 * U * max(1.0, float(np.max(np.abs(log_joint))))
         err = np.max(np.abs(got - ref), axis=1)
         i = int(np.argmax(err))
-        assert err[i] <= tol, (
+        direct = _direct_log_joint(x, m, v, w)
+        assert err[i] <= tol, _hints.explain(
             f"{name}: row {i} is {np.round(got[i], 6)}, the definition gives {np.round(ref[i], 6)} "
-            f"(max error {err[i]:.1e}, allowed {tol:.1e}; did you keep log pi_k and -1/2 sum_j log(2 pi sigma_kj^2)?)"
-        )
+            f"(max error {err[i]:.1e}, allowed {tol:.1e}; did you keep log pi_k and -1/2 sum_j log(2 pi sigma_kj^2)?)",
+            got, ref, rows=1, known={
+                "the log-determinant term -1/2 sum_j log(2 pi sigma_kj^2) dropped":
+                    gmm.softmax(direct + 0.5 * np.sum(np.log(2 * np.pi * v), axis=1), axis=1),
+                "the weights log pi_k dropped from the log-joint": gmm.softmax(direct - np.log(w), axis=1),
+            })
 
 
 @exercise("1.3", "Build the spread-means failure case", 2)
@@ -214,13 +247,24 @@ def check_spread_failure_case(case):
     )
     centred, _ = _centred_expansion(x, means, variances, weights)
     err_centred = _row_error(centred, ref)
-    assert err_centred.max() > 0.1, (
+    assert err_centred.max() > 0.1, _hints.explain(
         f"the centred expansion is right here: worst row error {err_centred.max():.1e}, needed > 0.1. Centring removes "
-        "the cancellation when the means sit close together; spread them (a close pair far from the mean of the means)"
-    )
+        "the cancellation when the means sit close together; spread them (a close pair far from the mean of the means)",
+        hints=[_why_centring_works(x, means, variances, weights)])
 
 
-@exercise("1.4", "Fix it: choose the entries to recompute", 3)
+def _flag_pattern(mask):
+    """A hint when the mask flags nothing, or everything."""
+    if not mask.any():
+        return "nothing flagged: you recompute nothing in this case, and cancellation spoils entries near the row maximum"
+    if mask.all():
+        return "everything flagged: every entry recomputed, those that carry no weight and those that are exact too"
+    return None
+
+
+@exercise("1.4", "Fix it: choose the entries to recompute", 3,
+          refuse=("refimpl.tuned.spoiled_logits", "refimpl.tuned.suspect_rows", "refimpl.tuned.log_joint",
+                  "refimpl.tuned.posterior"))
 def check_entries_to_recompute(entries_to_recompute):
     """``entries_to_recompute(x, means, variances, weights) -> (N, K) bool``: the logits to recompute from ``x - mu``.
 
@@ -257,21 +301,23 @@ def check_entries_to_recompute(entries_to_recompute):
         err = _row_error(gmm.softmax(logits, axis=1), ref)
         i = int(np.argmax(err))
         # 1e-12 per row: the lesson's tolerance for refimpl (section 3, the fix; docs/floating_point.md, Lesson 1)
-        assert err[i] <= 1e-12, (
+        assert err[i] <= 1e-12, _hints.explain(
             f"{name}: row {i} is off by {err[i]:.1e} relative (allowed 1e-12); you flag components "
             f"{np.flatnonzero(mask[i]).tolist()} of that row, the reference's largest are "
-            f"{np.argsort(-ref[i])[:2].tolist()}: an entry spoiled by cancellation near the row maximum was left"
-        )
+            f"{np.argsort(-ref[i])[:2].tolist()}: an entry spoiled by cancellation near the row maximum was left",
+            hints=[_flag_pattern(mask), None if set(np.argsort(-ref[i])[:2].tolist()) & set(np.flatnonzero(mask[i]).tolist())
+                   else f"the entries near the row maximum not flagged: components {np.argsort(-ref[i])[:2].tolist()} "
+                        f"of row {i} carry the weight and are left to the expansion"])
         if name == "the crowded counterexample":
             gap = (log_joint.max(axis=1, keepdims=True) - log_joint).astype(np.float64)
             wasted = mask & (gap > 50)
-            assert not wasted.any(), (
+            assert not wasted.any(), _hints.explain(
                 f"{name}: you flag {int(wasted.sum())} entries more than 50 below their row maximum (e.g. row "
                 f"{np.argwhere(wasted)[0][0]}, component {np.argwhere(wasted)[0][1]}, {gap[tuple(np.argwhere(wasted)[0])]:.0f} "
-                "below): they carry no weight. Keep only entries within the window log(K / (2048 u)) of the row maximum"
-            )
+                "below): they carry no weight. Keep only entries within the window log(K / (2048 u)) of the row maximum",
+                hints=[_flag_pattern(mask) or "no window around the row maximum: entries far below it are flagged"])
     mask = flagged(*ordinary, "a well-scaled mixture")
-    assert not mask.any(), (
+    assert not mask.any(), _hints.explain(
         f"a well-scaled mixture: you flag {int(mask.sum())} of {mask.size} entries; none has an error bound "
-        "(4 + sqrt d) u s / 2 above 2048 u, so ordinary inputs should pay nothing"
-    )
+        "(4 + sqrt d) u s / 2 above 2048 u, so ordinary inputs should pay nothing",
+        hints=[_flag_pattern(mask) or "entries flagged whose error bound is small: compare the bound with 2048 u"])

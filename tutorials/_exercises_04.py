@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
+import _hints
 from _course import exercise
-from refimpl import attention, gma, theory
+from refimpl import attention, gma, gmm, numerics, theory
 
 U = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16
 FIELDS = ("x_q", "x_k", "v", "means", "raw_variances", "logits")
@@ -32,9 +33,23 @@ def _responsibilities(rng, n, K):
 
 def _array(a, shape, what):
     a = np.asarray(a, dtype=float)
-    assert a.shape == shape, f"{what}: expected shape {shape}, got {a.shape}"
-    assert np.all(np.isfinite(a)), f"{what}: has non-finite entries"
+    assert a.shape == shape, _hints.explain(f"{what}: expected shape {shape}, got {a.shape}", hints=[_hints.shape(a.shape, shape)])
+    assert np.all(np.isfinite(a)), _hints.explain(f"{what}: has non-finite entries",
+                                                  hints=["an overflow or 0 / 0: is a denominator den_t = 0 somewhere?"])
     return a
+
+
+def _causal_pattern(bad_rows, n, reverse):
+    """A hint when only the token whose (reverse) prefix sum is the full sum is right: the bidirectional backward."""
+    bad = set(np.asarray(bad_rows).tolist())
+    edge = 0 if reverse else n - 1
+    if n > 1 and bad and edge not in bad:
+        if reverse:
+            return ("the bidirectional backward: right at the first token only, where the reverse sums over t >= j "
+                    "take every query; sums over all the tokens where the reverse prefix sums belong")
+        return ("the bidirectional backward: right at the last token only, where the prefix sum over j <= t is the "
+                "full sum; sums over all the keys where the prefix sums belong")
+    return None
 
 
 @exercise("4.1", "The gradient of the guard", 1)
@@ -51,7 +66,9 @@ def check_guard_gradient(guard_gradient):
         gamma_q, gamma_k = _responsibilities(rng, n_q, K), _responsibilities(rng, n_k, K)
         v, G = rng.normal(size=(n_k, d_v)), rng.normal(size=(n_q, d_v))
         got = _call(guard_gradient, G.copy(), gamma_q.copy(), gamma_k.copy(), v.copy(), eps)
-        assert np.ndim(got) == 0, f"N_q = {n_q}: expected one number (a sum over the queries), got shape {np.shape(got)}"
+        assert np.ndim(got) == 0, _hints.explain(
+            f"N_q = {n_q}: expected one number (a sum over the queries), got shape {np.shape(got)}",
+            hints=[_hints.shape(np.shape(got), ())])
         got = float(got)
         a = gamma_q @ gamma_k.T  # the explicit form, built here
 
@@ -65,10 +82,14 @@ def check_guard_gradient(guard_gradient):
         # truncation h^2/6 |L'''| with |L'''| <= 6 Lambda / d_min^3 (L is a sum of G.n_i / (d_i + e)),
         # plus rounding: L is off by about (N_k + K + 2) u Lambda, divided by 2h; twice that for safety
         tol = 2 * (h**2 * lam / d_min**3 + (n_k + K + 2) * U * lam / h)
-        assert abs(got - fd) <= tol, (
+        den = a.sum(axis=1) + eps
+        assert abs(got - fd) <= tol, _hints.explain(
             f"N_q = {n_q}, N_k = {n_k}, K = {K}, eps = {eps}: got {got:.10g}, central differences give {fd:.10g} "
-            f"(difference {abs(got - fd):.1e}, allowed {tol:.1e})"
-        )
+            f"(difference {abs(got - fd):.1e}, allowed {tol:.1e})",
+            got, fd, known={
+                "(G_i . n_i) / den_i: the numerator n_i in place of the output o_i (a factor den_i too many)":
+                    -np.sum(np.sum(G * (a @ v), axis=1) / den),
+            })
 
 
 def _abs_mixing_terms(G, gq, gk, v, den, out):
@@ -79,7 +100,8 @@ def _abs_mixing_terms(G, gq, gk, v, den, out):
     return m @ gk, m.T @ gq, a.T @ gn
 
 
-@exercise("4.2", "The causal mixing backward", 2)
+@exercise("4.2", "The causal mixing backward", 2,
+          refuse=("refimpl.attention.feature_attention_backward", "refimpl.scan.scan_backward", "refimpl.gma.gma_backward"))
 def check_causal_mixing_backward(causal_mixing_backward):
     """``causal_mixing_backward(G, gamma_q, gamma_k, v, eps=1e-6) -> (d_gamma_q, d_gamma_k, d_v)``.
 
@@ -105,6 +127,15 @@ def check_causal_mixing_backward(causal_mixing_backward):
             "d_gamma_k": "R_j v_j + r_j, with the reverse sums over t >= j (t = j included)",
             "d_v": "R_j^T gamma_k_j, with the reverse sums over t >= j (t = j included)",
         }
+        # what the check can name: the term of t = j in the reverse sums, and delta's term in d_gamma_q
+        G_n, delta = G / cache.den[:, None], -np.sum(G * out, axis=1) / cache.den
+        known = {
+            "d_gamma_q": {"the denominator's term delta_t z_t dropped": ref[0] - delta[:, None] * np.cumsum(gk, axis=0)},
+            "d_gamma_k": {"reverse sums exclusive of t = j: key j misses its own query's term":
+                          ref[1] - gq * np.sum(G_n * v, axis=1)[:, None] - gq * delta[:, None]},
+            "d_v": {"reverse sums exclusive of t = j: value j misses its own query's term":
+                    ref[2] - np.sum(gq * gk, axis=1)[:, None] * G_n},
+        }
         for (name, shape), mine, theirs, scale in zip(shapes.items(), got, ref, scales):
             mine = _array(mine, shape, f"N = {n}, {name}")
             # each entry sums at most N + d_v + 2 rounded products of these sizes, in two orders
@@ -112,10 +143,11 @@ def check_causal_mixing_backward(causal_mixing_backward):
             bad = np.abs(mine - theirs) > tol
             if bad.any():
                 i = tuple(int(k) for k in np.argwhere(bad)[0])
-                raise AssertionError(
+                raise AssertionError(_hints.explain(
                     f"N = {n}, K = {K}: {name}{list(i)} = {mine[i]:.6g}, refimpl gives {theirs[i]:.6g} "
-                    f"(difference {abs(mine[i] - theirs[i]):.1e}, allowed {tol[i]:.1e}); {name} = {hints[name]}"
-                )
+                    f"(difference {abs(mine[i] - theirs[i]):.1e}, allowed {tol[i]:.1e}); {name} = {hints[name]}",
+                    mine, theirs, known=known[name],
+                    hints=[_causal_pattern(np.unique(np.nonzero(bad)[0]), n, reverse=name != "d_gamma_q")]))
 
 
 def _per_token_scales(cache, G):
@@ -137,7 +169,8 @@ def _per_token_scales(cache, G):
     return scales
 
 
-@exercise("4.3", "The causal GMA backward", 2)
+@exercise("4.3", "The causal GMA backward", 2,
+          refuse=("refimpl.gma.gma_backward", "refimpl.gma.backward_with", "refimpl.tuned.gma_backward"))
 def check_causal_gma_backward(causal_gma_backward):
     """``causal_gma_backward(G, cache) -> (x_q, x_k, v, means, raw_variances, logits)``.
 
@@ -164,6 +197,20 @@ def check_causal_gma_backward(causal_gma_backward):
         got = _call(causal_gma_backward, G.copy(), cache)
         assert len(got) == 6, f"expected six gradients {FIELDS}, got {len(got)}"
         scales = _per_token_scales(cache, G)
+        # what the check can name: the queries' share of the parameter gradients, the softplus's derivative
+        d_phi_q = attention.feature_attention_backward(G, cache.mixing).phi_q
+        c_q = numerics.softmax_backward(cache.gamma_q, d_phi_q, axis=1)
+        share_q = np.einsum("nk,nkd->kd", c_q, (cache.x_q[:, None, :] - cache.means[None]) / cache.variances)
+        known = {
+            "means": {"the keys' share forgotten: the queries' share of the parameter gradients only": share_q},
+            "raw_variances": {"no sigmoid: dL/dsigma^2 for the raw variances, the chain rule through softplus dropped":
+                              ref.raw_variances / gmm.sigmoid(cache.raw_variances)},
+        }
+        logit_sum = float(np.sum(np.asarray(got[5], dtype=float))) if np.size(got[5]) else 0.0
+        scale_a = 64 * 2 * n * U * np.max(scales["logits"]) * K
+        mean_hint = (f"the gamma-weighted mean gbar replaced: your logits gradient sums to {logit_sum:.3g} over the "
+                     "components, not 0 (the softmax backward gamma_m (g_m - gbar), gbar = sum_m gamma_m g_m, sums to zero)"
+                     if abs(logit_sum) > scale_a else None)
         for name, mine in zip(FIELDS, got):
             theirs = getattr(ref, name)
             mine = _array(mine, theirs.shape, f"N = {n}, gradient of {name}")
@@ -171,12 +218,39 @@ def check_causal_gma_backward(causal_gma_backward):
             # the lesson's bound 64 n u kappa (n = N_Q + N_K per-token terms), written without dividing
             # by the largest entry: 64 n u times the largest sum of |per-token terms|
             tol = 64 * 2 * n * U * np.max(scales[name])
-            assert err <= tol, (
+            bad_rows = np.unique(np.nonzero(np.abs(mine - theirs) > tol)[0]) if mine.ndim else []
+            assert err <= tol, _hints.explain(
                 f"N = {n}, K = {K}: the gradient of {name} differs from refimpl's by {err:.1e} (allowed {tol:.1e}; "
                 f"largest entry {np.max(np.abs(theirs)):.2e}). "
                 + ("Check the mixing step (prefix sums for the queries, reverse sums for the keys)."
-                   if name in ("x_q", "x_k", "v") else "Check the responsibilities step and the reparameterisation.")
-            )
+                   if name in ("x_q", "x_k", "v") else "Check the responsibilities step and the reparameterisation."),
+                mine, theirs, known=known.get(name),
+                hints=[mean_hint, _causal_pattern(bad_rows, n, reverse=name != "x_q") if name in ("x_q", "x_k", "v") else None])
+
+
+def _loose_links(x, means, variances, weights, g, R):
+    """Which links of section 5's chain of inequalities are strict for this case: one hint each."""
+    gamma = gmm.responsibilities(x[None], means, variances, weights)[0]
+    u = (means - x) / variances
+    c = gamma * (g - gamma @ g)
+    hints = []
+    if np.linalg.norm(x) > 0:
+        hints.append(f"x off the origin (||x|| = {np.linalg.norm(x):.3g}): the u_m of both signs of c_m cannot then be opposite")
+    hi, lo = int(np.argmax(g)), int(np.argmin(g))
+    if abs(gamma[hi] - 0.5) > 1e-12 or abs(gamma[lo] - 0.5) > 1e-12:
+        hints.append(f"an uneven split of gamma: gamma(x) = {np.round(gamma, 4).tolist()}; Popoviciu is an equality "
+                     "only with the mass split 1/2, 1/2 between the largest and the smallest g_m")
+    w = c[:, None] * u
+    w = w[np.linalg.norm(w, axis=1) > 0]
+    if len(w) > 1:
+        cos = (w @ w[0]) / (np.linalg.norm(w, axis=1) * np.linalg.norm(w[0]))
+        if np.min(cos) < 1 - 1e-9:
+            hints.append("the vectors c_m u_m do not point the same way: the u_m of positive and negative c_m must be "
+                         "opposite (the triangle inequality)")
+    short = [m for m in range(len(c)) if c[m] != 0 and np.linalg.norm(u[m]) < R * (1 - 1e-12)]
+    if short:
+        hints.append(f"||u_m|| < R for components {short}: a variance above the floor or a mean short of the largest norm")
+    return hints
 
 
 @exercise("4.4", "The input bound is attained", 3)
@@ -206,8 +280,8 @@ def check_bound_attained(tight_case):
     bound = 0.5 * np.ptp(g) * R
     ratio = np.linalg.norm(dx) / bound
     # an equality computed through a softmax, a few products and a norm: each off by a few u
-    assert ratio >= 1 - 64 * U, (
+    assert ratio >= 1 - 64 * U, _hints.explain(
         f"||dL/dx|| / (range(g) R / 2) = {ratio:.12f}, not 1: follow the chain of inequalities of section 5 "
-        "and make each one an equality (the triangle inequality, Cauchy-Schwarz, Popoviciu, ||u_m|| <= R)"
-    )
+        "and make each one an equality (the triangle inequality, Cauchy-Schwarz, Popoviciu, ||u_m|| <= R)",
+        hints=_loose_links(x, means, variances, weights, g, R))
     assert ratio <= 1 + 64 * U, f"||dL/dx|| / bound = {ratio!r} exceeds 1: that would contradict section 5"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 from scipy import integrate
 
+import _hints
 from _course import exercise
 from refimpl import gmr, ovq
 
@@ -27,12 +28,18 @@ def _call(answer, *args):
         return answer(*args)
 
 
+def _softmax(logits, axis=1):
+    """A softmax with the maximum subtracted along ``axis``."""
+    e = np.exp(logits - np.max(logits, axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
 def _worst(err):
     idx = np.unravel_index(np.argmax(err), err.shape)
     return tuple(int(i) for i in idx)
 
 
-@exercise("6.1", "Nadaraya-Watson regression that does not overflow", 1)
+@exercise("6.1", "Nadaraya-Watson regression that does not overflow", 1, refuse=("refimpl.gmr.kernel_regression",))
 def check_nadaraya_watson(nadaraya_watson):
     """``nadaraya_watson(q, k, v, beta) -> m``, shape (N_q, d_v): kernel regression with ``exp(-(beta/2)||q - k_j||^2)``.
 
@@ -49,26 +56,37 @@ def check_nadaraya_watson(nadaraya_watson):
             q, k = ovq.unit_rows(q), ovq.unit_rows(k)
         v = rng.normal(size=(N_k, d_v))
         got = np.asarray(_call(nadaraya_watson, q.copy(), k.copy(), v.copy(), beta))
-        assert got.shape == (N_q, d_v), f"q {q.shape}, k {k.shape}, v {v.shape}: expected shape {(N_q, d_v)}, got {got.shape}"
-        bad = ~np.isfinite(got)
-        assert not bad.any(), (
-            f"beta = {beta}: {int(bad.sum())} non-finite entries (first at {tuple(np.argwhere(bad)[0].tolist())}); "
-            "every exp(-(beta/2)||q - k||^2) of that row underflowed: subtract the row's largest logit first"
-        )
+        assert got.shape == (N_q, d_v), _hints.explain(
+            f"q {q.shape}, k {k.shape}, v {v.shape}: expected shape {(N_q, d_v)}, got {got.shape}",
+            hints=[_hints.shape(got.shape, (N_q, d_v))])
         expected = gmr.kernel_regression(q, k, v, beta=beta)
+        bad = ~np.isfinite(got)
+        assert not bad.any(), _hints.explain(
+            f"beta = {beta}: {int(bad.sum())} non-finite entries (first at {tuple(np.argwhere(bad)[0].tolist())}); "
+            "every exp(-(beta/2)||q - k||^2) of that row underflowed: subtract the row's largest logit first",
+            got, expected)
+        logits = -0.5 * beta * np.sum((q[:, None, :] - k[None, :, :]) ** 2, axis=2)
         # every logit, however it is formed (differences or ||q||^2 - 2 q.k + ||k||^2), is off by at most about
         # (d + 4) u L with L = (beta/2)(max||q|| + max||k||)^2; the tilt bound turns that into (d + 4) u L range(v)
         L = 0.5 * beta * (np.linalg.norm(q, axis=1).max() + np.linalg.norm(k, axis=1).max()) ** 2
         tol = (d + 4) * U * L * np.max(np.ptp(v, axis=0))
         err = np.abs(got - expected)
         i = _worst(err)
-        assert err.max() <= tol, (
+        assert err.max() <= tol, _hints.explain(
             f"beta = {beta}, d = {d}: entry {i} is {got[i]:.10g}, kernel regression gives {expected[i]:.10g} "
-            f"(error {err.max():.1e}, allowed {tol:.1e})"
-        )
+            f"(error {err.max():.1e}, allowed {tol:.1e})",
+            got, expected, known={
+                "the half dropped in the exponent: your prediction is kernel regression with 2 beta":
+                    gmr.kernel_regression(q, k, v, beta=2 * beta),
+                "dot products only: softmax(beta q . k_j), the norm term ||k_j||^2 dropped (right only for unit keys)":
+                    _softmax(beta * q @ k.T) @ v,
+                "the weights normalised along the wrong axis: over the queries, not the keys": _softmax(logits, axis=0) @ v,
+            })
 
 
-@exercise("6.2", "The exact GMR posterior of isotropic components", 2)
+@exercise("6.2", "The exact GMR posterior of isotropic components", 2,
+          refuse=("refimpl.gmr.gmr_predict", "refimpl.gmm.responsibilities", "refimpl.gmm.log_responsibilities",
+                  "refimpl.tuned.responsibilities", "refimpl.tuned.log_responsibilities", "refimpl.tuned.posterior"))
 def check_gmr_weights(gmr_weights):
     """``gmr_weights(q, key_means, weights, beta) -> h``, shape (N_q, K): the posterior of each component given a key.
 
@@ -84,22 +102,32 @@ def check_gmr_weights(gmr_weights):
         weights = rng.dirichlet(np.ones(K))
         q = ovq.unit_rows(np.concatenate([rng.normal(size=(N_q - K, d)), key_means + 0.1 * rng.normal(size=(K, d))]))
         got = np.asarray(_call(gmr_weights, q.copy(), key_means.copy(), weights.copy(), beta))
-        assert got.shape == (N_q, K), f"q {q.shape}, key_means {key_means.shape}: expected shape {(N_q, K)}, got {got.shape}"
-        assert np.all(np.isfinite(got)), f"beta = {beta}: non-finite weights (exp of large logits overflows: subtract the row maximum)"
+        assert got.shape == (N_q, K), _hints.explain(
+            f"q {q.shape}, key_means {key_means.shape}: expected shape {(N_q, K)}, got {got.shape}",
+            hints=[_hints.shape(got.shape, (N_q, K))])
         expected = gmr.gmr_predict(q, key_means, np.eye(K), weights, beta=beta)
+        assert np.all(np.isfinite(got)), _hints.explain(
+            f"beta = {beta}: non-finite weights (exp of large logits overflows: subtract the row maximum)", got, expected)
+        with np.errstate(divide="ignore"):
+            log_h = np.log(expected)  # the exact posterior's logits, up to a constant per row
+        norm = 0.5 * beta * np.sum(key_means**2, axis=1)
         # logits of size at most L (the quadratic form, the Gaussian constant and log pi); each is rounded to a few
         # u L, and the tilt bound makes that an error of at most a few u L in each weight: we allow 16 u L
         L = 2 * beta + 0.5 * d * abs(np.log(2 * np.pi / beta)) + np.max(np.abs(np.log(weights)))
         tol = 16 * U * L
         err = np.abs(got - expected)
         i = _worst(err)
-        assert err.max() <= tol, (
+        assert err.max() <= tol, _hints.explain(
             f"beta = {beta}: h[{i[0]}, {i[1]}] = {got[i]:.10g}, the exact posterior is {expected[i]:.10g} "
-            f"(error {err.max():.1e}, allowed {tol:.1e})"
-        )
+            f"(error {err.max():.1e}, allowed {tol:.1e})",
+            got, expected, normalised=(1, 1.0), known={
+                "the norm term -(beta/2)||mu^k_m||^2 dropped: OVQ's logits, not GMR's": _softmax(log_h + norm),
+                "the norm term with a flipped sign: +(beta/2)||mu^k_m||^2": _softmax(log_h + 2 * norm),
+                "the prior log pi_m missing": _softmax(log_h - np.log(weights)),
+            })
 
 
-@exercise("6.3", "The bound on what dropping the norm term costs", 2)
+@exercise("6.3", "The bound on what dropping the norm term costs", 2, refuse=("refimpl.gmr.readout_gap_bound",))
 def check_gap_bound(readout_gap_bound):
     """``readout_gap_bound(key_means, value_means, beta) -> b``, shape (d_v,): ``tanh(r/4)`` times the range of each value coordinate.
 
@@ -113,12 +141,20 @@ def check_gap_bound(readout_gap_bound):
         key_means = ovq.unit_rows(rng.normal(size=(K, d))) * (1 - s * rng.random(size=(K, 1)))
         value_means = rng.normal(size=(K, d_v))
         got = np.asarray(_call(readout_gap_bound, key_means.copy(), value_means.copy(), beta))
-        assert got.shape == (d_v,), f"value_means {value_means.shape}: expected shape {(d_v,)}, got {got.shape}"
+        assert got.shape == (d_v,), _hints.explain(f"value_means {value_means.shape}: expected shape {(d_v,)}, got {got.shape}",
+                                                   hints=[_hints.shape(got.shape, (d_v,))])
         expected = gmr.readout_gap_bound(key_means, value_means, beta=beta)
+        sq = np.sum(key_means**2, axis=1)
+        r, spread = 0.5 * beta * np.ptp(sq), np.ptp(value_means, axis=0)
         # a few roundings (norms, one tanh, one subtraction): 16 u relative
-        assert np.allclose(got, expected, rtol=16 * U, atol=0), (
-            f"beta = {beta}, K = {K}: got {np.round(got, 10).tolist()}, expected {np.round(expected, 10).tolist()}"
-        )
+        assert np.allclose(got, expected, rtol=16 * U, atol=0), _hints.explain(
+            f"beta = {beta}, K = {K}: got {np.round(got, 10).tolist()}, expected {np.round(expected, 10).tolist()}",
+            got, expected, known={
+                "tanh(r/2) in place of tanh(r/4)": np.tanh(r / 2) * spread,
+                "r/4 itself, without the tanh (a valid bound, not the sharp one)": r / 4 * spread,
+                "the range of the norms ||mu^k_m||, not of their squares":
+                    np.tanh(0.5 * beta * np.ptp(np.sqrt(sq)) / 4) * spread,
+            })
         q = ovq.unit_rows(rng.normal(size=(300, d)))
         gap = np.max(np.abs(gmr.readout_gap(q, key_means, value_means, rng.integers(1, 20, size=K), beta=beta)), axis=0)
         slack = 8 * U * beta * np.ptp(value_means, axis=0)  # the rounding of the two read-outs (section 4)
@@ -132,6 +168,31 @@ def check_gap_bound(readout_gap_bound):
         gap = np.abs(gmr.readout_gap(q, key_means, value_means, np.array([1, 1]), beta=beta)).max()
         # the gap is smooth in the angle with an interior maximum: a grid of step h misses it by O(h^2) ~ 1e-6
         assert gap >= bound * (1 - 1e-4), f"beta = {beta}: the largest gap {gap:.6f} stays below your bound {bound:.6f}"
+
+
+def _slopes_hint(got, expected, q, key_means, mass):
+    """Fit both predictions as blends of one line per component, ``sum_m h_m(q) (a_m + b_m (q - mu^k_m))``, and compare slopes.
+
+    ``mass`` (N_q, K) holds each component's share of the joint density at
+    each query (by quadrature), so ``h_m(q)`` is its row normalised.
+    """
+    h = mass / mass.sum(axis=1, keepdims=True)
+    design = np.hstack([h, h * (q[:, None] - key_means[None, :])])  # (N_q, 2K)
+    K = h.shape[1]
+    fits = [np.linalg.lstsq(design, f, rcond=None) for f in (got, expected)]
+    (coef_g, *_), (coef_e, *_) = fits
+    if np.max(np.abs(design @ coef_g - got)) > 1e-6 * max(1.0, np.ptp(got)):
+        return None  # not a blend of lines: the slopes say nothing
+    b_g, b_e = coef_g[K:], coef_e[K:]
+    if np.allclose(b_g, b_e, rtol=1e-6, atol=1e-9):
+        return None
+    if np.allclose(b_g, 0, atol=1e-6 * np.max(np.abs(b_e))):
+        return (f"the cross-covariance term dropped: your local lines are flat, the joint density's have slopes "
+                f"{np.round(b_e, 4).tolist()}")
+    if np.allclose(b_g, -b_e, rtol=1e-6, atol=1e-9):
+        return f"the slope's sign flipped: your local lines have slopes {np.round(b_g, 4).tolist()}, the joint density's the opposite"
+    return (f"a wrong slope of the local lines: yours are {np.round(b_g, 4).tolist()}, the joint density's "
+            f"{np.round(b_e, 4).tolist()} (ratios {np.round(b_g / b_e, 4).tolist()})")
 
 
 @exercise("6.4", "GMR with a key-value cross-covariance", 3)
@@ -153,8 +214,9 @@ def check_full_gmr(gmr_full_predict):
     covariances[:, 0, 1] = covariances[:, 1, 0] = corr * sd[:, 0] * sd[:, 1]
     q = np.linspace(-3, 3, N_q)
     got = np.asarray(_call(gmr_full_predict, q.copy(), weights.copy(), means.copy(), covariances.copy()))
-    assert got.shape == (N_q,), f"q of shape {q.shape}: expected shape {(N_q,)}, got {got.shape}"
-    assert np.all(np.isfinite(got)), "non-finite predictions"
+    assert got.shape == (N_q,), _hints.explain(f"q of shape {q.shape}: expected shape {(N_q,)}, got {got.shape}",
+                                               hints=[_hints.shape(got.shape, (N_q,))])
+    assert np.all(np.isfinite(got)), _hints.explain("non-finite predictions", hints=["an overflow: exp without the row maximum?"])
     # the joint density on a grid of v reaching 30 marginal standard deviations beyond every component
     y = np.linspace(np.min(means[:, 1] - 30 * sd[:, 1]), np.max(means[:, 1] + 30 * sd[:, 1]), n_grid)
     dk = q[:, None, None] - means[None, None, :, 0]  # (N_q, 1, K)
@@ -163,7 +225,8 @@ def check_full_gmr(gmr_full_predict):
     quad = (covariances[:, 1, 1] * dk**2 - 2 * covariances[:, 0, 1] * dk * dv + covariances[:, 0, 0] * dv**2) / det
     log_p = np.log(weights) - np.log(2 * np.pi * np.sqrt(det)) - 0.5 * quad  # (N_q, n_grid, K)
     shift = log_p.max(axis=(1, 2), keepdims=True)  # a common factor per query cancels in the ratio
-    density = np.exp(log_p - shift).sum(axis=2)  # (N_q, n_grid)
+    per_component = np.exp(log_p - shift)  # (N_q, n_grid, K)
+    density = per_component.sum(axis=2)  # (N_q, n_grid)
     expected = integrate.trapezoid(density * y, y, axis=1) / integrate.trapezoid(density, y, axis=1)
     # the trapezoid rule on a Gaussian integrand with a step of 1/60 of a marginal sd (at least 1/25 of a
     # conditional one) is exact to far below rounding; sums of n_grid terms are off by at most n_grid u of the
@@ -171,7 +234,7 @@ def check_full_gmr(gmr_full_predict):
     tol = 2 * n_grid * U * np.max(np.abs(y))
     err = np.abs(got - expected)
     i = int(np.argmax(err))
-    assert err.max() <= tol, (
+    assert err.max() <= tol, _hints.explain(
         f"at q = {q[i]:.4g} you predict {got[i]:.10g}, the conditional mean of the joint density is "
-        f"{expected[i]:.10g} (error {err.max():.1e}, allowed {tol:.1e})"
-    )
+        f"{expected[i]:.10g} (error {err.max():.1e}, allowed {tol:.1e})",
+        got, expected, hints=[_slopes_hint(got, expected, q, means[:, 0], integrate.trapezoid(per_component, y, axis=1))])

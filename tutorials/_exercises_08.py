@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+import _hints
 from _course import exercise
 from refimpl import ovq
 
@@ -29,7 +30,20 @@ def _call(answer, *args):
 # ---------------------------------------------------------------------------
 
 
-@exercise("8.1", "The plateau growth curve, in exact integers", 1)
+def _plateau_hint(got, expected, t, n_max):
+    """What a wrong plateau size suggests: a float division, the floor of one, or linear growth."""
+    if t >= 1 and got == min(t, n_max) != expected:
+        return "linear growth: your size is min(t, n_max), which fills the dictionary, not the plateau"
+    if t >= 1 and got == 0 and expected == 1:
+        return "the floor of one forgotten: max(1, .) keeps one centroid from the first token on"
+    if t >= 1 and got == expected + 1 and int(t * n_max / (t + n_max)) == got:  # the float quotient, rounded up
+        return ("a float division: t n_max / (t + n_max) lies closer below an integer than the float64 spacing, and "
+                "rounds up to it; integer division // does not")
+    return None
+
+
+@exercise("8.1", "The plateau growth curve, in exact integers", 1,
+          refuse=("refimpl.ovq.dictionary_size", "refimpl.ovq._growth"))
 def check_plateau_size(plateau_size):
     """``plateau_size(t, n_max) -> int``: ``max(1, floor(t n_max / (t + n_max)))`` for ``t >= 1``, 0 for ``t = 0``.
 
@@ -48,10 +62,10 @@ def check_plateau_size(plateau_size):
         assert np.ndim(got) == 0, f"plateau_size({t}, {n_max}) should be one integer, got shape {np.shape(got)}"
         expected = int(ovq.dictionary_size(t, n_max))
         # exact integers: no tolerance
-        assert got == expected, (
+        assert got == expected, _hints.explain(
             f"plateau_size({t}, {n_max}) = {got}, expected {expected} "
-            "(max(1, floor(t n_max / (t + n_max))) for t >= 1, 0 for t = 0; use integer division //)"
-        )
+            "(max(1, floor(t n_max / (t + n_max))) for t >= 1, 0 for t = 0; use integer division //)",
+            hints=[_plateau_hint(got, expected, t, n_max)])
 
 
 # ---------------------------------------------------------------------------
@@ -64,23 +78,53 @@ def _check_plan(assign_chunk, khat, dict_keys, n_add, rows_expected, seeds_expec
     out = _call(assign_chunk, khat.copy(), dict_keys.copy(), n_add)
     assert isinstance(out, tuple) and len(out) == 2, f"{where}: return the pair (rows, seeds), got {type(out).__name__}"
     rows, seeds = (np.asarray(a) for a in out)
-    assert rows.shape == (L,), f"{where}: rows should have shape (L,) = {(L,)}, got {rows.shape}"
-    assert seeds.shape == (n_add,), f"{where}: seeds should have shape (n_add,) = {(n_add,)}, got {seeds.shape}"
+    assert rows.shape == (L,), _hints.explain(f"{where}: rows should have shape (L,) = {(L,)}, got {rows.shape}",
+                                              hints=[_hints.shape(rows.shape, (L,))])
+    assert seeds.shape == (n_add,), _hints.explain(f"{where}: seeds should have shape (n_add,) = {(n_add,)}, got {seeds.shape}",
+                                                   hints=[_hints.shape(seeds.shape, (n_add,))])
     assert np.issubdtype(rows.dtype, np.integer) and (seeds.size == 0 or np.issubdtype(seeds.dtype, np.integer)), (
         f"{where}: rows and seeds are integer indices, got dtypes {rows.dtype}, {seeds.dtype}"
     )
     # integer decisions: they must be equal, no tolerance
-    assert np.array_equal(seeds, seeds_expected), (
-        f"{where}: seeds (chunk positions, in centroid order) {seeds.tolist()}, expected {seeds_expected.tolist()}"
-    )
+    n = dict_keys.shape[0]
+    sims = khat @ dict_keys.T if n else khat[1:] @ khat[0]
+    scores = sims.max(axis=1) if n else sims
+    assert np.array_equal(seeds, seeds_expected), _hints.explain(
+        f"{where}: seeds (chunk positions, in centroid order) {seeds.tolist()}, expected {seeds_expected.tolist()}",
+        hints=[_seed_hint(seeds, seeds_expected, scores, n)])
     bad = np.flatnonzero(rows != rows_expected)
-    assert bad.size == 0, (
+    assert bad.size == 0, _hints.explain(
         f"{where}: key {bad[0]} goes to row {rows[bad[0]]}, expected {rows_expected[bad[0]]} "
-        f"(rows {rows.tolist()}, expected {rows_expected.tolist()})"
-    )
+        f"(rows {rows.tolist()}, expected {rows_expected.tolist()})",
+        hints=[_row_hint(rows, rows_expected, bad, khat, dict_keys, seeds)])
 
 
-@exercise("8.2", "Write the OVQ assignment step", 2)
+def _seed_hint(seeds, expected, scores, n):
+    """What wrong seeds suggest: the right ones in another order, the best-represented keys, the most similar ones."""
+    if sorted(seeds.tolist()) == sorted(expected.tolist()):
+        return "the right seeds numbered in the wrong order: in token order, not in ascending order of score"
+    k = expected.size - (0 if n else 1)
+    order = np.argsort(-scores, kind="stable")[:k] + (0 if n else 1)
+    if k > 0 and sorted(seeds.tolist()[(0 if n else 1):]) == sorted(order.tolist()):
+        return ("seeds with the largest scores: the keys the dictionary represents best, where the worst (smallest) belong"
+                if n else "the keys most similar to key 0 seeded, where the least similar spread the initialisation")
+    return None
+
+
+def _row_hint(rows, expected, bad, khat, dict_keys, seeds):
+    """What a wrong row suggests: a seed that joins its candidate, or the Euclidean nearest centroid."""
+    n = dict_keys.shape[0]
+    if n == 0:
+        return None
+    key = int(bad[0])
+    if key in seeds.tolist() and rows[key] == int(np.argmax(khat[key] @ dict_keys.T)):
+        return "a seed still joins its candidate row: seed j updates the new row n + j"
+    if rows[key] == int(np.argmin(np.sum((dict_keys - khat[key]) ** 2, axis=1))):
+        return "the Euclidean nearest centroid: key goes to the closest row, OVQ's rule is the largest dot product"
+    return None
+
+
+@exercise("8.2", "Write the OVQ assignment step", 2, refuse=("refimpl.ovq._plan_chunk",))
 def check_assign_chunk(assign_chunk):
     """``assign_chunk(khat, dict_keys, n_add) -> (rows, seeds)``: OVQ's assignment with spread initialisation.
 
@@ -135,18 +179,21 @@ def check_disagreement(disagreement):
         f"dict_keys should have shape (m, d) = (m, {d}) with m >= 2, got {dict_keys.shape}"
     )
     # a norm computed from d squares is off by a few u: allow 4 d u
-    assert abs(np.linalg.norm(khat) - 1) <= 4 * d * U, f"khat must be a unit key, its norm is {float(np.linalg.norm(khat)):.17g}"
+    assert abs(np.linalg.norm(khat) - 1) <= 4 * d * U, _hints.explain(
+        f"khat must be a unit key, its norm is {float(np.linalg.norm(khat)):.17g}",
+        hints=["a key that is not a unit vector: OVQ normalises every key, khat = k / ||k||"])
     norms = np.linalg.norm(dict_keys, axis=1)
-    assert np.all(norms <= 1 + 4 * d * U), (
-        f"centroid {int(np.argmax(norms))} has norm {norms.max():.6f} > 1: a mean of unit keys is never longer than one"
-    )
+    assert np.all(norms <= 1 + 4 * d * U), _hints.explain(
+        f"centroid {int(np.argmax(norms))} has norm {norms.max():.6f} > 1: a mean of unit keys is never longer than one",
+        hints=["a centroid longer than one: no mean of unit keys can be"])
     dots = dict_keys @ khat
     dist2 = np.sum((dict_keys - khat) ** 2, axis=1)
     by_dot, by_dist = int(np.argmax(dots)), int(np.argmin(dist2))
-    assert by_dot != by_dist, (
+    assert by_dot != by_dist, _hints.explain(
         f"both rules pick centroid {by_dot} (dot products {np.round(dots, 4).tolist()}, squared distances "
-        f"{np.round(dist2, 4).tolist()}): they differ only when the centroids have different norms"
-    )
+        f"{np.round(dist2, 4).tolist()}): they differ only when the centroids have different norms",
+        hints=[f"centroids of equal norms ({np.round(norms, 4).tolist()}): then ||khat - D||^2 = 2 - 2 khat . D and the "
+               "two rules always agree" if np.ptp(norms) <= 1e-12 else None])
     margin_dot = dots[by_dot] - np.max(np.delete(dots, by_dot))
     margin_dist = np.min(np.delete(dist2, by_dist)) - dist2[by_dist]
     # margins far above rounding (a few u on quantities of size at most 4)
@@ -160,12 +207,15 @@ def check_disagreement(disagreement):
 # ---------------------------------------------------------------------------
 
 
-def _readout_loss(qhat, keys, values, log_c, beta, G):
-    """Dense forward of one chunk's read-out, loss ``sum(G * O)``, written directly from the lesson's formula."""
+def _readout_loss(qhat, keys, values, log_c, beta, G, causal=True):
+    """Dense forward of one chunk's read-out, loss ``sum(G * O)``, written directly from the lesson's formula.
+
+    With ``causal=False`` every chunk key is visible to every position (what a missing mask computes).
+    """
     L, n = qhat.shape[0], keys.shape[0] - qhat.shape[0]
     loss = 0.0
     for a in range(L):
-        cols = list(range(n)) + [n + b for b in range(a + 1)]  # the centroids and the chunk keys b <= a
+        cols = list(range(n)) + [n + b for b in range(a + 1 if causal else L)]  # the centroids and the chunk keys b <= a
         logits = np.array([beta * qhat[a] @ keys[m] + (log_c[m] if m < n else 0.0) for m in cols])
         w = np.exp(logits - logits.max())
         w /= w.sum()
@@ -183,7 +233,7 @@ def _fd(loss, x, h):
     return g
 
 
-@exercise("8.4", "The read-out backward of one chunk", 3)
+@exercise("8.4", "The read-out backward of one chunk", 3, refuse=("refimpl.ovq._readout_backward",))
 def check_readout_backward(readout_backward):
     """``readout_backward(qhat, keys, values, log_c, beta, G) -> (d_qhat, d_keys, d_values)``.
 
@@ -218,12 +268,28 @@ def check_readout_backward(readout_backward):
         # truncation h^2/6 |L'''| with |L'''| <~ beta^3 2 max|v| sum|G| (inputs of norm <= 1); docs/floating_point.md, Lesson 8
         scale = np.max(np.abs(values)) * np.sum(np.abs(G))
         tol = (n + L + d + L * d_v) * U * scale / h + h**2 / 6 * max(beta, 1.0) ** 3 * 2 * scale
+        unmasked = {
+            "qhat": lambda x: _readout_loss(x, keys, values, log_c, beta, G, causal=False),
+            "keys": lambda x: _readout_loss(qhat, x, values, log_c, beta, G, causal=False),
+            "values": lambda x: _readout_loss(qhat, keys, x, log_c, beta, G, causal=False),
+        }
+        # the softmax backward's rows sum to zero, so do the key gradients summed over the keys
+        d_keys = got[1] if got[1].shape == keys.shape else None
+        key_sum = None if d_keys is None else np.abs(np.sum(d_keys, axis=0)).max()
+        rowsum_hint = (f"the softmax normalisation term dropped: your key gradients sum to {key_sum:.3g} over the keys, "
+                       "not 0; dl = P * (dP - sum(P * dP)) subtracts each row's sum"
+                       if key_sum is not None and key_sum > (n + L) * tol else None)
         for (name, x), g in zip(args.items(), got):
-            assert g.shape == x.shape, f"{where}: d_{name} should have the shape of {name}, {x.shape}, got {g.shape}"
+            assert g.shape == x.shape, _hints.explain(
+                f"{where}: d_{name} should have the shape of {name}, {x.shape}, got {g.shape}",
+                hints=[_hints.shape(g.shape, x.shape)])
             fd = _fd(losses[name], x, h)
             err = np.abs(g - fd)
             worst = tuple(int(i) for i in np.unravel_index(np.argmax(err), err.shape))
-            assert np.all(np.isfinite(g)) and err[worst] <= tol, (
+            ok = np.all(np.isfinite(g)) and err[worst] <= tol
+            assert ok, _hints.explain(
                 f"{where}: d_{name}{list(worst)} = {g[worst]:.6g}, central differences give {fd[worst]:.6g} "
-                f"(error {err[worst]:.1e}, allowed {tol:.1e})"
-            )
+                f"(error {err[worst]:.1e}, allowed {tol:.1e})",
+                g, fd, factors={"beta": beta}, hints=[rowsum_hint],
+                known=None if ok else {"the causal mask missing: the gradient of a read-out where every chunk key is visible":
+                                       _fd(unmasked[name], x, h)})

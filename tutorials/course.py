@@ -1,4 +1,4 @@
-"""The course around the lessons: their dependency graph, objectives and measured run times.
+"""The course around the lessons: their dependency graph, objectives, measured run times, and its builds.
 
 One source for what the course page of the documentation and the course
 section of ``tutorials/README.md`` say about the lessons:
@@ -14,6 +14,10 @@ Commands, from the repository root::
 
     .venv/bin/python tutorials/course.py measure [--small-only] [LESSON ...]   # time the lessons
     .venv/bin/python tutorials/course.py readme                               # rewrite README's course section
+    .venv/bin/python tutorials/course.py build-student OUT                    # a copy to hand out, no answers
+    .venv/bin/python tutorials/course.py build-instructor OUT                 # the same with solutions/
+    .venv/bin/python tutorials/course.py grade LESSON NOTEBOOK ... --out DIR  # the autograder (course_grader.py)
+    .venv/bin/python tutorials/course.py sample-class LESSON OUT              # four fake submissions to grade
 
 The documentation build draws the dependency graph (:func:`draw_graph`) and
 writes the tables of ``docs/course.md`` from the same functions.
@@ -47,7 +51,7 @@ NEEDS: dict[int, tuple[int, ...]] = {
     6: (1,),
     7: (1,),
     8: (6, 7),
-    9: (1, 2, 3),
+    9: (1, 2, 3, 4),
     10: (2, 4),
 }
 
@@ -57,7 +61,7 @@ def lessons() -> dict[int, Path]:
     return {int(p.name[:2]): p for p in sorted(HERE.glob("[0-9][0-9]_*.py"))}
 
 
-def _markdown(script: Path) -> list[str]:
+def markdown_lines(script: Path) -> list[str]:
     """The script's markdown lines with the leading ``# `` removed (code lines dropped)."""
     out, in_markdown = [], False
     for line in script.read_text(encoding="utf-8").splitlines():
@@ -71,7 +75,7 @@ def _markdown(script: Path) -> list[str]:
 
 def title(script: Path) -> str:
     """The lesson's level-1 title without its "Lesson N: " prefix."""
-    for line in _markdown(script):
+    for line in markdown_lines(script):
         if line.startswith("# "):
             return re.sub(r"^Lesson \d+:\s*", "", line[2:].strip())
     raise ValueError(f"{script.name} has no level-1 title")
@@ -79,7 +83,7 @@ def title(script: Path) -> str:
 
 def _block(script: Path, marker: str) -> list[str]:
     """The lines of the paragraph or list that follows ``**marker**`` in the lesson's markdown."""
-    lines = _markdown(script)
+    lines = markdown_lines(script)
     for i, line in enumerate(lines):
         if line.strip().startswith(f"**{marker}"):
             rest = line.strip()[len(f"**{marker}"):].lstrip("*:").strip()
@@ -300,9 +304,16 @@ def execute(nb, timeout_func) -> None:
     cell's limit in seconds.  The kernel inherits this process's environment
     (``TUTORIAL_SMALL``, ``PYTHONPATH``): callers set it.
     """
+    from nbclient import NotebookClient
+
+    NotebookClient(nb, kernel_name="python3", kernel_manager_class=this_interpreter_kernel(), timeout_func=timeout_func,
+                   startup_timeout=120, resources={"metadata": {"path": str(HERE)}}).execute()
+
+
+def this_interpreter_kernel():
+    """A ``KernelManager`` class that starts ipykernel's built-in ``python3`` with this Python, never a kernel installed on disk."""
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import KernelManager
-    from nbclient import NotebookClient
     from traitlets import default
 
     class ThisInterpreterKernel(KernelManager):
@@ -310,8 +321,45 @@ def execute(nb, timeout_func) -> None:
         def _kernel_spec_manager_default(self):
             return KernelSpecManager(kernel_dirs=[])  # no kernel directories: only the built-in kernel
 
-    NotebookClient(nb, kernel_name="python3", kernel_manager_class=ThisInterpreterKernel, timeout_func=timeout_func,
-                   startup_timeout=120, resources={"metadata": {"path": str(HERE)}}).execute()
+    return ThisInterpreterKernel
+
+
+# what a copy of the course holds: the lessons and the packages they import, and how to install them
+COURSE_FILES = ("README.md", "pyproject.toml", "Makefile", "environment.yml")
+COURSE_PACKAGES = ("refimpl", "cpu", "gpu", "tutorials")
+NEVER_COPIED = ("__pycache__", "*.pyc", ".ipynb_checkpoints", ".pytest_cache", ".hypothesis")
+# the answers: worked solutions, near misses, hidden cases of the grader (solutions/hidden_NN.py), answer keys
+# (solutions/keys/); a student build leaves out the whole folder
+ANSWERS = "solutions"
+
+
+def build(out: Path, student: bool = True) -> Path:
+    """Copy the course (the lessons, ``refimpl``, ``cpu``, ``gpu`` and the files that install them) into ``out``.
+
+    ``student=True``: without ``tutorials/solutions/`` (the worked solutions,
+    the near misses, the grader's hidden cases and the answer keys), so the
+    copy can be handed out; the checks of ``tutorials/_exercises_NN.py`` work
+    in it as in the checkout.  ``student=False``: the instructor's copy, all
+    of it.  ``out`` must not exist yet, or be empty.
+    """
+    import shutil
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"{out} exists and is not empty: give a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    root = HERE.parent
+    for name in COURSE_FILES:
+        if (root / name).exists():
+            shutil.copy2(root / name, out / name)
+    for name in COURSE_PACKAGES:
+        ignore = shutil.ignore_patterns(*NEVER_COPIED)
+        if student and name == "tutorials":
+            def ignore(folder, names, base=ignore):
+                skipped = set(base(folder, names))
+                return skipped | ({ANSWERS} if Path(folder).resolve() == HERE else set())
+        shutil.copytree(root / name, out / name, ignore=ignore)
+    return out
 
 
 def _time_lesson(notebook: Path, small: bool, timeout: float) -> float:
@@ -352,10 +400,24 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--small-only", action="store_true", help="time only the small size")
     m.add_argument("--timeout", type=float, default=1800, help="seconds per cell (default 1800)")
     sub.add_parser("readme", help="rewrite the course section of tutorials/README.md")
+    for name, what in (("build-student", "a copy of the course to hand out: no solutions, keys or hidden cases"),
+                       ("build-instructor", "a copy of the course with the solutions, keys and hidden cases")):
+        b = sub.add_parser(name, help=what)
+        b.add_argument("out", type=Path, help="a new folder")
+    for name, what in (("grade", "grade submitted notebooks of one lesson into a gradebook (course_grader.py)"),
+                       ("sample-class", "four fake submissions of a lesson: right, stub, near miss, oracle")):
+        sub.add_parser(name, help=what, add_help=False)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("grade", "sample-class"):
+        import course_grader
+
+        return course_grader.main(argv)
     args = parser.parse_args(argv)
     if args.command == "measure":
         measure(args.lessons, args.small_only, args.timeout)
         write_readme()
+    elif args.command in ("build-student", "build-instructor"):
+        print(build(args.out, student=args.command == "build-student"))
     else:
         print("README.md " + ("rewritten" if write_readme() else "already up to date"))
     return 0

@@ -205,9 +205,28 @@ def _recompute_by_q(x, means, variances, weights):
 
 
 NEAR_MISSES = {
-    "1.1": [_lse_global_max, _lse_no_shift, _lse_shift_not_added_back, off_by(logsumexp_rows, 1e-11)],
-    "1.2": [_naive_responsibilities, _responsibilities_without_log_det, _responsibilities_without_weights,
-            _responsibilities_global_max, off_by(stable_responsibilities, 1e-10)],
-    "1.3": [_means_close_together(), _means_spread_a_little(), _points_far_from_everything()],
-    "1.4": [_recompute_nothing, _recompute_everything, _recompute_without_window, _recompute_by_q],
+    "1.1": {
+        "one maximum for the whole array": _lse_global_max,
+        "no shift at all, so exp overflows": _lse_no_shift,
+        "the shift not added back": _lse_shift_not_added_back,
+        "every value scaled by 1 + 1e-11": off_by(logsumexp_rows, 1e-11),
+    },
+    "1.2": {
+        "raw densities that overflow or underflow": _naive_responsibilities,
+        "the log-determinant term dropped": _responsibilities_without_log_det,
+        "the weights log pi_k dropped": _responsibilities_without_weights,
+        "one maximum for the whole array": _responsibilities_global_max,
+        "every value scaled by 1 + 1e-10": off_by(stable_responsibilities, 1e-10),
+    },
+    "1.3": {
+        "means close together (centring works)": _means_close_together(),
+        "pairs spread only a little": _means_spread_a_little(),
+        "points far from every component (a one-hot posterior)": _points_far_from_everything(),
+    },
+    "1.4": {
+        "nothing recomputed": _recompute_nothing,
+        "everything recomputed": _recompute_everything,
+        "no window around the row maximum": _recompute_without_window,
+        "the bound relative to q, not s: the entries near the maximum not flagged": _recompute_by_q,
+    },
 }

@@ -138,8 +138,29 @@ def _norm_from_dense(gamma_q, gamma_k):
 
 
 NEAR_MISSES = {
-    "2.1": [_row_without_guard, _row_from_dense, _row_normalised_by_query_mass, off_by(attention_row, 1e-10)],
-    "2.2": [_slots_not_divided, _weights_without_guard, _slot_masses_from_queries, off_by(slots_and_weights, 1e-11)],
-    "2.3": [_router_without_prior, _router_half_dropped, _router_without_precision, off_by(isotropic_router, 1e-10)],
-    "2.4": [_norm_sum_not_trace, _norm_bound, _norm_squared, _norm_from_dense, off_by(affinity_norm, 1e-10)],
+    "2.1": {
+        "the guard eps missing": _row_without_guard,
+        "the dense N x N matrix formed": _row_from_dense,
+        "normalised by the query's own mass, not gamma_i . Z": _row_normalised_by_query_mass,
+        "every value scaled by 1 + 1e-10": off_by(attention_row, 1e-10),
+    },
+    "2.2": {
+        "slot sums, not divided by the slot masses": _slots_not_divided,
+        "the guard eps missing": _weights_without_guard,
+        "slot masses from the queries": _slot_masses_from_queries,
+        "every value scaled by 1 + 1e-11": off_by(slots_and_weights, 1e-11),
+    },
+    "2.3": {
+        "the prior log pi_k missing": _router_without_prior,
+        "the norm term's half dropped": _router_half_dropped,
+        "R without the precision 1 / s^2": _router_without_precision,
+        "R and b scaled by 1 + 1e-10": off_by(isotropic_router, 1e-10),
+    },
+    "2.4": {
+        "all entries summed, not the trace": _norm_sum_not_trace,
+        "the bound ||Gamma_Q||_F ||Gamma_K||_F": _norm_bound,
+        "the square root forgotten": _norm_squared,
+        "the dense N x N matrix formed": _norm_from_dense,
+        "every value scaled by 1 + 1e-10": off_by(affinity_norm, 1e-10),
+    },
 }

@@ -185,7 +185,23 @@ SOLUTIONS = {
 }
 
 NEAR_MISSES = {
-    "3.1": [_step_read_before_write, _step_without_guard, _step_mass_not_updated, off_by(generate_step, 1e-11)],
-    "3.2": [_anticausal_is_causal, _anticausal_strict, _anticausal_dense, _anticausal_chunks_forward, off_by(anticausal_gma, 1e-11)],
-    "3.3": [_window_prefix_difference, _window_one_too_many, _window_one_too_few, off_by(window_gma, 1e-7)],
+    "3.1": {
+        "reads the state before writing itself": _step_read_before_write,
+        "the guard eps missing": _step_without_guard,
+        "the mass z not carried": _step_mass_not_updated,
+        "every value scaled by 1 + 1e-11": off_by(generate_step, 1e-11),
+    },
+    "3.2": {
+        "the causal mask (keys j <= t)": _anticausal_is_causal,
+        "the diagonal left out (keys j > t)": _anticausal_strict,
+        "the dense N x N matrix formed": _anticausal_dense,
+        "the chunks visited from the start": _anticausal_chunks_forward,
+        "every value scaled by 1 + 1e-11": off_by(anticausal_gma, 1e-11),
+    },
+    "3.3": {
+        "prefix sums subtracted, S_t - S_(t-w): cancellation": _window_prefix_difference,
+        "one key too many": _window_one_too_many,
+        "token t never reads itself": _window_one_too_few,
+        "every value scaled by 1 + 1e-7": off_by(window_gma, 1e-7),
+    },
 }

@@ -241,9 +241,29 @@ SOLUTIONS = {
 }
 
 NEAR_MISSES = {
-    "4.1": [_guard_sign_flipped, _guard_numerator_for_output, _guard_per_query, off_by(guard_gradient, 1e-6)],
-    "4.2": [_mixing_bidirectional, _mixing_reverse_exclusive, _mixing_without_denominator_term, off_by(causal_mixing_backward, 1e-10)],
-    "4.3": [_gma_backward_bidirectional_mixing, _gma_backward_no_sigmoid, _gma_backward_queries_only,
-            _gma_backward_unweighted_mean, off_by(causal_gma_backward, 1e-10)],
-    "4.4": NEAR_TIGHT,
+    "4.1": {
+        "a flipped sign": _guard_sign_flipped,
+        "the numerator n_i in place of o_i": _guard_numerator_for_output,
+        "the per-query deltas, not summed": _guard_per_query,
+        "every value scaled by 1 + 1e-6": off_by(guard_gradient, 1e-6),
+    },
+    "4.2": {
+        "the bidirectional backward": _mixing_bidirectional,
+        "reverse sums exclusive of t = j": _mixing_reverse_exclusive,
+        "the denominator's term delta dropped": _mixing_without_denominator_term,
+        "every value scaled by 1 + 1e-10": off_by(causal_mixing_backward, 1e-10),
+    },
+    "4.3": {
+        "the bidirectional mixing backward": _gma_backward_bidirectional_mixing,
+        "no sigmoid: the chain rule through softplus dropped": _gma_backward_no_sigmoid,
+        "the keys' share of the parameter gradients forgotten": _gma_backward_queries_only,
+        "gbar as the plain mean, not the gamma-weighted one": _gma_backward_unweighted_mean,
+        "every value scaled by 1 + 1e-10": off_by(causal_gma_backward, 1e-10),
+    },
+    "4.4": {
+        "x off the origin": NEAR_TIGHT[0],
+        "unequal weights: an uneven split of gamma": NEAR_TIGHT[1],
+        "the means at right angles: u_m not opposite": NEAR_TIGHT[2],
+        "a variance above the floor": NEAR_TIGHT[3],
+    },
 }

@@ -131,8 +131,28 @@ SOLUTIONS = {
 }
 
 NEAR_MISSES = {
-    "5.1": [_bound_without_sqrt2, _bound_largest_variance, _bound_without_bx, off_by(sharp_lipschitz_bound, 1e-11)],
-    "5.2": [_jacobian_without_centering, _jacobian_flipped_sign, _jacobian_standard_deviations, off_by(responsibility_jacobian, 1e-8)],
-    "5.3": [_crude_over_k_free, _crude_without_sqrt, _sharp_over_crude, off_by(crude_over_sharp, 1e-11)],
-    "5.4": [_ridge_without_sqrt2, _ridge_ignoring_weights, _ridge_half_distance, off_by(ridge_jacobian_norm, 1e-10)],
+    "5.1": {
+        "R itself, without the 1 / sqrt 2": _bound_without_sqrt2,
+        "the largest variance, not the floor": _bound_largest_variance,
+        "the radius B_x of the ball left out": _bound_without_bx,
+        "every value scaled by 1 + 1e-11": off_by(sharp_lipschitz_bound, 1e-11),
+    },
+    "5.2": {
+        "without centring: ubar dropped": _jacobian_without_centering,
+        "a flipped sign": _jacobian_flipped_sign,
+        "divided by sigma, not sigma^2": _jacobian_standard_deviations,
+        "every value scaled by 1 + 1e-8": off_by(responsibility_jacobian, 1e-8),
+    },
+    "5.3": {
+        "compared with R, not R / sqrt 2": _crude_over_k_free,
+        "the square root dropped: the ratio squared": _crude_without_sqrt,
+        "the ratio upside down (inverted)": _sharp_over_crude,
+        "every value scaled by 1 + 1e-11": off_by(crude_over_sharp, 1e-11),
+    },
+    "5.4": {
+        "one row's length, without sqrt 2": _ridge_without_sqrt2,
+        "the weights ignored": _ridge_ignoring_weights,
+        "half the distance in the log odds": _ridge_half_distance,
+        "every value scaled by 1 + 1e-10": off_by(ridge_jacobian_norm, 1e-10),
+    },
 }

@@ -150,8 +150,30 @@ SOLUTIONS = {
 }
 
 NEAR_MISSES = {
-    "6.1": [_nw_unstabilised, _nw_without_half, _nw_dot_product_only, _nw_wrong_axis, off_by(nadaraya_watson, 1e-10)],
-    "6.2": [_gmr_weights_ovq, _gmr_weights_norm_sign, _gmr_weights_no_prior, off_by(gmr_weights, 1e-10)],
-    "6.3": [_gap_bound_half, _gap_bound_linear, _gap_bound_unsquared, _gap_bound_half_range, off_by(readout_gap_bound, 1e-11)],
-    "6.4": [_full_without_cross_term, _full_wrong_variance, _full_flipped_offset, off_by(gmr_full_predict, 1e-8)],
+    "6.1": {
+        "no row maximum subtracted: 0 / 0": _nw_unstabilised,
+        "the half dropped in the exponent": _nw_without_half,
+        "dot products only: the norm term dropped": _nw_dot_product_only,
+        "normalised along the wrong axis (the queries)": _nw_wrong_axis,
+        "every value scaled by 1 + 1e-10": off_by(nadaraya_watson, 1e-10),
+    },
+    "6.2": {
+        "the norm term dropped (OVQ's logits)": _gmr_weights_ovq,
+        "the norm term with a flipped sign": _gmr_weights_norm_sign,
+        "the prior log pi missing": _gmr_weights_no_prior,
+        "every value scaled by 1 + 1e-10": off_by(gmr_weights, 1e-10),
+    },
+    "6.3": {
+        "tanh(r/2), not tanh(r/4)": _gap_bound_half,
+        "r/4 without the tanh": _gap_bound_linear,
+        "the range of the norms, not of their squares": _gap_bound_unsquared,
+        "half the range: a missing factor 2": _gap_bound_half_range,
+        "every value scaled by 1 + 1e-11": off_by(readout_gap_bound, 1e-11),
+    },
+    "6.4": {
+        "the cross-covariance term dropped": _full_without_cross_term,
+        "a wrong slope: divided by s_vv": _full_wrong_variance,
+        "the slope's sign flipped (mu^k - q)": _full_flipped_offset,
+        "every value scaled by 1 + 1e-8": off_by(gmr_full_predict, 1e-8),
+    },
 }

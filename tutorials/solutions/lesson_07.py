@@ -169,10 +169,29 @@ def _running_mean_step_slightly_off(means, counts, x, assign):
 
 
 NEAR_MISSES = {
-    "7.1": [_gradient_flipped, _gradient_without_beta, _gradient_uniform_prior, off_by(nll_gradient, 1e-10)],
-    "7.2": [_hessian_surrogate_only, _hessian_plus_missing_information, _hessian_beta_not_squared,
-            _hessian_coordinate_major, off_by(nll_hessian, 1e-7)],
-    "7.3": [_running_mean_forgets_past, _running_mean_old_count, _running_mean_counts_frozen, _running_mean_all_rows,
-            _running_mean_step_slightly_off],
-    "7.4": [_separated, _exact_saddle, _too_few],
+    "7.1": {
+        "a flipped sign": _gradient_flipped,
+        "beta dropped": _gradient_without_beta,
+        "the weights ignored (a uniform prior)": _gradient_uniform_prior,
+        "every value scaled by 1 + 1e-10": off_by(nll_gradient, 1e-10),
+    },
+    "7.2": {
+        "EM's surrogate Hessian only": _hessian_surrogate_only,
+        "the second term's sign flipped": _hessian_plus_missing_information,
+        "beta, not beta^2, in the second term": _hessian_beta_not_squared,
+        "coordinate-major order": _hessian_coordinate_major,
+        "every value scaled by 1 + 1e-7": off_by(nll_hessian, 1e-7),
+    },
+    "7.3": {
+        "the past forgotten: the last batch's mean": _running_mean_forgets_past,
+        "divided by the old count c_n": _running_mean_old_count,
+        "the counts frozen": _running_mean_counts_frozen,
+        "every row updated, the empty ones too": _running_mean_all_rows,
+        "each step scaled by 1 + 1e-11": _running_mean_step_slightly_off,
+    },
+    "7.4": {
+        "means near a separated optimum: the Hessian is positive": _separated,
+        "an exact saddle: the gradient is zero": _exact_saddle,
+        "too few points (N < 20)": _too_few,
+    },
 }

@@ -219,10 +219,28 @@ SOLUTIONS = {
 }
 
 NEAR_MISSES = {
-    "8.1": [_plateau_float, _plateau_no_floor_of_one, _plateau_linear],
-    "8.2": [_assign_euclidean, _assign_best_seed, _assign_seeds_keep_rows, _assign_seeds_in_token_order,
-            _assign_first_chunk_most_similar],
-    "8.3": [_equal_norms, _too_long, _not_unit],
-    "8.4": [_readout_backward_no_rowsum, _readout_backward_no_beta, _readout_backward_no_mask,
-            _readout_backward_transposed, off_by(readout_backward, 1e-6)],
+    "8.1": {
+        "a float division, which rounds up": _plateau_float,
+        "the floor of one forgotten": _plateau_no_floor_of_one,
+        "linear growth min(t, n_max)": _plateau_linear,
+    },
+    "8.2": {
+        "the Euclidean nearest centroid": _assign_euclidean,
+        "seeds with the largest scores": _assign_best_seed,
+        "seeds still join their candidate rows": _assign_seeds_keep_rows,
+        "seeds numbered in token order": _assign_seeds_in_token_order,
+        "the keys most similar to key 0 seeded": _assign_first_chunk_most_similar,
+    },
+    "8.3": {
+        "centroids of equal norms": _equal_norms,
+        "a centroid longer than one": _too_long,
+        "a key that is not a unit vector": _not_unit,
+    },
+    "8.4": {
+        "the softmax normalisation term dropped": _readout_backward_no_rowsum,
+        "beta forgotten": _readout_backward_no_beta,
+        "the causal mask missing": _readout_backward_no_mask,
+        "d_keys transposed": _readout_backward_transposed,
+        "every value scaled by 1 + 1e-6": off_by(readout_backward, 1e-6),
+    },
 }

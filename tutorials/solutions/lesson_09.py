@@ -286,6 +286,41 @@ def _no_shift_kernel(a, out):
         out[i, k] = math.exp(a[i, k]) / red[0]
 
 
+@cuda.jit
+def _no_barrier_kernel(a, out):
+    # row_softmax_kernel without the barrier after each step of its trees: a thread reads red[t + h] before
+    # the thread that owns it has written this step's value (a race)
+    i = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    n = a.shape[1]
+    red = cuda.shared.array(THREADS, dtype=float64)
+    m = -math.inf
+    for k in range(t, n, THREADS):
+        m = max(m, a[i, k])
+    red[t] = m
+    cuda.syncthreads()
+    h = THREADS // 2
+    while h > 0:
+        if t < h:
+            red[t] = max(red[t], red[t + h])
+        h //= 2
+    M = red[0]
+    cuda.syncthreads()
+    s = 0.0
+    for k in range(t, n, THREADS):
+        s += math.exp(a[i, k] - M)
+    red[t] = s
+    cuda.syncthreads()
+    h = THREADS // 2
+    while h > 0:
+        if t < h:
+            red[t] += red[t + h]
+        h //= 2
+    S = red[0]
+    for k in range(t, n, THREADS):
+        out[i, k] = math.exp(a[i, k] - M) / S
+
+
 def _softmax_with(kernel):
     def run(a):
         a = np.ascontiguousarray(a, dtype=np.float64)
@@ -381,8 +416,26 @@ def _attention_with(kernel, scale=None):
 
 
 NEAR_MISSES = {
-    "9.1": [_lse_no_guard, _lse_second_not_rescaled, _lse_min, _lse_sum_slightly_off],
-    "9.2": [_softmax_with(_pairs_without_guard_kernel), _softmax_with(_no_shift_kernel), off_by(row_softmax, 1e-9)],
-    "9.3": [_chunk_states_inclusive, _chunk_states_overlapping, off_by(chunk_states, 1e-10)],
-    "9.4": [_attention_with(_acc_not_rescaled_kernel), _attention_with(online_attention_kernel, scale=1.0), off_by(online_attention, 1e-10)],
+    "9.1": {
+        "no guard for two empty pairs": _lse_no_guard,
+        "the second sum not rescaled": _lse_second_not_rescaled,
+        "the minimum, not the maximum": _lse_min,
+        "the sum scaled by 1 + 1e-10": _lse_sum_slightly_off,
+    },
+    "9.2": {
+        "no guard for -inf - (-inf)": _softmax_with(_pairs_without_guard_kernel),
+        "no row maximum subtracted: exp overflows": _softmax_with(_no_shift_kernel),
+        "a missing cuda.syncthreads() in the tree": _softmax_with(_no_barrier_kernel),
+        "every value scaled by 1 + 1e-9": off_by(row_softmax, 1e-9),
+    },
+    "9.3": {
+        "the inclusive prefix: S[c] counts chunk c": _chunk_states_inclusive,
+        "chunks one token too long: boundary tokens counted twice": _chunk_states_overlapping,
+        "every value scaled by 1 + 1e-10": off_by(chunk_states, 1e-10),
+    },
+    "9.4": {
+        "the accumulator not rescaled when the maximum grows": _attention_with(_acc_not_rescaled_kernel),
+        "the scores not scaled by 1 / sqrt(d)": _attention_with(online_attention_kernel, scale=1.0),
+        "every value scaled by 1 + 1e-10": off_by(online_attention, 1e-10),
+    },
 }

@@ -208,8 +208,187 @@ def _backward_w_o_transposed(grad_out, x, params):
 
 
 NEAR_MISSES = {
-    "10.1": [_ce_sum_not_mean, _ce_flipped, _ce_unshifted, off_by(cross_entropy_grad, 1e-10)],
-    "10.2": [_adam_no_bias_correction, _adam_l2_in_gradient, _adam_delta_inside, off_by(adamw_step, 1e-11)],
-    "10.3": [_forward_interleaved_heads, _forward_without_output_projection, _forward_first_mixture_everywhere, off_by(multihead_forward, 1e-10)],
-    "10.4": [_backward_w_q_transposed, _backward_first_sequence_only, _backward_w_o_transposed, off_by(multihead_backward, 1e-8)],
+    "10.1": {
+        "the sum over the rows, not the mean: a factor B": _ce_sum_not_mean,
+        "a flipped sign": _ce_flipped,
+        "no row maximum subtracted: exp overflows": _ce_unshifted,
+        "every value scaled by 1 + 1e-10": off_by(cross_entropy_grad, 1e-10),
+    },
+    "10.2": {
+        "no bias correction": _adam_no_bias_correction,
+        "the decay in the gradient (L2), not decoupled": _adam_l2_in_gradient,
+        "delta inside the square root": _adam_delta_inside,
+        "every value scaled by 1 + 1e-11": off_by(adamw_step, 1e-11),
+    },
+    "10.3": {
+        "heads interleaved, not in blocks": _forward_interleaved_heads,
+        "no output projection W_o": _forward_without_output_projection,
+        "the first head's mixture in every head": _forward_first_mixture_everywhere,
+        "every value scaled by 1 + 1e-10": off_by(multihead_forward, 1e-10),
+    },
+    "10.4": {
+        "dW_q transposed": _backward_w_q_transposed,
+        "the first sequence only, not summed over the batch": _backward_first_sequence_only,
+        "dW_o transposed": _backward_w_o_transposed,
+        "every value scaled by 1 + 1e-8": off_by(multihead_backward, 1e-8),
+    },
 }
+
+
+# ---------------------------------------------------------------------------
+# 10.5 The layer norm and GELU backward
+# ---------------------------------------------------------------------------
+
+_LN_EPS = 1e-5  # refimpl.model.LN_EPS
+_GELU_C, _GELU_A = float(np.sqrt(2.0 / np.pi)), 0.044715
+
+
+def ln_gelu_backward(dy, x, gain, bias):
+    """(dx, dgain, dbias) of L = sum(dy * y), y = gelu(z), z = gain xhat + bias, xhat = (x - mean) / sqrt(var + eps).
+
+    GELU (tanh form): gelu(z) = z Phi~(z) with Phi~(z) = (1 + tanh(u)) / 2, u = c (z + a z^3), so
+    gelu'(z) = (1 + t) / 2 + z (1 - t^2) c (1 + 3 a z^2) / 2, t = tanh(u).
+    Layer norm, per row of d entries, with s = 1 / sqrt(var + eps) and g = dz * gain:
+    d xhat_j / d x_i = s (delta_ij - 1/d - xhat_i xhat_j / d), hence
+    dx = s (g - mean(g) - xhat mean(g xhat)): the centring removes the mean of g, the scaling the part of g along xhat.
+    The gain and the bias are shared by every row: their gradients are summed over all leading axes.
+    """
+    mean = x.mean(axis=-1, keepdims=True)
+    xc = x - mean
+    s = 1.0 / np.sqrt(np.mean(xc * xc, axis=-1, keepdims=True) + _LN_EPS)
+    xhat = xc * s
+    z = xhat * gain + bias
+    t = np.tanh(_GELU_C * (z + _GELU_A * z**3))
+    dz = dy * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _GELU_C * (1.0 + 3.0 * _GELU_A * z * z))
+    lead = tuple(range(x.ndim - 1))
+    g = dz * gain
+    dx = s * (g - g.mean(axis=-1, keepdims=True) - xhat * np.mean(g * xhat, axis=-1, keepdims=True))
+    return dx, np.sum(dz * xhat, axis=lead), np.sum(dz, axis=lead)
+
+
+# ---------------------------------------------------------------------------
+# 10.6 A gradient check of the whole model
+# ---------------------------------------------------------------------------
+
+
+def gradient_check(loss, params, grads, n_entries, h, seed):
+    """CS231n's sampled gradient check: n_entries distinct random entries, each (name, index, analytic, numeric, rel).
+
+    numeric = (loss(theta + h e) - loss(theta - h e)) / 2h, truncation h^2 L''' / 6 and rounding ~ u |L| / h;
+    rel = |a - n| / max(|a|, |n|), which is scale-free (0 when both vanish). Every entry is put back afterwards,
+    from a saved value (not by adding h back, which could round to another number).
+    """
+    rng = np.random.default_rng(seed)
+    names = list(params)
+    sizes = np.array([params[k].size for k in names])
+    flat = rng.choice(int(sizes.sum()), size=n_entries, replace=False)  # distinct entries, uniform over all of them
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    records = []
+    for f in flat:
+        i = int(np.searchsorted(starts, f, side="right")) - 1
+        name = names[i]
+        index = np.unravel_index(int(f - starts[i]), params[name].shape)
+        saved = params[name][index]
+        params[name][index] = saved + h
+        plus = loss(params)
+        params[name][index] = saved - h
+        minus = loss(params)
+        params[name][index] = saved
+        a, n = float(grads[name][index]), (plus - minus) / (2 * h)
+        rel = abs(a - n) / max(abs(a), abs(n)) if max(abs(a), abs(n)) > 0 else 0.0
+        records.append((name, tuple(int(j) for j in index), a, n, rel))
+    return records
+
+
+SOLUTIONS.update({"10.5": ln_gelu_backward, "10.6": gradient_check})
+
+
+def _tanh_gelu_prime(z):
+    t = np.tanh(_GELU_C * (z + _GELU_A * z**3))
+    return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _GELU_C * (1.0 + 3.0 * _GELU_A * z * z)
+
+
+def _ln_gelu_variant(dy, x, gain, bias, *, inv_std=None, gelu_prime=_tanh_gelu_prime, project=True, leading=None):
+    """The solution's steps with one of them swapped for a plausible wrong one (the near misses below)."""
+    xc = x - x.mean(axis=-1, keepdims=True)
+    var = np.mean(xc * xc, axis=-1, keepdims=True)
+    s = 1.0 / np.sqrt(var + _LN_EPS) if inv_std is None else inv_std(var)
+    xhat = xc * s
+    z = xhat * gain + bias
+    dz = dy * gelu_prime(z)
+    g = dz * gain
+    dx = s * (g - g.mean(axis=-1, keepdims=True) - (xhat * np.mean(g * xhat, axis=-1, keepdims=True) if project else 0.0))
+    lead = tuple(range(x.ndim - 1)) if leading is None else leading
+    return dx, np.sum(dz * xhat, axis=lead), np.sum(dz, axis=lead)
+
+
+def _ln_no_projection_term(dy, x, gain, bias):
+    # dx = s (g - mean(g)): the centring's Jacobian only, the scaling's xhat mean(g xhat) term dropped
+    return _ln_gelu_variant(dy, x, gain, bias, project=False)
+
+
+def _ln_erf_gelu(dy, x, gain, bias):
+    # the exact GELU's derivative Phi(z) + z phi(z) where the model uses the tanh form: off by up to ~1e-3
+    from scipy.special import ndtr
+
+    return _ln_gelu_variant(dy, x, gain, bias, gelu_prime=lambda z: ndtr(z) + z * np.exp(-0.5 * z * z) / np.sqrt(2 * np.pi))
+
+
+def _ln_eps_outside_root(dy, x, gain, bias):
+    # 1 / (std + eps) instead of 1 / sqrt(var + eps): a relative change of about eps / (2 std) in every entry
+    return _ln_gelu_variant(dy, x, gain, bias, inv_std=lambda var: 1.0 / (np.sqrt(var) + _LN_EPS))
+
+
+def _ln_gain_summed_over_rows_only(dy, x, gain, bias):
+    # dgain, dbias summed over the last leading axis only: shape (B, d), not (d,)
+    return _ln_gelu_variant(dy, x, gain, bias, leading=(x.ndim - 2,))
+
+
+def _gc_forward_difference(loss, params, grads, n_entries, h, seed):
+    # one-sided (L(theta + h e) - L(theta)) / h: truncation h L'' / 2, not h^2 L''' / 6
+    out = []
+    for name, index, a, _, _ in gradient_check(loss, params, grads, n_entries, h, seed):
+        base = loss(params)
+        saved = params[name][index]
+        params[name][index] = saved + h
+        n = (loss(params) - base) / h
+        params[name][index] = saved
+        out.append((name, index, a, n, abs(a - n) / max(abs(a), abs(n)) if max(abs(a), abs(n)) > 0 else 0.0))
+    return out
+
+
+def _gc_relative_to_analytic(loss, params, grads, n_entries, h, seed):
+    # |a - n| / |a|: not symmetric, and infinite where the analytic value is 0
+    return [(name, index, a, n, abs(a - n) / abs(a) if a else 0.0)
+            for name, index, a, n, _ in gradient_check(loss, params, grads, n_entries, h, seed)]
+
+
+def _gc_not_restored(loss, params, grads, n_entries, h, seed):
+    out = gradient_check(loss, params, grads, n_entries, h, seed)
+    name, index = out[0][0], out[0][1]
+    params[name][index] -= h  # left at theta - h, as a loop that forgets to put the entry back would
+    return out
+
+
+def _gc_numeric_nudged(loss, params, grads, n_entries, h, seed):
+    # the numeric derivative off by 1e-6 relative: above the 1e-7 allowed, far below a loosened 1e-1
+    return [(name, index, a, n * (1 + 1e-6), abs(a - n * (1 + 1e-6)) / max(abs(a), abs(n * (1 + 1e-6)))
+             if max(abs(a), abs(n)) > 0 else 0.0)
+            for name, index, a, n, _ in gradient_check(loss, params, grads, n_entries, h, seed)]
+
+
+NEAR_MISSES.update({
+    "10.5": {
+        "the scaling's projection term missing from dx": _ln_no_projection_term,
+        "the exact erf GELU derivative, not the tanh form": _ln_erf_gelu,
+        "eps outside the square root, added to the standard deviation": _ln_eps_outside_root,
+        "dgain and dbias summed over one axis only, not over every row": _ln_gain_summed_over_rows_only,
+        "every value scaled by 1 + 1e-10": off_by(ln_gelu_backward, 1e-10),
+    },
+    "10.6": {
+        "a one-sided (forward) difference, not the central one": _gc_forward_difference,
+        "the relative error divided by |analytic| only": _gc_relative_to_analytic,
+        "params left changed: an entry not put back": _gc_not_restored,
+        "the numeric derivative off by 1e-6 relative": _gc_numeric_nudged,
+    },
+})
