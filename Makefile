@@ -5,7 +5,8 @@
 # and the documentation site:
 #   make docs     execute every tutorial (full size; TUTORIAL_SMALL=1 for small) and build docs/_build/html
 # and the experiments' full sweeps (docs/experiment_*.md): make experiments
-# and, to teach from the lessons: make lab (JupyterLab on tutorials/ with the project's kernel)
+# and, to teach from the lessons: make lab (JupyterLab on tutorials/ with the project's kernel), make student-course
+# (a copy to hand out, without the solutions), make grade LESSON=N SUBMISSIONS='...' (the autograder's gradebook)
 # and, on a machine with an NVIDIA GPU: make gpu-check (both GPU backends validated and measured, gpu/check.py)
 PYTHON ?= python3
 VENV ?= .venv
@@ -24,7 +25,7 @@ SPHINX := $(PY) -m sphinx -E -W --keep-going -b html $(SPHINXOPTS)
 
 COURSE_STAMP := $(VENV)/.installed-course
 
-.PHONY: install verify test bench experiments docs docs-check lab clean gpu-check
+.PHONY: install verify test bench experiments docs docs-check lab clean gpu-check student-course grade
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; v = sys.version_info; sys.exit(0 if v >= (3, 11) else "Python 3.11+ is needed, found %d.%d" % v[:2])'
@@ -54,7 +55,7 @@ docs-check: $(STAMP)
 
 # the full sweeps of the experiments (docs/experiment_*.md), results in results/NAME/ (scaling one point at a time: it times them)
 experiments: $(STAMP)
-	@for e in recall regression scaling; do \
+	@for e in recall regression scaling continual positional; do \
 	  jobs=2; [ $$e = scaling ] && jobs=1; \
 	  $(PY) -m refimpl experiment $$e --jobs $$jobs || exit 1; \
 	done
@@ -77,6 +78,19 @@ $(COURSE_STAMP): $(STAMP)
 # not a kernelspec from ~/.local), and jupytext saves each notebook's paired script
 lab: $(COURSE_STAMP)
 	JUPYTER_PREFER_ENV_PATH=1 $(VENV)/bin/jupyter lab --notebook-dir=tutorials
+
+# a copy of the course to hand out (tutorials/course.py build-student): the lessons, refimpl, cpu, gpu and what
+# installs them, without tutorials/solutions/ (worked solutions, near misses, the grader's hidden cases, answer keys)
+STUDENT_COURSE ?= dist/student-course
+student-course: $(STAMP)
+	$(PY) tutorials/course.py build-student $(STUDENT_COURSE)
+
+# the autograder (tutorials/course_grader.py) on one lesson's submitted notebooks, into $(GRADEBOOK)/lesson_NN.csv:
+#   make grade LESSON=4 SUBMISSIONS='hand-in/*/04_gma_gradients.ipynb'
+GRADEBOOK ?= gradebook
+grade: $(STAMP)
+	@test -n "$(LESSON)" -a -n "$(SUBMISSIONS)" || { echo "make grade LESSON=N SUBMISSIONS='notebooks...'"; exit 2; }
+	$(PY) tutorials/course.py grade $(LESSON) $(SUBMISSIONS) --out $(GRADEBOOK)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis docs/_build docs/tutorials docs/api/generated

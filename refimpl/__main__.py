@@ -2,10 +2,12 @@
 
 ``python -m refimpl verify [-k PATTERN] [--list]``
     every registered numerical verification of a derivation, one table;
-``python -m refimpl experiment {recall,regression,scaling} [--quick] [--seeds N] [--jobs J] [--out DIR]``
+``python -m refimpl experiment {recall,regression,scaling,continual,positional} [--quick] [--seeds N] [--jobs J | --scheduler S] [--out DIR]``
     one of the experiments of :mod:`refimpl.experiments`: a sweep with a
     progress bar that prints a table and writes ``DIR/NAME.csv`` and
-    ``DIR/NAME.png`` (``DIR`` defaults to ``results/NAME``);
+    ``DIR/NAME.png`` (``DIR`` defaults to ``results/NAME``); its points run
+    in J local processes, or on a dask cluster (``--scheduler
+    tcp://host:8786``, or ``--scheduler local:N`` for N worker processes);
 ``python -m refimpl train --task listops|markov --mixer gma|softmax|linear|ovq [options]``
     train the model of :mod:`refimpl.model` (:mod:`refimpl.train`): a progress
     bar, ``DIR/log.csv``, a checkpoint ``DIR/checkpoint.npz`` that ``--resume``
@@ -42,10 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     p_verify.add_argument("-k", "--pattern", default=None, help="only checks whose name matches this shell pattern")
     p_verify.add_argument("--list", action="store_true", help="list the checks without running them")
     p_exp = sub.add_parser("experiment", help="run one experiment's sweep: table, CSV and plot")
-    p_exp.add_argument("name", choices=("recall", "regression", "scaling"), help="which experiment")
+    p_exp.add_argument("name", choices=("recall", "regression", "scaling", "continual", "positional"), help="which experiment")
     p_exp.add_argument("--quick", action="store_true", help="the small grid, seconds long")
     p_exp.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
-    p_exp.add_argument("--jobs", type=int, default=1, help="grid points run in parallel (default 1; -1: every core)")
+    p_exp.add_argument("--jobs", type=int, default=None, help="grid points run in parallel (default 1; -1: every core)")
+    p_exp.add_argument("--scheduler", default=None,
+                       help="run the points on a dask cluster: its scheduler's address (tcp://host:8786), or local:N to start "
+                            "a LocalCluster of N worker processes")
     p_exp.add_argument("--out", default=None, help="folder of the result file and the plot (default results/NAME)")
     p_exp.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_backend_option(p_exp)
@@ -111,6 +116,20 @@ def _option_names(message: str, names: dict) -> str:
     return re.sub(r"^(\w+):", lambda m: names.get(m.group(1), m.group(1)) + ":", message)
 
 
+def _check_sweep_options(args) -> int:
+    """The number of jobs (1 when not given); refuse ``--jobs`` with ``--scheduler``, and a bad value of either."""
+    from .experiments import sweep
+
+    if args.scheduler is not None and args.jobs is not None:
+        raise ValueError("scheduler: the dask cluster's workers run the points in parallel; pass --scheduler or --jobs, "
+                         "not both")
+    jobs = 1 if args.jobs is None else args.jobs
+    sweep.check_options(args.seeds, jobs)
+    if args.scheduler is not None:
+        sweep.parse_scheduler(args.scheduler)
+    return jobs
+
+
 def _experiment(args) -> int:
     import time
 
@@ -123,20 +142,24 @@ def _experiment(args) -> int:
     resume = f"the finished points are in {result_file}: run the same command again to continue"
     start = time.perf_counter()
     try:
-        sweep.check_options(args.seeds, args.jobs)
+        jobs = _check_sweep_options(args)
         experiment = load(args.name)
-        rows = sweep.run(experiment, quick=args.quick, seeds=args.seeds, jobs=args.jobs, out=out, progress=not args.no_progress)
+        rows = sweep.run(experiment, quick=args.quick, seeds=args.seeds, jobs=jobs, out=out, progress=not args.no_progress,
+                         scheduler=args.scheduler)
         print(experiment.table(rows))
         plot = Path(out) / f"{args.name}.png"
         with files.naming(plot):
             experiment.plot(rows, plot)
     except ValueError as err:
-        names = {"seeds": "--seeds", "jobs": "--jobs", "out": "--out"}
+        names = {"seeds": "--seeds", "jobs": "--jobs", "out": "--out", "scheduler": "--scheduler"}
         print(f"{prog}: {_option_names(str(err), names)}", file=sys.stderr)
         return 2
     except OSError as err:
         print(f"{prog}: cannot write {err.filename or out} ({err.strerror or err}); {resume}", file=sys.stderr)
         return 2
+    except sweep.WorkerLost as err:
+        print(f"{prog}: {err}; {resume}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as err:
         print(f"{prog}: interrupted; {resume}", file=sys.stderr)
         return _interrupted_status(err)

@@ -120,7 +120,7 @@ def test_a_grid_that_repeats_a_point_is_refused(calls, tmp_path):
 
 
 def test_load_refuses_an_unknown_experiment():
-    with pytest.raises(ValueError, match="experiment: expected one of recall, regression, scaling, got 'recal'"):
+    with pytest.raises(ValueError, match="experiment: expected one of recall, regression, scaling, continual, positional, got 'recal'"):
         experiments.load("recal")
 
 

@@ -17,7 +17,7 @@ import importlib
 __all__ = ["EXPERIMENTS", "load"]
 
 #: The experiments, by the name the command line takes.
-EXPERIMENTS = ("recall", "regression", "scaling")
+EXPERIMENTS = ("recall", "regression", "scaling", "continual", "positional")
 
 
 def load(name: str):
