@@ -480,19 +480,21 @@ def analyse(ptx: str, threads: int, arch: str = "sm_90", sass: bool = True) -> d
     return row
 
 
-def compile_kernels(cc=(9, 0)) -> dict:
+def compile_kernels(cc=(9, 0), also=()) -> dict:
     """The PTX and launch facts of every kernel of :mod:`gpu.numba_cuda`, compiled for ``cc`` without a GPU.
 
     Call it in a process that imports numba with the real CUDA target
     (``NUMBA_ENABLE_CUDASIM=0`` before numba is first imported): every module
     of the package is imported, so every kernel is registered, and
-    ``gpu.numba_cuda._device.compile_all`` compiles them.
+    ``gpu.numba_cuda._device.compile_targets`` compiles them, each kernel
+    lowered once for ``cc`` and the capabilities ``also`` too.
 
     Returns
     -------
     dict
         ``{"ptx": {name: {dtype name: PTX}}, "launch": {name: {dtype name:
-        {"threads", "assumed", "tags"}}}}``, JSON-ready.
+        {"threads", "assumed", "tags"}}}, "also": {"sm_XY": {name: {dtype
+        name: length of the PTX}}}}``, JSON-ready.
     """
     import importlib
     import pkgutil
@@ -502,16 +504,21 @@ def compile_kernels(cc=(9, 0)) -> dict:
 
     for m in sorted(p.name for p in pkgutil.iter_modules(package.__path__)):
         importlib.import_module("gpu.numba_cuda." + m)
+    targets = _device.compile_targets([tuple(cc), *(tuple(c) for c in also)])
     ptx = {}
-    for (name, t), code in _device.compile_all(cc, ptx=True).items():
+    for (name, t), code in targets.pop(tuple(cc)).items():
         ptx.setdefault(name, {})[t] = code
+    lengths = {}
+    for other, codes in targets.items():
+        for (name, t), code in codes.items():
+            lengths.setdefault(f"sm_{other[0]}{other[1]}", {}).setdefault(name, {})[t] = len(code)
     launch = {}
     for name in ptx:
         launch[name] = {}
         for f in _device.DTYPES:
             threads, assumed, tags = _device.launch_info(name, f)
             launch[name][str(f)] = {"threads": threads, "assumed": assumed, "tags": sorted(tags)}
-    return {"ptx": ptx, "launch": launch}
+    return {"ptx": ptx, "launch": launch, "also": lengths}
 
 
 def kernel_rows(compiled: dict, sass_dtypes=("float32",), jobs: int = 2) -> list:

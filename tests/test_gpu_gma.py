@@ -45,26 +45,35 @@ def assert_matches(out, grads, ref_out, ref_grads, tol):
 
 
 CASES = [
-    # (leading, per_head, causal, chunk_size, n, K)
-    pytest.param((), False, False, 64, 6, 3, id="bidirectional"),
-    pytest.param((), False, True, 4, 7, 3, id="causal-chunk4-n7"),
-    pytest.param((), False, True, 1, 4, 2, id="causal-chunk1"),
-    pytest.param((), False, True, 100, 5, 3, id="causal-chunk-over-n"),
-    pytest.param((), False, True, 2, 1, 1, id="causal-n1-K1"),
-    pytest.param((), False, False, 64, 5, 1, id="bidirectional-K1"),
-    pytest.param((2,), False, True, 3, 5, 2, id="batch-causal"),
-    pytest.param((2, 3), True, True, 2, 2, 2, id="heads-per-head-causal"),
-    pytest.param((2, 3), False, False, 64, 2, 2, id="heads-shared-bidirectional"),
+    # (leading, per_head, causal, chunk_size, n, K, device GMM parameters)
+    pytest.param((), False, False, 64, 6, 3, False, id="bidirectional"),
+    pytest.param((), False, True, 4, 7, 3, False, id="causal-chunk4-n7"),
+    pytest.param((), False, True, 1, 4, 2, False, id="causal-chunk1"),
+    pytest.param((), False, True, 100, 5, 3, False, id="causal-chunk-over-n"),
+    pytest.param((), False, True, 2, 1, 1, False, id="causal-n1-K1"),
+    pytest.param((), False, False, 64, 5, 1, False, id="bidirectional-K1"),
+    pytest.param((2,), False, True, 3, 5, 2, True, id="batch-causal-device-gmm"),
+    pytest.param((2, 3), True, True, 2, 2, 2, True, id="heads-per-head-causal-device-gmm"),
+    pytest.param((2, 3), False, False, 64, 2, 2, False, id="heads-shared-bidirectional"),
 ]
 
 
-@pytest.mark.parametrize("leading,per_head,causal,chunk,n,K", CASES)
-def test_forward_and_all_gradients_match_refimpl_float64(leading, per_head, causal, chunk, n, K):
+def _host(a):
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else a
+
+
+@pytest.mark.parametrize("leading,per_head,causal,chunk,n,K,device_gmm", CASES)
+def test_forward_and_all_gradients_match_refimpl_float64(leading, per_head, causal, chunk, n, K, device_gmm):
+    """Outputs and gradients; with device GMM parameters, the small GMM arrays computed on the device (softplus,
+    log-softmax, sigmoid, precisions) give refimpl's results too (and device gradients)."""
     args = problem(n * 10 + K, leading, per_head, n=n, K=K)
-    out, cache = gpu_gma.gma_forward(*args, causal=causal, chunk_size=chunk)
+    gpu_args = args[:3] + [cuda.to_device(a) for a in args[3:]] if device_gmm else args
+    out, cache = gpu_gma.gma_forward(*gpu_args, causal=causal, chunk_size=chunk)
     ref_out, ref_cache = gma.gma_forward(*args, causal=causal, chunk_size=chunk)
     g = np.random.default_rng(1).normal(size=ref_out.shape)
-    assert_matches(out, gpu_gma.gma_backward(g, cache), ref_out, gma.gma_backward(g, ref_cache), F64)
+    grads = gpu_gma.gma_backward(g, cache)
+    assert all(hasattr(a, "copy_to_host") == device_gmm for a in (out, *grads))
+    assert_matches(_host(out), gma.GMAGrads(*map(_host, grads)), ref_out, gma.gma_backward(g, ref_cache), F64)
 
 
 def test_cross_attention_and_the_segment_sums(monkeypatch):
@@ -78,25 +87,12 @@ def test_cross_attention_and_the_segment_sums(monkeypatch):
     assert_matches(out, gpu_gma.gma_backward(g, cache), ref_out, gma.gma_backward(g, ref_cache), F64)
 
 
-def test_float32_matches_refimpl_in_float32():
-    args = problem(3, (2,), True, n=4, dtype=np.float32)
-    out, cache = gpu_gma.gma_forward(*args, causal=True, chunk_size=2)
-    ref_out, ref_cache = gma.gma_forward(*args, causal=True, chunk_size=2)
-    g = np.random.default_rng(4).normal(size=ref_out.shape).astype(np.float32)
-    assert_matches(out, gpu_gma.gma_backward(g, cache), ref_out, gma.gma_backward(g, ref_cache), F32)
-
-
-def test_gma_with_variances_and_weights_matches_refimpl():
-    args = constrained_host(problem(5, (2,), True, n=3))
-    out = gpu_gma.gma(*args, causal=True, chunk_size=2)
-    np.testing.assert_allclose(out, gma.gma(*args, causal=True, chunk_size=2), **F64)
-
-
 def test_device_arrays_in_device_arrays_out_and_deterministic():
-    """Device arrays in give device arrays out; a second run (from NumPy inputs) gives the same bits."""
+    """Device tokens in give device arrays out; a second run (from NumPy inputs) gives the same bits (device GMM
+    parameters take the device's softplus and log-softmax, equal to refimpl's to rounding: the CASES above)."""
     args = problem(6, (), False, n=3)
     runs = []
-    for inputs in ([cuda.to_device(a) for a in args], args):
+    for inputs in ([cuda.to_device(a) for a in args[:3]] + args[3:], args):
         out, cache = gpu_gma.gma_forward(*inputs, causal=True, chunk_size=2)
         grads = gpu_gma.gma_backward(np.ones(tuple(out.shape)), cache)
         on_device = inputs is not args
@@ -106,6 +102,47 @@ def test_device_arrays_in_device_arrays_out_and_deterministic():
         np.testing.assert_array_equal(a, b)
     ref_out, ref_cache = gma.gma_forward(*args, causal=True, chunk_size=2)
     assert_matches(runs[1][0], gma.GMAGrads(*runs[1][1:]), ref_out, gma.gma_backward(np.ones(ref_out.shape), ref_cache), F64)
+
+
+def test_float32_with_device_parameters_matches_refimpl_in_float32():
+    """float32, per-head GMM on the device: outputs and gradients as refimpl computes them in float32; and gma with
+    device variances and weights (float64) as refimpl's gma."""
+    args = problem(3, (2,), True, n=4, dtype=np.float32)
+    out, cache = gpu_gma.gma_forward(*args[:3], *(cuda.to_device(a) for a in args[3:]), causal=True, chunk_size=2)
+    ref_out, ref_cache = gma.gma_forward(*args, causal=True, chunk_size=2)
+    g = np.random.default_rng(4).normal(size=ref_out.shape).astype(np.float32)
+    grads = gpu_gma.gma_backward(g, cache)
+    assert_matches(out.copy_to_host(), gma.GMAGrads(*map(_host, grads)), ref_out, gma.gma_backward(g, ref_cache), F32)
+    constrained = constrained_host(problem(5, (2,), True, n=3))
+    got = gpu_gma.gma(*constrained[:3], *(cuda.to_device(a) for a in constrained[3:]), causal=True, chunk_size=2)
+    np.testing.assert_allclose(got.copy_to_host(), gma.gma(*constrained, causal=True, chunk_size=2), **F64)
+
+
+def _with(args, slot, value):
+    args = list(args)
+    args[slot] = value
+    return args
+
+
+def test_errors_of_device_parameters_are_refimpls():
+    """A value check of gma_forward's and of gma's on device parameters (tokens on the host): counted on the device,
+    worded by refimpl (per-head weights name their row; the other checks, the same code, in tests/test_gpu_gmm.py)."""
+    args = problem(33, (2,), True, n=2, K=3)
+    for slot, value in ((4, np.full((2, 3, 2), np.inf)),):
+        bad = _with(args, slot, value)
+        dev = bad[:3] + [cuda.to_device(a) for a in bad[3:]]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            _raises_like_refimpl(lambda: gpu_gma.gma_forward(*dev), lambda: gma.gma_forward(*bad))
+    constrained = constrained_host(args)
+    weights = constrained[5].copy()
+    weights[1] *= 2.0
+    for slot, value in ((5, weights),):
+        bad = _with(constrained, slot, value)
+        dev = bad[:3] + [cuda.to_device(a) for a in bad[3:]]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            _raises_like_refimpl(lambda: gpu_gma.gma(*dev), lambda: gma.gma(*bad))
 
 
 def constrained_host(args):
@@ -175,18 +212,22 @@ def test_errors_on_device_arrays_and_computed_quantities_are_refimpls():
 # ---------------------------------------------------------------------------
 
 
-def gpu_tiles():
-    """The GPU's tile geometries (responsibilities and backward): switched on in the simulator, already there on a GPU."""
-    return gpu_gma.geometry() if SIMULATOR else nullcontext()
+def gpu_tiles(responsibilities=True):
+    """The GPU's tile geometries (the backward's, and the responsibilities' unless False): switched on in the
+    simulator, already there on a GPU."""
+    if not SIMULATOR:
+        return nullcontext()
+    return gpu_gma.geometry() if responsibilities else gpu_gma.geometry(gmm=gpu_gmm.SIMULATOR_GEOMETRY)
 
 
 def test_gpu_geometry_forward_and_gradients_cross_the_tiles():
-    """GPU tiles, float64: N = 17 crosses dL/dx's 16-row tile, K = 17 its 16-component stage and the 16 x 16 partial
-    tiles (the responsibilities' tiles are crossed in tests/test_gpu_gmm.py)."""
+    """GPU tiles of the backward, float64: N = 17 crosses dL/dx's 16-row tile, K = 17 its 16-component stage and the
+    16 x 16 partial tiles (the responsibilities keep the simulator's tiles here: theirs are crossed in
+    tests/test_gpu_gmm.py)."""
     g = gpu_gma.GPU_GEOMETRY
     n, K = g.threads_y * g.rows_per_thread + 1, g.m_chunk + 1
     args = problem(21, (), False, n=n, K=K, d_r=3, d_v=2)
-    with gpu_tiles():
+    with gpu_tiles(responsibilities=False):
         assert (gpu_gma.ROW_TILE, gpu_gma.MC, gpu_gma.TILE) == (n - 1, K - 1, K - 1)
         out, cache = gpu_gma.gma_forward(*args)
         g_out = np.random.default_rng(22).normal(size=out.shape)
@@ -209,7 +250,8 @@ def test_gpu_geometry_row_gradients_cross_the_coordinate_tile():
     with gpu_tiles():
         assert gpu_gma.COORD_TILE == d - 1
         grid, block = gpu_gma.backward_geometry(1, N, N, K, d)["_responsibility_rows q"]
-        gpu_gma._rows_kernel(np.float64)[grid, block](*(cuda.to_device(a) for a in (x, gamma, grad, means, variances)), c, dx)
+        flat = [cuda.to_device(a.ravel()) for a in (x, gamma, grad, means, 1.0 / variances)]
+        gpu_gma._rows_kernel(np.float64)[grid, block](*flat, c.reshape(c.size), dx.reshape(dx.size), 1, N, K, d, 1)
     ref_c = numerics.softmax_backward(gamma[0], grad[0], axis=1)
     # dL/dx_i = sum_m c_im (mu_m - x_i) / sigma_m^2
     ref_dx = np.einsum("im,imj->ij", ref_c, (means[0][None] - x[0][:, None]) / variances[0][None])

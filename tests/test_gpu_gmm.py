@@ -20,7 +20,7 @@ from numba import cuda
 
 from gpu.numba_cuda import gmm as G
 from gpu.numba_cuda._device import SIMULATOR
-from gpu.numba_cuda.gmm import GPU_GEOMETRY, THREADS, launch_geometry, posterior_device
+from gpu.numba_cuda.gmm import GPU_GEOMETRIES, GPU_GEOMETRY, GPU_GEOMETRY_F64, THREADS, launch_geometry, posterior_device
 from refimpl import gmm as R
 from refimpl import numerics
 from refimpl.testing import exact_responsibilities, row_relative_error, spread_means_example
@@ -43,13 +43,13 @@ def problem(N, K, d, seed=0, dtype=np.float64):
 
 
 def gpu_tiles():
-    """The GPU's tile geometry: switched on in the simulator, already there on a GPU."""
-    return G.geometry(GPU_GEOMETRY) if SIMULATOR else nullcontext()
+    """The GPU's tile geometries (by dtype): switched on in the simulator, already there on a GPU."""
+    return G.geometry(GPU_GEOMETRIES) if SIMULATOR else nullcontext()
 
 
 def crossing(g=None):
     """``(N, K, d)`` one more than a tile of rows, a tile of components and a stage of coordinates of geometry ``g``."""
-    g = g or G.GEOMETRY
+    g = g or G.GEOMETRIES[np.dtype(np.float64)]
     return g.threads_y * g.rows_per_thread + 1, g.threads_x * g.comps_per_thread + 1, g.d_chunk + 1
 
 
@@ -169,9 +169,53 @@ def test_errors_are_the_references(name, args, on_device):
     with pytest.raises((ValueError, TypeError)) as ref:
         R.responsibilities(*args)
     gpu_args = tuple(cuda.to_device(a) for a in args) if on_device else args
-    with pytest.raises(ref.type) as got:
+    with quiet(), pytest.raises(ref.type) as got:  # device values are checked after the kernels ran on them
         G.responsibilities(*gpu_args)
     assert str(got.value) == str(ref.value)
+
+
+@pytest.mark.parametrize("on_device", [(True, True, True), (False, True, False)], ids=["all", "variances"])
+def test_errors_of_device_parameters_are_the_references(on_device):
+    """Parameters on the device, x on the host: each value error worded as refimpl words it (the device counts it,
+    refimpl's checker on host copies words it)."""
+    x, means, variances, weights = problem(4, 3, 2, seed=5)
+    bad = [(-variances, 1), (np.where(variances > 1.0, 0.0, variances), 1), (np.full_like(means, np.nan), 0),
+           (np.array([0.2, 0.2, 0.2]), 2), (np.array([1.0, np.inf, 0.0]), 2), (np.array([1.5, -0.5, 0.0]), 2)]
+    checked = 0
+    for value, slot in bad:
+        if not on_device[slot]:
+            continue
+        args = [means, variances, weights]
+        args[slot] = value
+        with pytest.raises(ValueError) as ref:
+            R.responsibilities(x, *args)
+        dev = [cuda.to_device(a) if d else a for a, d in zip(args, on_device)]
+        with quiet(), pytest.raises(ValueError) as got:
+            G.log_responsibilities(x, *dev)
+        assert str(got.value) == str(ref.value)
+        checked += 1
+    assert checked >= 2
+
+
+def test_device_parameters_give_the_host_parameters_results_with_one_copy(host_copies):
+    """Device means, variances and weights (a zero weight among them): the host parameters' responsibilities, one copy
+    to the host; weights off one by 3/4 of refimpl's tolerance pass its check and cost more copies (the device only
+    screens: a row past half the tolerance is checked again on the host)."""
+    x, means, variances, weights = problem(*crossing(), seed=9)
+    weights[1] = 0.0
+    weights /= weights.sum()
+    host = G.log_responsibilities(x, means, variances, weights)
+    host_copies["n"] = 0
+    dev = G.log_responsibilities(cuda.to_device(x), *(cuda.to_device(a) for a in (means, variances, weights)))
+    assert host_copies["n"] == 1
+    np.testing.assert_allclose(dev.copy_to_host(), host, rtol=1e-14, atol=1e-14)
+    atol = np.sqrt(np.finfo(np.float64).eps) * weights.size
+    near = weights.copy()
+    near[0] += 0.75 * atol
+    host_copies["n"] = 0
+    got = G.responsibilities(x, means, variances, cuda.to_device(near))
+    assert host_copies["n"] > 1
+    np.testing.assert_allclose(got, R.responsibilities(x, means, variances, near), rtol=1e-12, atol=1e-14)
 
 
 def test_device_arrays_in_give_device_arrays_out():
@@ -219,32 +263,39 @@ def test_posterior_device_with_one_point_and_one_component():
 
 
 def test_gpu_geometry_float64_crosses_every_tile():
-    """64 x 64 block tiles of 16 x 16 threads, 8 coordinates a stage: N = 65, K = 65, d = 9 cross each once."""
-    N, K, d = crossing(GPU_GEOMETRY)
+    """float64's 32 x 32 block tiles of 16 x 16 threads (2 x 2 registers), 8 coordinates a stage: N = 33, K = 33,
+    d = 9 cross each once."""
+    N, K, d = crossing(GPU_GEOMETRY_F64)
     args = problem(N, K, d, seed=11)
+    # half the rows at the last component, alone in the second component tile: the row maxima rise there, so the
+    # running sums of the first tile must be rescaled
+    args[0][::2] = args[1][-1] + 0.05 * np.random.default_rng(12).normal(size=(len(args[0][::2]), d))
     with gpu_tiles():
-        assert (G.TILE_ROWS, G.TILE_COMPS, G.DC) == (N - 1, K - 1, d - 1)
+        c = G.constants(np.float64)
+        assert (c["TILE_ROWS"], c["TILE_COMPS"], c["DC"], c["RM"], c["RK"]) == (N - 1, K - 1, d - 1, 2, 2)
         got = G.responsibilities(*args)
     np.testing.assert_allclose(got, R.responsibilities(*args), rtol=1e-12, atol=1e-14)
 
 
-def test_gpu_geometry_float32_log_two_sequences_two_mixtures():
-    """float32 log-responsibilities of B = 2 sequences under H = 2 mixtures (b % H), crossing the component tiles."""
-    _, K, _ = crossing(GPU_GEOMETRY)
-    N = 40  # one partial row tile per sequence: two blocks
+def test_gpu_geometry_float32_log_crosses_the_row_and_component_tiles():
+    """float32 log-responsibilities with float32's 64 x 64 tiles (4 x 4 registers) crossed once: N = 65, K = 65 (the
+    coordinate stages, the same code in both types, are crossed in float64; b % H with several mixtures below)."""
+    N, K, _ = crossing(GPU_GEOMETRY)
+    d = 3
     rng = np.random.default_rng(12)
-    x = rng.normal(size=(2, N, 3)).astype(np.float32)
-    means = rng.normal(size=(2, K, 3)).astype(np.float32)
-    variances = rng.uniform(0.5, 2.0, size=(2, K, 3)).astype(np.float32)
-    log_weights = np.log(rng.dirichlet(np.ones(K), size=2)).astype(np.float32)
+    x = rng.normal(size=(1, N, d)).astype(np.float32)
+    means = rng.normal(size=(1, K, d)).astype(np.float32)
+    variances = rng.uniform(0.5, 2.0, size=(1, K, d)).astype(np.float32)
+    log_weights = np.log(rng.dirichlet(np.ones(K), size=1)).astype(np.float32)
+    x[0, ::2] = means[0, -1]  # rows whose maximum is in the second component tile: the running sums are rescaled
     with gpu_tiles():
+        assert G.constants(np.float32)["TILE_ROWS"] == N - 1 and G.constants(np.float32)["RM"] == 4
         gamma, min_quad = posterior_device(*(cuda.to_device(a) for a in (x, means, variances, log_weights)), log=True)
     gamma, min_quad = gamma.copy_to_host(), min_quad.copy_to_host()
     assert gamma.dtype == np.float32
-    for b in range(2):
-        logits, ref_min = R.log_joint(x[b], means[b], variances[b], log_weights[b])
-        np.testing.assert_allclose(gamma[b], numerics.log_softmax(logits, axis=1), rtol=2e-5, atol=2e-5)
-        np.testing.assert_allclose(min_quad[b], ref_min, rtol=2e-5)
+    logits, ref_min = R.log_joint(x[0], means[0], variances[0], log_weights[0])
+    np.testing.assert_allclose(gamma[0], numerics.log_softmax(logits, axis=1), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(min_quad[0], ref_min, rtol=2e-5, atol=1e-6)
 
 
 def test_blocks_loop_over_the_tiles_when_the_grid_is_capped(monkeypatch):
@@ -279,10 +330,12 @@ def _assert_inside_the_limits(launches):
 def test_launch_geometry_is_inside_every_hardware_limit(B, N, K, H):
     """N = 2^24 points, B H = 2^20 sequences and more: every grid and block inside the limits, computed without launching."""
     with gpu_tiles():
-        launches = launch_geometry(B, N, K, 64, H)
-        _assert_inside_the_limits(launches)
-        assert launches["_posterior_tiles"][1] == (16, 16)
-        tiles = B * -(-N // G.TILE_ROWS)
-        assert launches["_posterior_tiles"][0] == min(tiles, 2**31 - 1)
-        # static shared memory of the tiles kernel, in float64: at most 48 KiB
-        assert 8 * (G.SH_X + 2 * G.SH_C + 3 * G.SH_RED) <= 48 * 1024
+        for dtype in (np.float32, np.float64):
+            launches = launch_geometry(B, N, K, 64, H, dtype)
+            _assert_inside_the_limits(launches)
+            assert launches["_posterior_tiles"][1] == (16, 16)
+            c = G.constants(dtype)
+            tiles = B * -(-N // c["TILE_ROWS"])
+            assert launches["_posterior_tiles"][0] == min(tiles, 2**31 - 1)
+            # static shared memory of the tiles kernel: at most 48 KiB
+            assert np.dtype(dtype).itemsize * (c["SH_X"] + 2 * c["SH_C"] + 3 * c["SH_RED"]) <= 48 * 1024

@@ -3,9 +3,10 @@
 The CUDA simulator runs kernels as Python, so it accepts code that the CUDA
 compiler refuses.  These tests compile every kernel registered with
 ``gpu.numba_cuda._device.kernel`` to PTX with :func:`numba.cuda.compile_ptx`,
-in float32 and float64, for compute capability 8.0, and 9.0 where ptxas is
-missing (with ptxas, ``tests/test_gpu_resources.py`` compiles every kernel
-for 9.0 and assembles it, which is the stricter check).  That needs
+in float32 and float64, for compute capabilities 9.0 and 8.0 where ptxas
+is missing (with ptxas, ``tests/test_gpu_resources.py`` compiles every kernel
+for both, from one lowering, and assembles sm_90's, which is the stricter
+check; here each module's kernels are then only listed).  That needs
 the real CUDA target, so each module is compiled in a fresh process with
 ``NUMBA_ENABLE_CUDASIM=0`` (this process may be running the simulator); it
 needs NVVM (from the ``numba-cuda[cu12]`` or ``[cu13]`` wheels of the CUDA extra ``make install`` adds), not a GPU.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,10 +31,11 @@ MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
 _COMPILE = """
 import importlib, json, sys
 module = importlib.import_module("gpu.numba_cuda." + sys.argv[1])
-from gpu.numba_cuda._device import KERNELS, REPLACED, compile_all, kernel_dtypes
+from gpu.numba_cuda._device import KERNELS, REPLACED, compile_targets, kernel_dtypes
 names = [n for n in KERNELS if n.rsplit(".", 1)[0] == module.__name__]
-ccs = [tuple(int(c) for c in cc.split(".")) for cc in sys.argv[2].split(",")]
-result = {f"sm_{cc[0]}{cc[1]}": sorted(f"{n}:{t}" for n, t in compile_all(cc, names)) for cc in ccs}
+ccs = [tuple(int(c) for c in cc.split(".")) for cc in sys.argv[2].split(",") if cc]
+compiled = compile_targets(ccs, names) if ccs else {}
+result = {f"sm_{cc[0]}{cc[1]}": sorted(f"{n}:{t}" for n, t in codes) for cc, codes in compiled.items()}
 dtypes = {n: [str(f) for f in kernel_dtypes(n)] for n in names}
 print(json.dumps({"kernels": names, "compiled": result, "dtypes": dtypes, "replaced": REPLACED}))
 """
@@ -44,11 +47,11 @@ def _real_target_env():
 
 
 def _targets():
-    """sm_80 here, and sm_90 too unless ptxas is installed: then ``test_gpu_resources.py`` compiles every kernel for
-    sm_90 and assembles it (a stricter check of the same compile), so it is not done twice."""
+    """sm_90 and sm_80, unless ptxas is installed: then ``test_gpu_resources.py`` compiles every kernel for both from
+    one lowering and assembles sm_90's (a stricter check of the same compile), so it is not done twice."""
     from gpu import sass
 
-    return ["8.0"] if sass.find_tool("ptxas") else ["9.0", "8.0"]
+    return [] if sass.find_tool("ptxas") else ["9.0", "8.0"]
 
 
 def _compile(module):
@@ -181,6 +184,53 @@ def calls_twice(x):
         assert f".target {cc}" in text, key
         assert "twice" in text, key  # the device function is part of the module
         assert f"add.f{t[-2:]}" in text or f"add.rn.f{t[-2:]}" in text, key
+
+
+def _same_code(ptx):
+    """PTX with its symbol names made neutral: the mangled names encode the compile flags (the capability among
+    them) and the shared arrays are numbered in compile order, so two compiles of one kernel differ only there."""
+    return re.sub(r"_cudapy_smem_\d+", "_cudapy_smem", re.sub(r"_ZN\w+", "_ZN", ptx))
+
+
+def test_one_lowering_gives_each_capability_the_ptx_of_its_own_compile(tmp_path):
+    """:func:`compile_targets` lowers a kernel once; the PTX NVVM writes from it for sm_90 and for sm_80 is, but for
+    symbol names, the PTX of a full ``compile_ptx`` for each (a kernel with a device function, launch bounds and a
+    shared array)."""
+    source = '''
+from numba import cuda
+from gpu.numba_cuda._device import kernel
+
+@cuda.jit(device=True)
+def twice(a):
+    return a + a
+
+@kernel(lambda f: (f[::1],), threads=64, options={"launch_bounds": (64, 8)})
+def staged(x):
+    sh = cuda.shared.array(64, dtype=x.dtype)
+    i = cuda.grid(1)
+    sh[cuda.threadIdx.x] = twice(x[i]) if i < x.shape[0] else 0
+    cuda.syncthreads()
+    if i < x.shape[0]:
+        x[i] = sh[63 - cuda.threadIdx.x] * x[i]
+'''
+    (tmp_path / "lowering_module.py").write_text(source)
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[1]); import lowering_module\n"
+        "from gpu.numba_cuda._device import compile_all, compile_targets\n"
+        "names = ['lowering_module.staged']\n"
+        "once = compile_targets([(9, 0), (8, 0)], names)\n"
+        "out = {f'sm_{cc[0]}{cc[1]}:{t}': [once[cc][(n, t)], full]\n"
+        "       for cc in ((9, 0), (8, 0)) for (n, t), full in compile_all(cc, names, ptx=True).items()}\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                          env=_real_target_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pairs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(pairs) == ["sm_80:float32", "sm_80:float64", "sm_90:float32", "sm_90:float64"]
+    for key, (once, full) in pairs.items():
+        assert f".target {key.split(':')[0]}" in once and ".maxntid 64" in once and "_cudapy_smem" in once, key
+        assert _same_code(once) == _same_code(full), key
 
 
 def test_the_registry_keeps_block_sizes_tags_and_compile_options(tmp_path):

@@ -12,9 +12,15 @@ it, and the instruction mix of the hot loop.  Asserted:
 * the kernels of the responsibilities, of GMA (its scan included) and of
   the flash attention reach a theoretical occupancy of at least 50% at their
   own block size, which they must register, in float32 (the type
-  ``benchmarks/bench_gpu.py`` measures; float64 is printed);
-* floating point is at least 40% of the hot loop of the responsibilities
-  kernel.
+  ``benchmarks/bench_gpu.py`` measures; float64 is printed), and the
+  responsibilities kernel in float64 too;
+* floating point is at least a given share of the hot loop of the kernels
+  of :data:`MIN_FP_SHARES` (float32): 40% for the responsibilities kernel,
+  for the scan's two products, ``scan._chunk_states`` (the write) and
+  ``scan._chunk_rows`` (the read and the masked within-chunk term), and for
+  GMA's backward through the responsibilities, ``gma._responsibility_rows``.
+
+Every kernel also compiles for sm_80 (A100), from the same lowering.
 
 The table is printed (``pytest -s``, or without ``-n``: the processes of
 ``pytest -n`` print nowhere) and kept in ``.pytest_cache/d/gpu-ptx/resources-sm90.txt``.
@@ -43,8 +49,14 @@ from gpu import sass  # noqa: E402  (after the path set-up above)
 
 #: Minimum theoretical occupancy of the kernels of each role of :data:`gpu.sass.ROLES`.
 MIN_OCCUPANCY = 0.5
-#: Minimum share of floating-point instructions in the hot loop of the responsibilities kernel.
-MIN_FP_SHARE = 0.4
+#: Minimum share of floating-point instructions in the float32 hot loop, per kernel: ``"responsibilities"`` names the
+#: responsibilities kernel (found by its tag, :func:`responsibilities_kernels`), the others are qualified names.
+MIN_FP_SHARES = {
+    "responsibilities": 0.4,
+    "gpu.numba_cuda.scan._chunk_states": 0.4,
+    "gpu.numba_cuda.scan._chunk_rows": 0.4,
+    "gpu.numba_cuda.gma._responsibility_rows": 0.4,
+}
 
 
 # --- the pure functions, on hand-worked cases --------------------------------------------------------------------
@@ -206,7 +218,7 @@ def test_roles_come_from_tags_then_modules():
 _COMPILE = """
 import json, sys
 from gpu import sass
-json.dump(sass.compile_kernels((9, 0)), open(sys.argv[1], "w"))
+json.dump(sass.compile_kernels((9, 0), also=[(8, 0)]), open(sys.argv[1], "w"))
 """
 
 
@@ -235,7 +247,11 @@ def _sources_key():
 
 @pytest.fixture(scope="module")
 def compiled(request):
-    """``{"ptx": {name: {dtype: ptx}}, "launch": {name: {dtype: {threads, assumed, tags}}}}`` of every kernel, sm_90.
+    """``{"ptx": {name: {dtype: ptx}}, "launch": {...}, "also": {"sm_80": {name: {dtype: length}}}}`` of every kernel.
+
+    The PTX is sm_90's; each kernel is lowered once and NVVM writes sm_80's
+    PTX from the same IR (:func:`gpu.numba_cuda._device.compile_targets`), so
+    the A100's compile check costs no second lowering.
 
     Compiled in a fresh process with the real CUDA target; kept in pytest's
     cache under a digest of the sources (:func:`_sources_key`), so that an
@@ -301,6 +317,14 @@ def test_the_resource_table_covers_every_kernel(table, compiled, capsys, request
     assert all(r["instructions"] for r in table if r["dtype"] == "float32")
 
 
+def test_every_kernel_compiles_for_sm80_too(compiled):
+    """The A100's PTX of every kernel and float type, written by NVVM from the IR lowered for sm_90."""
+    sm80 = compiled["also"]["sm_80"]
+    assert {n: sorted(t) for n, t in sm80.items()} == {n: sorted(t) for n, t in compiled["ptx"].items()}
+    empty = [(n, t) for n, types in sm80.items() for t, length in types.items() if length == 0]
+    assert not empty, f"no sm_80 PTX for {empty}"
+
+
 def test_no_kernel_spills_registers(table):
     spilled = [f"{_short(r['kernel'])} {r['dtype']}: {r['spill_stores']} B stored, {r['spill_loads']} B loaded"
                for r in table if r["spill_stores"] or r["spill_loads"]]
@@ -323,6 +347,14 @@ def test_roofline_kernels_reach_half_occupancy_at_their_block_size(table):
     assert not low, "\n".join(low)
 
 
+def test_the_responsibilities_kernel_reaches_half_occupancy_in_float64_too(table):
+    rows = [r for r in responsibilities_kernels(table) if r["dtype"] == "float64"]
+    assert rows, "no float64 responsibilities kernel"
+    low = [f"{_short(r['kernel'])}: {100 * r['occupancy']:.1f}% ({r['registers']} registers)"
+           for r in rows if r["occupancy"] < MIN_OCCUPANCY]
+    assert not low, "\n".join(low)
+
+
 def responsibilities_kernels(rows):
     """The rows of the responsibilities kernel: tagged ``"responsibilities"``, else its role's kernel named for it."""
     tagged = [r for r in rows if "responsibilities" in r["tags"]]
@@ -332,15 +364,23 @@ def responsibilities_kernels(rows):
             and re.search(r"posterior|responsibilit", r["kernel"].rsplit(".", 1)[-1])]
 
 
-def test_floating_point_is_forty_percent_of_the_responsibilities_hot_loop(table):
+def gated_kernels(rows, key):
+    """The rows of the kernels :data:`MIN_FP_SHARES` names by ``key``."""
+    if key == "responsibilities":
+        return responsibilities_kernels(rows)
+    return [r for r in rows if r["kernel"] == key]
+
+
+@pytest.mark.parametrize("key", sorted(MIN_FP_SHARES))
+def test_floating_point_share_of_the_hot_loop(table, key):
     _tool_or_skip("cuobjdump")
-    rows = [r for r in responsibilities_kernels(table) if r["dtype"] == "float32"]
-    assert rows, "no responsibilities kernel: tag it kernel(..., tags=('responsibilities',))"
+    rows = [r for r in gated_kernels(table, key) if r["dtype"] == "float32"]
+    assert rows, f"no kernel {key} (the responsibilities kernel: tag it kernel(..., tags=('responsibilities',)))"
     for r in rows:
         mix = r["hot_loop"]
         share = mix["fp"] / mix["total"] if mix["total"] else 0.0
         assert r["loop"], f"{_short(r['kernel'])}: no loop found"
-        assert share >= MIN_FP_SHARE, (
+        assert share >= MIN_FP_SHARES[key], (
             f"{_short(r['kernel'])}: floating point is {100 * share:.1f}% of its hot loop of {mix['total']} instructions "
             f"({mix})"
         )

@@ -44,6 +44,7 @@ __all__ = [
     "SIMULATOR",
     "kernel",
     "compile_all",
+    "compile_targets",
     "is_device_array",
     "any_device",
     "host_view",
@@ -234,6 +235,66 @@ def _current_device_reports(cc):
         dispatcher.get_current_device = original
 
 
+def _lowered_once(fn, sig, cc, options):
+    """The code library of a kernel lowered once for ``cc`` (NVVM IR), or None where Numba-CUDA hides the step.
+
+    :func:`numba.cuda.compile_ptx` lowers the kernel and asks NVVM for the PTX
+    of one capability; its first step, kept here, lets NVVM write the PTX of
+    several capabilities from one lowering (``library.get_asm_strs(cc=...)``).
+    """
+    from numba.cuda import compiler
+
+    fixup = getattr(compiler, "_compile_pyfunc_with_fixup", None)
+    if fixup is None:
+        return None
+    lib, _ = fixup(fn, sig, device=False, cc=cc, abi="numba", **options)
+    return lib
+
+
+def compile_targets(ccs, names=None):
+    """The PTX of registered kernels for several compute capabilities, each kernel lowered once.
+
+    Numba-CUDA lowers a kernel to NVVM IR (typing and code generation in
+    Python: most of the time), then NVVM writes the PTX.  The IR depends on
+    the capability only below 7.5 (``tanh.approx.f32`` under fastmath from
+    7.5, the native atomics from 6.0), so for capabilities of 7.5 and above
+    the IR lowered for the first one serves the others: NVVM writes each
+    one's PTX from it, which is what :func:`numba.cuda.compile_ptx` gives for
+    that capability (``tests/test_gpu_ptx.py`` checks it).  Without that step
+    in this Numba-CUDA, or below 7.5, each capability is compiled in full.
+
+    Parameters
+    ----------
+    ccs : sequence of tuple of int
+        Compute capabilities, e.g. ``[(9, 0), (8, 0)]``; the first is lowered.
+    names : collection of str, optional
+        Qualified names of the kernels to compile (default: every one).
+
+    Returns
+    -------
+    dict
+        ``{cc: {(name, dtype name): PTX}}``.
+    """
+    ccs = [tuple(cc) for cc in ccs]
+    shared = min(ccs) >= (7, 5)
+    out = {cc: {} for cc in ccs}
+    with _current_device_reports(ccs[0]):
+        for name, (fn, signature) in sorted(KERNELS.items()):
+            if names is not None and name not in names:
+                continue
+            for f in kernel_dtypes(name):
+                options = compile_options(name, f)
+                lib = _lowered_once(fn, signature(f), ccs[0], options) if shared else None
+                for cc in ccs:
+                    if lib is not None:
+                        (code,) = lib.get_asm_strs(cc=cc)
+                    else:
+                        with _current_device_reports(cc):
+                            code, _ = cuda.compile_ptx(fn, signature(f), cc=cc, **options)
+                    out[cc][(name, str(f))] = code
+    return out
+
+
 def compile_all(cc=(9, 0), names=None, ptx=False):
     """Compile registered kernels to PTX for compute capability ``cc`` in float32 and float64 (or their own types).
 
@@ -244,7 +305,8 @@ def compile_all(cc=(9, 0), names=None, ptx=False):
     (:class:`_TargetDevice`), so no CUDA driver is asked.  A device function
     is compiled once per argument types and kept by Numba, so after a first
     ``cc`` later ones reuse its compiled body (NVVM still writes each
-    kernel's PTX for its own ``cc``).
+    kernel's PTX for its own ``cc``).  :func:`compile_targets` writes several
+    capabilities from one lowering.
 
     Parameters
     ----------

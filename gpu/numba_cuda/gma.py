@@ -32,15 +32,18 @@ when there are more).
    :func:`gpu.numba_cuda.gmm.posterior_device` (two launches each: the
    per-component constants, the register-tiled log joint fused with the
    row softmax); the small GMM arrays (``H x K x d_r``: softplus,
-   log-softmax, sigmoid) are computed on the host by :mod:`refimpl.numerics`,
-   exactly as :mod:`refimpl.gma` does.
+   log-softmax, sigmoid, the precisions) are computed on the host by
+   :mod:`refimpl.numerics`, exactly as :mod:`refimpl.gma` does, or, when a
+   parameter is a device array, on the device (:func:`_mixture_from_raw`,
+   :func:`gpu.numba_cuda.gmm.log_weights_device`: one launch).
 2. The scan forward (:func:`gpu.numba_cuda.scan.scan_forward_device`, its
    own launches): the write :math:`[S, z] = \Gamma_K^\top[V, 1]` and the read
    :math:`\Gamma_Q[S, z]` with the division.
 3. Backward: the scan backward, then, for the queries and for the keys,
    :func:`_responsibility_rows` (``c`` and ``dx``: a block per tile of
    ``ROW_TILE`` rows, ``dx`` a register-tiled product over the components,
-   from the differences), :func:`_parameter_partials` (per segment of
+   from the differences, its arrays flat with offsets formed once per tile,
+   so that its hot loop is the product's), :func:`_parameter_partials` (per segment of
    :data:`~gpu.numba_cuda.scan.SEGMENT` tokens, a block per ``TILE x TILE``
    tile of ``(m, j)``), then one :func:`_parameter_sums` (one thread per
    mean, raw variance and logit entry, adding the partials over segments
@@ -57,19 +60,22 @@ One small device array per public call: the result-check flag, gathered by
 :class:`~gpu.numba_cuda._device.Checks` (the non-finite counts of the device
 inputs and of both ``min_quad``, and the denominators when ``eps = 0``) and
 copied once; the backward copies only ``grad_out``'s count, before its
-kernels.  Only a failing check copies more, to word refimpl's error.  Device
-GMM parameters cost one more copy, all together
-(:func:`gpu.numba_cuda.gmm.parameters_to_host`): refimpl's checkers read their
-values on the host.
+kernels.  Device GMM parameters add their value checks to the same flag
+(:func:`gpu.numba_cuda.gmm.queue_parameter_checks`; refimpl's checkers read
+stand-ins of their shapes and dtypes, :func:`gpu.numba_cuda.gmm.stand_in`).
+Only a failing check copies more (the parameters together,
+:func:`gpu.numba_cuda.gmm.parameters_to_host`), so that refimpl's own checker
+words the error, in refimpl's order.
 """
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
-from numba import cuda, int64
+from numba import boolean, cuda, int64, uint32, uint64
 from scipy.special import expit
 
 from refimpl import numerics, validation
@@ -84,7 +90,8 @@ from refimpl.scan import DEFAULT_CHUNK_SIZE
 
 from . import gmm as device_gmm
 from ._device import SIMULATOR, Checks, any_device, blocks, host_view, is_device_array, kernel, raise_bad_inputs, result, to_device, to_host
-from .gmm import MAX_GRID_X, parameters_to_host, posterior_device, u32
+from . import _primitives
+from .gmm import MAX_GRID_X, device_function, exp_shifted, max_keep_nan, parameters_to_host, posterior_device, u32, u64
 from . import scan as device_scan
 from .scan import ScanDeviceCache, scan_backward_device, scan_forward_device
 
@@ -115,7 +122,7 @@ SIMULATOR_GEOMETRY = Geometry(2, 2, 2, 2, 2, 4, 32)
 def _set_geometry(g: Geometry) -> None:
     # the kernels read these module globals; on a GPU they are compile-time constants (shared and local array shapes,
     # unrolled loop bounds), set once at import
-    global GEOMETRY, RM, RJ, TX, TY, MC, TILE, TILE2, THREADS, NT, ROW_TILE, COORD_TILE, SH_RED, SH_CR, SH_MJ
+    global GEOMETRY, RM, RJ, TX, TY, MC, TILE, TILE2, THREADS, NT, ROW_TILE, COORD_TILE, SH_RED, RED2, SH_CR, SH_MJ
     global LOADS_CR, LOADS_MJ
     rm, rj, tx, ty, mc, tile, threads = g
     if tx & (tx - 1) or tile & (tile - 1) or threads & (threads - 1):
@@ -129,6 +136,7 @@ def _set_geometry(g: Geometry) -> None:
     NT = nt
     ROW_TILE, COORD_TILE = ty * rm, tx * rj
     SH_RED = ROW_TILE * TX  # [ROW_TILE rows, TX lanes]
+    RED2 = (ROW_TILE, TX)
     SH_CR = ROW_TILE * MC  # [ROW_TILE rows, MC components]
     SH_MJ = MC * COORD_TILE  # [MC components, COORD_TILE coordinates]
     LOADS_CR = SH_CR // NT
@@ -137,9 +145,11 @@ def _set_geometry(g: Geometry) -> None:
 
 _set_geometry(SIMULATOR_GEOMETRY if SIMULATOR else GPU_GEOMETRY)
 
+row_sum = device_function(_primitives.row_sum)
+
 
 @contextmanager
-def geometry(g: Geometry = GPU_GEOMETRY, gmm: "device_gmm.Geometry" = device_gmm.GPU_GEOMETRY):
+def geometry(g: Geometry = GPU_GEOMETRY, gmm=device_gmm.GPU_GEOMETRIES):
     """Run the GMA kernels with the tile geometries ``g`` and ``gmm`` (the responsibilities'), in the CUDA simulator only.
 
     The simulator reads the modules' constants at every launch, so a test can
@@ -168,6 +178,7 @@ class GMADeviceCache(NamedTuple):
     x_k: object  # (B, N_k, d_r)
     means: object  # (H, K, d_r); H = 1 for a shared GMM
     variances: object  # (H, K, d_r)
+    precisions: object  # (H, K, d_r): 1 / variances
     sigmoid_raw: object  # (H, K, d_r): dsigma2/ds = sigmoid(s)
     scan: ScanDeviceCache  # gamma_q, gamma_k, [V, 1], out, den, the chunk states
 
@@ -205,21 +216,26 @@ def _rows_kernel(dtype):
 
 # c = grad - gbar[:, None]; c *= gam with gbar = (gam * grad) @ ones (dL/dl_m = gamma_m (g_m - gbar)), then
 # dL/dx_i = sum_m c_im (mu_m - x_i) / sigma_m^2 (refimpl.gma._responsibility_backward), from the differences, as the
-# register-tiled product dx = sum_m c_im (mu_mj - x_ij) p_mj with p = 1 / sigma^2.
+# register-tiled product dx = sum_m c_im (mu_mj - x_ij) p_mj with p = 1 / sigma^2 (the forward's precisions).
+# The arrays come flat (C order) with their shapes, as in a GEMM: the offset of a row, (b N + i) K or (b N + i) d_r, is
+# formed once per row, and the offset of each entry a thread stages once per tile, then advanced by a constant per
+# stage; offsets within a row and counters are unsigned 32-bit (K, d_r < 2^31, checked by the caller), offsets into
+# the arrays unsigned 64-bit (no negative-index wraparound).
 # Work: the rows of sequence b (mixture h = b % H) in tiles of ROW_TILE, the tiles of every sequence folded onto grid x
 # (block x loops over tiles x, x + gridDim.x, ...); a block of TY x TX threads (on a GPU 16 x 16 threads with
 # RM x RJ = 1 x 2: 16 rows by 32 coordinates, in both float types).
-# Phase 1: thread (ty, tx) sums gamma * grad over the components tx, tx + TX, ... of rows ty + a TY (a < RM); the TX
-# lanes of a row are combined by an ordered tree in shared memory [ROW_TILE rows, TX lanes]; then c is written.
+# Phase 1: thread (ty, tx) sums gamma * grad over the components tx, tx + TX, ... of rows ty + a TY (a < RM) into its
+# lane of shared memory [ROW_TILE rows, TX lanes]; every thread of a row adds the row's lanes in order (row_sum: the
+# same bits in each), then writes its entries of c.
 # Phase 2, per tile of COORD_TILE coordinates: thread (ty, tx) owns the RM x RJ register tile of rows ty + a TY and
 # coordinates tx + e TX; the components are staged MC at a time in shared memory, c [ROW_TILE rows, MC] and the means
-# and precisions [MC, COORD_TILE] (zeros past K and d_r): per component a thread reads RM + 2 RJ shared entries for
+# and precisions [MC, COORD_TILE] (zeros past N, K and d_r): per component a thread reads RM + 2 RJ shared entries for
 # RM RJ (sub, mul, fma).
-@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1]),
+@kernel(lambda f: (f[::1], f[::1], f[::1], f[::1], f[::1], f[::1], f[::1], int64, int64, int64, int64, int64),
         threads=lambda f: NT, tags=("gma",), options=lambda f: _launch_bounds(f))
-def _responsibility_rows(x, gamma, grad, means, variances, c, dx):
+def _responsibility_rows(x, gamma, grad, means, precisions, c, dx, B, N, K, d, H):
     f = x.dtype.type
-    red = cuda.shared.array(SH_RED, dtype=x.dtype)  # [ROW_TILE rows, TX lanes]
+    red = cuda.shared.array(RED2, dtype=x.dtype)  # [ROW_TILE rows, TX lanes]
     sh_c = cuda.shared.array(SH_CR, dtype=x.dtype)  # [ROW_TILE rows, MC components]
     sh_mu = cuda.shared.array(SH_MJ, dtype=x.dtype)  # [MC components, COORD_TILE coordinates]
     sh_p = cuda.shared.array(SH_MJ, dtype=x.dtype)  # [MC components, COORD_TILE coordinates]
@@ -228,16 +244,20 @@ def _responsibility_rows(x, gamma, grad, means, variances, c, dx):
     cr = cuda.local.array(RM, dtype=x.dtype)
     mr = cuda.local.array(RJ, dtype=x.dtype)
     pr = cuda.local.array(RJ, dtype=x.dtype)
+    c_off = cuda.local.array(LOADS_CR, dtype=uint64)  # offset in c of this thread's staged entry (stage m0 = 0)
+    c_col = cuda.local.array(LOADS_CR, dtype=uint32)  # its component within the stage
+    c_ok = cuda.local.array(LOADS_CR, dtype=boolean)  # its row < N
+    mj_off = cuda.local.array(LOADS_MJ, dtype=uint64)  # offset in the means of its staged entry (stage m0)
+    mj_row = cuda.local.array(LOADS_MJ, dtype=uint32)  # its component within the stage
+    mj_ok = cuda.local.array(LOADS_MJ, dtype=boolean)  # its coordinate < d_r
     zero = f(0.0)
-    one = f(1.0)
-    B, N, d = x.shape
-    K = gamma.shape[2]
-    H = means.shape[0]
-    # shared and register offsets are unsigned 32-bit (< ROW_TILE * MC, MC * COORD_TILE: fixed by the geometry)
+    K32 = u32(K)
+    d32 = u32(d)
+    K64 = u64(K)
+    d64 = u64(d)
     tx = u32(cuda.threadIdx.x)
     ty = u32(cuda.threadIdx.y)
-    tid = ty * u32(TX) + tx
-    k_first = int64(tx)
+    tid = u32(ty * u32(TX) + tx)
     tiles_n = (N + ROW_TILE - 1) // ROW_TILE
     j_tiles = (d + COORD_TILE - 1) // COORD_TILE
     m_chunks = max(1, (K + MC - 1) // MC)  # at least one stage: its barriers order the tiles' shared memory
@@ -245,70 +265,89 @@ def _responsibility_rows(x, gamma, grad, means, variances, c, dx):
         b = tile // tiles_n
         i0 = (tile - b * tiles_n) * ROW_TILE
         h = b % H
+        row0 = b * N + i0  # the tile's first row among the B N rows
         for a in range(RM):
-            i = i0 + (ty + u32(a * TY))
+            r = u32(ty + u32(a * TY))
             part = zero
-            if i < N:
-                for m in range(k_first, K, TX):
-                    part += gamma[b, i, m] * grad[b, i, m]
-            red[(ty + u32(a * TY)) * u32(TX) + tx] = part
+            if i0 + r < N:
+                o = u64(row0 + r) * K64
+                m = tx
+                while m < K32:
+                    part += gamma[o + m] * grad[o + m]
+                    m = u32(m + u32(TX))
+            red[r, tx] = part
         cuda.syncthreads()
-        stride = u32(TX // 2)
-        while stride > 0:
-            if tx < stride:
-                for a in range(RM):
-                    r = (ty + u32(a * TY)) * u32(TX) + tx
-                    red[r] += red[r + stride]
-            cuda.syncthreads()
-            stride //= u32(2)
         for a in range(RM):
-            i = i0 + (ty + u32(a * TY))
-            if i < N:
-                gbar = red[(ty + u32(a * TY)) * u32(TX)]
-                for m in range(k_first, K, TX):
-                    c[b, i, m] = (grad[b, i, m] - gbar) * gamma[b, i, m]
+            r = u32(ty + u32(a * TY))
+            if i0 + r < N:
+                gbar = row_sum(red, r, TX)
+                o = u64(row0 + r) * K64
+                m = tx
+                while m < K32:
+                    c[o + m] = (grad[o + m] - gbar) * gamma[o + m]
+                    m = u32(m + u32(TX))
         cuda.syncthreads()  # c of the tile's rows written (and visible to the block), the row sums read
+        # the entries this thread stages: c at (row q // MC, component q % MC), the means at (component q // COORD_TILE,
+        # coordinate q % COORD_TILE) of each stage; a row past N reads at offset 0 (and keeps a zero)
+        for u in range(LOADS_CR):
+            q = u32(tid + u32(u * NT))
+            rr = u32(q // u32(MC))
+            c_col[u] = u32(q - rr * u32(MC))
+            c_ok[u] = i0 + rr < N
+            c_off[u] = u64(row0 + rr) * K64 + c_col[u] if c_ok[u] else u64(0)
         for jt in range(j_tiles):
-            j0 = jt * COORD_TILE
+            j0 = u32(jt * COORD_TILE)
             for a in range(RM):
-                i = i0 + (ty + u32(a * TY))
+                r = u32(ty + u32(a * TY))
                 for e in range(RJ):
-                    j = j0 + (tx + u32(e * TX))
+                    j = u32(j0 + tx + u32(e * TX))
                     acc[a, e] = zero
-                    xr[a, e] = x[b, i, j] if i < N and j < d else zero
+                    xr[a, e] = x[u64(row0 + r) * d64 + j] if i0 + r < N and j < d32 else zero
+            for u in range(LOADS_MJ):
+                q = u32(tid + u32(u * NT))
+                mm = u32(q // u32(COORD_TILE))
+                mj_row[u] = mm
+                j = u32(j0 + (q - mm * u32(COORD_TILE)))
+                mj_ok[u] = j < d32
+                mj_off[u] = u64(h * K + mm) * d64 + j
+            m0 = u32(0)
             for mc in range(m_chunks):
-                m0 = mc * MC
                 for u in range(LOADS_CR):
-                    q = tid + u32(u * NT)
-                    row = q // u32(MC)
-                    i = i0 + row
-                    m = m0 + (q - row * u32(MC))
-                    sh_c[q] = c[b, i, m] if i < N and m < K else zero
+                    inside = c_ok[u] and m0 + c_col[u] < K32
+                    sh_c[u32(tid + u32(u * NT))] = c[c_off[u] + m0] if inside else zero
                 for u in range(LOADS_MJ):
-                    q = tid + u32(u * NT)
-                    mm = q // u32(COORD_TILE)
-                    m = m0 + mm
-                    j = j0 + (q - mm * u32(COORD_TILE))
-                    inside = m < K and j < d
-                    sh_mu[q] = means[h, m, j] if inside else zero
-                    sh_p[q] = one / variances[h, m, j] if inside else zero
+                    q = u32(tid + u32(u * NT))
+                    inside = mj_ok[u] and m0 + mj_row[u] < K32
+                    sh_mu[q] = means[mj_off[u]] if inside else zero
+                    sh_p[q] = precisions[mj_off[u]] if inside else zero
+                    mj_off[u] += u64(MC) * d64
                 cuda.syncthreads()
-                for mm in range(u32(MC)):
+                # shared offsets advanced by a constant per component, never wrapped: the addresses of the unrolled
+                # steps are one register plus constants
+                oc = u64(ty * u32(MC))  # sh_c[ty, mm], then a row TY further for each a
+                om = u64(tx)  # sh_mu[mm, tx], then TX further for each e
+                oc_end = oc + u32(MC)  # MC steps: a constant trip count, the loop fully unrolled
+                while oc < oc_end:
                     for a in range(RM):
-                        cr[a] = sh_c[(ty + u32(a * TY)) * u32(MC) + mm]
+                        cr[a] = sh_c[oc + u32(a * TY * MC)]
                     for e in range(RJ):
-                        mr[e] = sh_mu[mm * u32(COORD_TILE) + tx + u32(e * TX)]
-                        pr[e] = sh_p[mm * u32(COORD_TILE) + tx + u32(e * TX)]
+                        mr[e] = sh_mu[om + u32(e * TX)]
+                        pr[e] = sh_p[om + u32(e * TX)]
                     for a in range(RM):
                         for e in range(RJ):
                             acc[a, e] += cr[a] * (mr[e] - xr[a, e]) * pr[e]
+                    oc += u32(1)
+                    om += u32(COORD_TILE)
                 cuda.syncthreads()
+                m0 = u32(m0 + u32(MC))
             for a in range(RM):
-                i = i0 + (ty + u32(a * TY))
-                for e in range(RJ):
-                    j = j0 + (tx + u32(e * TX))
-                    if i < N and j < d:
-                        dx[b, i, j] = acc[a, e]
+                r = u32(ty + u32(a * TY))
+                if i0 + r < N:
+                    o = u64(row0 + r) * d64
+                    for e in range(RJ):
+                        j = u32(j0 + tx + u32(e * TX))
+                        if j < d32:
+                            dx[o + j] = acc[a, e]
 
 
 # ctx += c.T @ xc, ctx2 += c.T @ xc**2, csum += ones @ c over the blocks of rows (refimpl.gma._responsibility_backward),
@@ -376,66 +415,61 @@ def _parameter_partials(x, c, means, variances, segment, part_mu, part_var, part
 # One thread per entry (h, m, j) of the (H, K, 2 d_r + 1) sums, over a 1-D grid (striding by the grid when there are
 # more entries): j < d_r a mean's, d_r <= j < 2 d_r a raw variance's (coordinate j - d_r), j = 2 d_r the logit's, so
 # that each thread walks one pair of partial arrays (its query and key tokens'); it adds the partials of the query
-# and the key tokens over the segments, sequence by sequence in order: deterministic.
-@kernel(lambda f: (f[:, :, :, ::1], f[:, :, :, ::1], f[:, :, ::1], f[:, :, :, ::1], f[:, :, :, ::1], f[:, :, ::1],
-                   f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, ::1]), threads=lambda f: THREADS)
-def _parameter_sums(mu_q, var_q, c_q, mu_k, var_k, c_k, variances, sigmoid_raw, dmeans, draw, dlogits):
-    zero = variances.dtype.type(0.0)
-    half = variances.dtype.type(0.5)
+# and the key tokens over the segments, sequence by sequence in order: deterministic.  The partials come flat: the
+# thread's entry is at offset ((b n_seg + s) K + m) d + j (K + m for the logits), advanced by a constant per segment.
+@kernel(lambda f: (f[::1], f[::1], f[::1], f[::1], f[::1], f[::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1],
+                   f[:, :, ::1], f[:, ::1], int64, int64, int64), threads=lambda f: THREADS)
+def _parameter_sums(mu_q, var_q, c_q, mu_k, var_k, c_k, variances, sigmoid_raw, dmeans, draw, dlogits, B, n_q, n_k):
+    f = variances.dtype.type
+    zero = f(0.0)
+    half = f(0.5)
     H, K, d = variances.shape
-    B = mu_q.shape[0]
-    n_q = mu_q.shape[1]
-    n_k = mu_k.shape[1]
     width = 2 * d + 1
     for idx in range(cuda.grid(1), H * K * width, cuda.gridsize(1)):
         j = idx % width
         m = (idx // width) % K
         h = idx // (width * K)
+        logit = j == 2 * d
+        variance = not logit and j >= d
+        jj = j - d if variance else j
+        a_q = c_q if logit else (var_q if variance else mu_q)
+        a_k = c_k if logit else (var_k if variance else mu_k)
+        stride = u64(K) if logit else u64(K) * u64(d)  # from one segment's partials to the next
+        entry = u64(m) if logit else u64(m) * u64(d) + u64(jj)
         acc = zero
-        if j == 2 * d:
-            for b in range(h, B, H):
-                tq = zero
-                for s in range(n_q):
-                    tq += c_q[b, s, m]
-                tk = zero
-                for s in range(n_k):
-                    tk += c_k[b, s, m]
-                acc += tq + tk
+        for b in range(h, B, H):
+            tq = zero
+            o = u64(b) * u64(n_q) * stride + entry
+            end = o + u64(n_q) * stride
+            while o < end:
+                tq += a_q[o]
+                o += stride
+            tk = zero
+            o = u64(b) * u64(n_k) * stride + entry
+            end = o + u64(n_k) * stride
+            while o < end:
+                tk += a_k[o]
+                o += stride
+            acc += tq + tk
+        if logit:
             dlogits[h, m] = acc
-        elif j >= d:
-            j -= d
-            for b in range(h, B, H):
-                tq = zero
-                for s in range(n_q):
-                    tq += var_q[b, s, m, j]
-                tk = zero
-                for s in range(n_k):
-                    tk += var_k[b, s, m, j]
-                acc += tq + tk
-            prec = variances.dtype.type(1.0) / variances[h, m, j]
-            draw[h, m, j] = half * acc * prec * prec * sigmoid_raw[h, m, j]
+        elif variance:
+            prec = f(1.0) / variances[h, m, jj]
+            draw[h, m, jj] = half * acc * prec * prec * sigmoid_raw[h, m, jj]
         else:
-            for b in range(h, B, H):
-                tq = zero
-                for s in range(n_q):
-                    tq += mu_q[b, s, m, j]
-                tk = zero
-                for s in range(n_k):
-                    tk += mu_k[b, s, m, j]
-                acc += tq + tk
-            dmeans[h, m, j] = acc * (variances.dtype.type(1.0) / variances[h, m, j])
+            dmeans[h, m, jj] = acc * (f(1.0) / variances[h, m, jj])
 
 
-def forward_geometry(B, N_q, N_k, K, d_r, H=1):
-    """The launches of the responsibilities in :func:`gma` and :func:`gma_forward`, a pure function of the shapes.
+def forward_geometry(B, N_q, N_k, K, d_r, H=1, dtype=np.float64):
+    """The launches of the responsibilities in :func:`gma` and :func:`gma_forward`, a pure function of the shapes and dtype.
 
     ``{name: (grid, block)}``: :func:`gpu.numba_cuda.gmm.launch_geometry` for
-    the queries (names ending in `` q``) and the keys (`` k``); the scan's
-    launches are :mod:`gpu.numba_cuda.scan`'s.
+    the queries (names ending in `` q``) and the keys (`` k``), with the
+    tiles of ``dtype``; the scan's launches are :mod:`gpu.numba_cuda.scan`'s.
     """
     out = {}
     for side, n in (("q", N_q), ("k", N_k)):
-        for name, launch in device_gmm.launch_geometry(B, n, K, d_r, H).items():
+        for name, launch in device_gmm.launch_geometry(B, n, K, d_r, H, dtype).items():
             out[f"{name} {side}"] = launch
     return out
 
@@ -461,19 +495,20 @@ def backward_geometry(B, N_q, N_k, K, d_r, H=1, segment=None):
     return out
 
 
-def launch_geometry(B, N_q, N_k, K, d_r, d_v, H=1, causal=False, chunk_size=DEFAULT_CHUNK_SIZE):
+def launch_geometry(B, N_q, N_k, K, d_r, d_v, H=1, causal=False, chunk_size=DEFAULT_CHUNK_SIZE, dtype=np.float64):
     """Every launch of :func:`gma_forward` and :func:`gma_backward` (and so of :func:`gma`), a pure function of the shapes.
 
     ``{"forward": forward_geometry(...), "scan": the scan's
     launch_geometry (gpu.numba_cuda.scan), "backward": backward_geometry(...)}``
     for ``B`` sequences of ``N_q`` queries and ``N_k`` keys, ``K``
-    components in ``d_r`` coordinates, ``d_v`` value columns, ``H`` mixtures.
+    components in ``d_r`` coordinates, ``d_v`` value columns, ``H`` mixtures,
+    in the float type ``dtype`` (the responsibilities' tiles depend on it).
     """
     chunk = min(int(chunk_size), max(1, int(N_k))) if causal else device_scan.SEGMENT
     scan = {side: device_scan.launch_geometry(B=int(B), N=int(n), F=int(K), E=int(d_v) + 1, chunk=chunk)
             for side, n in (("q", N_q), ("k", N_k))}
     return {
-        "forward": forward_geometry(B, N_q, N_k, K, d_r, H),
+        "forward": forward_geometry(B, N_q, N_k, K, d_r, H, dtype),
         "scan": scan,
         "backward": backward_geometry(B, N_q, N_k, K, d_r, H),
     }
@@ -487,27 +522,64 @@ def _flat(a, dtype, leading):
     return a.reshape(B, shape[-2], shape[-1])
 
 
-def _heads(a, per_head):
-    """A GMM array with its head axis: a shared one, ``(K, d_r)`` or ``(K,)``, as one head; a per-head one unchanged."""
-    return a if per_head else a[None]
+def _heads(a, per_head, dtype):
+    """A GMM array on the device with its head axis: a shared one, ``(K, d_r)`` or ``(K,)``, as one head; a per-head one unchanged."""
+    a = to_device(a, dtype)
+    return a if per_head else a.reshape((1,) + tuple(a.shape))
 
 
-def _forward(x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size, leading):
-    """Responsibilities and scan on the device; checks the inputs, min_quad and the denominators as refimpl does.
+# sigma^2 = softplus(s) + sigma2_min with softplus(s) = max(s, 0) + log1p(e^{-|s|}) (refimpl.numerics.softplus, the
+# form of np.logaddexp(0, s)), p = 1 / sigma^2 and sigmoid(s) = 1 / (1 + e^{-s}) (e^s / (1 + e^s) for s < 0: no
+# overflow), per entry (refimpl.gma.mixture_from_raw); log pi = (a - m) - log sum_m e^{a_m - m} per head
+# (refimpl.numerics.log_softmax).  Entries over a 1-D grid (striding by the grid), one thread per head for the weights.
+@kernel(lambda f: (f[:, :, ::1], f[:, ::1], f, f[:, :, ::1], f[:, ::1], f[:, :, ::1], f[:, :, ::1]), threads=lambda f: THREADS)
+def _mixture_from_raw(raw, logits, min_variance, variances, log_weights, sigmoid, precisions):
+    f = raw.dtype.type
+    zero = f(0.0)
+    one = f(1.0)
+    H, K, d = raw.shape
+    for idx in range(cuda.grid(1), H * K * d, cuda.gridsize(1)):
+        h = idx // (K * d)
+        rest = idx - h * K * d
+        m = rest // d
+        j = rest - m * d
+        s = raw[h, m, j]
+        e = math.exp(-abs(s))  # <= 1
+        s2 = (max(s, zero) + math.log1p(e)) + min_variance
+        variances[h, m, j] = s2
+        precisions[h, m, j] = one / s2
+        sigmoid[h, m, j] = one / (one + e) if s >= zero else e / (one + e)
+    for h in range(cuda.grid(1), H, cuda.gridsize(1)):
+        top = f(-math.inf)
+        for m in range(K):
+            top = max_keep_nan(top, logits[h, m])
+        total = zero
+        for m in range(K):
+            total += exp_shifted(logits[h, m], top)
+        log_total = math.log(total) if total > zero else f(-math.inf)  # a row of -inf: log 0 (refused by the checks)
+        for m in range(K):
+            log_weights[h, m] = (logits[h, m] - top) - log_total
 
+
+def _forward(x_q, x_k, v, m, var, lw, causal, eps, chunk_size, leading, checks, params, recheck):
+    """Responsibilities and scan on the device; checks the inputs, the parameters, min_quad and the denominators as refimpl does.
+
+    ``m``, ``var``, ``lw``: the mixture on the device, ``(H, K, d_r)`` and
+    ``(H, K)``; ``checks`` holds the parameters' checks (``params``, their
+    names; :func:`gpu.numba_cuda.gmm.queue_parameter_checks`), and
+    ``recheck()`` calls refimpl's checker on host copies of the parameters.
     Every check is gathered on the device and copied to the host once
     (:class:`~gpu.numba_cuda._device.Checks`); only a failing one copies more,
-    to word refimpl's error.
+    to word refimpl's error, in refimpl's order (the tokens, the parameters,
+    then the computed quantities).
     """
-    dtype = means.dtype
+    dtype = checks.dtype
     inputs = ((x_q, "x_q"), (x_k, "x_k"), (v, "v"))
     xq, xk, vd = (_flat(a, dtype, leading) for a, _ in inputs)
-    checks = Checks(dtype)
     # host arrays were fully checked by refimpl's checker; device arrays are checked on the device
     for (a, name), dev in zip(inputs, (xq, xk, vd)):
         if is_device_array(a):
             checks.finite(dev, name)
-    m, var, lw = (to_device(np.ascontiguousarray(a, dtype=dtype), dtype) for a in (means, variances, log_weights))
     gamma_q, min_quad_q = posterior_device(xq, m, var, lw)
     gamma_k, min_quad_k = posterior_device(xk, m, var, lw)
     out, scan = scan_forward_device(gamma_q, gamma_k, vd, causal, eps, chunk_size)
@@ -516,10 +588,12 @@ def _forward(x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size
     if eps == 0:
         checks.rows(scan.den, "den")
     raise_bad_inputs(checks.fetch(), inputs)
+    if any(checks.failed(name) for name in params):
+        recheck()
     den_bad = eps == 0 and not np.all(checks.part("den") > 0) if "den" in checks.host else False
     if checks.failed("min_quad_q") or checks.failed("min_quad_k") or den_bad:
         check_gma_results(to_host(min_quad_q).ravel(), to_host(min_quad_k).ravel(), to_host(scan.den).ravel(), eps)
-    return xq, xk, m, var, out, scan
+    return xq, xk, out, scan
 
 
 def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
@@ -548,17 +622,34 @@ def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: fl
         A device array when any input is one.
     """
     on_device = any_device(x_q, x_k, v, means, variances, weights)
+    # device parameters: refimpl's checker reads stand-ins of their shapes and dtypes; their values are checked on
+    # the device, in the call's one flag
     checked = check_gma_arguments(
-        host_view(x_q), host_view(x_k), host_view(v), *parameters_to_host(means, variances, weights), causal, eps, chunk_size
+        host_view(x_q), host_view(x_k), host_view(v), device_gmm.stand_in(means), device_gmm.stand_in(variances, "positive"),
+        device_gmm.stand_in(weights, "probability"), causal, eps, chunk_size
     )
-    hq, _, hv, means, variances, weights, causal, eps, chunk_size = checked
+    hq, _, _, hm, hv, hw, causal, eps, chunk_size = checked
     leading = hq.shape[:-2]
-    # a zero weight is a component that never wins: log 0 = -inf
-    with np.errstate(divide="ignore"):
-        log_weights = np.log(weights)
-    per_head = means.ndim == 3
-    gmm = (_heads(a, per_head) for a in (means, variances, log_weights))
-    out = _forward(x_q, x_k, v, *gmm, causal, eps, chunk_size, leading)[4]
+    dtype = hm.dtype
+    per_head = hm.ndim == 3
+    checks = Checks(dtype)
+    params = device_gmm.queue_parameter_checks(
+        checks, finite=((means, "means"),), positive=((variances, "variances"),), probability=((weights, "weights"),)
+    )
+    if is_device_array(weights):
+        log_weights = device_gmm.log_weights_device(weights, dtype)
+    else:
+        # a zero weight is a component that never wins: log 0 = -inf
+        with np.errstate(divide="ignore"):
+            log_weights = np.log(hw)
+    m, var = (_heads(a if is_device_array(a) else h, per_head, dtype) for a, h in ((means, hm), (variances, hv)))
+    lw = _heads(log_weights, per_head, dtype)
+
+    def recheck():
+        check_gma_arguments(host_view(x_q), host_view(x_k), host_view(v), *parameters_to_host(means, variances, weights),
+                            causal, eps, chunk_size)
+
+    out = _forward(x_q, x_k, v, m, var, lw, causal, eps, chunk_size, leading, checks, params, recheck)[2]
     return result(out.reshape(leading + tuple(out.shape)[1:]), on_device)
 
 
@@ -600,20 +691,45 @@ def gma_forward(
         matrices and the scan's states.
     """
     on_device = any_device(x_q, x_k, v, means, raw_variances, logits)
+    # device parameters: refimpl's checker reads stand-ins of their shapes and dtypes; their values are checked on
+    # the device, in the call's one flag
     checked = check_gma_forward_arguments(
-        host_view(x_q), host_view(x_k), host_view(v), *parameters_to_host(means, raw_variances, logits),
+        host_view(x_q), host_view(x_k), host_view(v), *(device_gmm.stand_in(a) for a in (means, raw_variances, logits)),
         causal, eps, min_variance, chunk_size,
     )
-    hq, _, _, means, raw_variances, logits, causal, eps, min_variance, chunk_size = checked
+    hq, _, _, hm, hraw, hlogits, causal, eps, min_variance, chunk_size = checked
     leading = hq.shape[:-2]
-    per_head = means.ndim == 3
-    means, raw_variances, logits = (_heads(a, per_head) for a in (means, raw_variances, logits))
-    # sigma^2 = softplus(s) + sigma2_min; log pi = log_softmax(a), per head, as refimpl.gma._gma_forward
-    variances = numerics.softplus(raw_variances) + raw_variances.dtype.type(min_variance)
-    log_weights = np.stack([numerics.log_softmax(row) for row in logits])
-    xq, xk, m, var, out, scan = _forward(x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size, leading)
-    sig = to_device(np.ascontiguousarray(expit(raw_variances)), means.dtype)
-    cache = GMADeviceCache(leading, per_head, on_device, xq, xk, m, var, sig, scan)
+    dtype = hm.dtype
+    per_head = hm.ndim == 3
+    checks = Checks(dtype)
+    params = device_gmm.queue_parameter_checks(
+        checks, finite=((means, "means"), (raw_variances, "raw_variances"), (logits, "logits"))
+    )
+    m = _heads(means if is_device_array(means) else hm, per_head, dtype)
+    if any_device(raw_variances, logits):
+        # the small GMM arrays on the device (_mixture_from_raw): nothing copied to the host
+        raw = _heads(raw_variances if is_device_array(raw_variances) else hraw, per_head, dtype)
+        lg = _heads(logits if is_device_array(logits) else hlogits, per_head, dtype)
+        var, sig, prec = (cuda.device_array(raw.shape, dtype=dtype) for _ in range(3))
+        lw = cuda.device_array(lg.shape, dtype=dtype)
+        n = max(int(raw.size), int(lg.shape[0]))
+        _mixture_from_raw[min(blocks(n, THREADS), MAX_GRID_X), THREADS](raw, lg, dtype.type(min_variance), var, lw, sig, prec)
+    else:
+        # sigma^2 = softplus(s) + sigma2_min; log pi = log_softmax(a), per head, as refimpl.gma._gma_forward
+        hraw, hlogits = (a if per_head else a[None] for a in (hraw, hlogits))
+        variances = numerics.softplus(hraw) + hraw.dtype.type(min_variance)
+        log_weights = np.stack([numerics.log_softmax(row) for row in hlogits])
+        var, lw = to_device(variances, dtype), to_device(log_weights, dtype)
+        sig = to_device(np.ascontiguousarray(expit(hraw)), dtype)
+        # p = 1 / sigma^2, for dL/dx (refimpl.gma._responsibility_backward)
+        prec = to_device(variances.dtype.type(1.0) / variances, dtype)
+
+    def recheck():
+        check_gma_forward_arguments(host_view(x_q), host_view(x_k), host_view(v),
+                                    *parameters_to_host(means, raw_variances, logits), causal, eps, min_variance, chunk_size)
+
+    xq, xk, out, scan = _forward(x_q, x_k, v, m, var, lw, causal, eps, chunk_size, leading, checks, params, recheck)
+    cache = GMADeviceCache(leading, per_head, on_device, xq, xk, m, var, prec, sig, scan)
     return result(out.reshape(leading + tuple(out.shape)[1:]), on_device), cache
 
 
@@ -655,12 +771,15 @@ def gma_backward(grad_out, cache) -> GMAGrads:
     dxs = []
     segment = device_scan.SEGMENT  # read at call time
     launches = backward_geometry(cache.x_q.shape[0], cache.x_q.shape[1], cache.x_k.shape[1], K, d, H, segment)
+    if max(K, d) >= 2**31:  # the 32-bit counters of _responsibility_rows
+        raise ValueError(f"gma_backward: K and d_r must be below 2^31, got K = {K}, d_r = {d}")
     for side, x, gamma, dgamma in (("q", cache.x_q, scan.phi_q, dphi_q), ("k", cache.x_k, scan.phi_k, dphi_k)):
         B, N, _ = x.shape
         c = cuda.device_array(gamma.shape, dtype=dtype)
         dx = cuda.device_array(x.shape, dtype=dtype)
         grid, block = launches[f"_responsibility_rows {side}"]
-        _rows_kernel(dtype)[grid, block](x, gamma, dgamma, means, variances, c, dx)
+        flat = (a.reshape(a.size) for a in (x, gamma, dgamma, means, cache.precisions, c, dx))
+        _rows_kernel(dtype)[grid, block](*flat, B, N, K, d, H)
         n_seg = blocks(N, segment)
         part_mu = cuda.device_array((B, n_seg, K, d), dtype=dtype)
         part_var = cuda.device_array((B, n_seg, K, d), dtype=dtype)
@@ -673,7 +792,9 @@ def gma_backward(grad_out, cache) -> GMAGrads:
     draw = cuda.device_array((H, K, d), dtype=dtype)
     dlogits = cuda.device_array((H, K), dtype=dtype)
     grid, block = launches["_parameter_sums"]
-    _parameter_sums[grid, block](*parts[0], *parts[1], variances, cache.sigmoid_raw, dmeans, draw, dlogits)
+    flat = [a.reshape(a.size) for a in (*parts[0], *parts[1])]
+    n_q, n_k = (p[2].shape[1] for p in parts)  # segments of the queries and of the keys
+    _parameter_sums[grid, block](*flat, variances, cache.sigmoid_raw, dmeans, draw, dlogits, cache.x_q.shape[0], n_q, n_k)
     lead = cache.leading
     if not cache.per_head:
         dmeans, draw, dlogits = dmeans.reshape(K, d), draw.reshape(K, d), dlogits.reshape(K)

@@ -36,26 +36,31 @@ Two launches per call, whatever ``B``, ``N``, ``K`` and ``d``:
    pair across the component tiles and the smallest half quadratic form; the
    pairs of a row are combined by an ordered tree in shared memory, then each
    thread rereads its own entries and normalises them (a second pass over
-   its ``N x K`` entries, no other).
+   its ``N x K`` entries, no other).  The arrays come flat: row offsets are
+   formed once per row, counters are 32-bit.
 
-The geometry of both launches is a pure function of the shapes,
+The geometry of both launches is a pure function of the shapes and dtype,
 :func:`launch_geometry`, inside every hardware limit for any ``B``, ``N`` and
 ``H``: sequences and row tiles are folded onto grid x (at most
 :data:`MAX_GRID_X` blocks; a block loops over tiles when there are more).
-The tile sizes are module constants (:data:`GPU_GEOMETRY` on a GPU,
-:data:`SIMULATOR_GEOMETRY` in the simulator); :func:`geometry` runs the GPU's
-tiles in the simulator, for tests.
+The tile sizes are compile-time constants, one build per float type on a GPU
+(:data:`GPU_GEOMETRIES`: 4 x 4 register tiles in float32, 2 x 2 in float64,
+so that both fit in 64 registers, 50% occupancy), :data:`SIMULATOR_GEOMETRY`
+in the simulator; :func:`geometry` runs the GPU's tiles in the simulator, for
+tests.
 
 Host copies
 -----------
-A public call with a device ``x`` copies one small device array to the host,
-its result-check flag: the per-block counts of non-finite entries of ``x``
-and of ``min_quad``, gathered into one buffer by
-:class:`~gpu.numba_cuda._device.Checks`.  Only when a count is not zero is
-more copied, to word the reference's error.  Device parameters (``means``,
-``variances``, ``weights``: ``K x d`` numbers) are checked by the reference's
-checker on the host, so they cost one more copy, all of them together
-(:func:`parameters_to_host`).
+A public call with a device ``x`` or device parameters copies one small
+device array to the host, its result-check flag: the per-block counts of
+non-finite entries of ``x`` and of ``min_quad``, and for device parameters
+the value checks of the reference's checker (means finite, variances finite
+and > 0, weights a probability vector: :func:`queue_parameter_checks`),
+gathered into one buffer by :class:`~gpu.numba_cuda._device.Checks`.  The
+reference's checker reads stand-ins of the device parameters' shapes and
+dtypes (:func:`stand_in`), and ``log pi`` is computed on the device.  Only
+when a count is not zero is more copied (:func:`parameters_to_host` for the
+parameters), so that the reference's own checker words the error.
 
 :func:`posterior_device` is the device-level entry point (no validation) used
 by :mod:`gpu.numba_cuda.gma`; the public functions validate with
@@ -69,20 +74,23 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
-from numba import boolean, cuda, int64, uint32
+from numba import boolean, cuda, float32, float64, int64, uint32, uint64
 
 from refimpl import validation
 from refimpl.gmm import LOG_2PI
 
 from ._device import SIMULATOR, Checks, _as_numba, any_device, blocks, host_view, is_device_array, kernel, raise_bad_inputs, result, to_device, to_host
+from . import _primitives
+from ._primitives import block_sum
 
-__all__ = ["log_responsibilities", "responsibilities", "launch_geometry", "geometry", "parameters_to_host", "GPU_GEOMETRY", "SIMULATOR_GEOMETRY"]
+__all__ = ["log_responsibilities", "responsibilities", "launch_geometry", "geometry", "constants", "tile_constants", "parameters_to_host",
+           "GPU_GEOMETRY", "GPU_GEOMETRY_F64", "GPU_GEOMETRIES", "SIMULATOR_GEOMETRY", "GEOMETRIES"]
 
 #: The tile geometry of :func:`_posterior_tiles`: a block of ``TY x TX`` threads (``Geometry.threads_y x threads_x``), each owning a
 #: ``ROWS_PER_THREAD x COMPS_PER_THREAD`` register tile, so a block tile of ``TILE_ROWS x TILE_COMPS``; the
 #: coordinates are staged in shared memory ``D_CHUNK`` at a time.
 class Geometry(NamedTuple):
-    """Tile sizes of the responsibilities kernel (module constants; :func:`geometry` switches them in the simulator)."""
+    """Tile sizes of the responsibilities kernel (compile-time constants, by dtype: :data:`GEOMETRIES`)."""
 
     rows_per_thread: int
     comps_per_thread: int
@@ -91,60 +99,93 @@ class Geometry(NamedTuple):
     d_chunk: int  # coordinates per shared-memory stage
 
 
-#: On a GPU: 16 x 16 threads of 4 x 4 register tiles, 64 x 64 block tiles, 8 coordinates per stage
-#: (shared memory: 3 x 64 x 8 tile entries + 3 x 64 x 16 reduction entries = 18 KiB in float32, 36 KiB in float64).
+#: On a GPU, in float32: 16 x 16 threads of 4 x 4 register tiles, 64 x 64 block tiles, 8 coordinates per stage
+#: (shared memory: 3 x 64 x 8 tile entries + 3 x 64 x 16 reduction entries = 18 KiB).
 GPU_GEOMETRY = Geometry(4, 4, 16, 16, 8)
+#: On a GPU, in float64: 16 x 16 threads of 2 x 2 register tiles, 32 x 32 block tiles, 8 coordinates per stage
+#: (3 x 32 x 8 + 3 x 32 x 16 doubles = 18 KiB): four doubles a thread in place of sixteen floats, so that both
+#: types fit in 64 registers (:data:`MIN_BLOCKS`).
+GPU_GEOMETRY_F64 = Geometry(2, 2, 16, 16, 8)
+#: The GPU's tiles by dtype.
+GPU_GEOMETRIES = {np.dtype(np.float32): GPU_GEOMETRY, np.dtype(np.float64): GPU_GEOMETRY_F64}
 #: In the simulator (every thread a Python thread): 2 x 4 threads of 2 x 4 register tiles, 4 x 16 block tiles,
-#: 2 coordinates a stage.
+#: 2 coordinates a stage, in both types.
 SIMULATOR_GEOMETRY = Geometry(2, 4, 4, 2, 2)
+#: The tiles the launches use, by dtype (:func:`geometry` switches them in the simulator).
+GEOMETRIES = {dt: SIMULATOR_GEOMETRY for dt in GPU_GEOMETRIES} if SIMULATOR else dict(GPU_GEOMETRIES)
 
 #: Largest grid x of a launch (sequences and row tiles are folded onto it; blocks loop when there are more tiles).
 MAX_GRID_X = 2**31 - 1
 
 
-def _set_geometry(g: Geometry) -> None:
-    # the kernel reads these module globals; on a GPU they are compile-time constants (the shared and local array
-    # shapes, the unrolled loops' bounds), so they are set once, at import
-    global RM, RK, TX, TY, DC, TILE_ROWS, TILE_COMPS, NT, SH_X, SH_C, SH_RED, LOADS_X, LOADS_C, GEOMETRY
+def tile_constants(g: Geometry) -> dict:
+    """The constants :func:`_posterior_tiles` is compiled with for the geometry ``g``: ``{"RM": ..., "TILE_ROWS": ...}``.
+
+    ``RM, RK, TX, TY, DC`` (the fields of ``g``), ``TILE_ROWS = TY RM``,
+    ``TILE_COMPS = TX RK``, ``NT = TX TY`` threads, the shared array sizes
+    ``SH_X`` ``[TILE_ROWS, DC]``, ``SH_C`` ``[DC, TILE_COMPS]``, ``SH_RED``
+    ``[TILE_ROWS, TX]``, and ``LOADS_X``, ``LOADS_C``, the entries of each
+    staged tile a thread loads.
+    """
     rm, rk, tx, ty, dc = g
     if tx & (tx - 1) or tx < 1:
         raise ValueError("Geometry: threads_x must be a power of two")
     nt = tx * ty
     if (ty * rm * dc) % nt or (dc * tx * rk) % nt:
         raise ValueError("Geometry: the shared tiles must be a multiple of the block's threads")
-    GEOMETRY = g
-    RM, RK, TX, TY, DC = rm, rk, tx, ty, dc
-    TILE_ROWS, TILE_COMPS, NT = ty * rm, tx * rk, nt
-    SH_X = TILE_ROWS * DC  # [TILE_ROWS rows, DC coordinates]
-    SH_C = DC * TILE_COMPS  # [DC coordinates, TILE_COMPS components]
-    SH_RED = TILE_ROWS * TX  # [TILE_ROWS rows, TX lanes]
-    LOADS_X = SH_X // NT  # entries of the x tile each thread loads
-    LOADS_C = SH_C // NT  # entries of each component tile each thread loads
+    tile_rows, tile_comps = ty * rm, tx * rk
+    return dict(RM=rm, RK=rk, TX=tx, TY=ty, DC=dc, TILE_ROWS=tile_rows, TILE_COMPS=tile_comps, NT=nt,
+                SH_X=tile_rows * dc, SH_C=dc * tile_comps, SH_RED=tile_rows * tx,
+                LOADS_X=tile_rows * dc // nt, LOADS_C=dc * tile_comps // nt)
 
 
-_set_geometry(SIMULATOR_GEOMETRY if SIMULATOR else GPU_GEOMETRY)
+def constants(dtype) -> dict:
+    """:func:`tile_constants` of the geometry the launches use for ``dtype`` (:data:`GEOMETRIES`)."""
+    return tile_constants(GEOMETRIES[np.dtype(dtype)])
+
 
 #: The unsigned 32-bit conversion of the kernels' shared and register offsets (``numba.uint32``); in the simulator a
 #: plain ``int``, the same value, since calling a Numba type from Python costs microseconds per offset there.
 u32 = int if SIMULATOR else uint32
+#: The unsigned 64-bit conversion of the kernels' offsets into the arrays (``numba.uint64``; a plain ``int`` in the simulator).
+u64 = int if SIMULATOR else uint64
+
+
+def device_function(fn):
+    """The device function ``fn`` of :mod:`~gpu.numba_cuda._primitives` as a kernel calls it in an inner loop.
+
+    On a GPU ``fn`` itself; in the simulator its Python function (for a
+    function that does not use ``cuda``), since a simulated device function
+    swaps the ``cuda`` module into its globals at every call (about 10 us,
+    paid per entry in an inner loop).
+    """
+    return fn.py_func if SIMULATOR else fn
+
+
+exp_shifted, max_keep_nan, softmax_combine = (device_function(getattr(_primitives, n)) for n in ("exp_shifted", "max_keep_nan", "softmax_combine"))
 
 
 @contextmanager
-def geometry(g: Geometry):
+def geometry(g):
     """Run :func:`posterior_device` with the tile geometry ``g`` (the CUDA simulator only).
 
-    The simulator reads the module's constants at every launch, so a test can
-    run the GPU's own tiles (:data:`GPU_GEOMETRY`) there; a GPU compiles them
-    into the kernel once, so this refuses to run on one.
+    ``g`` is a :class:`Geometry` for both float types, or a dict by dtype
+    (:data:`GPU_GEOMETRIES`).  The simulator builds the kernel for the
+    geometry at launch, so a test can run the GPU's own tiles there; a GPU
+    compiles them into the kernel once, so this refuses to run on one.
     """
     if not SIMULATOR:
         raise RuntimeError("gpu.numba_cuda.gmm.geometry: the tile geometry is fixed on a GPU (compile-time constants)")
-    old = GEOMETRY
-    _set_geometry(g)
+    new = {np.dtype(dt): v for dt, v in g.items()} if isinstance(g, dict) else {dt: g for dt in GEOMETRIES}
+    for v in new.values():
+        tile_constants(v)  # refuses a geometry the kernel cannot run
+    old = dict(GEOMETRIES)
+    GEOMETRIES.update(new)
     try:
         yield
     finally:
-        _set_geometry(old)
+        GEOMETRIES.clear()
+        GEOMETRIES.update(old)
 
 #: Threads per block of :func:`_component_constants`.
 THREADS = 32 if SIMULATOR else 128
@@ -165,44 +206,26 @@ def _component_constants(means, variances, log_weights, means_t, half_prec_t, lo
         log_det = f(0.0)
         for j in range(d):
             s2 = variances[h, m, j]
-            log_det += math.log(s2)
+            # log of a variance <= 0 (refused by the call's checks, read after the launches): -inf or NaN, as on a GPU
+            # (the simulator's math.log would raise)
+            log_det += math.log(s2) if s2 > 0 else (f(-math.inf) if s2 == 0 else f(math.nan))
             means_t[h, j, m] = means[h, m, j]
             half_prec_t[h, j, m] = half / s2
         log_norm[h, m] = log_weights[h, m] - half * (f(d * LOG_2PI) + log_det)
 
 
 #: Resident blocks per multiprocessor that ptxas must allow for :func:`_posterior_tiles` on a GPU (its launch bounds,
-#: with TX x TY threads per block): 4 in float32 (at most 64 registers: 32 of the 64 warps of an sm_90,
-#: 50% occupancy), 2 in float64 (at most 128 registers, 25%: a 4 x 4 register tile of doubles needs about 120 without
-#: spills).  Unbounded, ptxas takes about 106 and 118 registers: 2 and 1 blocks.  Held to 64 registers (4 blocks), the
-#: float64 build spills with every register tile tried, 1 x 1 included (ptxas -v, sm_90: 8 B stored with 1 x 1 and
-#: 16 coordinates a stage, 24 B with 2 x 2 and 8): the bound is outside the register tile (what remains there is the
-#: epilogue's exp and log in double, the per-row pairs and the addresses).
-MIN_BLOCKS = {np.dtype(np.float32): 4, np.dtype(np.float64): 2}
-_BOUNDED = {}
-
-
-def _launch_bounds(f):
-    """The compile options of :func:`_posterior_tiles` for the float type ``f``: its launch bounds."""
-    return {"launch_bounds": (NT, MIN_BLOCKS[np.dtype(str(f))])}
-
-
-def _tiles_kernel(dtype):
-    """:func:`_posterior_tiles` for ``dtype``: on a GPU compiled with its launch bounds (:func:`_launch_bounds`).
-
-    The registry (:func:`~gpu.numba_cuda._device.kernel`) holds the same
-    options, so the PTX and resource checks compile what runs.
-    """
-    if SIMULATOR:  # the simulator has no launch bounds
-        return _posterior_tiles
-    dtype = np.dtype(dtype)
-    if dtype not in _BOUNDED:
-        _BOUNDED[dtype] = cuda.jit(_posterior_tiles.py_func, **_launch_bounds(str(dtype)))
-    return _BOUNDED[dtype]
+#: with TX x TY threads per block): 4 in both types, at most 64 registers (32 of the 64 warps of an sm_90, 50%
+#: occupancy).  ptxas -v (sm_90): 64 registers and no spills in float32 (4 x 4 tiles) and in float64 (2 x 2 tiles);
+#: unbounded, 79 and 56.  A 4 x 4 tile of doubles held to 64 registers spills.
+MIN_BLOCKS = {np.dtype(np.float32): 4, np.dtype(np.float64): 4}
 
 
 # l_ik = log_norm_k - q_ik / 2 with q_ik = sum_j (x_ij - mu_kj)^2 p_kj from the differences (refimpl.gmm._exact_quadratic_form),
 # then softmax(a) = softmax(a - m) per row (refimpl.numerics.softmax / log_softmax), min_quad = min_k q_ik.
+# The arrays come flat (C order) with their shapes, as in a GEMM: the offset of a row of gamma is formed once per row,
+# the shared offsets of the inner loop advance by constants; offsets within a row and counters are unsigned 32-bit
+# (K, d < 2^31, checked by posterior_device), offsets into the arrays unsigned 64-bit (no negative-index wraparound).
 # Work: the rows of sequence b (mixture h = b % H) in tiles of TILE_ROWS, the tiles of every sequence folded onto
 # grid x (block x loops over tiles x, x + gridDim.x, ...); a block of TY x TX threads sweeps the K components in tiles
 # of TILE_COMPS. Thread (ty, tx) owns the RM x RK register tile of rows ty + a TY and components tx + c TX (a < RM,
@@ -210,168 +233,223 @@ def _tiles_kernel(dtype):
 # Shared memory, per stage of DC coordinates: x [TILE_ROWS rows, DC], the means and the half-precisions
 # [DC, TILE_COMPS] (zeros past N, K and d: a zero difference times a zero half-precision adds nothing); per step j
 # a thread reads RM + 2 RK shared entries for RM RK (sub, mul, fma): the register tile of a product, from differences.
-# Epilogue of each component tile: l = log_norm - q/2 written to gamma, and per row the online pair (m, s) with
-# s = sum exp(l - m) rescaled by exp(m_old - m_new), and min q/2 (NaN, once met, stays, in both).
+# Epilogue of each component tile: l = log_norm - q/2 written to gamma, and per row the running pair (m, s) of
+# _primitives, s = sum exp(l - m), rescaled by exp_shifted(m_old, m_new) (0 while the row is all -inf), and min q/2
+# (NaN, once met, stays, in both).
 # Then the TX lanes of each row combine their pairs by an ordered tree in shared memory [TILE_ROWS rows, TX lanes]
-# (three arrays: m, s, min q/2), and every thread rereads its own entries: exp(l - M) * (1 / S), or (l - M) - log S.
-@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, ::1], boolean, f[:, :, ::1], f[:, ::1]),
-        threads=lambda f: NT, tags=("responsibilities",), options=lambda f: _launch_bounds(f))
-def _posterior_tiles(x, means_t, half_prec_t, log_norm, log, gamma, min_quad):
-    f = x.dtype.type
-    sh_x = cuda.shared.array(SH_X, dtype=x.dtype)  # [TILE_ROWS rows, DC coordinates]
-    sh_mu = cuda.shared.array(SH_C, dtype=x.dtype)  # [DC coordinates, TILE_COMPS components]
-    sh_hp = cuda.shared.array(SH_C, dtype=x.dtype)  # [DC coordinates, TILE_COMPS components]
-    red_m = cuda.shared.array(SH_RED, dtype=x.dtype)  # [TILE_ROWS rows, TX lanes]
-    red_s = cuda.shared.array(SH_RED, dtype=x.dtype)  # [TILE_ROWS rows, TX lanes]
-    red_q = cuda.shared.array(SH_RED, dtype=x.dtype)  # [TILE_ROWS rows, TX lanes]
-    q = cuda.local.array((RM, RK), dtype=x.dtype)  # the register tile: q/2, then l
-    xr = cuda.local.array(RM, dtype=x.dtype)
-    mr = cuda.local.array(RK, dtype=x.dtype)
-    hr = cuda.local.array(RK, dtype=x.dtype)
-    B, N, d = x.shape
-    H = means_t.shape[0]
-    K = means_t.shape[2]
-    # shared and register offsets are unsigned 32-bit: < TILE_ROWS * TX and DC * TILE_COMPS, bounded by the geometry
-    # (a few thousand), and unsigned indices skip Numba's negative-index wraparound
-    tx = u32(cuda.threadIdx.x)
-    ty = u32(cuda.threadIdx.y)
-    tid = ty * u32(TX) + tx
-    neg_inf = f(-math.inf)
-    zero = f(0.0)
-    one = f(1.0)
-    tiles_n = (N + TILE_ROWS - 1) // TILE_ROWS
-    k_tiles = (K + TILE_COMPS - 1) // TILE_COMPS
-    d_chunks = max(1, (d + DC - 1) // DC)
-    k_first = int64(tx)  # at least one stage (d = 0): its barriers order the tiles' shared memory
-    for tile in range(cuda.blockIdx.x, B * tiles_n, cuda.gridDim.x):
-        b = tile // tiles_n
-        i0 = (tile - b * tiles_n) * TILE_ROWS
-        h = b % H
-        # the thread's running (max of l, sum of exp(l - max), min of q/2) per row, in its own slot of the row's lanes
-        for a in range(RM):
-            r = (ty + u32(a * TY)) * u32(TX) + tx
-            red_m[r] = neg_inf
-            red_s[r] = zero
-            red_q[r] = f(math.inf)
-        for kt in range(k_tiles):
-            k0 = kt * TILE_COMPS
+# (softmax_combine; three arrays: m, s, min q/2), and every thread rereads its own entries: exp(l - M) * (1 / S), or
+# (l - M) - log S.
+def _tiles_signature(f):
+    # x, means_t, half_prec_t, log_norm flat (C order), log, gamma, min_quad flat; then B, N, K, d, H
+    return (f[::1], f[::1], f[::1], f[::1], boolean, f[::1], f[::1], int64, int64, int64, int64, int64)
+
+
+def _build_posterior_tiles(g: Geometry, f=None):
+    """:func:`_posterior_tiles` compiled for the tiles ``g`` (:func:`tile_constants`: compile-time constants).
+
+    On a GPU (``f`` the Numba float type the tiles are for) it is registered
+    for ``f`` alone (``gmm._posterior_tiles[float32]``, ``[float64]``), with
+    the launch bounds of :data:`MIN_BLOCKS`, so that the PTX and resource
+    checks compile what runs; in the simulator (``f`` None) for both types,
+    without bounds.
+    """
+    c = tile_constants(g)
+    RM, RK, TX, TY, DC = c["RM"], c["RK"], c["TX"], c["TY"], c["DC"]
+    TILE_ROWS, TILE_COMPS, NT = c["TILE_ROWS"], c["TILE_COMPS"], c["NT"]
+    SH_X, SH_C, SH_RED, LOADS_X, LOADS_C = c["SH_X"], c["SH_C"], c["SH_RED"], c["LOADS_X"], c["LOADS_C"]
+    options = None if f is None else {"launch_bounds": (NT, MIN_BLOCKS[np.dtype(str(f))])}
+    dtypes = None if f is None else (f,)
+
+    @kernel(_tiles_signature, threads=NT, tags=("responsibilities",), options=options, dtypes=dtypes)
+    def _posterior_tiles(x, means_t, half_prec_t, log_norm, log, gamma, min_quad, B, N, K, d, H):
+        f = x.dtype.type
+        sh_x = cuda.shared.array(SH_X, dtype=x.dtype)  # [TILE_ROWS rows, DC coordinates]
+        sh_mu = cuda.shared.array(SH_C, dtype=x.dtype)  # [DC coordinates, TILE_COMPS components]
+        sh_hp = cuda.shared.array(SH_C, dtype=x.dtype)  # [DC coordinates, TILE_COMPS components]
+        red_m = cuda.shared.array(SH_RED, dtype=x.dtype)  # [TILE_ROWS rows, TX lanes]
+        red_s = cuda.shared.array(SH_RED, dtype=x.dtype)  # [TILE_ROWS rows, TX lanes]
+        red_q = cuda.shared.array(SH_RED, dtype=x.dtype)  # [TILE_ROWS rows, TX lanes]
+        q = cuda.local.array((RM, RK), dtype=x.dtype)  # the register tile: q/2, then l
+        xr = cuda.local.array(RM, dtype=x.dtype)
+        mr = cuda.local.array(RK, dtype=x.dtype)
+        hr = cuda.local.array(RK, dtype=x.dtype)
+        K32 = u32(K)
+        d32 = u32(d)
+        K64 = u64(K)
+        d64 = u64(d)
+        # shared and register offsets are unsigned 32-bit: < TILE_ROWS * TX and DC * TILE_COMPS, bounded by the geometry
+        # (a few thousand), and unsigned indices skip Numba's negative-index wraparound
+        tx = u32(cuda.threadIdx.x)
+        ty = u32(cuda.threadIdx.y)
+        tid = u32(ty * u32(TX) + tx)
+        neg_inf = f(-math.inf)
+        zero = f(0.0)
+        one = f(1.0)
+        tiles_n = (N + TILE_ROWS - 1) // TILE_ROWS
+        k_tiles = (K + TILE_COMPS - 1) // TILE_COMPS
+        d_chunks = max(1, (d + DC - 1) // DC)  # at least one stage (d = 0): its barriers order the tiles' shared memory
+        for tile in range(cuda.blockIdx.x, B * tiles_n, cuda.gridDim.x):
+            b = tile // tiles_n
+            i0 = (tile - b * tiles_n) * TILE_ROWS
+            h = b % H
+            row0 = b * N + i0  # the tile's first row among the B N rows
+            # the thread's running (max of l, sum of exp(l - max), min of q/2) per row, in its own slot of the row's lanes
             for a in range(RM):
-                for c in range(RK):
-                    q[a, c] = zero
-            for dc in range(d_chunks):
-                j0 = dc * DC
-                for u in range(LOADS_X):
-                    e = tid + u32(u * NT)
-                    row = e // u32(DC)
-                    jj = e - row * u32(DC)
-                    i = i0 + row
-                    j = j0 + jj
-                    sh_x[e] = x[b, i, j] if i < N and j < d else zero
-                for u in range(LOADS_C):
-                    e = tid + u32(u * NT)
-                    jj = e // u32(TILE_COMPS)
-                    k = k0 + (e - jj * u32(TILE_COMPS))
-                    j = j0 + jj
-                    inside = k < K and j < d
-                    sh_mu[e] = means_t[h, j, k] if inside else zero
-                    sh_hp[e] = half_prec_t[h, j, k] if inside else zero
-                cuda.syncthreads()
-                for jj in range(u32(DC)):
-                    for a in range(RM):
-                        xr[a] = sh_x[(ty + u32(a * TY)) * u32(DC) + jj]
-                    for c in range(RK):
-                        mr[c] = sh_mu[jj * u32(TILE_COMPS) + tx + u32(c * TX)]
-                        hr[c] = sh_hp[jj * u32(TILE_COMPS) + tx + u32(c * TX)]
-                    for a in range(RM):
-                        for c in range(RK):
-                            diff = xr[a] - mr[c]
-                            q[a, c] += diff * diff * hr[c]
-                cuda.syncthreads()
-            for a in range(RM):
-                r = (ty + u32(a * TY)) * u32(TX) + tx
-                i = i0 + (ty + u32(a * TY))
-                tile_m = red_m[r]
-                min_q = red_q[r]
-                for c in range(RK):
-                    k = k0 + (tx + u32(c * TX))
-                    if k < K:
-                        hq = q[a, c]
-                        if hq < min_q or hq != hq:
-                            min_q = hq
-                        lk = log_norm[h, k] - hq
-                        q[a, c] = lk
-                        if lk > tile_m or lk != lk:  # NaN, once met, stays (and makes the row's sum NaN)
-                            tile_m = lk
-                        if i < N:
-                            gamma[b, i, k] = lk
-                red_q[r] = min_q
-                if tile_m != neg_inf:  # all -inf so far: nothing to add (and no -inf - (-inf))
-                    s = red_s[r] * math.exp(red_m[r] - tile_m)
-                    for c in range(RK):
-                        if k0 + (tx + u32(c * TX)) < K:
-                            s += math.exp(q[a, c] - tile_m)
-                    red_s[r] = s
-                    red_m[r] = tile_m
-        cuda.syncthreads()
-        stride = u32(TX // 2)
-        while stride > 0:
-            if tx < stride:
+                r = u32(u32(ty + u32(a * TY)) * u32(TX) + tx)
+                red_m[r] = neg_inf
+                red_s[r] = zero
+                red_q[r] = f(math.inf)
+            for kt in range(k_tiles):
+                k0 = u32(kt * TILE_COMPS)
                 for a in range(RM):
-                    r = (ty + u32(a * TY)) * u32(TX) + tx
-                    m_a = red_m[r]
-                    m_b = red_m[r + stride]
-                    if m_b > m_a:
-                        red_s[r] = red_s[r] * math.exp(m_a - m_b) + red_s[r + stride]
-                        red_m[r] = m_b
-                    elif m_b != neg_inf:
-                        red_s[r] = red_s[r] + red_s[r + stride] * math.exp(m_b - m_a)
-                    q_b = red_q[r + stride]
-                    if q_b < red_q[r] or q_b != q_b:
-                        red_q[r] = q_b
+                    for c in range(RK):
+                        q[a, c] = zero
+                j0 = u32(0)
+                for dc in range(d_chunks):
+                    # the x entries this thread stages: row e // DC, coordinate j0 + e % DC
+                    for u in range(LOADS_X):
+                        e = u32(tid + u32(u * NT))
+                        rr = u32(e // u32(DC))
+                        j = u32(j0 + (e - rr * u32(DC)))
+                        inside = i0 + rr < N and j < d32
+                        sh_x[e] = x[u64(row0 + rr) * d64 + j] if inside else zero
+                    # the component entries: coordinate j0 + e // TILE_COMPS, component k0 + e % TILE_COMPS, of [H, d, K]
+                    for u in range(LOADS_C):
+                        e = u32(tid + u32(u * NT))
+                        jj = u32(e // u32(TILE_COMPS))
+                        j = u32(j0 + jj)
+                        k = u32(k0 + (e - jj * u32(TILE_COMPS)))
+                        inside = k < K32 and j < d32
+                        o = u64(h * d + j) * K64 + k
+                        sh_mu[e] = means_t[o] if inside else zero
+                        sh_hp[e] = half_prec_t[o] if inside else zero
+                    cuda.syncthreads()
+                    # shared offsets advanced by a constant per coordinate, never wrapped: the addresses of the unrolled
+                    # steps are one register plus constants
+                    for jj in range(u32(DC)):
+                        for a in range(RM):
+                            xr[a] = sh_x[(ty + u32(a * TY)) * u32(DC) + jj]
+                        for c in range(RK):
+                            mr[c] = sh_mu[jj * u32(TILE_COMPS) + tx + u32(c * TX)]
+                            hr[c] = sh_hp[jj * u32(TILE_COMPS) + tx + u32(c * TX)]
+                        for a in range(RM):
+                            for c in range(RK):
+                                diff = xr[a] - mr[c]
+                                q[a, c] += diff * diff * hr[c]
+                    cuda.syncthreads()
+                    j0 = u32(j0 + u32(DC))
+                for a in range(RM):
+                    r = u32(ty + u32(a * TY))
+                    slot = u32(r * u32(TX) + tx)
+                    go = u64(row0 + r) * K64  # row i of gamma
+                    row_in = i0 + r < N
+                    m_old = red_m[slot]
+                    tile_m = m_old
+                    min_q = red_q[slot]
+                    for c in range(RK):
+                        k = u32(k0 + tx + u32(c * TX))
+                        if k < K32:
+                            hq = q[a, c]
+                            if hq < min_q or hq != hq:
+                                min_q = hq
+                            lk = log_norm[u64(h) * K64 + k] - hq
+                            q[a, c] = lk
+                            tile_m = max_keep_nan(tile_m, lk)  # NaN, once met, stays (and makes the row's sum NaN)
+                            if row_in:
+                                gamma[go + k] = lk
+                    red_q[slot] = min_q
+                    # (m, s) absorbs the tile's entries: s' = e^{m - m'} s + sum_c e^{l_c - m'}
+                    s = exp_shifted(m_old, tile_m) * red_s[slot]
+                    for c in range(RK):
+                        if u32(k0 + tx + u32(c * TX)) < K32:
+                            s += exp_shifted(q[a, c], tile_m)
+                    red_s[slot] = s
+                    red_m[slot] = tile_m
             cuda.syncthreads()
-            stride //= u32(2)
-        for a in range(RM):
-            r = (ty + u32(a * TY)) * u32(TX)
-            i = i0 + (ty + u32(a * TY))
-            if i < N:
-                big_m = red_m[r]
-                big_s = red_s[r]
-                if tx == 0:
-                    min_quad[b, i] = f(2.0) * red_q[r]
-                if log:
-                    log_s = neg_inf  # log 0 = -inf (a row of -inf logits), as on the device; math.log(0) would raise in the simulator
-                    if big_s != zero:
-                        log_s = math.log(big_s)
-                    for k in range(k_first, K, TX):
-                        gamma[b, i, k] = (gamma[b, i, k] - big_m) - log_s
-                else:
-                    inv_s = one / big_s
-                    for k in range(k_first, K, TX):
-                        gamma[b, i, k] = math.exp(gamma[b, i, k] - big_m) * inv_s
-        cuda.syncthreads()  # every thread has read the row's (M, S) before the next tile resets its lanes
+            stride = u32(TX // 2)
+            while stride > 0:
+                if tx < stride:
+                    for a in range(RM):
+                        r = u32(u32(ty + u32(a * TY)) * u32(TX) + tx)
+                        m_new, s_new = softmax_combine(red_m[r], red_s[r], red_m[r + stride], red_s[r + stride])
+                        red_m[r] = m_new
+                        red_s[r] = s_new
+                        q_b = red_q[r + stride]
+                        if q_b < red_q[r] or q_b != q_b:
+                            red_q[r] = q_b
+                cuda.syncthreads()
+                stride = u32(stride // u32(2))
+            for a in range(RM):
+                r = u32(ty + u32(a * TY))
+                if i0 + r < N:
+                    lane0 = u32(r * u32(TX))
+                    big_m = red_m[lane0]
+                    big_s = red_s[lane0]
+                    go = u64(row0 + r) * K64
+                    if tx == 0:
+                        min_quad[u64(row0 + r)] = f(2.0) * red_q[lane0]
+                    k = tx
+                    if log:
+                        log_s = neg_inf  # log 0 = -inf (a row of -inf logits), as on the device; math.log(0) would raise in the simulator
+                        if big_s != zero:
+                            log_s = math.log(big_s)
+                        while k < K32:
+                            gamma[go + k] = (gamma[go + k] - big_m) - log_s
+                            k = u32(k + u32(TX))
+                    else:
+                        inv_s = one / big_s
+                        while k < K32:
+                            gamma[go + k] = math.exp(gamma[go + k] - big_m) * inv_s
+                            k = u32(k + u32(TX))
+            cuda.syncthreads()  # every thread has read the row's (M, S) before the next tile resets its lanes
+
+    return _posterior_tiles
 
 
-def launch_geometry(B, N, K, d, H=1):
-    """The launches of :func:`posterior_device`: ``{kernel name: (grid, block)}``, a pure function of the shapes.
+#: The builds of :func:`_posterior_tiles`: by dtype on a GPU, by geometry in the simulator.
+if SIMULATOR:
+    _TILES = {SIMULATOR_GEOMETRY: _build_posterior_tiles(SIMULATOR_GEOMETRY)}
+else:
+    _TILES = {np.dtype(str(f)): _build_posterior_tiles(GPU_GEOMETRIES[np.dtype(str(f))], f) for f in (float32, float64)}
+
+
+def _tiles_kernel(dtype):
+    """:func:`_posterior_tiles` for ``dtype``: on a GPU its build (its tiles, its launch bounds); in the simulator the
+    build for the geometry of :data:`GEOMETRIES` (made at the first launch with it)."""
+    dtype = np.dtype(dtype)
+    if not SIMULATOR:
+        return _TILES[dtype]
+    g = GEOMETRIES[dtype]
+    if g not in _TILES:
+        _TILES[g] = _build_posterior_tiles(g)
+    return _TILES[g]
+
+
+def launch_geometry(B, N, K, d, H=1, dtype=np.float64):
+    """The launches of :func:`posterior_device`: ``{kernel name: (grid, block)}``, a pure function of the shapes and dtype.
 
     Every grid is 1-D and at most :data:`MAX_GRID_X` blocks (the kernels loop
     over their tiles or entries when there are more); the blocks have
-    ``TX x TY`` (or :data:`THREADS`) threads.
+    ``TX x TY`` (or :data:`THREADS`) threads, with the tiles of ``dtype``
+    (:data:`GEOMETRIES`).
 
     Parameters
     ----------
     B, N, K, d, H : int
         Sequences, points per sequence, components, coordinates, mixtures.
+    dtype : dtype, default float64
+        The float type of the call.
     """
-    tiles = int(B) * blocks(N, TILE_ROWS)
+    c = constants(dtype)
+    tiles = int(B) * blocks(N, c["TILE_ROWS"])
     return {
         "_component_constants": (min(blocks(int(H) * int(K), THREADS), MAX_GRID_X), THREADS),
-        "_posterior_tiles": (max(1, min(tiles, MAX_GRID_X)), (TX, TY)),
+        "_posterior_tiles": (max(1, min(tiles, MAX_GRID_X)), (c["TX"], c["TY"])),
     }
 
 
 def posterior_device(x, means, variances, log_weights, *, log=False):
-    """Core: the responsibilities of ``B`` sequences under ``H`` mixtures, on the device; no validation, no raise.
+    """Core: the responsibilities of ``B`` sequences under ``H`` mixtures, on the device; no validation of the values.
 
     Parameters
     ----------
@@ -403,14 +481,17 @@ def posterior_device(x, means, variances, log_weights, *, log=False):
     min_quad = cuda.device_array((B, N), dtype=dtype)
     if B * N == 0 or K == 0:
         return gamma, min_quad
+    if max(K, d) >= 2**31:  # the 32-bit counters of _posterior_tiles
+        raise ValueError(f"posterior_device: K and d must be below 2^31, got K = {K}, d = {d}")
     means_t = cuda.device_array((H, d, K), dtype=dtype)
     half_prec_t = cuda.device_array((H, d, K), dtype=dtype)
     log_norm = cuda.device_array((H, K), dtype=dtype)
-    launches = launch_geometry(B, N, K, d, H)
+    launches = launch_geometry(B, N, K, d, H, dtype)
     grid, block = launches["_component_constants"]
     _component_constants[grid, block](means, variances, log_weights, means_t, half_prec_t, log_norm)
     grid, block = launches["_posterior_tiles"]
-    _tiles_kernel(dtype)[grid, block](x, means_t, half_prec_t, log_norm, bool(log), gamma, min_quad)
+    flat = [a.reshape(a.size) for a in (x, means_t, half_prec_t, log_norm)]
+    _tiles_kernel(dtype)[grid, block](*flat, bool(log), gamma.reshape(gamma.size), min_quad.reshape(min_quad.size), B, N, K, d, H)
     return gamma, min_quad
 
 
@@ -446,32 +527,170 @@ def parameters_to_host(*arrays):
     return out
 
 
+# ---------------------------------------------------------------------------
+# Device GMM parameters: refimpl's value checks on the device, in the call's one result-check flag
+# ---------------------------------------------------------------------------
+
+
+# counts[block] = number of entries of x[block T : (block + 1) T] that are not finite or not > 0 (the finiteness of
+# refimpl.validation.as_float_array and check_positive); thread t owns one entry, the block adds its flags by a tree
+# (block_sum: the same order on every run, no atomics).
+@kernel(lambda f: (f[::1], f[::1]), threads=lambda f: THREADS)
+def _count_not_positive(x, counts):
+    flags = cuda.shared.array(THREADS, dtype=x.dtype)
+    t = cuda.threadIdx.x
+    i = cuda.blockIdx.x * cuda.blockDim.x + t
+    flags[t] = x.dtype.type(0.0)
+    if i < x.shape[0]:
+        v = x[i]
+        if not (v > 0 and v < math.inf):  # NaN fails both comparisons, +inf the second
+            flags[t] = x.dtype.type(1.0)
+    cuda.syncthreads()
+    total = block_sum(flags, cuda.blockDim.x, t)
+    if t == 0:
+        counts[cuda.blockIdx.x] = total
+
+
+# flags[h] = 1 when row h of w is not a probability vector (refimpl.validation.check_probability_vector, with the
+# finiteness of as_float_array): an entry not finite or < 0, or |sum_m w_hm - 1| > atol / 2, the sum in float64.  Half
+# the tolerance: the device only screens, and a row near the bound is checked again by refimpl on the host, which decides.
+# One thread per row.
+@kernel(lambda f: (f[:, ::1], float64, f[::1]), threads=lambda f: THREADS)
+def _probability_flags(w, atol, flags):
+    H, K = w.shape
+    for h in range(cuda.grid(1), H, cuda.gridsize(1)):
+        bad = False
+        total = float64(0.0)
+        for m in range(K):
+            v = w[h, m]
+            if not (v >= 0 and v < math.inf):
+                bad = True
+            total += float64(v)
+        if abs(total - float64(1.0)) > float64(0.5) * atol:
+            bad = True
+        flags[h] = w.dtype.type(1.0) if bad else w.dtype.type(0.0)
+
+
+# log pi = log(w) (refimpl.gmm: a zero weight is a component that never wins, log 0 = -inf), elementwise; NaN for a
+# negative weight (refused by the checks of the same call).
+@kernel(lambda f: (f[::1], f[::1]), threads=lambda f: THREADS)
+def _log_weights(w, out):
+    for i in range(cuda.grid(1), w.shape[0], cuda.gridsize(1)):
+        v = w[i]
+        if v > 0:
+            out[i] = math.log(v)
+        elif v == 0:
+            out[i] = w.dtype.type(-math.inf)
+        else:
+            out[i] = w.dtype.type(math.nan)
+
+
+def stand_in(a, kind=None):
+    """What refimpl's checker reads in place of the device array ``a``: its shape and dtype, values that pass.
+
+    Host arrays are returned unchanged.  For a device array, a zero-stride
+    host array of its shape and dtype (no copy): zeros, or with ``kind``
+    ``"positive"`` ones (variances), ``"probability"`` ``1 / K`` along the
+    last axis (weights).  The checker then words every shape and dtype error
+    as for host arrays; the values are checked on the device
+    (:func:`queue_parameter_checks`).
+    """
+    view = host_view(a)
+    if not is_device_array(a) or kind is None or view.dtype.kind != "f" or view.ndim == 0:
+        return view
+    K = view.shape[-1]
+    value = 1.0 if kind == "positive" else (1.0 / K if K else 0.0)
+    return np.broadcast_to(np.asarray(value, dtype=view.dtype), view.shape)
+
+
+def queue_parameter_checks(checks, finite=(), positive=(), probability=()):
+    """Queue in ``checks`` the value checks refimpl's checkers make of the device arrays among the parameters.
+
+    ``finite``, ``positive`` and ``probability`` are ``(array, name)`` pairs:
+    entries finite (:func:`refimpl.validation.as_float_array`), finite and
+    > 0 (:func:`~refimpl.validation.check_positive`), rows of a probability
+    vector (:func:`~refimpl.validation.check_probability_vector`, the last
+    axis).  Host arrays are skipped (refimpl's checker has read them).  The
+    counts join the call's other checks, copied to the host once
+    (:meth:`~gpu.numba_cuda._device.Checks.fetch`).
+
+    Returns
+    -------
+    list of str
+        The names of the checks queued: when one fails
+        (:meth:`~gpu.numba_cuda._device.Checks.failed`), the caller copies
+        the parameters to the host and calls refimpl's checker, which words
+        the error.
+    """
+    names = []
+    for a, name in finite:
+        if is_device_array(a) and _as_numba(a).size:
+            checks.finite(to_device(a, checks.dtype), name)
+            names.append(name)
+    for a, name in positive:
+        if is_device_array(a) and _as_numba(a).size:
+            flat = to_device(a, checks.dtype).reshape(_as_numba(a).size)
+            n_blocks = blocks(flat.size, THREADS)
+            counts = cuda.device_array(n_blocks, dtype=checks.dtype)
+            _count_not_positive[n_blocks, THREADS](flat, counts)
+            checks.rows(counts, name)
+            names.append(name)
+    for a, name in probability:
+        if is_device_array(a) and _as_numba(a).size:
+            w = _as_numba(a)
+            K = tuple(w.shape)[-1]
+            # the tolerance of check_probability_vector for a row of w's own dtype
+            atol = float(np.sqrt(np.finfo(w.dtype).eps)) * max(1, K)
+            rows = to_device(w, checks.dtype).reshape(w.size // K, K)
+            flags = cuda.device_array(rows.shape[0], dtype=checks.dtype)
+            _probability_flags[min(blocks(rows.shape[0], THREADS), MAX_GRID_X), THREADS](rows, atol, flags)
+            checks.rows(flags, name)
+            names.append(name)
+    return names
+
+
+def log_weights_device(weights, dtype):
+    """``log(weights)`` of a device array on the device (:func:`_log_weights`), of its shape."""
+    w = to_device(weights, dtype)
+    out = cuda.device_array(w.shape, dtype=dtype)
+    if w.size:
+        _log_weights[min(blocks(w.size, THREADS), MAX_GRID_X), THREADS](w.reshape(w.size), out.reshape(w.size))
+    return out
+
+
 def _checked_posterior(x, means, variances, weights, log):
     """Validate as :mod:`refimpl.gmm` does, run :func:`posterior_device` with ``B = H = 1``, check ``min_quad``.
 
-    The checks (a device ``x``'s finiteness, ``min_quad``) are counted on the
-    device and copied to the host once (:class:`~gpu.numba_cuda._device.Checks`);
-    device parameters are copied once more, together (:func:`parameters_to_host`).
+    Every value check of a device array (``x``'s finiteness, the
+    parameters', ``min_quad``) is counted on the device and copied to the
+    host once (:class:`~gpu.numba_cuda._device.Checks`); only a failing one
+    copies more, to word refimpl's error.
     """
     on_device = any_device(x, means, variances, weights)
-    _, means, variances, weights = validation.check_gmm(host_view(x), *parameters_to_host(means, variances, weights))
-    dtype = means.dtype
+    _, hm, hv, hw = validation.check_gmm(host_view(x), stand_in(means), stand_in(variances, "positive"),
+                                         stand_in(weights, "probability"))
+    dtype = hm.dtype
     x_in = x
     x = to_device(x, dtype)
     checks = Checks(dtype)
     if is_device_array(x_in):
         checks.finite(x, "x")
+    params = queue_parameter_checks(checks, finite=((means, "means"),), positive=((variances, "variances"),),
+                                    probability=((weights, "weights"),))
     N, d = x.shape
-    K = means.shape[0]
-    # a zero weight is a component that never wins: log 0 = -inf
-    with np.errstate(divide="ignore"):
-        log_weights = np.log(weights)
-    gamma, min_quad = posterior_device(
-        x.reshape(1, N, d), to_device(means[None], dtype), to_device(variances[None], dtype),
-        to_device(log_weights[None], dtype), log=log,
-    )
+    K = hm.shape[0]
+    m, var = (to_device(a if is_device_array(a) else h, dtype) for a, h in ((means, hm), (variances, hv)))
+    if is_device_array(weights):
+        lw = log_weights_device(weights, dtype)
+    else:
+        # a zero weight is a component that never wins: log 0 = -inf
+        with np.errstate(divide="ignore"):
+            lw = to_device(np.log(hw), dtype)
+    gamma, min_quad = posterior_device(x.reshape(1, N, d), m.reshape(1, K, d), var.reshape(1, K, d), lw.reshape(1, K), log=log)
     checks.finite(min_quad, "min_quad")
     raise_bad_inputs(checks.fetch(), ((x_in, "x"),))
+    if any(checks.failed(name) for name in params):
+        validation.check_gmm(host_view(x_in), *parameters_to_host(means, variances, weights))
     if checks.failed("min_quad"):
         validation.check_scaled_distances(min_quad.copy_to_host()[0], "x")
     return result(gamma.reshape(N, K), on_device)

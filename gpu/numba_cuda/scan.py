@@ -22,8 +22,26 @@ Nothing of size ``N x F x d_v`` or ``N x N`` is formed: the states are
 
 Launch plan
 -----------
-Every product-shaped kernel runs blocks of ``TILE x TILE`` threads with
-``TILE x TILE`` shared-memory tiles.  Every grid comes from
+The two product kernels, :func:`_chunk_states` (the write) and
+:func:`_chunk_rows` (the read and the masked within-chunk term), are
+register-tiled like a matrix product: a block of ``TX x TY`` threads owns a
+``TILE_ROWS x TILE_COLS`` tile of outputs, each thread a ``RM x RN``
+register tile of it (rows ``ty + a TY``, columns ``tx + k TX``), and the
+operands are staged in shared memory ``DC`` reduction entries at a time,
+loaded by the whole block along contiguous addresses.  Per reduction entry a
+thread reads ``RM + RN`` shared entries for ``RM RN`` fused multiply-adds
+(8 for 16 on a GPU, against 2 for 1 with one output a thread).  The kernels
+take flat views of their arrays: each computes the flat offsets of its tile
+once, advances them by a stage at each stage, and adds to them the fixed
+offsets of the entries its thread loads.  Shared and register offsets are
+unsigned 32-bit, bounded by the geometry (below
+``TILE_ROWS (TILE_KEYS + 1)``: 2,112 on a GPU); the global offsets stay
+64-bit, since an array's ``B N F`` entries can pass ``2^32`` (one sequence
+of ``N = 2^24`` tokens by ``F = 256`` does).  The tile sizes are module
+constants (:data:`GPU_GEOMETRY` on a GPU, :data:`SIMULATOR_GEOMETRY` in the
+simulator); :func:`geometry` runs the GPU's tiles in the simulator, for
+tests.  :func:`_chunk_rows` is compiled with launch bounds
+(:data:`MIN_BLOCKS`).  Every grid comes from
 :func:`launch_geometry`, a pure function of the shapes: its ``x`` axis runs
 over the work of one sequence, ``y`` and ``z`` over the sequences
 (:func:`~gpu.numba_cuda._primitives.sequence_axes`), all within the
@@ -32,7 +50,8 @@ hardware's limits for any ``N`` and ``B``.
 1. :func:`_ones_column`: ``V_1 = [V, 1]``, one thread per entry.
 2. :func:`_chunk_states`: per chunk (causal) or segment (bidirectional), the
    ``F x E`` partial :math:`\Phi_{K,c}^\top V_{1,c}`, one block per chunk and
-   ``TILE x TILE`` output tile, looping over the chunk's tokens in tiles.
+   ``TILE_ROWS x TILE_COLS`` tile of ``(f, e)``, over the chunk's tokens
+   ``DC`` at a time.
 3. The scan over the ``n = N / C`` chunk states, for every state entry
    ``(b, f, e)`` at once (forward, or reversed for the backward's sweep over
    the later chunks): :func:`_scan_spans` cuts the chunks into spans of
@@ -46,17 +65,44 @@ hardware's limits for any ``N`` and ``B``.
    ``L - 1`` of :func:`_add_offsets`), each ``2 log2(SPAN)`` steps of the
    tree: :math:`O(\log n)` steps in all, against ``n`` for a loop over the
    chunks.  Work: :math:`O(n)` additions per state entry (``2 n`` in the
-   trees, ``n`` for the offsets, and ``n / SPAN`` at the next level).  The
-   pairs combined depend on the launch configuration only, so two runs give
-   the same bits; there are no atomics anywhere.
-4. :func:`_chunk_rows`: one block per ``TILE`` rows of one chunk: the rows
-   times their chunk's state, then, when causal, the masked
-   ``TILE x TILE`` score tiles of the chunk times the values' tiles.
+   trees, ``n`` for the offsets, and ``n / SPAN`` at the next level).
+4. :func:`_chunk_rows`: one block per ``TILE_ROWS`` rows of one chunk and
+   ``TILE_COLS`` output columns: the rows times their chunk's state, then,
+   when causal, the masked ``TILE_ROWS x TILE_KEYS`` score tiles of the
+   chunk (a second, ``RM x RS`` register tile, kept in shared memory once
+   masked) times the values' tiles.  The scores (``C n_pair``
+   multiply-adds a row at most) are computed again by each of the
+   ``ceil(n_out / TILE_COLS)`` column tiles of the same rows, and
+   ``E = d_v + 1`` columns make one column tile more than ``d_v`` does
+   (``d_v = 64``: a second tile of one column): the price of an output tile
+   held in registers.
 5. :func:`_normalise` and :func:`_scaled_grads`: one thread per entry.
 
 Launches: the forward makes ``4 + (2 L - 1)`` (causal) or ``3 + L_seg``
 (bidirectional, over segments of :data:`SEGMENT` tokens); the backward
-``5 + (2 L - 1)`` or ``5 + L_seg``.
+``5 + (2 L - 1)`` or ``5 + L_seg``.  Every sum runs in an order fixed by the
+shapes and the geometry (the tokens, the entries ``h`` and the key tiles in
+ascending order; the tree's pairs), so two runs give the same bits; there
+are no atomics anywhere.
+
+No fusion with the responsibilities
+-----------------------------------
+In GMA, :math:`\Phi = \Gamma`, the responsibilities
+(:mod:`gpu.numba_cuda.gmm`).  Fusing the write or the read into them would
+save one pass over ``N x K`` only, and neither way pays.  At ``N = 2^20``,
+``K = 256``, ``d = 64``, ``d_v = 64`` in float32 on an H200 (4.8 TB/s,
+67 TFLOP/s): one pass over :math:`\Gamma` is ``4 N K = 1.07 GB``, 0.22 ms.
+Recomputing the logits inside these kernels (4 flops per ``(i, k, j)``:
+difference, square, scale, sum) costs ``4 N K d = 6.9e10`` flops, 1.03 ms,
+4.6 times the pass it saves.  Writing the products from the responsibilities
+kernel's epilogue recomputes nothing, but the row softmax needs the whole row
+(all ``K`` components) before any :math:`\gamma_{ik}` is final, so the
+product could only start after that kernel's second pass over its entries,
+and :math:`\Gamma` must be written anyway (the backward reads it); what is
+left to save is the one read of :math:`\Gamma_K` (or :math:`\Gamma_Q`), 0.22 ms,
+while the chunk states themselves (``N / C x K x E`` at ``C = 64``:
+1.09 GB) are as large as :math:`\Gamma`.  So the scan reads
+:math:`\Gamma` as the responsibilities kernel wrote it.
 
 :func:`scan_forward_device` and :func:`scan_backward_device` are the
 device-level cores (no validation, no raise, no copy to the host; the caller
@@ -66,15 +112,20 @@ checks the denominators), used by :mod:`gpu.numba_cuda.gma`.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from typing import NamedTuple
 
-from numba import boolean, config, cuda, int64
+from numba import boolean, config, cuda, int64, uint32, uint64
+from numba.core.types import UniTuple
 
 from ._device import blocks, kernel
 from ._primitives import MAX_GRID_X, exclusive_scan_columns, sequence_axes
 
 __all__ = [
-    "TILE",
+    "Geometry",
+    "GPU_GEOMETRY",
+    "SIMULATOR_GEOMETRY",
+    "geometry",
     "SEGMENT",
     "THREADS",
     "SPAN",
@@ -87,9 +138,79 @@ __all__ = [
 
 #: True when kernels run in the CUDA simulator (every thread a Python thread): the blocks are then kept small.
 SIMULATOR = bool(config.ENABLE_CUDASIM)
-#: Side of the square thread blocks and shared-memory tiles: 16 (256 threads) on a GPU, 4 (16 threads) in the simulator.
-TILE = 4 if SIMULATOR else 16
-TILE2 = (TILE, TILE)
+
+
+class Geometry(NamedTuple):
+    """Tile sizes of :func:`_chunk_states` and :func:`_chunk_rows` (module constants; :func:`geometry` sets others)."""
+
+    rows_per_thread: int  # RM: output rows of a thread's register tile
+    cols_per_thread: int  # RN: output columns of a thread's register tile
+    threads_x: int  # TX: threads along the columns
+    threads_y: int  # TY: threads along the rows
+    depth: int  # DC: reduction entries (tokens, h, pair dimensions, keys) per shared-memory stage
+
+
+#: On a GPU: 16 x 16 threads of 4 x 4 register tiles, 64 x 64 block tiles, 8 reduction entries a stage; the scores
+#: of _chunk_rows in 4 x 2 register tiles, 64 x 32 score tiles (its shared memory: 2 x 64 x 8 staged entries +
+#: 64 x 33 scores = 12.25 KiB in float32, 24.5 KiB in float64).
+GPU_GEOMETRY = Geometry(4, 4, 16, 16, 8)
+#: In the simulator (every thread a Python thread): 2 x 2 threads of 2 x 2 register tiles, 4 x 4 block tiles,
+#: 2 entries a stage; scores in 2 x 1 register tiles, 4 x 2 score tiles.
+SIMULATOR_GEOMETRY = Geometry(2, 2, 2, 2, 2)
+
+
+def _set_geometry(g: Geometry) -> None:
+    # the kernels read these module globals; on a GPU they are compile-time constants (the shared and local array
+    # shapes, the unrolled loops' bounds), so they are set once, at import
+    global RM, RN, TX, TY, DC, TILE_ROWS, TILE_COLS, NT, SH_A, SH_B, S_STRIDE, SH_S, LOADS_A, LOADS_B, UNROLL
+    global GEOMETRY, RS, TILE_KEYS, LOADS_Y
+    rm, rn, tx, ty, dc = g
+    nt = tx * ty
+    if min(g) < 1 or (ty * rm * dc) % nt or (dc * tx * rn) % nt or (dc * tx * max(1, rn // 2)) % nt:
+        raise ValueError("Geometry: the shared tiles must be a multiple of the block's threads")
+    GEOMETRY = g
+    RM, RN, TX, TY, DC = rm, rn, tx, ty, dc
+    TILE_ROWS, TILE_COLS, NT = ty * rm, tx * rn, nt
+    SH_A = TILE_ROWS * DC  # [TILE_ROWS rows, DC] (_chunk_rows) or [DC tokens, TILE_ROWS features] (_chunk_states)
+    SH_B = DC * TILE_COLS  # [DC, TILE_COLS columns or keys]
+    RS = max(1, rn // 2)  # keys of a thread's register tile of scores (RM x RS)
+    TILE_KEYS = tx * RS  # keys of a score tile
+    S_STRIDE = TILE_KEYS + 1  # a row of the score tile, padded by one entry
+    SH_S = TILE_ROWS * S_STRIDE  # [TILE_ROWS rows, TILE_KEYS + 1]
+    LOADS_A = SH_A // NT  # entries of the SH_A tile each thread loads
+    LOADS_B = SH_B // NT  # entries of the SH_B tile each thread loads
+    LOADS_Y = dc * TILE_KEYS // NT  # entries of a [DC, TILE_KEYS] tile of keys each thread loads
+    UNROLL = 4 if dc % 4 == 0 else 1  # the reduction loops' inner trip count (unrolled by the compiler)
+
+
+_set_geometry(SIMULATOR_GEOMETRY if SIMULATOR else GPU_GEOMETRY)
+
+#: The unsigned 32-bit conversion of the kernels' shared and register offsets (``numba.uint32``); in the simulator a
+#: plain ``int``, the same value, since calling a Numba type from Python costs microseconds per offset there.
+u32 = int if SIMULATOR else uint32
+#: The same for the flat global offsets (``numba.uint64``, computed in 64-bit, nonnegative): unsigned, they skip the
+#: wraparound too.
+u64 = int if SIMULATOR else uint64
+
+
+@contextmanager
+def geometry(g: Geometry):
+    """Run the scan with the tile geometry ``g`` (the CUDA simulator only).
+
+    The simulator reads the module's constants at every launch, so a test can
+    run the GPU's own tiles (:data:`GPU_GEOMETRY`) there; a GPU compiles them
+    into the kernels once, so this refuses to run on one.
+    """
+    if not SIMULATOR:
+        raise RuntimeError("gpu.numba_cuda.scan.geometry: the tile geometry is fixed on a GPU (compile-time constants)")
+    old = GEOMETRY
+    _set_geometry(g)
+    try:
+        yield
+    finally:
+        _set_geometry(old)
+
+
 #: Tokens per segment of the bidirectional reductions over tokens (one partial state per segment, then an ordered sum).
 SEGMENT = 256
 #: Threads per block of the one-thread-per-entry kernels.
@@ -134,42 +255,81 @@ def _ones_column(v, v1):
 
 # s1 += pk.T @ vc (refimpl.scan._causal_forward), and s = phi_k.T @ v, z = phi_k.sum(axis=0) per segment
 # (refimpl.scan._bidirectional_forward); the backward's r1 += pq.T @ gc and ds, dz = phi_q.T @ [gn, delta] likewise:
-# partial[b, c] = Y_c^T Z_c over the tokens j of chunk c.
-# Grid (n_chunks * F-tiles * E-tiles, sequences on y, z); block TILE x TILE, thread (ty, tx) owns entry
-# (f0 + ty, e0 + tx) [F, E]; the chunk's tokens are read TILE at a time into shared tiles, tokens x features [T, T]
-# and tokens x columns [T, T].
-@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1], int64, f[:, :, :, ::1]), threads=TILE * TILE, tags=("gma",))
-def _chunk_states(y, z, chunk, partial):
-    sh_y = cuda.shared.array(TILE2, dtype=y.dtype)  # [T tokens, T features]
-    sh_z = cuda.shared.array(TILE2, dtype=y.dtype)  # [T tokens, T columns]
+#     partial[b, c, f, e] = sum_{j in chunk c} y[b, j, f] z[b, j, e]   (Y_c^T Z_c),
+# the tokens j in ascending order, DC at a time.
+# Grid (n_chunks * F-tiles * E-tiles, sequences on y, z): block x = (c, tile of TILE_ROWS features, tile of
+# TILE_COLS columns). Block TX x TY threads: thread (ty, tx) owns the RM x RN register tile of features
+# f0 + ty + a TY and columns e0 + tx + k TX (a < RM, k < RN): neighbouring tx write neighbouring e.
+# Shared memory, per stage of DC tokens: y [DC tokens, TILE_ROWS features] and z [DC tokens, TILE_COLS columns]
+# (zeros past the chunk, F and E), each loaded by the whole block, LOADS_A and LOADS_B entries a thread, consecutive
+# threads on consecutive addresses of a token's row (coalesced), at flat offsets from the tile's first token; per token
+# a thread reads RM + RN shared entries for RM RN fused multiply-adds (the token loop unrolled UNROLL at a time).
+# Arguments: the flat views of y (B, N, F), z (B, N, E) and partial (B, n_chunks, F, E); dims = (B, N, F, E, chunk,
+# n_chunks).
+@kernel(lambda f: (f[::1], f[::1], UniTuple(int64, 6), f[::1]), threads=lambda f: NT, tags=("gma",))
+def _chunk_states(y, z, dims, partial):
+    sh_y = cuda.shared.array(SH_A, dtype=y.dtype)  # [DC tokens, TILE_ROWS features]
+    sh_z = cuda.shared.array(SH_B, dtype=y.dtype)  # [DC tokens, TILE_COLS columns]
+    acc = cuda.local.array((RM, RN), dtype=y.dtype)  # the register tile of partial[b, c]
+    yr = cuda.local.array(RM, dtype=y.dtype)
+    zr = cuda.local.array(RN, dtype=y.dtype)
     zero = y.dtype.type(0.0)
-    N = y.shape[1]
-    F = y.shape[2]
-    E = z.shape[2]
-    tx = cuda.threadIdx.x
-    ty = cuda.threadIdx.y
+    B, N, F, E, chunk, n_chunks = dims
     b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
-    if b >= y.shape[0]:
+    if b >= B:
         return
-    f_tiles = (F + TILE - 1) // TILE
-    e_tiles = (E + TILE - 1) // TILE
+    # shared and register offsets are unsigned 32-bit: below DC * TILE_ROWS and DC * TILE_COLS, bounded by the
+    # geometry (a few hundred), and unsigned indices skip Numba's negative-index wraparound
+    tx = u32(cuda.threadIdx.x)
+    ty = u32(cuda.threadIdx.y)
+    tid = ty * u32(TX) + tx
+    f_tiles = (F + TILE_ROWS - 1) // TILE_ROWS
+    e_tiles = (E + TILE_COLS - 1) // TILE_COLS
     c = cuda.blockIdx.x // (f_tiles * e_tiles)
-    rest = cuda.blockIdx.x - c * f_tiles * e_tiles
-    f0 = (rest // e_tiles) * TILE
-    e0 = (rest % e_tiles) * TILE
+    rest = cuda.blockIdx.x - c * (f_tiles * e_tiles)
+    f0 = (rest // e_tiles) * TILE_ROWS
+    e0 = (rest - (rest // e_tiles) * e_tiles) * TILE_COLS
     j_start = c * chunk
     j_end = min(j_start + chunk, N)
-    acc = zero
-    for j0 in range(j_start, j_end, TILE):
-        j = j0 + ty
-        sh_y[ty, tx] = y[b, j, f0 + tx] if j < j_end and f0 + tx < F else zero
-        sh_z[ty, tx] = z[b, j, e0 + tx] if j < j_end and e0 + tx < E else zero
+    # flat offsets of the tile's first token, 64-bit (one sequence's N x F entries can pass 2^32), advanced by a
+    # stage's DC rows at each stage; the thread's entries of a stage are at fixed offsets from them
+    y_at = (b * N + j_start) * F + f0
+    z_at = (b * N + j_start) * E + e0
+    for a in range(RM):
+        for k in range(RN):
+            acc[a, k] = zero
+    for j0 in range(j_start, j_end, DC):
+        for u in range(LOADS_A):
+            e = tid + u32(u * NT)
+            jj = e // u32(TILE_ROWS)
+            ff = e - jj * u32(TILE_ROWS)
+            sh_y[e] = y[u64(y_at + jj * F + ff)] if j0 + jj < j_end and f0 + ff < F else zero
+        for u in range(LOADS_B):
+            e = tid + u32(u * NT)
+            jj = e // u32(TILE_COLS)
+            ee = e - jj * u32(TILE_COLS)
+            sh_z[e] = z[u64(z_at + jj * E + ee)] if j0 + jj < j_end and e0 + ee < E else zero
+        y_at += DC * F
+        z_at += DC * E
         cuda.syncthreads()
-        for jj in range(TILE):
-            acc += sh_y[jj, ty] * sh_z[jj, tx]
+        for j2 in range(0, DC, UNROLL):
+            for j1 in range(UNROLL):
+                jj = j2 + j1
+                for a in range(RM):
+                    yr[a] = sh_y[u32(jj * TILE_ROWS) + ty + u32(a * TY)]
+                for k in range(RN):
+                    zr[k] = sh_z[u32(jj * TILE_COLS) + tx + u32(k * TX)]
+                for a in range(RM):
+                    for k in range(RN):
+                        acc[a, k] += yr[a] * zr[k]
         cuda.syncthreads()
-    if f0 + ty < F and e0 + tx < E:
-        partial[b, c, f0 + ty, e0 + tx] = acc
+    for a in range(RM):
+        f = f0 + (ty + u32(a * TY))
+        out_at = ((b * n_chunks + c) * F + f) * E + e0
+        for k in range(RN):
+            ee = tx + u32(k * TX)
+            if f < F and e0 + ee < E:
+                partial[u64(out_at + ee)] = acc[a, k]
 
 
 # s1 += pk.T @ vc across the chunks (refimpl.scan._causal_forward: the state before chunk c is the sum over the chunks
@@ -224,93 +384,207 @@ def _add_offsets(x, offsets, reverse):
     x[b, c, m] += offsets[b, p // SPAN, m]
 
 
+#: Resident blocks per multiprocessor that ptxas must allow for :func:`_chunk_rows` on a GPU (its launch bounds, with
+#: TX x TY threads per block): 4 in float32 (at most 64 registers: 32 of the 64 warps of an sm_90, 50% occupancy),
+#: 2 in float64 (at most 128 registers, 25%), without spills (ptxas -v, sm_90).  Unbounded, ptxas takes 72 and 132
+#: registers (two register tiles live at once, the output's 4 x 4 and the scores' 4 x 2): 3 and 1 blocks.  With
+#: scores of 4 x 4 too, the float32 build spills 12 B within 64 registers.
+MIN_BLOCKS = {"float32": 4, "float64": 2}
+_BOUNDED = {}
+
+
+def _launch_bounds(f):
+    """The compile options of :func:`_chunk_rows` for the float type ``f``: its launch bounds."""
+    return {"launch_bounds": (NT, MIN_BLOCKS[str(f)])}
+
+
+def _rows_kernel(dtype):
+    """:func:`_chunk_rows` for ``dtype``: on a GPU compiled with its launch bounds (:func:`_launch_bounds`).
+
+    The registry (:func:`~gpu.numba_cuda._device.kernel`) holds the same
+    options, so the PTX and resource checks compile what runs.
+    """
+    if SIMULATOR:  # the simulator has no launch bounds
+        return _chunk_rows
+    name = str(dtype)
+    if name not in _BOUNDED:
+        _BOUNDED[name] = cuda.jit(_chunk_rows.py_func, **_launch_bounds(name))
+    return _BOUNDED[name]
+
+
 # num = pq @ s1 + block @ vc with block = tril(pq @ pk.T) (refimpl.scan._causal_forward), and its backward lines
 # dphi_q = gc @ s1.T + m @ pk, dphi_k = vc @ r1.T + m.T @ pq, dv = pk @ r1[:, :-1] + block.T @ gc[:, :-1]
 # (refimpl.scan._causal_backward); bidirectional (one chunk, no within-chunk term): phi_q @ s, gn @ s.T + delta z,
 # v @ ds.T + dz, phi_k @ ds.  In general, for row r of chunk c:
 #     out[r, o] = sum_h p[r, h] state_c[h, o]  (state_c transposed when `transposed`)
-#               + sum_{j in chunk c, j <= r (lower) or j >= r} (x_r . y_j) z[j, o]       when `within`.
-# Grid (n_chunks * tiles per chunk, sequences on y, z); block TILE x TILE: thread (ty, tx) owns row r = row0 + ty and the columns
-# o = o0 + tx of every column tile.  The state product runs over shared tiles p [T rows, T h] and state [T h, T o];
-# each TILE-key score tile x y^T [T rows, T keys] is built from shared tiles of x and y, masked, kept in shared
-# memory and multiplied by the z tiles [T keys, T o], accumulated into out by the thread that owns the entry.
+#               + sum_{j in chunk c, j <= r (lower) or j >= r} (x_r . y_j) z[j, o]       when `within`,
+# h in ascending order DC at a time, then the key tiles in ascending order.
+# Grid (n_chunks * row tiles per chunk * column tiles, sequences on y, z): block x = (c, TILE_ROWS rows of chunk c,
+# TILE_COLS columns o). Block TX x TY threads: thread (ty, tx) owns the RM x RN register tile of rows
+# row0 + ty + a TY and columns o0 + tx + k TX (a < RM, k < RN).
+# The state product: per stage of DC entries h, shared p [TILE_ROWS rows, DC] and state [DC, TILE_COLS] (loaded
+# along h when transposed, along o otherwise: coalesced either way).  The within-chunk term, per tile of TILE_KEYS
+# keys: the score tile x y^T [TILE_ROWS rows, TILE_KEYS keys] as a second register tile (RM x RS: rows ty + a TY,
+# keys tx + k TX), from shared x [TILE_ROWS, DC] and y [DC, TILE_KEYS keys] per stage of DC pair dimensions; masked
+# (an exact 0, not a product) into shared scores [TILE_ROWS, TILE_KEYS + 1] (one entry of padding a row: the rows a
+# warp reads fall in different banks); then scores times z, per stage of DC keys, shared z [DC keys, TILE_COLS
+# columns], into the register tile of out.  The arrays come flat: offsets from the tile's first row (p, x, out), its
+# chunk's state, the key tile's first key (y) and the stage's first key (z).
+# Arguments: the flat views of p (B, N, n_in), states (B, n_st, st_rows, st_cols), x and y (B, N, n_pair), z (B, N, n_z)
+# and out (B, N, n_out); dims = (B, N, chunk, n_in, n_pair, n_z, n_out, n_st, st_rows, st_cols).
 @kernel(
-    lambda f: (f[:, :, ::1], f[:, :, :, ::1], boolean, f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], int64, boolean, boolean, f[:, :, ::1]),
-    threads=TILE * TILE,
+    lambda f: (f[::1], f[::1], f[::1], f[::1], f[::1], f[::1], UniTuple(int64, 10), boolean, boolean, boolean),
+    threads=lambda f: NT,
     tags=("gma",),
+    options=lambda f: _launch_bounds(f),
 )
-def _chunk_rows(p, states, transposed, x, y, z, chunk, within, lower, out):
-    sh_a = cuda.shared.array(TILE2, dtype=p.dtype)  # [T rows, T h] or [T rows, T pair dims]
-    sh_b = cuda.shared.array(TILE2, dtype=p.dtype)  # [T h, T o], [T keys, T pair dims] or [T keys, T o]
-    sh_s = cuda.shared.array(TILE2, dtype=p.dtype)  # [T rows, T keys]: the masked scores
+def _chunk_rows(p, states, x, y, z, out, dims, transposed, within, lower):
+    sh_a = cuda.shared.array(SH_A, dtype=p.dtype)  # [TILE_ROWS rows, DC]: p or x of the rows
+    sh_b = cuda.shared.array(SH_B, dtype=p.dtype)  # [DC, TILE_COLS]: state, y (keys on the columns) or z
+    sh_s = cuda.shared.array(SH_S, dtype=p.dtype)  # [TILE_ROWS rows, TILE_KEYS + 1]: the masked scores
+    acc = cuda.local.array((RM, RN), dtype=p.dtype)  # the register tile of out
+    sc = cuda.local.array((RM, RS), dtype=p.dtype)  # the register tile of the scores
+    ar = cuda.local.array(RM, dtype=p.dtype)
+    br = cuda.local.array(RN, dtype=p.dtype)
     zero = p.dtype.type(0.0)
-    N = p.shape[1]
-    n_in = p.shape[2]
-    n_out = out.shape[2]
-    n_pair = x.shape[2]
-    tx = cuda.threadIdx.x
-    ty = cuda.threadIdx.y
+    B, N, chunk, n_in, n_pair, n_z, n_out, n_st, st_rows, st_cols = dims
     b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
-    if b >= p.shape[0]:
+    if b >= B:
         return
-    tiles = (chunk + TILE - 1) // TILE
-    c = cuda.blockIdx.x // tiles
-    row0 = c * chunk + (cuda.blockIdx.x - c * tiles) * TILE
+    # shared and register offsets are unsigned 32-bit: below TILE_ROWS * (TILE_COLS + 1), bounded by the geometry
+    # (a few thousand), and unsigned indices skip Numba's negative-index wraparound
+    tx = u32(cuda.threadIdx.x)
+    ty = u32(cuda.threadIdx.y)
+    tid = ty * u32(TX) + tx
+    row_tiles = (chunk + TILE_ROWS - 1) // TILE_ROWS
+    col_tiles = (n_out + TILE_COLS - 1) // TILE_COLS
+    c = cuda.blockIdx.x // (row_tiles * col_tiles)
+    rest = cuda.blockIdx.x - c * (row_tiles * col_tiles)
+    rt = rest // col_tiles
+    row0 = c * chunk + rt * TILE_ROWS
+    o0 = (rest - rt * col_tiles) * TILE_COLS
     chunk_end = min((c + 1) * chunk, N)
-    row_end = min(row0 + TILE, chunk_end)
+    row_end = min(row0 + TILE_ROWS, chunk_end)
     if row0 >= row_end:
         return
-    r = row0 + ty
-    row_ok = r < row_end
+    # flat offsets, 64-bit (one sequence's N x F entries can pass 2^32): the tile's first row of p and x, its
+    # chunk's state; the thread's entries of a stage are at fixed offsets from them
+    p_at = (b * N + row0) * n_in
+    x_at = (b * N + row0) * n_pair
+    s_at = (b * n_st + c) * st_rows * st_cols
+    for a in range(RM):
+        for k in range(RN):
+            acc[a, k] = zero
     # the carried state: p_r . state_c
-    for o0 in range(0, n_out, TILE):
-        o = o0 + tx
-        acc = zero
-        for h0 in range(0, n_in, TILE):
-            sh_a[ty, tx] = p[b, r, h0 + tx] if row_ok and h0 + tx < n_in else zero
-            h = h0 + ty
-            if h < n_in and o < n_out:
-                sh_b[ty, tx] = states[b, c, o, h] if transposed else states[b, c, h, o]
+    for h0 in range(0, n_in, DC):
+        for u in range(LOADS_A):
+            e = tid + u32(u * NT)
+            rr = e // u32(DC)
+            hh = e - rr * u32(DC)
+            sh_a[e] = p[u64(p_at + rr * n_in + (h0 + hh))] if row0 + rr < row_end and h0 + hh < n_in else zero
+        for u in range(LOADS_B):
+            e = tid + u32(u * NT)
+            if transposed:  # state_c[h, o] = states[b, c, o, h]: consecutive threads on consecutive h
+                oo = e // u32(DC)
+                hh = e - oo * u32(DC)
+                at = s_at + (o0 + oo) * st_cols + (h0 + hh)
+            else:  # state_c[h, o] = states[b, c, h, o]: consecutive threads on consecutive o
+                hh = e // u32(TILE_COLS)
+                oo = e - hh * u32(TILE_COLS)
+                at = s_at + (h0 + hh) * st_cols + (o0 + oo)
+            sh_b[hh * u32(TILE_COLS) + oo] = states[u64(at)] if h0 + hh < n_in and o0 + oo < n_out else zero
+        cuda.syncthreads()
+        for h2 in range(0, DC, UNROLL):
+            for h1 in range(UNROLL):
+                hh = h2 + h1
+                for a in range(RM):
+                    ar[a] = sh_a[(ty + u32(a * TY)) * u32(DC) + u32(hh)]
+                for k in range(RN):
+                    br[k] = sh_b[u32(hh * TILE_COLS) + tx + u32(k * TX)]
+                for a in range(RM):
+                    for k in range(RN):
+                        acc[a, k] += ar[a] * br[k]
+        cuda.syncthreads()
+    if within:
+        # within the chunk: the masked score tiles times the z tiles
+        if lower:
+            j_start = c * chunk
+            j_end = row_end
+        else:
+            j_start = row0
+            j_end = chunk_end
+        for j0 in range(j_start, j_end, TILE_KEYS):
+            y_at = (b * N + j0) * n_pair
+            for a in range(RM):
+                for k in range(RS):
+                    sc[a, k] = zero
+            for d0 in range(0, n_pair, DC):
+                for u in range(LOADS_A):
+                    e = tid + u32(u * NT)
+                    rr = e // u32(DC)
+                    dd = e - rr * u32(DC)
+                    inside = row0 + rr < row_end and d0 + dd < n_pair
+                    sh_a[e] = x[u64(x_at + rr * n_pair + (d0 + dd))] if inside else zero
+                for u in range(LOADS_Y):
+                    e = tid + u32(u * NT)
+                    kk = e // u32(DC)  # consecutive threads on consecutive pair dimensions of one key
+                    dd = e - kk * u32(DC)
+                    inside = j0 + kk < j_end and d0 + dd < n_pair
+                    sh_b[dd * u32(TILE_KEYS) + kk] = y[u64(y_at + kk * n_pair + (d0 + dd))] if inside else zero
+                cuda.syncthreads()
+                for d2 in range(0, DC, UNROLL):
+                    for d1 in range(UNROLL):
+                        dd = d2 + d1
+                        for a in range(RM):
+                            ar[a] = sh_a[(ty + u32(a * TY)) * u32(DC) + u32(dd)]
+                        for k in range(RS):
+                            br[k] = sh_b[u32(dd * TILE_KEYS) + tx + u32(k * TX)]
+                        for a in range(RM):
+                            for k in range(RS):
+                                sc[a, k] += ar[a] * br[k]
+                cuda.syncthreads()
+            # the mask in 32-bit tile coordinates (row rr = r - row0, key kk = j - j0): the keys of the tile,
+            # kk < n_keys, and j <= r (lower: kk + TILE_ROWS <= rr + shift) or j >= r (upper: rr <= kk + shift),
+            # the shifts clamped where the whole tile is on one side; rows past row_end are never written
+            n_keys = u32(min(j_end - j0, TILE_KEYS))
+            if lower:
+                shift = u32(min(row0 - j0 + TILE_ROWS, TILE_ROWS + TILE_KEYS))
             else:
-                sh_b[ty, tx] = zero
-            cuda.syncthreads()
-            for hh in range(TILE):
-                acc += sh_a[ty, hh] * sh_b[hh, tx]
-            cuda.syncthreads()
-        if row_ok and o < n_out:
-            out[b, r, o] = acc
-    if not within:
-        return
-    # within the chunk: the masked score tiles times the z tiles
-    if lower:
-        j_start = c * chunk
-        j_end = row_end
-    else:
-        j_start = row0
-        j_end = chunk_end
-    for j0 in range(j_start, j_end, TILE):
-        score = zero
-        for d0 in range(0, n_pair, TILE):
-            sh_a[ty, tx] = x[b, r, d0 + tx] if row_ok and d0 + tx < n_pair else zero
-            sh_b[ty, tx] = y[b, j0 + ty, d0 + tx] if j0 + ty < j_end and d0 + tx < n_pair else zero
-            cuda.syncthreads()
-            for dd in range(TILE):
-                score += sh_a[ty, dd] * sh_b[tx, dd]
-            cuda.syncthreads()
-        j = j0 + tx
-        keep = row_ok and j < j_end and ((j <= r) if lower else (j >= r))
-        # masked entries are set to 0, not multiplied (inf * 0 is NaN)
-        sh_s[ty, tx] = score if keep else zero
-        for o0 in range(0, n_out, TILE):
-            o = o0 + tx
-            sh_b[ty, tx] = z[b, j0 + ty, o] if j0 + ty < j_end and o < n_out else zero
-            cuda.syncthreads()
-            part = zero
-            for jj in range(TILE):
-                part += sh_s[ty, jj] * sh_b[jj, tx]
-            if row_ok and o < n_out:
-                out[b, r, o] += part
-            cuda.syncthreads()
+                shift = u32(min(j0 - row0, TILE_ROWS))
+            for a in range(RM):
+                rr = ty + u32(a * TY)
+                for k in range(RS):
+                    kk = tx + u32(k * TX)
+                    keep = kk < n_keys and ((kk + u32(TILE_ROWS) <= rr + shift) if lower else (rr <= kk + shift))
+                    # masked entries are set to 0, not multiplied (inf * 0 is NaN)
+                    sh_s[rr * u32(S_STRIDE) + kk] = sc[a, k] if keep else zero
+            for k0 in range(0, min(TILE_KEYS, j_end - j0), DC):
+                z_at = (b * N + j0 + k0) * n_z + o0
+                for u in range(LOADS_B):
+                    e = tid + u32(u * NT)
+                    kk = e // u32(TILE_COLS)
+                    oo = e - kk * u32(TILE_COLS)
+                    inside = j0 + k0 + kk < j_end and o0 + oo < n_out
+                    sh_b[e] = z[u64(z_at + kk * n_z + oo)] if inside else zero
+                cuda.syncthreads()  # also orders the score tile's writes before its reads
+                for k2 in range(0, DC, UNROLL):
+                    for k1 in range(UNROLL):
+                        kk = k2 + k1
+                        for a in range(RM):
+                            ar[a] = sh_s[(ty + u32(a * TY)) * u32(S_STRIDE) + u32(k0 + kk)]
+                        for k in range(RN):
+                            br[k] = sh_b[u32(kk * TILE_COLS) + tx + u32(k * TX)]
+                        for a in range(RM):
+                            for k in range(RN):
+                                acc[a, k] += ar[a] * br[k]
+                cuda.syncthreads()
+    for a in range(RM):
+        r = row0 + (ty + u32(a * TY))
+        out_at = (b * N + r) * n_out + o0
+        for k in range(RN):
+            oo = tx + u32(k * TX)
+            if r < row_end and o0 + oo < n_out:
+                out[u64(out_at + oo)] = acc[a, k]
 
 
 # d = num[:, -1] + eps; out[a:b] = num[:, :-1] / d[:, None]; den[a:b] = d (refimpl.scan._causal_forward), and
@@ -361,28 +635,25 @@ def launch_geometry(B: int, N: int, F: int, E: int, chunk: int) -> dict:
     ``F`` features, ``E`` columns (``d_v + 1``), chunks of ``chunk`` tokens
     (:data:`SEGMENT` for the bidirectional sums).  Keys: ``"entries"`` (the
     one-thread-per-entry kernels over ``N x E``, and ``N x F`` as
-    ``"entries F"``), ``"states"`` (:func:`_chunk_states`), ``"rows"``
-    (:func:`_chunk_rows`), ``"scan"`` (a list: :func:`_scan_spans` at each
+    ``"entries F"``), ``"states"`` (:func:`_chunk_states`), ``"rows"``,
+    ``"rows F"`` and ``"rows V"`` (:func:`_chunk_rows` writing ``E``, ``F``
+    and ``E - 1`` columns: the read, ``dphi_q`` and ``dphi_k``, ``dv``),
+    ``"scan"`` (a list: :func:`_scan_spans` at each
     level of the tree over the ``ceil(N / chunk)`` chunks) and ``"offsets"``
     (:func:`_add_offsets` at each level but the last).  Grid ``x`` stays within
     ``2^31 - 1`` and ``y``, ``z`` within 65,535 (the sequences, by
     :func:`~gpu.numba_cuda._primitives.sequence_axes`); blocks have at most
     1,024 threads.
     """
-    y, z = sequence_axes(B)
     chunk = max(1, int(chunk))
     n_chunks = blocks(N, chunk)
-
-    def grid(x):
-        if x > MAX_GRID_X:
-            raise ValueError(f"scan: {x} blocks of one sequence exceed the grid's limit of {MAX_GRID_X}")
-        return (max(1, int(x)), y, z)
-
     plan = {
         "entries": _entries_geometry(B, N * E),
         "entries F": _entries_geometry(B, N * F),
-        "states": (grid(n_chunks * blocks(F, TILE) * blocks(E, TILE)), (TILE, TILE)),
-        "rows": (grid(n_chunks * blocks(chunk, TILE)), (TILE, TILE)),
+        "states": _tiles_geometry(B, n_chunks * blocks(F, TILE_ROWS) * blocks(E, TILE_COLS)),
+        "rows": _rows_geometry(B, N, chunk, E),
+        "rows F": _rows_geometry(B, N, chunk, F),
+        "rows V": _rows_geometry(B, N, chunk, E - 1),
         "scan": [],
         "offsets": [],
     }
@@ -390,12 +661,31 @@ def launch_geometry(B: int, N: int, F: int, E: int, chunk: int) -> dict:
     while True:
         spans = blocks(n, SPAN)
         per_span = min(blocks(M, LANES), max(1, MAX_GRID_X // spans))
-        plan["scan"].append((grid(spans * per_span), (LANES, SPAN)))
+        plan["scan"].append((_grid(B, spans * per_span), (LANES, SPAN)))
         if spans == 1:
             break
         plan["offsets"].append(_entries_geometry(B, n * M))
         n = spans
     return plan
+
+
+def _grid(B: int, x: int) -> tuple:
+    """The grid of ``x`` blocks for each of ``B`` sequences (on ``y`` and ``z``); refuses more than the grid's ``x`` limit."""
+    y, z = sequence_axes(B)
+    if x > MAX_GRID_X:
+        raise ValueError(f"scan: {x} blocks of one sequence exceed the grid's limit of {MAX_GRID_X}")
+    return (max(1, int(x)), y, z)
+
+
+def _tiles_geometry(B: int, x: int) -> tuple:
+    """``(grid, block)`` of a register-tiled kernel with ``x`` blocks of ``TX x TY`` threads per sequence."""
+    return _grid(B, x), (TX, TY)
+
+
+def _rows_geometry(B: int, N: int, chunk: int, n_out: int) -> tuple:
+    """``(grid, block)`` of :func:`_chunk_rows` writing ``n_out`` columns of ``N`` rows in chunks of ``chunk``."""
+    chunk = max(1, int(chunk))
+    return _tiles_geometry(B, blocks(N, chunk) * blocks(chunk, TILE_ROWS) * blocks(max(1, n_out), TILE_COLS))
 
 
 def _entries_geometry(B: int, n: int) -> tuple:
@@ -405,6 +695,11 @@ def _entries_geometry(B: int, n: int) -> tuple:
     if x > MAX_GRID_X:
         raise ValueError(f"scan: {x} blocks of one sequence exceed the grid's limit of {MAX_GRID_X}")
     return (x, y, z), (THREADS,)
+
+
+def _flat(a):
+    """The 1-D view of a C-contiguous device array (no copy): the product kernels index it by flat offsets."""
+    return a.reshape(a.size)
 
 
 def _per_entry(kern, B, n, *args):
@@ -443,7 +738,7 @@ def _states(y, z, chunk, exclusive, reverse):
     partial = cuda.device_array((B, n_chunks, F, E), dtype=y.dtype)
     total = cuda.device_array((B, 1, F, E), dtype=y.dtype)
     grid, block = plan["states"]
-    _chunk_states[grid, block](y, z, chunk, partial)
+    _chunk_states[grid, block](_flat(y), _flat(z), (B, N, F, E, chunk, n_chunks), _flat(partial))
     _prefix(partial.reshape(B, n_chunks, F * E), exclusive, reverse, total.reshape(B, 1, F * E), plan["scan"], plan["offsets"])
     return partial, total
 
@@ -452,8 +747,9 @@ def _rows(p, states, transposed, x, y, z, chunk, within, lower, n_out):
     """Launch :func:`_chunk_rows` over the rows of ``p``: a new ``(B, N, n_out)`` array."""
     B, N, _ = p.shape
     out = cuda.device_array((B, N, n_out), dtype=p.dtype)
-    grid, block = launch_geometry(B, N, 1, 1, chunk)["rows"]
-    _chunk_rows[grid, block](p, states, transposed, x, y, z, chunk, within, lower, out)
+    grid, block = _rows_geometry(B, N, chunk, n_out)
+    dims = (B, N, chunk, p.shape[2], x.shape[2], z.shape[2], n_out) + tuple(states.shape[1:])
+    _rows_kernel(p.dtype)[grid, block](_flat(p), _flat(states), _flat(x), _flat(y), _flat(z), _flat(out), dims, transposed, within, lower)
     return out
 
 
