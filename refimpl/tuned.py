@@ -42,8 +42,11 @@ and uses the screen written here (its functions take the array module
 Public functions: :func:`log_responsibilities`, :func:`responsibilities`,
 :func:`log_likelihood`, :func:`em_step`, :func:`gma`, :func:`gma_forward`,
 :func:`gma_backward`, each the function of the same name in
-:mod:`refimpl.gmm` or :mod:`refimpl.gma`; :func:`log_joint` with
-``refine=False`` is the bare expansion, for lessons and benchmarks.
+:mod:`refimpl.gmm` or :mod:`refimpl.gma`; :func:`streamed_em_step`, the
+same EM step a block of rows at a time (memory ``O(block K)``, no ``N x K``
+matrix), with its variances screened for cancellation and refined from the
+differences; :func:`log_joint` with ``refine=False`` is the bare expansion,
+for lessons and benchmarks.
 """
 
 from __future__ import annotations
@@ -75,6 +78,9 @@ __all__ = [
     "responsibilities",
     "log_likelihood",
     "em_step",
+    "STREAM_BLOCK_BYTES",
+    "STREAM_KEPT_PER_ROW",
+    "streamed_em_step",
     "gma",
     "gma_forward",
     "gma_backward",
@@ -513,3 +519,229 @@ def gma_forward(
 def gma_backward(grad_out, cache):
     """:func:`refimpl.gma.gma_backward` with the blocked backward through the responsibilities."""
     return spec_gma.backward_with(_responsibility_backward, grad_out, cache)
+
+
+# ---------------------------------------------------------------------------
+# EM streamed a block of rows at a time
+# ---------------------------------------------------------------------------
+
+#: Default size of the block of responsibilities :func:`streamed_em_step` holds at a time, in bytes (32 MiB).
+STREAM_BLOCK_BYTES = 1 << 25
+
+#: :func:`streamed_em_step` keeps at most this many responsibilities per row (on average) for its refinement.
+STREAM_KEPT_PER_ROW = 16
+
+_tuned_posterior = posterior  # the default E-step of streamed_em_step, whose argument of that name shadows it
+
+
+def _second_pass(x, means, variances, log_w, lse, rows, cols, R, low, tol, centres, first, second):
+    """Core: the exact centred sums of the components ``cols`` from a second pass over the rows, into ``first``, ``second``.
+
+    Only the logits of those components are computed (:func:`log_joint`),
+    their responsibilities as ``exp(l_ik - L_i)`` with the first pass's
+    log-normalisers ``lse``; those below ``theta_k`` are left out, with
+    ``theta_k R_kj N <= tol low_kj / 2``.
+    """
+    n = x.shape[0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        theta = np.where(R > 0, tol * low / (2 * n * R), np.inf).min(axis=1)
+    thresholds = theta.astype(x.dtype)  # rounded down or up: the bound keeps a factor 2 of margin
+    window = posterior_window(means.shape[0], x.dtype)
+    for a in range(0, n, rows):
+        xb = x[a : a + rows]
+        # r_ik = exp(l_ik - L_i) for these components only
+        logits, _ = log_joint(xb, means[cols], variances[cols], log_w[cols], window=window)
+        sub = np.exp(logits - lse[a : a + rows, None])
+        # the entries at or above their threshold, sorted by component (nonzero of the transpose)
+        c, r = np.nonzero(((sub > 0) & (sub >= thresholds)).T)
+        _pair_sums(xb, r, cols[c], sub[r, c], centres, first, second)
+
+
+def _pair_sums(x, rows, comps, gamma, centres, first, second, block=_EXACT_BLOCK):
+    """Core: ``first[k] += sum gamma (x_i - c_k)``, ``second[k] += sum gamma (x_i - c_k)^2`` over the pairs ``(rows, comps)``.
+
+    The pairs are sorted by component, ``gamma`` holds their
+    responsibilities, ``centres`` (K, d) the ``c_k``; ``first`` and
+    ``second`` (K, d) are float64.  From the differences: nothing cancels.
+    """
+    for s in range(0, rows.size, block):
+        rs, cs = rows[s : s + block], comps[s : s + block]
+        # every term is a weight times the rounded square of a rounded difference
+        diff = x[rs].astype(np.float64) - centres[cs]
+        weighted = diff * gamma[s : s + block, None]
+        starts = np.flatnonzero(np.r_[True, cs[1:] != cs[:-1]])  # each component's pairs are one contiguous run
+        first[cs[starts]] += np.add.reduceat(weighted, starts, axis=0)
+        weighted *= diff
+        second[cs[starts]] += np.add.reduceat(weighted, starts, axis=0)
+
+
+def streamed_em_step(x, means, variances, weights, *, reg_covar: float = 0.0, block_rows=None, posterior=None):
+    r""":func:`refimpl.gmm.em_step` a block of rows at a time: memory ``O(block_rows K)``, the same result to rounding.
+
+    Exact EM, streamed: each block's responsibilities are computed, reduced
+    to the M-step's sufficient statistics and dropped, so the ``N x K``
+    matrix of :func:`em_step` never exists.
+
+    Parameters
+    ----------
+    x : array_like, shape (N, d)
+    means, variances : array_like, shape (K, d)
+    weights : array_like, shape (K,)
+    reg_covar : float, default 0.0
+        Added to every new variance, as in :func:`refimpl.gmm.em_step`.
+    block_rows : int, optional
+        Rows per block (>= 1); by default as many as keep a block's
+        responsibilities near :data:`STREAM_BLOCK_BYTES`.
+    posterior : callable, optional
+        ``posterior(x, means, variances, log_weights) -> (gamma, min_quad)``
+        on checked arrays, as :func:`posterior` (the default) or
+        :func:`cpu.gmm.posterior`, the Numba kernel.
+
+    Returns
+    -------
+    means : ndarray, shape (K, d)
+    variances : ndarray, shape (K, d)
+    weights : ndarray, shape (K,)
+        In the dtype of the inputs.
+
+    Notes
+    -----
+    With ``c`` the mean of the data, ``xc = x - c`` and ``r`` a block's
+    responsibilities, the blocks add up, in float64,
+
+    .. math::
+
+        g_k = \sum_i r_{ik},\quad s_k = \sum_i r_{ik}\,xc_i,\quad
+        t_k = \sum_i r_{ik}\,xc_i^2,
+
+    each as a matrix product.  With :math:`N_k = g_k + 10u` (the guard of
+    :func:`refimpl.gmm.m_step`) the new mean is :math:`(s_k + g_k c)/N_k`
+    and, with :math:`m_k = \mu_k - c`,
+    :math:`\sum_i r_{ik}(x_i - \mu_k)^2 = t_k - 2 m_k s_k + g_k m_k^2`.
+    That expansion cancels where its terms are much larger than the result
+    (a tight component far from the mean of the data), so it is screened
+    as :func:`log_joint` screens the logits: a variance whose terms exceed
+    it :data:`CANCELLATION_RATIO` times and whose error bound,
+    ``((4 + sqrt(B)) / 2 u + n_blocks u_64)`` times the terms, exceeds
+    ``EXACT_LOGIT_TOL u`` of it, is recomputed from the differences
+    :math:`x_i - \mu_k`, with the correction of the corrected two-pass
+    algorithm (Chan, Golub and LeVeque, 1983): with :math:`\mu'_k` the mean
+    computed above and :math:`e_k = \sum_i r_{ik}(x_i - \mu'_k)`, which
+    rounding leaves small but not zero, the mean becomes
+    :math:`\mu'_k + \delta_k`, :math:`\delta_k = (e_k - 10u\,\mu'_k)/N_k`,
+    and the sum :math:`\sum_i r_{ik}(x_i-\mu'_k)^2 - 2\delta_k e_k +
+    g_k\delta_k^2`.
+
+    The differences need the responsibilities again.  The first pass keeps
+    every pair with :math:`r_{ik} \ge` ``EXACT_LOGIT_TOL u / N`` (at most
+    :data:`STREAM_KEPT_PER_ROW` ``N`` of them) and sums the others per
+    component, :math:`D_k`.  Where :math:`D_k R_{kj}` is at most half the
+    tolerance, ``EXACT_LOGIT_TOL u`` times the screen's lower bound on the
+    sum (:math:`R_{kj}` bounds every :math:`(x_{ij} - \mu_{kj})^2`), the
+    kept pairs give the sum and no second pass is run: the rule for a
+    fitted mixture, whose responsibilities are mostly far below that floor.
+    The other components get a second pass that computes their logits only
+    (:func:`log_joint`, ``O(N C d)`` for ``C`` of them) and their
+    responsibilities as :math:`\exp(l_{ik} - L_i)`, with the log-normaliser
+    :math:`L_i = \log\sum_k \pi_k \mathcal N(x_i\,|\,\mu_k, \sigma_k^2)`
+    kept from the first pass as :math:`l_{ik^*} - \log r_{ik^*}` at the
+    row's largest responsibility :math:`r_{ik^*} \ge 1/K` (its logit from
+    the differences, in float64), and leaves out those below
+    :math:`\theta_k`, with :math:`\theta_k R_{kj} N` at most half the
+    tolerance: ``C / K`` of an E-step.
+    """
+    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
+    reg_covar = validation.check_positive_float(reg_covar, "reg_covar", allow_zero=True)
+    if block_rows is not None:
+        block_rows = validation.check_int(block_rows, "block_rows", minimum=1)
+    if posterior is None:
+        posterior = _tuned_posterior
+    elif not callable(posterior):
+        raise TypeError(f"posterior: expected a callable (x, means, variances, log_weights) -> (gamma, min_quad), got {type(posterior).__name__}")
+    n, d = x.shape
+    K = means.shape[0]
+    dtype = x.dtype
+    u, f64 = np.finfo(dtype).eps, np.float64
+    rows = max(1, min(n, block_rows or STREAM_BLOCK_BYTES // (K * dtype.itemsize)))
+    n_blocks = -(-n // rows)
+    log_w = numerics.log_weights(weights)
+    # (x - mu)^2 is invariant under a common shift: the statistics are taken about the mean of the data
+    centre = x.mean(axis=0)
+    g, s, t = np.zeros(K, f64), np.zeros((K, d), f64), np.zeros((K, d), f64)
+    min_quad, lse = np.empty(n, dtype), np.empty(n, f64)
+    tol = EXACT_LOGIT_TOL * u
+    # the pairs (i, k) with r_ik >= floor are kept while they number at most STREAM_KEPT_PER_ROW N, and the rest summed
+    floor, kept, n_kept, dropped = dtype.type(tol / n), ([], [], []), 0, np.zeros(K, f64)
+    # log N(x | mu, sigma^2) = -(d/2) log 2 pi - (1/2) sum_j log sigma_j^2 - q / 2
+    log_norm = log_w - 0.5 * (d * gmm.LOG_2PI + np.sum(np.log(variances), axis=1))
+    for a in range(0, n, rows):
+        xb = x[a : a + rows]
+        # E-step of the block: r_ik = gamma_k(x_i)
+        resp, min_quad[a : a + rows] = posterior(xb, means, variances, log_w)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # a bad row is refused below, with its count
+            # L_i = l_ik* - log r_ik* at the largest responsibility, its logit from the differences
+            top = np.argmax(resp, axis=1)
+            diff = xb.astype(f64) - means[top]
+            lse[a : a + rows] = (log_norm[top] - 0.5 * np.sum(diff * diff / variances[top], axis=1)
+                                 - np.log(resp[np.arange(xb.shape[0]), top]))
+            if kept is not None:
+                big = resp >= floor
+                r, c = np.nonzero(big)
+                n_kept += r.size
+                if n_kept > STREAM_KEPT_PER_ROW * n:
+                    kept = None  # too many: the components to refine get a second pass instead
+                else:
+                    kept[0].append(r + a), kept[1].append(c), kept[2].append(resp[r, c].astype(f64))
+                    dropped += np.ones(xb.shape[0], dtype) @ np.where(big, 0, resp)
+            xc = xb - centre
+            g += np.ones(xb.shape[0], dtype) @ resp
+            s += resp.T @ xc
+            xc *= xc
+            t += resp.T @ xc
+    validation.check_scaled_distances(min_quad, "x")
+    nk = g + 10 * u
+    shift = s / nk[:, None]  # m_k = mu_k - c, up to the guard's share of c
+    # mu_k = sum_i r_ik x_i / N_k = (s_k + g_k c) / N_k
+    new_means = shift + (g / nk)[:, None] * centre.astype(f64)
+    m = new_means - centre
+    # sum_i r_ik (x_i - mu_k)^2 = t_k - 2 m_k s_k + g_k m_k^2, and the size of its terms
+    ms = m * s
+    sq = t - 2 * ms + g[:, None] * m * m
+    terms = t + 2 * np.abs(ms) + g[:, None] * m * m
+    kappa = (4 + np.sqrt(rows)) / 2 * u + n_blocks * np.finfo(f64).eps
+    err = kappa * terms
+    suspect = (terms > CANCELLATION_RATIO * sq) & (err > tol * sq)
+    refined = np.flatnonzero(np.any(suspect | ~(sq > 0), axis=1) & (g > 0))
+    if refined.size:
+        # R_kj >= (x_ij - mu_kj)^2 for every row i
+        reach = np.abs(x - centre).max(axis=0).astype(f64)
+        R = (reach + np.abs(m[refined])) ** 2
+        low = np.maximum(sq[refined] - err[refined], 0)  # a lower bound on the exact sum
+        first, second = np.zeros((K, d), f64), np.zeros((K, d), f64)
+        cols = refined
+        if kept is not None:
+            # the kept pairs suffice where the responsibilities below floor change the sum by < tol / 2 of it
+            enough = np.all(dropped[refined, None] * R <= tol * low / 2, axis=1)
+            chosen = np.zeros(K, dtype=bool)
+            chosen[refined[enough]] = True
+            r, c, gam = (np.concatenate(part) for part in kept)
+            sel = chosen[c]
+            order = np.argsort(c[sel], kind="stable")
+            _pair_sums(x, r[sel][order], c[sel][order], gam[sel][order], new_means, first, second)
+            cols, R, low = refined[~enough], R[~enough], low[~enough]
+        if cols.size:
+            _second_pass(x, means, variances, log_w, lse, rows, cols, R, low, tol, new_means, first, second)
+        # the corrected two-pass sums, about the mean mu' computed above, e_k = sum_i r_ik (x_i - mu'_k):
+        # mu_k = sum_i r_ik x_i / N_k = mu'_k + delta_k, delta_k = (e_k - 10 u mu'_k) / N_k (the guard N_k - g_k = 10 u),
+        # sum_i r_ik (x_i - mu_k)^2 = sum_i r_ik (x_i - mu'_k)^2 - 2 delta_k e_k + g_k delta_k^2
+        e = first[refined]
+        delta = (e - (nk - g)[refined, None] * new_means[refined]) / nk[refined, None]
+        new_means[refined] += delta
+        sq[refined] = np.maximum(second[refined] - 2 * delta * e + g[refined, None] * delta * delta, 0)
+    # sigma_k^2 = sum_i r_ik (x_i - mu_k)^2 / N_k + reg
+    new_variances = sq / nk[:, None] + reg_covar
+    # pi_k = N_k / N, renormalised after the 10 u guard
+    new_weights = nk / n
+    new_weights /= new_weights.sum()
+    return new_means.astype(dtype), new_variances.astype(dtype), new_weights.astype(dtype)
+

@@ -193,3 +193,33 @@ def test_each_written_key_is_its_clean_key_plus_noise_of_norm_about_the_stated_o
     data = recall.make_task(task, 1024, seed=2)
     cos = np.sum(data["k"] * data["clean"][data["written"]], axis=1)
     assert np.mean(cos) == pytest.approx(1 / np.sqrt(1 + recall.NOISE**2), abs=0.01)
+
+
+# ----------------------------------------------------------------------------- GMA's mixture
+
+
+def test_gma_runs_at_every_length_of_the_sweep():
+    lengths = {p["T"] for p in recall.grid(False, 1) if p["method"] == "gma"}
+    assert lengths == set(recall.T_SWEEP) | {recall.T_FRACTIONS}
+    assert max(recall.T_SWEEP) <= recall.GMA_MAX_T
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "numba"])
+def test_gma_mixture_is_exact_em_streamed(backend_name):
+    """The fit is EM_STEPS steps of refimpl.gmm.em_step, to rounding, computed EM_BLOCK_ROWS keys at a time."""
+    from refimpl import backend, gmm
+
+    if backend_name == "numba" and not backend.available():
+        pytest.skip("numba is not installed")
+    kern = backend.kernels(backend_name)
+    k = recall.make_task("associative", 1024, 0)["k"]
+    K = 128
+    fitted = recall._fit_gmm(k, K, np.random.default_rng(7), recall._em_posterior(kern))
+    rng = np.random.default_rng(7)
+    means, variances, weights = k[rng.choice(k.shape[0], size=K, replace=False)], np.tile(k.var(axis=0), (K, 1)), np.full(K, 1 / K)
+    for _ in range(recall.EM_STEPS):
+        means, variances, weights = gmm.em_step(k, means, variances, weights, reg_covar=recall.REG_COVAR)
+    assert k.shape[0] > recall.EM_BLOCK_ROWS  # more than one block
+    for a, b in zip(fitted, (means, variances, weights)):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+

@@ -63,17 +63,25 @@ KV cache's ``T (d + d_v)``.
   :data:`CONSTANT_RATE`), ``ovq_no_count_bias`` (``count_bias=False``).
 * ``gma``: causal GMA with ``K = N`` diagonal components fitted to this
   sequence's keys (all of them, future ones included: the mixture is fitted
-  offline, the attention is causal) by :data:`EM_STEPS` steps of
-  :func:`refimpl.gmm.em_step` (``reg_covar`` = :data:`REG_COVAR`), started
-  from ``K`` distinct keys drawn at random, the keys' variance per dimension
-  and equal weights.
+  offline, the attention is causal) by :data:`EM_STEPS` steps of exact EM
+  (``reg_covar`` = :data:`REG_COVAR`), started from ``K`` distinct keys
+  drawn at random, the keys' variance per dimension and equal weights.  Each
+  step is :func:`refimpl.tuned.streamed_em_step`: the step of
+  :func:`refimpl.gmm.em_step` to rounding, computed :data:`EM_BLOCK_ROWS`
+  keys at a time (memory ``O(EM_BLOCK_ROWS K)``: the ``T x K``
+  responsibilities would take 4.3 GB at ``T = 65,536``), with the
+  responsibilities from the backend's kernel (:func:`cpu.gmm.posterior`
+  under numba, :func:`refimpl.tuned.posterior` under NumPy).
 
 The grid
 --------
 The length sweep ``T`` in :data:`T_SWEEP` at ``fraction`` :data:`FRACTION`,
 and the state sweep ``fraction`` in :data:`FRACTIONS` at ``T`` =
-:data:`T_FRACTIONS`, for both tasks; GMA (whose fit costs ``O(T K d)`` a
-step) runs at ``T <=`` :data:`GMA_MAX_T` only.  A point is one method on one
+:data:`T_FRACTIONS`, for both tasks, every method at every point (GMA's
+fit costs ``O(T K d)`` a step: a GMA point at ``T = 65,536`` took 353 s
+of one core's CPU time, fit and forward pass, and 8.6 GB of memory, most
+of it the forward pass's ``T x K`` responsibilities of the queries and the
+keys; :data:`GMA_MAX_T` would leave out the longer ``T``).  A point is one method on one
 sequence; every method at the same ``(task, T, seed)`` reads the same
 sequence.  Each point runs with one BLAS thread, so its result does not
 depend on ``--jobs``.
@@ -86,7 +94,7 @@ from threadpoolctl import threadpool_limits
 
 from .. import backend
 from ..attention import linear_attention
-from ..tuned import em_step, softmax_rows
+from ..tuned import softmax_rows, streamed_em_step
 from ..ovq import unit_rows
 
 __all__ = [
@@ -116,6 +124,7 @@ CHUNK = 64  #: chunk size of OVQ, VQ and the scans
 KMEANS_ITERS = 5  #: Lloyd steps of VQ's codebook
 KMEANS_POINTS = 4  #: VQ's codebook is fitted to the first KMEANS_POINTS * N keys of the other sequence
 EM_STEPS = 3  #: EM steps of GMA's mixture
+EM_BLOCK_ROWS = 512  #: keys per block of the streamed EM (a block's responsibilities: 512 K floats)
 REG_COVAR = 1e-4  #: added to every EM variance (keeps a component of one key from collapsing)
 CONSTANT_RATE = 0.1  #: learning rate of the ablation ``ovq_constant_rate``
 
@@ -123,7 +132,7 @@ FRACTION = 1 / 8  #: N / T of the length sweep
 T_SWEEP = (1024, 4096, 16384, 65536)
 FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4)
 T_FRACTIONS = 4096  #: T of the state sweep
-GMA_MAX_T = 16384
+GMA_MAX_T = 65536  #: the longest T at which GMA runs (every T of the sweep)
 QUICK = {"T_SWEEP": (256, 512), "FRACTIONS": (1 / 16, 1 / 4), "T_FRACTIONS": 512, "GMA_MAX_T": 512}
 
 #: OVQ and its ablations: the keyword arguments of :func:`refimpl.ovq.ovq_attention` each one sets.
@@ -339,14 +348,28 @@ def spherical_kmeans(x, codes, n_iter: int, *, block: int = 4096):
     return codes
 
 
-def _fit_gmm(x, K, rng):
-    """Diagonal GMM of ``K`` components fitted to ``x`` (n, d) by :data:`EM_STEPS` EM steps."""
+def _fit_gmm(x, K, rng, posterior=None):
+    """Diagonal GMM of ``K`` components fitted to ``x`` (n, d) by :data:`EM_STEPS` exact EM steps, streamed.
+
+    ``posterior`` is the E-step's kernel (:func:`refimpl.tuned.streamed_em_step`;
+    ``None``: :func:`refimpl.tuned.posterior`).
+    """
     means = x[rng.choice(x.shape[0], size=K, replace=False)]
     variances = np.tile(x.var(axis=0), (K, 1))
     weights = np.full(K, 1.0 / K)
     for _ in range(EM_STEPS):
-        means, variances, weights = em_step(x, means, variances, weights, reg_covar=REG_COVAR)
+        means, variances, weights = streamed_em_step(x, means, variances, weights, reg_covar=REG_COVAR,
+                                                     block_rows=EM_BLOCK_ROWS, posterior=posterior)
     return means, variances, weights
+
+
+def _em_posterior(kern):
+    """The responsibilities of the E-step under backend ``kern``: the Numba kernel under numba, else NumPy's."""
+    if kern.name == "numba":
+        from cpu.gmm import posterior
+
+        return posterior
+    return None
 
 
 def _state_fraction(method, T, N):
@@ -393,7 +416,8 @@ def run_point(point: dict) -> dict:
             codebook = spherical_kmeans(held_out, held_out[:N], KMEANS_ITERS)
             out = kern.vq_attention(q, k, v, codebook, chunk_size=CHUNK, beta=BETA)[rows]
         elif method == "gma":
-            means, variances, weights = _fit_gmm(k, N, np.random.default_rng([seed, _TASK_ID[task], T, 2]))
+            means, variances, weights = _fit_gmm(k, N, np.random.default_rng([seed, _TASK_ID[task], T, 2]),
+                                                 _em_posterior(kern))
             out = kern.gma(q, k, v, means, variances, weights, causal=True, chunk_size=CHUNK)[rows]
         else:
             out = kern.ovq_attention(q, k, v, max_size=N, chunk_size=CHUNK, beta=BETA, seed=seed,
