@@ -190,6 +190,34 @@ def test_the_refused_functions_are_restored():
     _course.run("1.1", _solutions(1).SOLUTIONS["1.1"])  # the check's own call of SciPy works
 
 
+def test_the_search_for_refused_functions_runs_once_per_check_unless_a_module_is_imported(monkeypatch):
+    import types
+
+    from refimpl import ovq
+
+    scans = []
+    search = _course._bindings
+    monkeypatch.setattr(_course, "_bindings", lambda *a: scans.append(1) or search(*a))
+    ex = _course.get("8.1")
+    late = "refimpl._late_import_for_test"
+    monkeypatch.delitem(sys.modules, late, raising=False)
+
+    def answer(t, n_max):
+        module = sys.modules.get(late)
+        if module is not None:  # an import between two calls binds the oracle under another name
+            return module.size(t, n_max)
+        return max(1, t * n_max // (t + n_max)) if t else 0
+
+    call = _course.guarded(ex, answer)
+    for t in range(200):
+        call(t, 7)
+    assert len(scans) == 1  # one search for 200 calls
+    monkeypatch.setitem(sys.modules, late, types.SimpleNamespace(size=ovq.dictionary_size))
+    with pytest.raises(_course.Refused, match="which this exercise refuses"):
+        call(5, 7)  # the new module is searched too
+    assert len(scans) == 2 and sys.modules[late].size is ovq.dictionary_size  # and restored
+
+
 NUMPY_KERNEL_ANSWERS = {
     "9.2": "def row_softmax(a):\n    e = np.exp(a - a.max(axis=1, keepdims=True))\n"
            "    return e / e.sum(axis=1, keepdims=True)\n",

@@ -147,7 +147,9 @@ def _bindings(refuse: tuple[str, ...], answer: Any) -> list[tuple[dict, str, Any
 
     Its own module, every loaded module of the same top-level package that
     imported it under any name, and the globals of the answer (a notebook's
-    ``from scipy.special import logsumexp``).
+    ``from scipy.special import logsumexp``).  It reads every loaded module of
+    those packages: :class:`_Bindings` keeps the result for the calls of one
+    check.
     """
     targets: dict[int, tuple[Any, str]] = {}
     for name in refuse:
@@ -182,14 +184,39 @@ def _refusal_message(ex: Exercise, called: list[str]) -> str:
             f"proves nothing. Refused here: {', '.join(ex.refuse)}. Write the computation yourself.")
 
 
+class _Bindings:
+    """:func:`_bindings` of one answer, found again only when a module was imported since the last time.
+
+    A check calls the answer many times (thousands, for a table of integer
+    cases); reading every loaded module at each call would cost more than the
+    answer.  A new binding of a refused function can only come from an import
+    (a new module in ``sys.modules``), or from the answer assigning one into a
+    module, which the scan of the answer's own globals also catches when that
+    is where it assigns.  Stale entries are dropped: a namespace whose key no
+    longer holds the function is not patched.
+    """
+
+    def __init__(self, refuse: tuple[str, ...], answer: Any):
+        self.refuse, self.answer = refuse, answer
+        self.modules = -1
+        self.found: list[tuple[dict, str, Any, str]] = []
+
+    def __call__(self) -> list[tuple[dict, str, Any, str]]:
+        if len(sys.modules) != self.modules:
+            self.modules = len(sys.modules)
+            self.found = _bindings(self.refuse, self.answer)
+        return [b for b in self.found if b[0].get(b[1]) is b[2]]
+
+
 @contextmanager
-def refused(ex: Exercise, answer: Any):
+def refused(ex: Exercise, answer: Any, bindings: _Bindings | None = None):
     """While the block runs, every function ``ex`` refuses raises :class:`Refused` (and the call is recorded).
 
     Raises :class:`Refused` at the end of the block if a refused function was
-    called, even when the answer caught the first error.
+    called, even when the answer caught the first error.  ``bindings`` (one
+    per check) spares the search for the refused functions at every call.
     """
-    bindings = _bindings(ex.refuse, answer)
+    bindings = (bindings or _Bindings(ex.refuse, answer))()
     called: list[str] = []
 
     def raiser_for(name):
@@ -260,10 +287,12 @@ def guarded(ex: Exercise, answer: Any) -> Any:
     if not callable(answer) or not (ex.refuse or ex.kernel):
         return answer
 
+    bindings = _Bindings(ex.refuse, answer)
+
     @functools.wraps(answer)
     def call(*args, **kwargs):
         launches: list[str] = []
-        with refused(ex, answer):
+        with refused(ex, answer, bindings):
             if ex.kernel:
                 with counted_launches(launches):
                     out = answer(*args, **kwargs)
