@@ -63,6 +63,15 @@ def _compile(module):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _fresh_json(code, folder):
+    """What ``code`` prints last, as JSON, run in a fresh process with the real CUDA target and ``folder`` as its
+    first argument (where the test wrote its module)."""
+    proc = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, cwd=ROOT,
+                          env=_real_target_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def _kernel_functions(path):
     """Names of the functions of ``path`` decorated as kernels (``@kernel(...)``) or with ``cuda.jit``."""
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -174,10 +183,7 @@ def calls_twice(x):
         "        out[f'sm_{cc[0]}{cc[1]}:{t}'] = ptx\n"
         "print(json.dumps(out))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
-                          env=_real_target_env(), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ptx = json.loads(proc.stdout.strip().splitlines()[-1])
+    ptx = _fresh_json(code, tmp_path)
     assert sorted(ptx) == ["sm_80:float32", "sm_80:float64", "sm_90:float32", "sm_90:float64"]
     for key, text in ptx.items():
         cc, t = key.split(":")
@@ -194,7 +200,7 @@ def _same_code(ptx):
 
 def test_one_lowering_gives_each_capability_the_ptx_of_its_own_compile(tmp_path):
     """:func:`compile_targets` lowers a kernel once; the PTX NVVM writes from it for sm_90 and for sm_80 is, but for
-    symbol names, the PTX of a full ``compile_ptx`` for each (a kernel with a device function, launch bounds and a
+    symbol names, the PTX of a full :func:`numba.cuda.compile_ptx` for each (a kernel with a device function, launch bounds and a
     shared array)."""
     source = '''
 from numba import cuda
@@ -216,17 +222,20 @@ def staged(x):
     (tmp_path / "lowering_module.py").write_text(source)
     code = (
         "import sys, json; sys.path.insert(0, sys.argv[1]); import lowering_module\n"
-        "from gpu.numba_cuda._device import compile_all, compile_targets\n"
-        "names = ['lowering_module.staged']\n"
-        "once = compile_targets([(9, 0), (8, 0)], names)\n"
-        "out = {f'sm_{cc[0]}{cc[1]}:{t}': [once[cc][(n, t)], full]\n"
-        "       for cc in ((9, 0), (8, 0)) for (n, t), full in compile_all(cc, names, ptx=True).items()}\n"
+        "from numba import cuda\n"
+        "from gpu.numba_cuda import _device\n"
+        "name = 'lowering_module.staged'\n"
+        "once = _device.compile_targets([(9, 0), (8, 0)], [name])\n"
+        "fn, signature = _device.KERNELS[name]\n"
+        "out = {}\n"
+        "for cc in ((9, 0), (8, 0)):\n"
+        "    for f in _device.kernel_dtypes(name):\n"
+        "        with _device._current_device_reports(cc):\n"
+        "            full, _ = cuda.compile_ptx(fn, signature(f), cc=cc, **_device.compile_options(name, f))\n"
+        "        out[f'sm_{cc[0]}{cc[1]}:{f}'] = [once[cc][(name, str(f))], full]\n"
         "print(json.dumps(out))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
-                          env=_real_target_env(), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    pairs = json.loads(proc.stdout.strip().splitlines()[-1])
+    pairs = _fresh_json(code, tmp_path)
     assert sorted(pairs) == ["sm_80:float32", "sm_80:float64", "sm_90:float32", "sm_90:float64"]
     for key, (once, full) in pairs.items():
         assert f".target {key.split(':')[0]}" in once and ".maxntid 64" in once and "_cudapy_smem" in once, key
@@ -278,10 +287,7 @@ build(float64, 3)  # a second build under the name of the second: it replaces it
         "print(json.dumps({'info': info, 'default': DEFAULT_THREADS, 'ptx': ptx, 'per_type': per_type,\n"
         "                  'replaced': REPLACED}))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
-                          env=_real_target_env(), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _fresh_json(code, tmp_path)
     default = out["default"]
     assert out["info"]["plain"] == [[default, True, []], [default, True, []]]
     assert out["info"]["bounded"] == [[128, False, ["gma"]], [64, False, ["gma"]]]

@@ -21,6 +21,7 @@ message.  :func:`diagnose` never raises: a pattern it cannot test is skipped.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -43,6 +44,18 @@ def _pair(got, expected):
     if g.shape != e.shape or g.size == 0:
         return None
     return g, e
+
+
+def _on_pair(diagnosis):
+    """``diagnosis(g, e, ...)`` called as ``diagnosis(got, expected, ...)``: on :func:`_pair`'s float64 arrays, None
+    (no diagnosis) when they have no common shape."""
+
+    @functools.wraps(diagnosis)
+    def on_pair(got, expected, *args, **kwargs):
+        pair = _pair(got, expected)
+        return None if pair is None else diagnosis(*pair, *args, **kwargs)
+
+    return on_pair
 
 
 def _noise(e):
@@ -75,17 +88,14 @@ def explains(got, candidate, expected, share=1e-2):
     return err > 0 and float(np.max(np.abs(g - c))) <= share * err + _noise(e)
 
 
-def nonfinite(got, expected):
+@_on_pair
+def nonfinite(g, e):
     """NaN or inf where the expected value is finite: an overflow, an underflow to 0 / 0, or a log of 0.
 
     Returns
     -------
     str or None
     """
-    pair = _pair(got, expected)
-    if pair is None:
-        return None
-    g, e = pair
     bad = ~np.isfinite(g) & np.isfinite(e)
     if not bad.any():
         return None
@@ -94,17 +104,16 @@ def nonfinite(got, expected):
             "(exp of a large number, log 0, or 0 / 0 after every term underflowed): subtract the row maximum before exp")
 
 
-def flipped_sign(got, expected):
+@_on_pair
+def flipped_sign(g, e):
     """``got`` is ``-expected``: a sign flipped somewhere (an ascent for a descent, a difference the other way).
 
     Returns
     -------
     str or None
     """
-    pair = _pair(got, expected)
-    if pair is None or not np.any(pair[1] != 0):
+    if not np.any(e != 0):
         return None
-    g, e = pair
     if explains(g, -e, e):
         return "a flipped sign: your values are -1 times the expected ones"
     return None
@@ -123,7 +132,8 @@ def _name_factor(c, factors):
     return None
 
 
-def constant_factor(got, expected, factors=None):
+@_on_pair
+def constant_factor(g, e, factors=None):
     """``got`` is ``c expected`` for one constant ``c``: a factor dropped or added, named when it is known.
 
     ``c`` is compared with 2, sqrt 2, 4, the ``factors`` given (a name for
@@ -136,10 +146,6 @@ def constant_factor(got, expected, factors=None):
     -------
     str or None
     """
-    pair = _pair(got, expected)
-    if pair is None:
-        return None
-    g, e = pair
     if not (np.all(np.isfinite(g)) and np.all(np.isfinite(e))):
         return None
     top = float(np.max(np.abs(e)))
@@ -164,17 +170,14 @@ def constant_factor(got, expected, factors=None):
     return f"a constant factor: your values are {c:.6g} times the expected ones"
 
 
-def power(got, expected):
+@_on_pair
+def power(g, e):
     """``got`` is ``expected`` squared, its square root or its inverse: a square root dropped or a ratio upside down.
 
     Returns
     -------
     str or None
     """
-    pair = _pair(got, expected)
-    if pair is None:
-        return None
-    g, e = pair
     if not (np.all(np.isfinite(g)) and np.all(np.isfinite(e)) and np.all(e > 0)) or np.all(e == 1):
         return None
     if np.min(e) < 1e-3 or np.max(e) > 1e3 or not np.all(g > 0):  # near 0 every power of e looks alike
@@ -209,7 +212,8 @@ def transposed(got, expected):
     return None
 
 
-def shifted(got, expected, axis=0, name=None):
+@_on_pair
+def shifted(g, e, axis=0, name=None):
     """``got`` is ``expected`` moved by one place along ``axis``: a mask, a window or an index off by one.
 
     Compared on the entries both have (all but the first or last along ``axis``).
@@ -218,10 +222,6 @@ def shifted(got, expected, axis=0, name=None):
     -------
     str or None
     """
-    pair = _pair(got, expected)
-    if pair is None:
-        return None
-    g, e = pair
     if g.ndim == 0 or g.shape[axis] < 3:
         return None
     label = name or f"axis {axis}"
@@ -237,17 +237,16 @@ def shifted(got, expected, axis=0, name=None):
     return None
 
 
-def per_row_scale(got, expected, axis=-1):
+@_on_pair
+def per_row_scale(g, e, axis=-1):
     """Each row (along ``axis``) is right up to its own factor: the normalisation is wrong.
 
     Returns
     -------
     str or None
     """
-    pair = _pair(got, expected)
-    if pair is None or pair[0].ndim < 2:
+    if g.ndim < 2:
         return None
-    g, e = pair
     if not (np.all(np.isfinite(g)) and np.all(np.isfinite(e))) or not np.any(e):
         return None
     top = float(np.max(np.abs(e)))
@@ -284,17 +283,16 @@ def not_normalised(got, axis=-1, total=1.0, tol=1e-9):
     return f"a wrong normalisation: your rows sum to {[float(f'{s:.12g}') for s in sums.ravel()[:3]]}, not {total:g}"
 
 
-def boundary_only(got, expected, tol, block, axis=0, name="tile"):
+@_on_pair
+def boundary_only(g, e, tol, block, axis=0, name="tile"):
     """The entries beyond ``tol`` all sit at the edges of blocks of ``block`` along ``axis``.
 
     Returns
     -------
     str or None
     """
-    pair = _pair(got, expected)
-    if pair is None or block < 2:
+    if block < 2:
         return None
-    g, e = pair
     bad = np.abs(g - e) > tol
     bad |= ~np.isfinite(g)
     if not bad.any():
@@ -328,7 +326,8 @@ def nondeterministic(first, second):
             "a missing cuda.syncthreads() between writing shared memory and reading it")
 
 
-def grows_with(got, expected, size, name="t"):
+@_on_pair
+def grows_with(g, e, size, name="t"):
     """The error grows with ``size`` (the length or magnitude of what was summed): cancellation.
 
     Compares the median error among the entries of the largest third of
@@ -338,10 +337,6 @@ def grows_with(got, expected, size, name="t"):
     -------
     str or None
     """
-    pair = _pair(got, expected)
-    if pair is None:
-        return None
-    g, e = pair
     s = np.broadcast_to(np.asarray(size, dtype=np.float64), g.shape).ravel()
     err = np.abs(g - e).ravel()
     if not np.all(np.isfinite(err)) or err.size < 6:

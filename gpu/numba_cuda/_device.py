@@ -305,8 +305,8 @@ def compile_all(cc=(9, 0), names=None, ptx=False):
     (:class:`_TargetDevice`), so no CUDA driver is asked.  A device function
     is compiled once per argument types and kept by Numba, so after a first
     ``cc`` later ones reuse its compiled body (NVVM still writes each
-    kernel's PTX for its own ``cc``).  :func:`compile_targets` writes several
-    capabilities from one lowering.
+    kernel's PTX for its own ``cc``).  It is :func:`compile_targets` for one
+    capability.
 
     Parameters
     ----------
@@ -322,15 +322,8 @@ def compile_all(cc=(9, 0), names=None, ptx=False):
     dict
         ``{(name, dtype name): length of the PTX}`` (or the PTX itself).
     """
-    out = {}
-    with _current_device_reports(cc):
-        for name, (fn, signature) in sorted(KERNELS.items()):
-            if names is not None and name not in names:
-                continue
-            for f in kernel_dtypes(name):
-                code, _ = cuda.compile_ptx(fn, signature(f), cc=cc, **compile_options(name, f))
-                out[(name, str(f))] = code if ptx else len(code)
-    return out
+    codes = compile_targets([cc], names)[tuple(cc)]
+    return codes if ptx else {key: len(code) for key, code in codes.items()}
 
 
 def is_device_array(a) -> bool:
