@@ -32,15 +32,26 @@ The model and its assumptions
   ``gma``, softmax attention by ``attention``, OVQ and VQ by ``ovq``.
 * A part runs at the pace of its module's *main kernel* (:func:`main_kernel`):
   of the kernels named for the work (:data:`MAIN`), the one whose loop holds
-  the most floating-point work.  The loop is the kernel's hot loop
-  (:func:`gpu.sass.hot_loop`, in float32 or the float type asked), or, when
-  the hot loop does no arithmetic (comparisons, index arithmetic), its work
-  loop (:func:`gpu.sass.work_loop`, the loop region with the most FLOPs).
+  the most useful FLOPs.  The loop is the kernel's *work loop*
+  (:func:`gpu.sass.work_loop`, in float32 or the float type asked): of the
+  loop regions (innermost loop bodies, basic blocks inside a loop) that do
+  useful arithmetic, the one nested in the most loops, ties to the most
+  useful FLOPs.  Useful FLOPs (:func:`gpu.sass.work_flops`) are those of
+  floating-point arithmetic on registers alone, without saturation or
+  directed rounding (a fused multiply-add is two): the algorithm's products
+  and sums, not the range reduction and polynomial of an ``exp``.  The
+  deepest region is taken because it runs once per iteration of every loop
+  around it: the product over the coordinates runs ``d`` times for each time
+  the epilogue after it (a log-sum-exp's combine tree, an online softmax's
+  rescaling) runs once, though the unrolled epilogue can hold more
+  instructions and more raw FLOPs.  The fp-share gate of
+  ``tests/test_gpu_resources.py`` reads the same loop.
   Its instructions per useful FLOP are that loop's instructions over its
-  FLOPs (:func:`gpu.sass.flops`: a fused multiply-add is two).  So every useful FLOP is assumed to be done in
-  that loop, by one thread once (work repeated across the threads of a warp,
-  the setup outside the loop and the routines it calls are not counted: the
-  prediction is a lower bound on the instructions).
+  useful FLOPs.  So every useful FLOP is assumed to be done in that loop, by
+  one thread once (work repeated across the threads of a warp, the setup
+  outside the loop, the epilogues, the other loops of the kernel (a second
+  product in a shallower loop, say) and the routines it calls are not
+  counted: the prediction is a lower bound on the instructions).
 * Issue: each of the 132 multiprocessors has 4 schedulers, each issuing at
   most one warp instruction (32 threads) per cycle at 1.7 GHz.  A scheduler
   is assumed to issue every cycle when it holds at least 4 resident warps
@@ -147,24 +158,21 @@ def workloads():
 
 
 def _work(row):
-    """``(instructions, FLOPs)`` per thread of a static row's hot loop, or of its work loop when the hot loop has none."""
-    if not row.get("hot_loop_flops") and row.get("work_loop") is not None:
-        return row["work_loop"]["total"], row["work_loop_flops"]
-    return row["hot_loop"]["total"], row["hot_loop_flops"]
+    """``(instructions, useful FLOPs)`` per thread of a static row's work loop (:func:`gpu.sass.work_loop`)."""
+    return row["work_loop"]["total"], row["work_loop_flops"]
 
 
 def main_kernel(kernel_rows, module, dtype):
     """The static row of ``module``'s main kernel in ``dtype``; ``None`` when none of its kernels has FLOPs in a loop.
 
-    Among the module's kernels whose loop (the hot loop, or the work loop
-    when the hot loop has no FLOPs) holds FLOPs, those whose name matches
-    :data:`MAIN` (all of them when none does), and of these the one whose
-    loop holds the most FLOPs.
+    Among the module's kernels whose work loop holds useful FLOPs, those
+    whose name matches :data:`MAIN` (all of them when none does), and of
+    these the one whose work loop holds the most useful FLOPs.
     """
     import re
 
     mine = [r for r in kernel_rows if r["kernel"].rsplit(".", 2)[-2] == module and r["dtype"] == dtype
-            and r.get("loop") and r.get("hot_loop") is not None and _work(r)[1]]
+            and r.get("loop") and r.get("work_loop") is not None and _work(r)[1]]
     named = [r for r in mine if re.search(MAIN.get(module, "$^"), r["kernel"].rsplit(".", 1)[-1])]
     return max(named or mine, key=lambda r: (_work(r)[1], r["kernel"]), default=None)
 
@@ -204,7 +212,8 @@ def model_rows(kernel_rows, dtype="float32", device=H200):
                 "kernel": row["kernel"],
                 "flops": part_flops,
                 "instructions_per_flop": _work(row)[0] / _work(row)[1],
-                "hot_loop_fp_share": row["hot_loop"]["fp"] / row["hot_loop"]["total"],
+                "work_loop_fp_share": row["work_loop"]["fp"] / row["work_loop"]["total"],
+                "work_loop_depth": row.get("work_loop_depth"),
                 "occupancy": row["occupancy"],
                 "threads": row["threads"],
                 "registers": row["registers"],

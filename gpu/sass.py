@@ -12,10 +12,15 @@ facts come out of them, each a plain function on text:
   (H100, H200): 65,536 registers per multiprocessor allocated per warp in
   units of 256, at most 64 resident warps and 32 resident blocks, 228 KB of
   shared memory with 1 KB reserved for each block;
-* the instruction mix of its hot loop (:func:`hot_loop` and :func:`mix`, from
-  ``cuobjdump -sass``): the body of the largest innermost loop, its
-  instructions sorted into floating point, integer, memory and
-  control/other (:func:`classify`).
+* the instruction mix of its loops (:func:`mix`, from ``cuobjdump -sass``),
+  their instructions sorted into floating point, integer, memory and
+  control/other (:func:`classify`): of the *hot loop* (:func:`hot_loop`), the
+  largest loop region, and of the *work loop* (:func:`work_loop`), the loop
+  region where the kernel's work is done: the one nested in the most loops
+  among those that do useful arithmetic (:func:`work_flops`: floating-point
+  arithmetic on registers alone, so not the constants of an ``exp``'s
+  polynomial).  The work loop is what the floating-point share is gated on
+  and what ``benchmarks/gpu_model.py`` paces a kernel by.
 
 These are static facts about the code: the occupancy is what the resources
 allow, not what a launch achieves, and the instruction mix counts
@@ -46,6 +51,8 @@ __all__ = [
     "work_loop",
     "mix",
     "flops",
+    "work_flops",
+    "loop_depth",
     "assemble",
     "analyse",
     "compile_kernels",
@@ -361,7 +368,8 @@ def hot_loop(instructions) -> list:
     (:func:`basic_blocks`), larger than them, and that block is the hot loop.
     An empty list when the function has no loop.  A call (``CALL.REL``, say
     an integer division) counts as one instruction: the routine it calls is
-    not counted.
+    not counted.  The hot loop is where the most instructions are, not always
+    where the kernel's work is (:func:`work_loop`).
     """
     candidates = _loop_regions(instructions)
     return max(candidates, key=len) if candidates else []
@@ -376,15 +384,57 @@ def _loop_regions(instructions) -> list:
     return candidates
 
 
-def work_loop(instructions) -> list:
-    """Of :func:`hot_loop`'s candidates, the one with the most floating-point operations (:func:`flops`).
+def loop_depth(region, instructions) -> int:
+    """The number of loops of ``instructions`` (:func:`loops`) whose body holds all of ``region`` (a list of them).
 
-    The hot loop is where the most instructions are; the work loop is where
-    the arithmetic is (they differ in a kernel whose largest block does
-    comparisons or index arithmetic).  An empty list without a loop.
+    An innermost loop's body is inside its own loop: its depth is 1 plus the
+    loops around it; a basic block of an outer loop's body counts that loop
+    and those around it.  0 for a region in no loop.
+    """
+    return _depth(region, loops(instructions))
+
+
+def _depth(region, found) -> int:
+    if not region:
+        return 0
+    first, last = region[0][0], region[-1][0]
+    return sum(start <= first and last <= end for start, end in found)
+
+
+def work_loop(instructions) -> list:
+    """The loop region where the kernel's work is done: of those with useful FLOPs, the one nested in the most loops.
+
+    The candidates are :func:`hot_loop`'s (the innermost loop bodies and the
+    basic blocks inside a loop).  Of those that do useful work
+    (:func:`work_flops` above zero), the work loop is the one with the
+    greatest :func:`loop_depth`; ties go to the most useful FLOPs, then to
+    the longest (a whole loop body before one of its blocks).  When no
+    candidate does useful work, it is the hot loop.  An empty list without
+    a loop.
+
+    Why the depth first: a region runs once per iteration of every loop
+    around it, so, in a tiled kernel, the deepest region runs the most
+    times: the product over the coordinates, inside the loop over the
+    coordinate chunks, inside the loop over the tiles, runs ``d`` times for
+    each time the tile's epilogue (the combine tree of a log-sum-exp, the
+    rescaling of an online softmax) runs once.  The listing gives no trip
+    counts, and the epilogue, unrolled and full of ``exp``, can hold more
+    instructions and more raw FLOPs (:func:`flops`) than the loop it
+    follows: a rule on size or FLOPs alone picks it.  Only useful FLOPs
+    qualify a region, so that a deep loop of index arithmetic or of staging
+    copies does not.  What the rule assumes: the loops around the work run
+    more than once each, and no deeper loop does a little arithmetic beside
+    larger work in shallower, unrolled code (a deeper loop with one useful
+    FLOP wins over it).
     """
     candidates = _loop_regions(instructions)
-    return max(candidates, key=lambda c: (flops(c), len(c))) if candidates else []
+    if not candidates:
+        return []
+    useful = [(c, w) for c in candidates if (w := work_flops(c)) > 0]
+    if not useful:
+        return hot_loop(instructions)
+    found = loops(instructions)
+    return max(useful, key=lambda cw: (_depth(cw[0], found), cw[1], len(cw[0])))[0]
 
 
 def mix(instructions) -> dict:
@@ -405,6 +455,49 @@ FLOPS = {"FFMA": 2, "FADD": 1, "FMUL": 1, "DFMA": 2, "DADD": 1, "DMUL": 1, "HFMA
 def flops(instructions) -> int:
     """Floating-point operations per thread of a list of instructions, by :data:`FLOPS`."""
     return sum(FLOPS.get(opcode.split(".", 1)[0].upper(), 0) for _, opcode, _, _ in instructions)
+
+
+#: Modifiers of an arithmetic opcode that mark it as part of an expansion (of ``exp``, a division, a conversion),
+#: not of the algorithm's arithmetic: saturation, and rounding other than to nearest.
+_EXPANSION_MODIFIERS = frozenset({"SAT", "RM", "RP", "RZ"})
+_REGISTER = re.compile(r"^U?R\d+$")
+
+
+def _register_operand(operand: str) -> bool:
+    # "-|R4|.reuse" is register R4 (negated, absolute value, kept in the reuse cache); RZ, URZ, immediates
+    # ("1.4426950216293334961", "0x3f800000", "-12583039", "+INF") and constant banks ("c[0x0][0x210]") are not
+    core = operand.strip().lstrip("-").strip("|").split(".", 1)[0].strip("|")
+    return bool(_REGISTER.match(core))
+
+
+def work_flops(instructions) -> int:
+    """The useful floating-point operations per thread of a list of instructions: the kernel's work in it.
+
+    The :data:`FLOPS` of the arithmetic instructions whose source operands
+    are all registers (``R``, ``UR``; not ``RZ``) and whose opcode carries no
+    saturation or directed rounding (``.SAT``, ``.RM``, ``.RP``, ``.RZ``).
+    What is left out is most of the code the compiler expands a function
+    into, whose constants are immediates and whose rounding is directed: the
+    range reduction and polynomial of a float32 ``exp`` (``FFMA.SAT R, R, R,
+    0.5``, ``FFMA.RM R, R, R, 12582913``, ``FFMA R, R, 1.44269..., -R``).
+    Every operand of the algorithm's own products and sums (``s += q_i k_j``,
+    ``x - m``) is data, held in registers; its rounding is to nearest,
+    unmarked.  Two limits: a product by a constant the source writes out
+    (``0.5 * x``) is left out too (the rule cannot tell it from an
+    expansion's), and an expansion whose constants sit in registers (a
+    float64 ``exp`` loads its polynomial's coefficients into register pairs)
+    counts; :func:`work_loop` ranks by depth first, so that such an
+    epilogue is not taken for the work.
+    """
+    total = 0
+    for _, opcode, operands, _ in instructions:
+        base, *modifiers = opcode.upper().split(".")
+        if base not in FLOPS or _EXPANSION_MODIFIERS.intersection(modifiers):
+            continue
+        sources = operands.split(",")[1:]
+        if sources and all(_register_operand(o) for o in sources):
+            total += FLOPS[base]
+    return total
 
 
 # --- the tools, run -----------------------------------------------------------------------------------------
@@ -448,17 +541,20 @@ def assemble(ptx: str, arch: str = "sm_90", sass: bool = True, ptxas=None, cuobj
 
 
 def analyse(ptx: str, threads: int, arch: str = "sm_90", sass: bool = True) -> dict:
-    """One kernel's row: resources, occupancy at ``threads`` threads per block, hot-loop mix and instruction count.
+    """One kernel's row: resources, occupancy at ``threads`` threads per block, loop mixes and instruction count.
 
     ``ptx`` must hold one entry function (the PTX of one kernel and one
     signature, as ``gpu.numba_cuda._device.compile_all`` gives it).
     Returns ``{"registers", "spill_stores", "spill_loads", "stack", "shared",
     "threads", "occupancy", "limit", "loop", "hot_loop", "hot_loop_flops",
-    "instructions"}``: ``hot_loop`` is :func:`mix` of :func:`hot_loop`, or of
-    the whole function when it has no loop (``loop`` is then False), and
-    ``hot_loop_flops`` its :func:`flops`; ``work_loop`` and
-    ``work_loop_flops`` the same of :func:`work_loop`; these are ``None``
-    without ``sass``, as is ``instructions``, the function's whole length.
+    "work_loop", "work_loop_flops", "work_loop_depth", "instructions"}``:
+    ``hot_loop`` is :func:`mix` of :func:`hot_loop`, or of the whole function
+    when it has no loop (``loop`` is then False), and ``hot_loop_flops`` its
+    :func:`flops`; ``work_loop`` is :func:`mix` of :func:`work_loop` (the
+    whole function without a loop), ``work_loop_flops`` its useful FLOPs
+    (:func:`work_flops`) and ``work_loop_depth`` its :func:`loop_depth`;
+    these are ``None`` without ``sass``, as is ``instructions``, the
+    function's whole length.
     """
     res = assemble(ptx, arch=arch, sass=sass)
     if len(res["resources"]) != 1:
@@ -466,7 +562,7 @@ def analyse(ptx: str, threads: int, arch: str = "sm_90", sass: bool = True) -> d
     (entry, row), = res["resources"].items()
     occ = occupancy(threads, row["registers"], row["shared"])
     row = dict(row, threads=threads, occupancy=occ["fraction"], limit=occ["limit"], loop=None, hot_loop=None,
-               hot_loop_flops=None, work_loop=None, work_loop_flops=None, instructions=None)
+               hot_loop_flops=None, work_loop=None, work_loop_flops=None, work_loop_depth=None, instructions=None)
     if res["sass"] is not None:
         code = res["sass"].get(entry) or next(iter(res["sass"].values()))
         body = hot_loop(code)
@@ -474,8 +570,9 @@ def analyse(ptx: str, threads: int, arch: str = "sm_90", sass: bool = True) -> d
         row["hot_loop"] = mix(body or code)
         row["hot_loop_flops"] = flops(body or code)
         work = work_loop(code)
-        row["work_loop"] = mix(work)
-        row["work_loop_flops"] = flops(work)
+        row["work_loop"] = mix(work or code)
+        row["work_loop_flops"] = work_flops(work or code)
+        row["work_loop_depth"] = loop_depth(work, code)
         row["instructions"] = len(code)
     return row
 

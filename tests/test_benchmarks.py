@@ -211,10 +211,12 @@ def test_torch_baselines_agree_with_the_reference():
 # --- gpu_model.py: a model from the compiled code, never a timing -------------------------------------------------
 
 
-def _static_row(kernel, hot_total, hot_flops, occupancy, dtype="float32"):
-    """A per-kernel static row as gpu.sass.kernel_rows gives it, with the fields the model reads."""
-    return {"kernel": kernel, "dtype": dtype, "loop": True, "hot_loop": {"total": hot_total, "fp": hot_flops // 2},
-            "hot_loop_flops": hot_flops, "occupancy": occupancy, "threads": 256, "registers": 32}
+def _static_row(kernel, total, flops, occupancy, dtype="float32"):
+    """A per-kernel static row as gpu.sass.kernel_rows gives it, with the fields the model reads (one loop: hot = work)."""
+    mix = {"total": total, "fp": flops // 2}
+    return {"kernel": kernel, "dtype": dtype, "loop": True, "hot_loop": mix, "hot_loop_flops": flops,
+            "work_loop": dict(mix), "work_loop_flops": flops, "work_loop_depth": 2, "occupancy": occupancy,
+            "threads": 256, "registers": 32}
 
 
 def test_gpu_model_issue_time_on_a_hand_worked_row():
@@ -235,11 +237,15 @@ def test_gpu_model_picks_the_kernel_named_for_the_work():
     assert gm.main_kernel(rows, "gmm", "float32") is rows[1]  # named for the work, though it has fewer FLOPs
     assert gm.main_kernel(rows[:1], "gmm", "float32") is rows[0]  # none named: the most FLOPs
     assert gm.main_kernel(rows, "scan", "float32") is None
-    # a hot loop of comparisons (no FLOPs): the work loop paces the part
-    compare = dict(_static_row("gpu.numba_cuda.attention._flash", 100, 0, 0.5), work_loop={"total": 30, "fp": 10},
-                   work_loop_flops=20)
-    assert gm.main_kernel([compare], "attention", "float32") is compare
-    assert gm.issue_time(1e12, compare) == pytest.approx(1.5 / 2 * 0.0696301, rel=1e-6)  # 1.5 instructions a FLOP
+    # the hot loop (an epilogue: 200 instructions, 100 raw FLOPs) is not the work loop (30 instructions, 20 useful
+    # FLOPs): the work loop paces the part, at 1.5 instructions a FLOP, and picks the kernel
+    flash = dict(_static_row("gpu.numba_cuda.attention._flash", 200, 100, 0.5), work_loop={"total": 30, "fp": 10},
+                 work_loop_flops=20)
+    assert gm.issue_time(1e12, flash) == pytest.approx(1.5 / 2 * 0.0696301, rel=1e-6)
+    other = dict(_static_row("gpu.numba_cuda.attention._flash_other", 30, 30, 0.5))
+    assert gm.main_kernel([flash, other], "attention", "float32") is other  # 30 useful FLOPs in its work loop, not 20
+    no_work = dict(_static_row("gpu.numba_cuda.attention._flash", 100, 40, 0.5), work_loop_flops=0)
+    assert gm.main_kernel([no_work], "attention", "float32") is None
 
 
 def test_gpu_model_json_covers_every_public_function_and_measures_nothing(tmp_path):

@@ -4,6 +4,8 @@ Runs the kernels in the CUDA simulator when there is no GPU (tests/conftest.py),
 with the simulator's small tiles, and, in the tests named ``gpu_geometry``,
 with the GPU's own tiles (:data:`gpu.numba_cuda.gmm.GPU_GEOMETRY`) on shapes
 that cross two tiles of rows, two of components and two stages of coordinates.
+The GPU builds' stage loop is also read in the sm_90 SASS (ptxas and cuobjdump,
+no GPU): unrolled, 128-bit shared loads, instructions per FLOP, no spills.
 The simulator evaluates a kernel with NumPy scalars in threads of its own,
 where ``np.errstate`` does not reach: inputs that overflow on purpose are run
 under :func:`quiet`, which silences those RuntimeWarnings (a GPU raises none).
@@ -277,11 +279,11 @@ def test_gpu_geometry_float64_crosses_every_tile():
     np.testing.assert_allclose(got, R.responsibilities(*args), rtol=1e-12, atol=1e-14)
 
 
-def test_gpu_geometry_float32_log_crosses_the_row_and_component_tiles():
-    """float32 log-responsibilities with float32's 64 x 64 tiles (4 x 4 registers) crossed once: N = 65, K = 65 (the
-    coordinate stages, the same code in both types, are crossed in float64; b % H with several mixtures below)."""
-    N, K, _ = crossing(GPU_GEOMETRY)
-    d = 3
+def test_gpu_geometry_float32_log_crosses_every_tile():
+    """float32 log-responsibilities with float32's 64 x 64 tiles (4 x 4 registers) and 8-coordinate stages crossed once:
+    N = 65, K = 65, d = 9 (each thread stages two coordinates of a row of x, the second past d in the last stage; b % H
+    with several mixtures below)."""
+    N, K, d = crossing(GPU_GEOMETRY)
     rng = np.random.default_rng(12)
     x = rng.normal(size=(1, N, d)).astype(np.float32)
     means = rng.normal(size=(1, K, d)).astype(np.float32)
@@ -338,4 +340,115 @@ def test_launch_geometry_is_inside_every_hardware_limit(B, N, K, H):
             tiles = B * -(-N // c["TILE_ROWS"])
             assert launches["_posterior_tiles"][0] == min(tiles, 2**31 - 1)
             # static shared memory of the tiles kernel: at most 48 KiB
-            assert np.dtype(dtype).itemsize * (c["SH_X"] + 2 * c["SH_C"] + 3 * c["SH_RED"]) <= 48 * 1024
+            assert np.dtype(dtype).itemsize * (c["SH_X"] + c["SH_C"] + 3 * c["SH_RED"]) <= 48 * 1024
+
+
+def test_the_component_pairs_are_padded_to_whole_stages_and_tiles():
+    """``padded``: d and K rounded up to the GPU's 8-coordinate stages and 64- (float32) or 32-component (float64) tiles,
+    one stage when d = 0."""
+    with gpu_tiles():
+        assert G.padded(65, 9, np.float32) == (16, 128)
+        assert G.padded(64, 8, np.float32) == (8, 64)
+        assert G.padded(33, 9, np.float64) == (16, 64)
+        assert G.padded(1, 0, np.float64) == (8, 32)
+
+
+def test_a_geometry_whose_staged_entries_leave_a_run_of_components_is_refused():
+    """A thread stages LOADS_X consecutive coordinates of a row of x and LOADS_C consecutive components, which must not
+    wrap past threads_x (their slots then follow RK apart)."""
+    c = G.tile_constants(G.Geometry(1, 1, 4, 2, 8))  # 8 threads: 2 coordinates of x and 4 components each
+    assert (c["LOADS_X"], c["LOADS_C"], c["UNROLL"]) == (2, 4, 8)
+    with pytest.raises(ValueError, match="one run of threads_x components"):
+        G.tile_constants(G.Geometry(1, 4, 4, 1, 4))  # 4 threads of 16 components each, threads_x = 4
+
+
+# --- the compiled inner loop (ptxas and cuobjdump, sm_90, without a GPU) ----------------------------------------
+
+_COMPILE_TILES = """
+import json, sys
+import numpy as np
+from gpu import sass
+from gpu.numba_cuda import _device, gmm
+names = {n for n in _device.KERNELS if n.startswith("gpu.numba_cuda.gmm._posterior_tiles")}
+out = {}
+for (name, dt), ptx in _device.compile_targets([(9, 0)], names=names)[(9, 0)].items():
+    r = sass.assemble(ptx)
+    (entry, res), = r["resources"].items()
+    code = r["sass"].get(entry) or next(iter(r["sass"].values()))
+    out[dt] = {"resources": res, "sass": code, "constants": gmm.tile_constants(gmm.GPU_GEOMETRIES[np.dtype(dt)])}
+json.dump(out, open(sys.argv[1], "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiles_sass(request, tmp_path_factory):
+    """``{dtype name: {"resources", "sass", "constants"}}`` of the GPU's two builds of ``_posterior_tiles``, compiled for
+    sm_90 in a fresh process (the real CUDA target), kept in pytest's cache under a digest of the sources."""
+    import hashlib
+    import json
+    import os
+    import subprocess
+    import sys
+    from importlib import metadata
+    from pathlib import Path
+
+    from gpu import sass
+
+    for tool in ("ptxas", "cuobjdump"):
+        if sass.find_tool(tool) is None:
+            pytest.skip(f"{tool} not found: the {sass.TOOL_WHEELS[tool]} wheel (in the CUDA extras) is not installed")
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256(_COMPILE_TILES.encode())
+    for path in sorted((root / "gpu" / "numba_cuda").glob("*.py")) + [root / "gpu" / "sass.py"]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for dist in ("numba-cuda", "numba"):
+        h.update(metadata.version(dist).encode())
+    cache = getattr(request.config, "cache", None)
+    folder = cache.mkdir("gpu-gmm-tiles") if cache is not None else tmp_path_factory.mktemp("tiles")
+    out = folder / f"sm90-{h.hexdigest()[:32]}.json"
+    if not out.is_file():
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        proc = subprocess.run([sys.executable, "-c", _COMPILE_TILES, str(tmp)], capture_output=True, text=True,
+                              cwd=root, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0"), timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        os.replace(tmp, out)
+    return {dt: dict(v, sass=[tuple(i) for i in v["sass"]]) for dt, v in json.loads(out.read_text()).items()}
+
+
+def _stage_loop(code):
+    """The body of the stage loop: the one innermost loop that loads from global memory (LDG) and waits at a barrier
+    (BAR): it stages a tile of coordinates, then takes their product."""
+    from gpu import sass
+
+    found = sass.loops(code)
+    inner = [lp for lp in found if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in found)]
+    bodies = [[ins for ins in code if lp[0] <= ins[0] <= lp[1]] for lp in inner]
+    stages = [body for body in bodies if {"LDG", "BAR"} <= {ins[1].split(".")[0] for ins in body}]
+    assert len(stages) == 1, [(body[0][0], len(body)) for body in stages]
+    return stages[0]
+
+
+#: Most SASS instructions per useful FLOP (4 a (row, component, coordinate): sub, square, scale, add) in the stage
+#: loop.  float32's 4 x 4 tile: 48 fp and 3 LDS.128 a coordinate for 64 FLOPs (0.80), the staging on top; float64's
+#: 2 x 2 tile: 12 fp and 3 LDS.128 for 16 FLOPs, 0.94 a coordinate at best.
+MAX_INSTRUCTIONS_PER_FLOP = {"float32": 0.9, "float64": 1.2}
+
+
+@pytest.mark.parametrize("dt", ["float32", "float64"])
+def test_the_stage_loop_is_unrolled_with_128_bit_shared_loads_and_no_spills(tiles_sass, dt):
+    """Each GPU build's stage loop (sm_90 SASS): every coordinate of the stage in it (one FMA a register-tile entry and
+    coordinate), its shared reads 128-bit only (a thread's rows, then its components' pairs), within the instructions a
+    FLOP of :data:`MAX_INSTRUCTIONS_PER_FLOP`; the kernel at most 64 registers (50% occupancy), no spills."""
+    row = tiles_sass[dt]
+    c = row["constants"]
+    res = row["resources"]
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
+    assert res["registers"] <= 64, res
+    fma = "FFMA" if dt == "float32" else "DFMA"
+    body = _stage_loop(row["sass"])
+    loads = [ins[1] for ins in body if ins[1].split(".")[0] == "LDS"]
+    per_step = (c["RM"] + 2 * c["RK"]) * np.dtype(dt).itemsize // 16
+    assert sum(ins[1].split(".")[0] == fma for ins in body) == c["RM"] * c["RK"] * c["DC"]
+    assert loads == ["LDS.128"] * (per_step * c["DC"]), loads
+    useful = 4 * c["RM"] * c["RK"] * c["DC"]
+    assert len(body) / useful <= MAX_INSTRUCTIONS_PER_FLOP[dt], (len(body), useful)

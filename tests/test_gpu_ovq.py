@@ -108,6 +108,21 @@ def test_ties_go_to_the_lowest_index_like_refimpl():
     np.testing.assert_allclose(out, ref_out, **TOL64)
 
 
+@pytest.mark.parametrize("kw", [{"growth": "linear"}, {}, {"init": "random", "seed": 4}], ids=ids)
+def test_chunks_longer_than_the_sorting_network_are_planned_by_comparing_every_pair(kw):
+    """Chunks of 10 > PLAN_SORT keys (8 in the simulator): the plan ranks the seeds and orders the members by comparing
+    every pair, a staged tile at a time (TILE_PLAN < 10 too); identical keys tie, and tie like refimpl's stable sorts."""
+    assert gpu_ovq.PLAN_SORT < 10 and gpu_ovq.TILE_PLAN < 10
+    q, k, v = qkv(31, 20)
+    k[[3, 5, 7]] = k[1]
+    k[[12, 15]] = k[11]
+    opts = dict(max_size=12, chunk_size=10, return_state=True, **kw)
+    out, state = gpu_ovq.ovq_attention(q, k, v, **opts)
+    ref_out, ref_state = ovq.ovq_attention(q, k, v, **opts)
+    np.testing.assert_allclose(out, ref_out, **TOL64)
+    assert_state_close(state, ref_state, TOL64)
+
+
 def test_streaming_through_a_state_equals_one_call_and_refimpl():
     q, k, v = qkv(5, 9)
     opts = dict(max_size=5, chunk_size=3, init="random", seed=2)
@@ -267,25 +282,32 @@ def _gpu_block_sizes():
     return gpu_ovq.block_sizes(gpu_ovq.GPU_GEOMETRY) if gpu_ovq.SIMULATOR else contextlib.nullcontext()
 
 
-# (options, dtype): a stream continued from refimpl's state after 36 tokens (n = 36 > KEYS = 32 centroids: two key
-# tiles in the assignment and in the read-out), then a chunk of 9 > ROWS = 8 positions (two row tiles) and one of 2;
-# d = 34 > SLAB = 32 features (two slabs)
+def _gpu_tiles():
+    """The predict kernel's tiles at the GPU's block sizes (:func:`gpu.numba_cuda.ovq.tile_sizes`)."""
+    return gpu_ovq.tile_sizes(gpu_ovq.GPU_GEOMETRY)
+
+
+# (options, dtype): a stream continued from refimpl's state after 72 tokens (n = 72 > KEYS = 64 centroids: two key
+# tiles of centroids in the assignment and in the read-out, the second one shared with the chunk's keys), then a chunk
+# of 33 > ROWS = 32 positions (two position tiles) and one of 2; d = 17 > 2 DC = 16 coordinates (three stages, the
+# last ragged); float64 with d_v = 33 > VC = 32 value columns (two stages)
 GPU_CASES = [
-    ({"growth": "linear"}, np.float64),
-    ({"growth": "linear", "init": "random", "seed": 1, "learning_rate": 0.25, "count_bias": False}, np.float32),
+    ({"growth": "linear"}, np.float64, 33),
+    ({"growth": "linear", "init": "random", "seed": 1, "learning_rate": 0.25, "count_bias": False}, np.float32, 3),
 ]
 
 
-@pytest.mark.parametrize("kw, dtype", GPU_CASES, ids=[f"{ids(c[0])}-{np.dtype(c[1])}" for c in GPU_CASES])
-def test_ovq_at_the_gpu_block_sizes_matches_refimpl(kw, dtype):
-    q, k, v = qkv(len(kw), 47, d=34, d_v=3, dtype=dtype)
-    opts = dict(max_size=48, chunk_size=9, return_state=True, **kw)
-    _, mid = ovq.ovq_attention(q[:36], k[:36], v[:36], **opts)
-    ref_out, ref_state = ovq.ovq_attention(q[36:], k[36:], v[36:], state=mid, **opts)
-    assert mid.size > gpu_ovq.GPU_GEOMETRY["KEYS"]
+@pytest.mark.parametrize("kw, dtype, d_v", GPU_CASES, ids=[f"{ids(c[0])}-{np.dtype(c[1])}" for c in GPU_CASES])
+def test_ovq_at_the_gpu_block_sizes_matches_refimpl(kw, dtype, d_v):
+    t = _gpu_tiles()
+    q, k, v = qkv(len(kw), 107, d=17, d_v=d_v, dtype=dtype)
+    opts = dict(max_size=110, chunk_size=33, return_state=True, **kw)
+    _, mid = ovq.ovq_attention(q[:72], k[:72], v[:72], **opts)
+    ref_out, ref_state = ovq.ovq_attention(q[72:], k[72:], v[72:], state=mid, **opts)
+    assert t["KEYS"] < mid.size < 2 * t["KEYS"] and t["ROWS"] < 33 and 2 * t["DC"] < 17 and t["VC"] < 33
     with _gpu_block_sizes():
-        assert gpu_ovq.ROWS < 9 and gpu_ovq.KEYS < mid.size and gpu_ovq.SLAB < 34
-        out, state = gpu_ovq.ovq_attention(q[36:], k[36:], v[36:], state=mid, **opts)
+        assert (gpu_ovq.ROWS, gpu_ovq.KEYS, gpu_ovq.DC, gpu_ovq.VC) == (t["ROWS"], t["KEYS"], t["DC"], t["VC"])
+        out, state = gpu_ovq.ovq_attention(q[72:], k[72:], v[72:], state=mid, **opts)
     tol = TOL64 if dtype == np.float64 else TOL32
     assert out.dtype == dtype
     np.testing.assert_allclose(out, ref_out, **tol)
@@ -294,13 +316,13 @@ def test_ovq_at_the_gpu_block_sizes_matches_refimpl(kw, dtype):
 
 @pytest.mark.parametrize("dtype", [np.float32])
 def test_vq_at_the_gpu_block_sizes_matches_refimpl(dtype):
-    """S = 33 codes: two key tiles of codes; chunks of 9 > ROWS positions and of 2."""
-    q, k, v = qkv(17, 11, d=34, d_v=3, dtype=dtype)
-    codebook = np.random.default_rng(4).normal(size=(33, 34)).astype(dtype)
+    """S = 65 codes: two key tiles of codes; chunks of 33 > ROWS positions and of 2."""
+    q, k, v = qkv(17, 35, d=17, d_v=3, dtype=dtype)
+    codebook = np.random.default_rng(4).normal(size=(65, 17)).astype(dtype)
     with _gpu_block_sizes():
-        out = gpu_ovq.vq_attention(q, k, v, codebook, chunk_size=9)
+        out = gpu_ovq.vq_attention(q, k, v, codebook, chunk_size=33)
     tol = TOL64 if dtype == np.float64 else TOL32
-    np.testing.assert_allclose(out, ovq.vq_attention(q, k, v, codebook, chunk_size=9), **tol)
+    np.testing.assert_allclose(out, ovq.vq_attention(q, k, v, codebook, chunk_size=33), **tol)
 
 
 class _CountedKernel:
@@ -390,10 +412,11 @@ def test_launch_geometry_stays_within_the_hardware_limits(N, heads, C, with_keys
     assert g.unit[0][1] * g.unit[0][2] >= 2 * heads
     # the grids cover the work, or are capped at 2^31 - 1 blocks (the kernels loop grid-stride over the rest)
     width = d + d_v if with_keys else d_v
-    for (grid, threads), items in ((g.predict, g.row_tiles * g.splits), (g.merge, -(-Cm * (d_v + width) // flat)),
+    assert g.centroid_tiles == (-(-n_max // keys) if with_keys else 0)
+    for (grid, threads), items in ((g.predict, g.row_tiles * (g.splits + g.centroid_tiles)), (g.merge, -(-Cm * (d_v + width) // flat)),
                                    (g.unit, -(-N // (flat // keys))), (g.codes, -(-N // flat))):
         assert grid[0] == min(items, 2**31 - 1)
-    assert g.predict[1] == rows * keys
+    assert g.predict[1] == gpu_ovq.tile_sizes(gpu_ovq.GPU_GEOMETRY)["NT"]
 
 
 def test_launch_geometry_refuses_more_heads_than_two_grid_axes_hold():

@@ -6,12 +6,12 @@ simulator's small tiles (:data:`gpu.numba_cuda.scan.SIMULATOR_GEOMETRY`:
 4 x 4 block tiles of 2 x 2 register tiles, 2 entries a stage, key tiles of
 2; spans of 4 chunks, so that a few dozen chunks make a tree of three levels)
 on shapes that cross every tile.  The two product kernels are checked on
-their own, against their formulas in NumPy, with the GPU's own tiles
-(:data:`gpu.numba_cuda.scan.GPU_GEOMETRY`: 64 x 64 block tiles of 4 x 4
-register tiles, 8 entries a stage, key tiles of 32) on shapes that cross a
-block tile, a register tile, a stage and a key tile: the simulator runs each
-of the 256 threads of a block as a Python thread, so those shapes hold few
-blocks.  One test runs the scan's tree with the GPU's spans (16 chunks by 32
+their own, against their formulas in NumPy, with the GPU's own tiles of each
+float type (:data:`gpu.numba_cuda.scan.GPU_GEOMETRIES`: in float32 64 x 64
+block tiles of 4 x 4 register tiles, in float64 32 x 64 block tiles of 2 x 4;
+8 entries a stage, key tiles of 32) on shapes that cross a block tile, a
+register tile, a stage and a key tile: the simulator runs each of the 256
+threads of a block as a Python thread, so those shapes hold few blocks.  One test runs the scan's tree with the GPU's spans (16 chunks by 32
 entries).
 """
 
@@ -96,8 +96,8 @@ def test_the_masked_scores_are_exact_zeros():
 
 
 def gpu_tiles():
-    """The GPU's tile geometry: switched on in the simulator, already there on a GPU."""
-    return S.geometry(S.GPU_GEOMETRY) if SIMULATOR else nullcontext()
+    """The GPU's tile geometries (one per float type): switched on in the simulator, already there on a GPU."""
+    return S.geometry(S.GPU_GEOMETRIES) if SIMULATOR else nullcontext()
 
 
 def _states_formula(y, z, chunk):
@@ -121,19 +121,20 @@ def _rows_formula(p, states, transposed, x, y, z, chunk, within, lower, n_out):
     return out
 
 
-@pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-12), (np.float32, 1e-5)], ids=["float64", "float32"])
-def test_gpu_geometry_chunk_states_cross_every_tile(dtype, rtol):
-    """F = 65, E = 66: two block tiles each way, the second a part of a register tile; a chunk of 9 tokens: two
-    stages, the second ragged."""
+@pytest.mark.parametrize("dtype, rtol, f_tiles", [(np.float64, 1e-12, 3), (np.float32, 1e-5, 2)],
+                         ids=["float64", "float32"])
+def test_gpu_geometry_chunk_states_cross_every_tile(dtype, rtol, f_tiles):
+    """F = 65, E = 66: two block tiles each way in float32 (three of 32 features in float64), the last a part of a
+    register tile; a chunk of 9 tokens: two stages, the second ragged."""
     B, N, F, E, chunk = 1, 9, 65, 66, 9
     rng = np.random.default_rng(11)
     y, z = rng.uniform(0.1, 1.0, (B, N, F)).astype(dtype), rng.normal(size=(B, N, E)).astype(dtype)
     n = -(-N // chunk)
     partial = cuda.device_array((B, n, F, E), dtype=dtype)
     with gpu_tiles():
-        grid, block = S.launch_geometry(B, N, F, E, chunk)["states"]
-        assert grid[0] == n * 2 * 2 and block == (16, 16)
-        S._chunk_states[grid, block](S._flat(cuda.to_device(y)), S._flat(cuda.to_device(z)), (B, N, F, E, chunk, n),
+        grid, block = S.launch_geometry(B, N, F, E, chunk, dtype)["states"]
+        assert grid[0] == n * f_tiles * 2 and block == (16, 16)
+        S._states_kernel(dtype)[grid, block](S._flat(cuda.to_device(y)), S._flat(cuda.to_device(z)), (B, N, F, E, chunk, n),
                                      S._flat(partial))
     np.testing.assert_allclose(partial.copy_to_host(), _states_formula(y, z, chunk), rtol=rtol, atol=rtol)
 
@@ -141,16 +142,17 @@ def test_gpu_geometry_chunk_states_cross_every_tile(dtype, rtol):
 @pytest.mark.parametrize(
     "N, chunk, n_in, n_pair, n_out, n_z, transposed, within, lower, dtype",
     [
-        # the causal read: one chunk of 66 rows, two row tiles; the lower mask across three key tiles of 32;
-        # 9 entries h: two stages
+        # the causal read: one chunk of 66 rows, three row tiles of 32 (float64); the lower mask across three key
+        # tiles of 32; 9 entries h: two stages
         (66, 66, 9, 3, 5, 5, False, True, True, np.float64),
         # dphi_k's shape: the state transposed, the upper mask; 65 columns of 66 in z: two column tiles; chunks of 9,
-        # 9 pair dimensions: two stages
+        # 9 pair dimensions: two stages; in both types' tiles
         (12, 9, 3, 9, 65, 66, True, True, False, np.float32),
+        (12, 9, 3, 9, 65, 66, True, True, False, np.float64),
         # the bidirectional read: one chunk of 70 rows, no within-chunk term, 65 columns
         (70, 70, 2, 2, 65, 65, False, False, True, np.float32),
     ],
-    ids=["lower", "upper-transposed", "bidirectional"],
+    ids=["lower", "upper-transposed", "upper-transposed-float64", "bidirectional"],
 )
 def test_gpu_geometry_chunk_rows_cross_every_tile(N, chunk, n_in, n_pair, n_out, n_z, transposed, within, lower, dtype):
     rng = np.random.default_rng(N + n_out)
@@ -223,10 +225,16 @@ def test_the_launch_geometry_keeps_every_hardware_limit(monkeypatch):
             for (x, y, z), block in launches + plan["scan"] + plan["offsets"]:
                 assert 1 <= x <= _primitives.MAX_GRID_X and 1 <= y <= 65535 and 1 <= z <= 65535
                 assert y * z >= B and int(np.prod(block)) <= 1024
-        # 64 x 64 output tiles: 2^20 one-token chunks, 256 features and 65 columns make 2^20 x 4 x 2 blocks of the
-        # states, 2^20 x 4 of the rows of dphi_q and dphi_k, 2^20 x 2 of the read and 2^20 x 1 of dv
-        plan = S.launch_geometry(1, 2**20, 256, 65, 1)
+        # 64 x 64 output tiles (float32): 2^20 one-token chunks, 256 features and 65 columns make 2^20 x 4 x 2 blocks
+        # of the states, 2^20 x 4 of the rows of dphi_q and dphi_k, 2^20 x 2 of the read and 2^20 x 1 of dv; 32 x 64
+        # (float64): twice the states' blocks (8 x 2 feature and column tiles), the same rows (one-token chunks)
+        plan = S.launch_geometry(1, 2**20, 256, 65, 1, dtype=np.float32)
         assert [plan[k][0][0] for k in ("states", "rows F", "rows", "rows V")] == [2**20 * 8, 2**20 * 4, 2**20 * 2, 2**20]
+        plan = S.launch_geometry(1, 2**20, 256, 65, 1, dtype=np.float64)
+        assert [plan[k][0][0] for k in ("states", "rows F", "rows", "rows V")] == [2**20 * 16, 2**20 * 4, 2**20 * 2, 2**20]
+        # 64-token chunks: 2 row tiles of 32 in float64, 1 of 64 in float32
+        rows = [S.launch_geometry(1, 2**20, 256, 65, 64, dtype=t)["rows"][0][0] for t in (np.float32, np.float64)]
+        assert rows == [2**14 * 2, 2**14 * 2 * 2]
 
 
 def test_more_sequences_than_one_grid_axis_holds(monkeypatch):

@@ -505,7 +505,7 @@ def launch_geometry(B, N_q, N_k, K, d_r, d_v, H=1, causal=False, chunk_size=DEFA
     in the float type ``dtype`` (the responsibilities' tiles depend on it).
     """
     chunk = min(int(chunk_size), max(1, int(N_k))) if causal else device_scan.SEGMENT
-    scan = {side: device_scan.launch_geometry(B=int(B), N=int(n), F=int(K), E=int(d_v) + 1, chunk=chunk)
+    scan = {side: device_scan.launch_geometry(B=int(B), N=int(n), F=int(K), E=int(d_v) + 1, chunk=chunk, dtype=dtype)
             for side, n in (("q", N_q), ("k", N_k))}
     return {
         "forward": forward_geometry(B, N_q, N_k, K, d_r, H, dtype),

@@ -23,15 +23,18 @@ Two launches per call, whatever ``B``, ``N``, ``K`` and ``d``:
 
 1. :func:`_component_constants`, one thread per component ``(h, m)``: the
    per-component constant ``log pi_m - (1/2)(d log 2 pi + sum_j log sigma2_mj)``,
-   the half-precisions ``1 / (2 sigma2)`` and the means, both transposed to
-   ``(H, d, K)`` so that a tile of components is read along contiguous addresses.
+   and the (mean, half-precision ``1 / (2 sigma2)``) pairs transposed to
+   ``(H, d_pad, K_pad, 2)`` so that a tile of components is read along
+   contiguous addresses, padded with zeros to whole tiles (:func:`padded`).
 2. :func:`_posterior_tiles`, register-tiled like a matrix product: a block of
    ``TY x TX`` threads owns ``TILE_ROWS`` rows of one sequence
    and sweeps its ``K`` components ``TILE_COMPS`` at a time; each thread
    accumulates a ``ROWS_PER_THREAD x COMPS_PER_THREAD`` register tile of half
    quadratic forms from the differences, the coordinates staged ``D_CHUNK`` at
-   a time in shared memory (the rows' ``x``, the components' means and
-   half-precisions).  The row softmax is fused into the epilogue: each thread
+   a time in shared memory (the rows' ``x`` coordinate-major, the components'
+   means and half-precisions), laid out so that a thread reads its rows, its
+   components' means and their half-precisions by 128-bit loads, the stage's
+   coordinates unrolled into straight-line code.  The row softmax is fused into the epilogue: each thread
    writes ``l`` and keeps, per row, an online ``(max, sum of exp(l - max))``
    pair across the component tiles and the smallest half quadratic form; the
    pairs of a row are combined by an ordered tree in shared memory, then each
@@ -83,7 +86,8 @@ from ._device import SIMULATOR, Checks, _as_numba, any_device, blocks, host_view
 from . import _primitives
 from ._primitives import block_sum
 
-__all__ = ["log_responsibilities", "responsibilities", "launch_geometry", "geometry", "constants", "tile_constants", "parameters_to_host",
+__all__ = ["log_responsibilities", "responsibilities", "launch_geometry", "geometry", "constants", "tile_constants", "padded",
+           "parameters_to_host",
            "GPU_GEOMETRY", "GPU_GEOMETRY_F64", "GPU_GEOMETRIES", "SIMULATOR_GEOMETRY", "GEOMETRIES"]
 
 #: The tile geometry of :func:`_posterior_tiles`: a block of ``TY x TX`` threads (``Geometry.threads_y x threads_x``), each owning a
@@ -100,11 +104,12 @@ class Geometry(NamedTuple):
 
 
 #: On a GPU, in float32: 16 x 16 threads of 4 x 4 register tiles, 64 x 64 block tiles, 8 coordinates per stage
-#: (shared memory: 3 x 64 x 8 tile entries + 3 x 64 x 16 reduction entries = 18 KiB).
+#: (shared memory: 8 x 68 x-tile entries + 8 x 64 x 2 component entries + 3 x 64 x 16 reduction entries =
+#: 18,560 bytes).
 GPU_GEOMETRY = Geometry(4, 4, 16, 16, 8)
 #: On a GPU, in float64: 16 x 16 threads of 2 x 2 register tiles, 32 x 32 block tiles, 8 coordinates per stage
-#: (3 x 32 x 8 + 3 x 32 x 16 doubles = 18 KiB): four doubles a thread in place of sixteen floats, so that both
-#: types fit in 64 registers (:data:`MIN_BLOCKS`).
+#: (8 x 34 + 8 x 32 x 2 + 3 x 32 x 16 doubles = 18,560 bytes): four doubles a thread in place of sixteen floats, so
+#: that both types fit in 64 registers (:data:`MIN_BLOCKS`).
 GPU_GEOMETRY_F64 = Geometry(2, 2, 16, 16, 8)
 #: The GPU's tiles by dtype.
 GPU_GEOMETRIES = {np.dtype(np.float32): GPU_GEOMETRY, np.dtype(np.float64): GPU_GEOMETRY_F64}
@@ -122,10 +127,12 @@ def tile_constants(g: Geometry) -> dict:
     """The constants :func:`_posterior_tiles` is compiled with for the geometry ``g``: ``{"RM": ..., "TILE_ROWS": ...}``.
 
     ``RM, RK, TX, TY, DC`` (the fields of ``g``), ``TILE_ROWS = TY RM``,
-    ``TILE_COMPS = TX RK``, ``NT = TX TY`` threads, the shared array sizes
-    ``SH_X`` ``[TILE_ROWS, DC]``, ``SH_C`` ``[DC, TILE_COMPS]``, ``SH_RED``
-    ``[TILE_ROWS, TX]``, and ``LOADS_X``, ``LOADS_C``, the entries of each
-    staged tile a thread loads.
+    ``TILE_COMPS = TX RK``, ``NT = TX TY`` threads, ``XS = TILE_ROWS + RM``
+    (the padded row of the staged x tile), the shared array sizes ``SH_X``
+    ``[DC, XS]``, ``SH_C`` ``[DC, 2, TILE_COMPS]``, ``SH_RED``
+    ``[TILE_ROWS, TX]``, ``LOADS_X``, ``LOADS_C``, the entries of x and the
+    components of each staged tile a thread loads, and ``UNROLL``, the
+    coordinates of a stage per step of its unrolled loop.
     """
     rm, rk, tx, ty, dc = g
     if tx & (tx - 1) or tx < 1:
@@ -134,14 +141,30 @@ def tile_constants(g: Geometry) -> dict:
     if (ty * rm * dc) % nt or (dc * tx * rk) % nt:
         raise ValueError("Geometry: the shared tiles must be a multiple of the block's threads")
     tile_rows, tile_comps = ty * rm, tx * rk
-    return dict(RM=rm, RK=rk, TX=tx, TY=ty, DC=dc, TILE_ROWS=tile_rows, TILE_COMPS=tile_comps, NT=nt,
-                SH_X=tile_rows * dc, SH_C=dc * tile_comps, SH_RED=tile_rows * tx,
-                LOADS_X=tile_rows * dc // nt, LOADS_C=dc * tile_comps // nt)
+    loads_x, loads_c = tile_rows * dc // nt, dc * tile_comps // nt
+    if dc % loads_x or tx % loads_c:
+        raise ValueError("Geometry: a thread's staged entries must lie in one row of x and one run of threads_x "
+                         "components")
+    return dict(RM=rm, RK=rk, TX=tx, TY=ty, DC=dc, TILE_ROWS=tile_rows, TILE_COMPS=tile_comps, NT=nt, XS=tile_rows + rm,
+                SH_X=dc * (tile_rows + rm), SH_C=2 * dc * tile_comps, SH_RED=tile_rows * tx, LOADS_X=loads_x,
+                LOADS_C=loads_c, UNROLL=math.gcd(dc, 8))
 
 
 def constants(dtype) -> dict:
     """:func:`tile_constants` of the geometry the launches use for ``dtype`` (:data:`GEOMETRIES`)."""
     return tile_constants(GEOMETRIES[np.dtype(dtype)])
+
+
+def padded(K, d, dtype) -> tuple:
+    """``(d_pad, K_pad)``: ``d`` and ``K`` rounded up to whole stages and component tiles of ``dtype``'s geometry.
+
+    The shape, past ``H``, of the (mean, half-precision) pairs
+    :func:`_component_constants` writes for :func:`_posterior_tiles`
+    (``[H, d_pad, K_pad, 2]``, zeros in the padding); at least one stage
+    when ``d = 0``.
+    """
+    c = constants(dtype)
+    return blocks(d, c["DC"]) * c["DC"], blocks(K, c["TILE_COMPS"]) * c["TILE_COMPS"]  # blocks: at least 1
 
 
 #: The unsigned 32-bit conversion of the kernels' shared and register offsets (``numba.uint32``); in the simulator a
@@ -193,46 +216,74 @@ THREADS = 32 if SIMULATOR else 128
 
 # log_norm = log_weights - 0.5 * (d * LOG_2PI + np.sum(np.log(variances), axis=1)) and precisions = 1.0 / variances
 # (refimpl.gmm._expansion), here with the precisions halved: half_prec = 1 / (2 sigma^2), exactly half of 1 / sigma^2.
-# One thread per component (h, m) over a 1-D grid (striding by the grid when H K exceeds it); it loops over the d coordinates and writes the means
-# and half-precisions transposed, [H, d, K], so that a tile of components (neighbouring m) is read along contiguous addresses.
-@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1], f[:, ::1], f[:, :, ::1], f[:, :, ::1], f[:, ::1]), threads=lambda f: THREADS)
-def _component_constants(means, variances, log_weights, means_t, half_prec_t, log_norm):
+# One thread per component (h, m) of the padded K_pad over a 1-D grid (striding by the grid when H K_pad exceeds it);
+# it loops over the d_pad coordinates and writes (mean, half-precision) pairs transposed, [H, d_pad, K_pad, 2], so that
+# a tile of components (neighbouring m) is read along contiguous addresses, a pair in neighbouring entries; zeros past
+# K and d (whole tiles of _posterior_tiles: a zero difference times a zero half-precision adds nothing, and it tests
+# nothing).
+@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1], f[:, ::1], f[:, :, :, ::1], f[:, ::1]), threads=lambda f: THREADS)
+def _component_constants(means, variances, log_weights, comps_t, log_norm):
     f = means.dtype.type
     H, K, d = means.shape
+    d_pad, k_pad = comps_t.shape[1], comps_t.shape[2]
     half = f(0.5)
-    for c in range(cuda.grid(1), H * K, cuda.gridsize(1)):
-        h = c // K
-        m = c - h * K
-        log_det = f(0.0)
-        for j in range(d):
-            s2 = variances[h, m, j]
-            # log of a variance <= 0 (refused by the call's checks, read after the launches): -inf or NaN, as on a GPU
-            # (the simulator's math.log would raise)
-            log_det += math.log(s2) if s2 > 0 else (f(-math.inf) if s2 == 0 else f(math.nan))
-            means_t[h, j, m] = means[h, m, j]
-            half_prec_t[h, j, m] = half / s2
-        log_norm[h, m] = log_weights[h, m] - half * (f(d * LOG_2PI) + log_det)
+    zero = f(0.0)
+    for c in range(cuda.grid(1), H * k_pad, cuda.gridsize(1)):
+        h = c // k_pad
+        m = c - h * k_pad
+        if m < K:
+            log_det = f(0.0)
+            for j in range(d):
+                s2 = variances[h, m, j]
+                # log of a variance <= 0 (refused by the call's checks, read after the launches): -inf or NaN, as on a
+                # GPU (the simulator's math.log would raise)
+                log_det += math.log(s2) if s2 > 0 else (f(-math.inf) if s2 == 0 else f(math.nan))
+                comps_t[h, j, m, 0] = means[h, m, j]
+                comps_t[h, j, m, 1] = half / s2
+            log_norm[h, m] = log_weights[h, m] - half * (f(d * LOG_2PI) + log_det)
+            for j in range(d, d_pad):
+                comps_t[h, j, m, 0] = zero
+                comps_t[h, j, m, 1] = zero
+        else:
+            for j in range(d_pad):
+                comps_t[h, j, m, 0] = zero
+                comps_t[h, j, m, 1] = zero
 
 
 #: Resident blocks per multiprocessor that ptxas must allow for :func:`_posterior_tiles` on a GPU (its launch bounds,
 #: with TX x TY threads per block): 4 in both types, at most 64 registers (32 of the 64 warps of an sm_90, 50%
-#: occupancy).  ptxas -v (sm_90): 64 registers and no spills in float32 (4 x 4 tiles) and in float64 (2 x 2 tiles);
-#: unbounded, 79 and 56.  A 4 x 4 tile of doubles held to 64 registers spills.
+#: occupancy).  ptxas -v (sm_90, CUDA 13): 64 registers and no spills in float32 (4 x 4 tiles) and in float64 (2 x 2
+#: tiles); with one block, 106 and 118.  A 4 x 4 tile of doubles held to 64 registers spills.
 MIN_BLOCKS = {np.dtype(np.float32): 4, np.dtype(np.float64): 4}
 
 
 # l_ik = log_norm_k - q_ik / 2 with q_ik = sum_j (x_ij - mu_kj)^2 p_kj from the differences (refimpl.gmm._exact_quadratic_form),
 # then softmax(a) = softmax(a - m) per row (refimpl.numerics.softmax / log_softmax), min_quad = min_k q_ik.
 # The arrays come flat (C order) with their shapes, as in a GEMM: the offset of a row of gamma is formed once per row,
-# the shared offsets of the inner loop advance by constants; offsets within a row and counters are unsigned 32-bit
-# (K, d < 2^31, checked by posterior_device), offsets into the arrays unsigned 64-bit (no negative-index wraparound).
+# the shared offsets of the inner loop are one register plus constants; offsets within a row and counters are unsigned
+# 32-bit (K, d < 2^31, checked by posterior_device), offsets into the arrays unsigned 64-bit (no negative-index wraparound).
 # Work: the rows of sequence b (mixture h = b % H) in tiles of TILE_ROWS, the tiles of every sequence folded onto
 # grid x (block x loops over tiles x, x + gridDim.x, ...); a block of TY x TX threads sweeps the K components in tiles
-# of TILE_COMPS. Thread (ty, tx) owns the RM x RK register tile of rows ty + a TY and components tx + c TX (a < RM,
-# c < RK): neighbouring tx write neighbouring k.
-# Shared memory, per stage of DC coordinates: x [TILE_ROWS rows, DC], the means and the half-precisions
-# [DC, TILE_COMPS] (zeros past N, K and d: a zero difference times a zero half-precision adds nothing); per step j
-# a thread reads RM + 2 RK shared entries for RM RK (sub, mul, fma): the register tile of a product, from differences.
+# of TILE_COMPS. Thread (ty, tx) owns the RM x RK register tile of rows ty RM + a (contiguous) and components tx + c TX
+# (a < RM, c < RK): neighbouring tx write neighbouring k of gamma, each store of a warp two runs of TX entries (a
+# thread's RK components contiguous in gamma, tx RK + c, would spread each store over RK times the sectors; the
+# permuted slots of sh_c below make them contiguous in shared memory instead).
+# Shared memory, per stage of DC coordinates (16-byte aligned arrays):
+# - x coordinate-major, [DC, XS] with XS = TILE_ROWS + RM (zeros past d): a thread's RM rows are RM contiguous entries,
+#   one 128-bit load (RM = 4 floats, 2 doubles); the padding keeps rows 16-byte aligned and spreads a warp's stores
+#   (consecutive threads on consecutive coordinates of a row, coalesced in x) over 32 banks in float32. A staged row
+#   past the sequence repeats its last row (its entries are never written).
+# - the components' means and half-precisions, [DC, 2, TILE_COMPS slots] (a plane of means, then one of half-
+#   precisions, per coordinate), component kk in slot (kk % TX) RK + kk // TX: thread tx's RK components are RK
+#   contiguous slots, one 128-bit load a plane (RK = 4 floats, 2 doubles), and the 8 threads of a quarter warp read
+#   8 consecutive 16-byte chunks (no bank conflict; the two ty of a warp read the same ones: a broadcast). Staged from
+#   the padded pairs [H, d_pad, K_pad, 2] (zeros past K and d: a zero difference times a zero half-precision adds
+#   nothing, so no test), consecutive threads on consecutive pairs (coalesced); the permuted slots cost a 2-way bank
+#   conflict on those stores, LOADS_C pairs a thread a stage, against the 3 DC conflict-free loads of the product.
+# Per step j a thread reads RM + 2 RK shared entries in (RM + 2 RK) / V 128-bit loads (V = 4 floats, 2 doubles) for
+# RM RK (sub, mul, fma): the register tile of a product, from the differences; the DC steps of a stage are
+# straight-line code (the steps are device functions inlined UNROLL at a time, UNROLL = gcd(DC, 8)), their shared
+# offsets constants.
 # Epilogue of each component tile: l = log_norm - q/2 written to gamma, and per row the running pair (m, s) of
 # _primitives, s = sum exp(l - m), rescaled by exp_shifted(m_old, m_new) (0 while the row is all -inf), and min q/2
 # (NaN, once met, stays, in both).
@@ -240,8 +291,8 @@ MIN_BLOCKS = {np.dtype(np.float32): 4, np.dtype(np.float64): 4}
 # (softmax_combine; three arrays: m, s, min q/2), and every thread rereads its own entries: exp(l - M) * (1 / S), or
 # (l - M) - log S.
 def _tiles_signature(f):
-    # x, means_t, half_prec_t, log_norm flat (C order), log, gamma, min_quad flat; then B, N, K, d, H
-    return (f[::1], f[::1], f[::1], f[::1], boolean, f[::1], f[::1], int64, int64, int64, int64, int64)
+    # x, comps_t, log_norm flat (C order), log, gamma, min_quad flat; then B, N, K, d, H
+    return (f[::1], f[::1], f[::1], boolean, f[::1], f[::1], int64, int64, int64, int64, int64)
 
 
 def _build_posterior_tiles(g: Geometry, f=None):
@@ -255,17 +306,61 @@ def _build_posterior_tiles(g: Geometry, f=None):
     """
     c = tile_constants(g)
     RM, RK, TX, TY, DC = c["RM"], c["RK"], c["TX"], c["TY"], c["DC"]
-    TILE_ROWS, TILE_COMPS, NT = c["TILE_ROWS"], c["TILE_COMPS"], c["NT"]
+    TILE_ROWS, TILE_COMPS, NT, XS = c["TILE_ROWS"], c["TILE_COMPS"], c["NT"], c["XS"]
     SH_X, SH_C, SH_RED, LOADS_X, LOADS_C = c["SH_X"], c["SH_C"], c["SH_RED"], c["LOADS_X"], c["LOADS_C"]
+    UNROLL = c["UNROLL"]
+    X_LANES = DC // LOADS_X  # threads per row of the staged x tile
+    C_LANES = TILE_COMPS // LOADS_C  # threads per coordinate of the staged component tile
+    # 16-byte shared arrays, so that a thread's RM rows, RK means and RK half-precisions are read by 128-bit loads in
+    # the PTX (ld.shared.v4.f32, v2.f64; ptxas 13 also merges the scalar loads of unaligned arrays); the simulator
+    # refuses an alignment
+    ALIGN = None if f is None else 16
     options = None if f is None else {"launch_bounds": (NT, MIN_BLOCKS[np.dtype(str(f))])}
     dtypes = None if f is None else (f,)
 
+    def device(fn):
+        # on a GPU a device function inlined into the kernel (NVVM's alwaysinline); in the simulator the Python function
+        return fn if f is None else cuda.jit(device=True, forceinline=True)(fn)
+
+    # one coordinate of a stage: q[a, c] += (x_a - mu_c)^2 hp_c, the thread's entries at xa in sh_x and ca in sh_c
+    def step1(q, xr, mr, hr, sh_x, sh_c, xa, ca):
+        for a in range(RM):
+            xr[a] = sh_x[xa + u64(a)]
+        for c in range(RK):
+            mr[c] = sh_c[ca + u64(c)]
+            hr[c] = sh_c[ca + u64(TILE_COMPS + c)]
+        for a in range(RM):
+            for c in range(RK):
+                diff = xr[a] - mr[c]
+                q[a, c] += diff * diff * hr[c]
+
+    step1 = device(step1)
+
+    # 2, 4 and 8 consecutive coordinates, written out (the compiler does not unroll a loop of eight such steps)
+    def step2(q, xr, mr, hr, sh_x, sh_c, xa, ca):
+        step1(q, xr, mr, hr, sh_x, sh_c, xa, ca)
+        step1(q, xr, mr, hr, sh_x, sh_c, xa + u64(XS), ca + u64(2 * TILE_COMPS))
+
+    step2 = device(step2)
+
+    def step4(q, xr, mr, hr, sh_x, sh_c, xa, ca):
+        step2(q, xr, mr, hr, sh_x, sh_c, xa, ca)
+        step2(q, xr, mr, hr, sh_x, sh_c, xa + u64(2 * XS), ca + u64(4 * TILE_COMPS))
+
+    step4 = device(step4)
+
+    def step8(q, xr, mr, hr, sh_x, sh_c, xa, ca):
+        step4(q, xr, mr, hr, sh_x, sh_c, xa, ca)
+        step4(q, xr, mr, hr, sh_x, sh_c, xa + u64(4 * XS), ca + u64(8 * TILE_COMPS))
+
+    step8 = device(step8)
+    steps = {1: step1, 2: step2, 4: step4, 8: step8}[UNROLL]
+
     @kernel(_tiles_signature, threads=NT, tags=("responsibilities",), options=options, dtypes=dtypes)
-    def _posterior_tiles(x, means_t, half_prec_t, log_norm, log, gamma, min_quad, B, N, K, d, H):
+    def _posterior_tiles(x, comps_t, log_norm, log, gamma, min_quad, B, N, K, d, H):
         f = x.dtype.type
-        sh_x = cuda.shared.array(SH_X, dtype=x.dtype)  # [TILE_ROWS rows, DC coordinates]
-        sh_mu = cuda.shared.array(SH_C, dtype=x.dtype)  # [DC coordinates, TILE_COMPS components]
-        sh_hp = cuda.shared.array(SH_C, dtype=x.dtype)  # [DC coordinates, TILE_COMPS components]
+        sh_x = cuda.shared.array(SH_X, dtype=x.dtype, alignment=ALIGN)  # [DC coordinates, XS]: TILE_ROWS rows, padded
+        sh_c = cuda.shared.array(SH_C, dtype=x.dtype, alignment=ALIGN)  # [DC coordinates, 2, TILE_COMPS slots]
         red_m = cuda.shared.array(SH_RED, dtype=x.dtype)  # [TILE_ROWS rows, TX lanes]
         red_s = cuda.shared.array(SH_RED, dtype=x.dtype)  # [TILE_ROWS rows, TX lanes]
         red_q = cuda.shared.array(SH_RED, dtype=x.dtype)  # [TILE_ROWS rows, TX lanes]
@@ -277,25 +372,48 @@ def _build_posterior_tiles(g: Geometry, f=None):
         d32 = u32(d)
         K64 = u64(K)
         d64 = u64(d)
-        # shared and register offsets are unsigned 32-bit: < TILE_ROWS * TX and DC * TILE_COMPS, bounded by the geometry
-        # (a few thousand), and unsigned indices skip Numba's negative-index wraparound
+        # the padded component arrays [H, d_pad, K_pad, 2] (posterior_device)
+        k_tiles = (K + TILE_COMPS - 1) // TILE_COMPS
+        k_pad = u64(k_tiles * TILE_COMPS)
+        d_pad = u64(max(1, (d + DC - 1) // DC) * DC)
+        # shared and register offsets are unsigned 32-bit: below the shared arrays' sizes (a few thousand), and unsigned
+        # indices skip Numba's negative-index wraparound
         tx = u32(cuda.threadIdx.x)
         ty = u32(cuda.threadIdx.y)
         tid = u32(ty * u32(TX) + tx)
+        xo = u32(ty * u32(RM))  # the thread's rows: xo, ..., xo + RM - 1
+        # the thread's first entries in a coordinate of sh_x and sh_c (64-bit: the unrolled steps' offsets fold into the
+        # loads as constants, one register each)
+        x_at = u64(xo)
+        c_at = u64(u32(tx * u32(RK)))
+        # the entries this thread stages: the LOADS_X coordinates x_col, x_col + 1, ... of row x_row of x; the LOADS_C
+        # components c_comp, c_comp + 1, ... of coordinate c_coord of the component pairs (consecutive threads on
+        # consecutive addresses)
+        x_row = u32(tid // u32(X_LANES))
+        x_col = u32(u32(tid - x_row * u32(X_LANES)) * u32(LOADS_X))
+        c_coord = u32(tid // u32(C_LANES))
+        c_comp = u32(u32(tid - c_coord * u32(C_LANES)) * u32(LOADS_C))
+        x_slot = u32(x_col * u32(XS) + x_row)  # in sh_x of its first x entry
+        # in sh_c of its first component's mean (its half-precision TILE_COMPS on): component kk of the tile goes to slot
+        # (kk % TX) RK + kk // TX, so that thread tx's components tx + c TX (c < RK) are contiguous; its next ones follow
+        # RK slots apart (TX a multiple of LOADS_C)
+        c_slot = u32(c_coord * u32(2 * TILE_COMPS) + u32(c_comp % u32(TX)) * u32(RK) + c_comp // u32(TX))
         neg_inf = f(-math.inf)
         zero = f(0.0)
         one = f(1.0)
         tiles_n = (N + TILE_ROWS - 1) // TILE_ROWS
-        k_tiles = (K + TILE_COMPS - 1) // TILE_COMPS
-        d_chunks = max(1, (d + DC - 1) // DC)  # at least one stage (d = 0): its barriers order the tiles' shared memory
         for tile in range(cuda.blockIdx.x, B * tiles_n, cuda.gridDim.x):
             b = tile // tiles_n
             i0 = (tile - b * tiles_n) * TILE_ROWS
             h = b % H
             row0 = b * N + i0  # the tile's first row among the B N rows
+            rows_in = u32(min(N - i0, TILE_ROWS))  # rows of the tile inside the sequence (>= 1)
+            # a staged row past the sequence reads its last row instead (its entries are never written)
+            x_src = u64(row0 + min(x_row, u32(rows_in - u32(1)))) * d64 + x_col
+            g_row = u64(row0 + xo) * K64  # offset in gamma of the thread's first row
             # the thread's running (max of l, sum of exp(l - max), min of q/2) per row, in its own slot of the row's lanes
             for a in range(RM):
-                r = u32(u32(ty + u32(a * TY)) * u32(TX) + tx)
+                r = u32(u32(xo + u32(a)) * u32(TX) + tx)
                 red_m[r] = neg_inf
                 red_s[r] = zero
                 red_q[r] = f(math.inf)
@@ -304,59 +422,58 @@ def _build_posterior_tiles(g: Geometry, f=None):
                 for a in range(RM):
                     for c in range(RK):
                         q[a, c] = zero
+                # (h, c_coord, k0 + c_comp, 0) in comps_t
+                c_src = u64(2) * ((u64(h) * d_pad + c_coord) * k_pad + u32(k0 + c_comp))
+                # the stages j0 = 0, DC, ... below d, and at least one (d = 0): its barriers order the tiles' shared memory
                 j0 = u32(0)
-                for dc in range(d_chunks):
-                    # the x entries this thread stages: row e // DC, coordinate j0 + e % DC
+                staging = True
+                while staging:
+                    d_in = u32(d32 - j0)  # coordinates left from j0 on
                     for u in range(LOADS_X):
-                        e = u32(tid + u32(u * NT))
-                        rr = u32(e // u32(DC))
-                        j = u32(j0 + (e - rr * u32(DC)))
-                        inside = i0 + rr < N and j < d32
-                        sh_x[e] = x[u64(row0 + rr) * d64 + j] if inside else zero
-                    # the component entries: coordinate j0 + e // TILE_COMPS, component k0 + e % TILE_COMPS, of [H, d, K]
+                        v = zero
+                        if u32(x_col + u32(u)) < d_in:
+                            v = x[x_src + u64(u)]
+                        sh_x[u32(x_slot + u32(u * XS))] = v
+                    # the component arrays are padded with zeros to whole tiles: no test
                     for u in range(LOADS_C):
-                        e = u32(tid + u32(u * NT))
-                        jj = u32(e // u32(TILE_COMPS))
-                        j = u32(j0 + jj)
-                        k = u32(k0 + (e - jj * u32(TILE_COMPS)))
-                        inside = k < K32 and j < d32
-                        o = u64(h * d + j) * K64 + k
-                        sh_mu[e] = means_t[o] if inside else zero
-                        sh_hp[e] = half_prec_t[o] if inside else zero
+                        sh_c[u32(c_slot + u32(u * RK))] = comps_t[c_src + u64(2 * u)]
+                        sh_c[u32(c_slot + u32(u * RK + TILE_COMPS))] = comps_t[c_src + u64(2 * u + 1)]
                     cuda.syncthreads()
-                    # shared offsets advanced by a constant per coordinate, never wrapped: the addresses of the unrolled
-                    # steps are one register plus constants
-                    for jj in range(u32(DC)):
-                        for a in range(RM):
-                            xr[a] = sh_x[(ty + u32(a * TY)) * u32(DC) + jj]
-                        for c in range(RK):
-                            mr[c] = sh_mu[jj * u32(TILE_COMPS) + tx + u32(c * TX)]
-                            hr[c] = sh_hp[jj * u32(TILE_COMPS) + tx + u32(c * TX)]
-                        for a in range(RM):
-                            for c in range(RK):
-                                diff = xr[a] - mr[c]
-                                q[a, c] += diff * diff * hr[c]
+                    # the stage's DC coordinates, UNROLL at a time (one call when DC = UNROLL: straight-line code)
+                    xa = x_at
+                    ca = c_at
+                    j2 = u32(0)
+                    while j2 < u32(DC):
+                        steps(q, xr, mr, hr, sh_x, sh_c, xa, ca)
+                        xa += u64(UNROLL * XS)
+                        ca += u64(UNROLL * 2 * TILE_COMPS)
+                        j2 = u32(j2 + u32(UNROLL))
                     cuda.syncthreads()
+                    x_src += u64(DC)
+                    c_src += u64(2 * DC) * k_pad
                     j0 = u32(j0 + u32(DC))
+                    staging = j0 < d32
+                x_src -= u64(j0)  # back to coordinate 0 for the next component tile
+                ln_at = u64(h) * K64 + k0  # log_norm of the tile's first component
                 for a in range(RM):
-                    r = u32(ty + u32(a * TY))
+                    r = u32(xo + u32(a))
                     slot = u32(r * u32(TX) + tx)
-                    go = u64(row0 + r) * K64  # row i of gamma
-                    row_in = i0 + r < N
+                    go = g_row + (u64(a) * K64 + k0)  # gamma entry (row r, component k0)
+                    row_in = r < rows_in
                     m_old = red_m[slot]
                     tile_m = m_old
                     min_q = red_q[slot]
                     for c in range(RK):
-                        k = u32(k0 + tx + u32(c * TX))
-                        if k < K32:
+                        kk = u32(tx + u32(c * TX))
+                        if u32(k0 + kk) < K32:
                             hq = q[a, c]
                             if hq < min_q or hq != hq:
                                 min_q = hq
-                            lk = log_norm[u64(h) * K64 + k] - hq
+                            lk = log_norm[ln_at + kk] - hq
                             q[a, c] = lk
                             tile_m = max_keep_nan(tile_m, lk)  # NaN, once met, stays (and makes the row's sum NaN)
                             if row_in:
-                                gamma[go + k] = lk
+                                gamma[go + kk] = lk
                     red_q[slot] = min_q
                     # (m, s) absorbs the tile's entries: s' = e^{m - m'} s + sum_c e^{l_c - m'}
                     s = exp_shifted(m_old, tile_m) * red_s[slot]
@@ -370,7 +487,7 @@ def _build_posterior_tiles(g: Geometry, f=None):
             while stride > 0:
                 if tx < stride:
                     for a in range(RM):
-                        r = u32(u32(ty + u32(a * TY)) * u32(TX) + tx)
+                        r = u32(u32(xo + u32(a)) * u32(TX) + tx)
                         m_new, s_new = softmax_combine(red_m[r], red_s[r], red_m[r + stride], red_s[r + stride])
                         red_m[r] = m_new
                         red_s[r] = s_new
@@ -380,7 +497,7 @@ def _build_posterior_tiles(g: Geometry, f=None):
                 cuda.syncthreads()
                 stride = u32(stride // u32(2))
             for a in range(RM):
-                r = u32(ty + u32(a * TY))
+                r = u32(xo + u32(a))
                 if i0 + r < N:
                     lane0 = u32(r * u32(TX))
                     big_m = red_m[lane0]
@@ -443,7 +560,7 @@ def launch_geometry(B, N, K, d, H=1, dtype=np.float64):
     c = constants(dtype)
     tiles = int(B) * blocks(N, c["TILE_ROWS"])
     return {
-        "_component_constants": (min(blocks(int(H) * int(K), THREADS), MAX_GRID_X), THREADS),
+        "_component_constants": (min(blocks(int(H) * padded(K, d, dtype)[1], THREADS), MAX_GRID_X), THREADS),
         "_posterior_tiles": (max(1, min(tiles, MAX_GRID_X)), (c["TX"], c["TY"])),
     }
 
@@ -483,14 +600,13 @@ def posterior_device(x, means, variances, log_weights, *, log=False):
         return gamma, min_quad
     if max(K, d) >= 2**31:  # the 32-bit counters of _posterior_tiles
         raise ValueError(f"posterior_device: K and d must be below 2^31, got K = {K}, d = {d}")
-    means_t = cuda.device_array((H, d, K), dtype=dtype)
-    half_prec_t = cuda.device_array((H, d, K), dtype=dtype)
+    comps_t = cuda.device_array((H,) + padded(K, d, dtype) + (2,), dtype=dtype)
     log_norm = cuda.device_array((H, K), dtype=dtype)
     launches = launch_geometry(B, N, K, d, H, dtype)
     grid, block = launches["_component_constants"]
-    _component_constants[grid, block](means, variances, log_weights, means_t, half_prec_t, log_norm)
+    _component_constants[grid, block](means, variances, log_weights, comps_t, log_norm)
     grid, block = launches["_posterior_tiles"]
-    flat = [a.reshape(a.size) for a in (x, means_t, half_prec_t, log_norm)]
+    flat = [a.reshape(a.size) for a in (x, comps_t, log_norm)]
     _tiles_kernel(dtype)[grid, block](*flat, bool(log), gamma.reshape(gamma.size), min_quad.reshape(min_quad.size), B, N, K, d, H)
     return gamma, min_quad
 

@@ -22,18 +22,24 @@ uploaded together, so chunks follow each other without a synchronisation.
   :func:`_codes_kernel` (every key's code: the codebook is fixed);
 * per chunk, exactly two launches:
 
-  1. :func:`_predict_kernel`, flash-decoding style.  The key axis of the
-     chunk, ``u < n + L`` (the centroids, then the chunk's keys), is cut into
-     ``splits`` tiles of ``KEYS`` keys and the chunk's positions into
-     ``row_tiles`` tiles of ``ROWS``; one block per (row tile, key tile)
-     writes, for each of its query rows, the partial softmax of the tile
-     (its maximum, its sum of ``exp(l - max)`` and the numerator over the
-     values), and for each of its keys the best centroid of the tile (the
-     assignment, against the same centroid slab in shared memory).  The last
-     block of a head to finish (an integer ticket: which block it is does not
-     change any result) makes the chunk's plan: the nearest centroids
-     (tiles combined in centroid order), the seeds, the keys sorted stably by
-     their row (bucketed by centroid) and the new counts;
+  1. :func:`_predict_kernel`, flash-decoding style, every product register
+     tiled.  The key axis of the chunk, ``u < n + L`` (the centroids, then
+     the chunk's keys), is cut into ``splits`` tiles of ``KEYS`` keys and the
+     chunk's positions into ``row_tiles`` tiles of ``ROWS``.  A block of
+     ``TY x TX`` threads takes one work item at a time: a *read-out* item
+     (row tile, key tile) computes the tile's logits as a product of the
+     positions' ``q^`` against the tile's keys, each thread an ``RQ x RK``
+     register tile, and writes for each of its positions the tile's
+     partial softmax (its maximum, its sum of ``exp(l - max)``, and the
+     numerator over the values, a second register-tiled product of the
+     weights against the tile's values); an *assignment* item (row tile,
+     centroid tile; OVQ only) computes the chunk keys' similarities to the
+     tile's centroids the same way, and the argmax epilogue writes each key's
+     best centroid of the tile.  The last block of a head to finish (an
+     integer ticket: which block it is does not change any result) makes the
+     chunk's plan: the nearest centroids (tiles combined in centroid order),
+     the seeds, the keys sorted stably by their row (bucketed by centroid)
+     and the new counts;
   2. :func:`_merge_kernel`: the partial softmaxes combined in key-tile order
      into ``o_a`` (one thread per output entry) and, in other threads of the
      same launch, the update of the touched centroids: one thread per
@@ -47,22 +53,29 @@ uploaded together, so chunks follow each other without a synchronisation.
 The geometry of every launch is :func:`launch_geometry`, a pure function of
 the shapes (each chunk's predict and merge grids are cut to the tiles it has,
 :meth:`Geometry.predict_for`, :meth:`Geometry.merge_for`, pure functions of
-``n`` and ``L``); block sizes are the module constants :data:`ROWS`, :data:`KEYS`,
-:data:`SLAB`, :data:`FLAT` (smaller in the simulator, where every thread is
-a Python thread; :func:`block_sizes` switches the simulator to the GPU's,
-:data:`GPU_GEOMETRY`).
+``n`` and ``L``); block sizes are the module constants of
+:func:`tile_sizes` (:data:`GPU_GEOMETRY` on a GPU: 8 x 16 threads of 4 x 4
+register tiles, tiles of 32 positions by 64 keys, 8 coordinates and 32
+value columns per stage; smaller in the simulator, where every thread is a
+Python thread: :func:`block_sizes` switches the simulator to the GPU's).
 Grids stay within the hardware's limits for any ``N`` and ``H``: the heads
 go to ``(gridDim.y, gridDim.z)``, the work to ``gridDim.x``, with grid-stride
 loops when it is larger.
 
 Cost per chunk: the read-out and the assignment ``O(L (n + L) (d + d_v))``
-spread over ``ceil(L / ROWS) ceil((n + L) / KEYS)`` blocks; the plan
-``O(L^2)`` integer and score comparisons in one block per head (the stable
-ranks of the seeding scores and of the rows: each of its threads reads the
-chunk's ``L`` rows, which stay in the caches); the update ``O(L (d + d_v))``,
-each member read once per column, by the thread of its centroid only.  Working
-memory: the partials, ``splits x C x (d_v + 3)`` floats and ``splits x C``
-integers per head.
+spread over ``ceil(L / ROWS) (ceil((n + L) / KEYS) + ceil(n / KEYS))``
+blocks (at ``L = 256``, ``n = 1024``: 288 blocks for one head, more than
+the H200's 132 multiprocessors); in each product a thread makes
+``RQ + RK`` shared loads (two 128-bit ones) for ``RQ RK`` multiply-adds.
+The plan, the one step of a chunk that no other block shares, runs in one
+block per head: the stable ranks of the seeding scores and of the rows are
+positions in a bitonic sort of ``(key, index)`` pairs in shared memory
+(:func:`_sort_pairs`; 36 steps of one compare-exchange a thread, each
+followed by a barrier, at ``L = 256``) when ``L <= PLAN_SORT`` (512 on a
+GPU), else counts over every pair (``L^2 / 128`` comparisons a thread); the update
+``O(L (d + d_v))``, each member read once per column, by the thread of its
+centroid only.  Working memory: the partials, ``splits x C x (d_v + 3)``
+floats and ``splits x C`` integers per head.
 
 One copy to the host
 --------------------
@@ -86,42 +99,95 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from numba import cuda, int32, int64
+from numba import cuda, int32, int64, uint32, uint64
 
 from refimpl import ovq, validation
 
 from ._device import SIMULATOR, Checks, any_device, blocks, host_view, kernel, raise_bad_inputs, to_device
-from ._primitives import exp_shifted
+from ._primitives import exp_shifted, max_keep_nan, softmax_combine
 
 __all__ = ["ovq_attention", "vq_attention", "launch_geometry", "Geometry", "block_sizes", "GPU_GEOMETRY", "SIMULATOR_GEOMETRY"]
 
-#: The block sizes on a GPU: ``ROWS`` query rows by ``KEYS`` keys per block of the predict kernel (one warp per row),
-#: feature slabs of ``SLAB``, ``FLAT`` threads per one-dimensional block.
-GPU_GEOMETRY = {"ROWS": 8, "KEYS": 32, "SLAB": 32, "FLAT": 256}
+#: The block sizes on a GPU.  The predict kernel's block is ``TY x TX`` threads (a one-dimensional block of
+#: ``TY TX``); thread ``(ty, tx)`` owns an ``RQ x RK`` register tile of (positions, keys), so a block tile is
+#: ``ROWS = TY RQ`` positions by ``KEYS = TX RK`` keys; the coordinates are staged ``DC`` at a time, the values
+#: ``VC = TX RV`` columns at a time.  ``FLAT`` threads per one-dimensional block of the other kernels.
+GPU_GEOMETRY = {"TY": 8, "TX": 16, "RQ": 4, "RK": 4, "DC": 8, "RV": 2, "FLAT": 256}
 #: The block sizes in the CUDA simulator (every thread a Python thread).
-SIMULATOR_GEOMETRY = {"ROWS": 2, "KEYS": 4, "SLAB": 4, "FLAT": 16}
-_G = SIMULATOR_GEOMETRY if SIMULATOR else GPU_GEOMETRY
-#: Query rows (chunk positions) per predict block.
-ROWS = _G["ROWS"]
-#: Keys (centroids or chunk keys) per key tile: the split of the read-out, the tile of the assignment.
-KEYS = _G["KEYS"]
-#: Features per shared-memory slab of the dot products.
-SLAB = _G["SLAB"]
-#: Threads of a one-dimensional block (merge, unit rows, codes).
-FLAT = _G["FLAT"]
-
-#: Shared-array sizes of the predict kernel, from the block sizes (compile-time constants).
-ROW_SLAB = ROWS * SLAB
-KEY_SLAB = KEYS * (SLAB + 1)
-ROW_KEYS = ROWS * KEYS
-KEY_KEYS = KEYS * KEYS
+SIMULATOR_GEOMETRY = {"TY": 2, "TX": 2, "RQ": 2, "RK": 2, "DC": 2, "RV": 2, "FLAT": 16}
 
 
-def _derive(sizes):
-    """The module's block sizes and shared-array sizes for ``sizes`` (a dict like :data:`GPU_GEOMETRY`)."""
-    r, k, s, f = sizes["ROWS"], sizes["KEYS"], sizes["SLAB"], sizes["FLAT"]
-    return {"ROWS": r, "KEYS": k, "SLAB": s, "FLAT": f, "ROW_SLAB": r * s, "KEY_SLAB": k * (s + 1), "ROW_KEYS": r * k,
-            "KEY_KEYS": k * k}
+def tile_sizes(sizes):
+    """The predict kernel's tiles and shared-array sizes for the block sizes ``sizes`` (a dict like :data:`GPU_GEOMETRY`).
+
+    ``ROWS`` positions by ``KEYS`` keys per block tile, ``SLAB`` (= ``DC``)
+    coordinates per stage, ``VC`` value columns per stage, ``NT`` threads,
+    and the shared arrays: ``SH_ROWS`` ``[DC, ROWS]``, ``SH_KEYS`` ``[DC, KEYS]``,
+    ``SH_P`` ``[ROWS, KEYS]``, ``SH_V`` ``[KEYS, VC]``, ``SH_LANES`` ``[ROWS, TX]``.
+    """
+    ty, tx, rq, rk, dc, rv = (int(sizes[k]) for k in ("TY", "TX", "RQ", "RK", "DC", "RV"))
+    step = min(4, dc)
+    if rk < 2 or tx & (tx - 1) or dc % step or (tx * rk) % step:
+        raise ValueError("tile_sizes: RK >= 2 (the lanes' pairs live in the weights' tile), TX a power of two, and DC "
+                         "and KEYS multiples of min(4, DC)")
+    rows, keys, vc = ty * rq, tx * rk, tx * rv
+    nt = ty * tx
+    return {"TY": ty, "TX": tx, "RQ": rq, "RK": rk, "DC": dc, "RV": rv, "FLAT": int(sizes["FLAT"]), "ROWS": rows,
+            "KEYS": keys, "SLAB": dc, "VC": vc, "NT": nt, "SH_ROWS": dc * rows, "SH_KEYS": dc * keys,
+            "SH_P": rows * keys, "SH_V": keys * vc, "SH_LANES": rows * tx, "LOADS_ROWS": -(-dc * rows // nt),
+            "LOADS_KEYS": -(-dc * keys // nt), "LOADS_V": -(-keys * vc // nt), "STEP": step,
+            "TILE_PLAN": rows * tx, "PLAN_SORT": 1 << ((rows * tx).bit_length() - 1)}
+
+
+_T = tile_sizes(SIMULATOR_GEOMETRY if SIMULATOR else GPU_GEOMETRY)
+#: Threads of the predict block along the positions and along the keys; register tile per thread.
+TY, TX, RQ, RK = _T["TY"], _T["TX"], _T["RQ"], _T["RK"]
+#: Positions (query rows, chunk keys) and keys (centroids, then chunk keys) per block tile of the predict kernel.
+ROWS, KEYS = _T["ROWS"], _T["KEYS"]
+#: Coordinates per shared-memory stage of the products; value columns per stage of the read-out.
+DC = SLAB = _T["DC"]
+RV, VC = _T["RV"], _T["VC"]
+#: Threads of a predict block; of a one-dimensional block (merge, unit rows, codes).
+NT, FLAT = _T["NT"], _T["FLAT"]
+#: Shared-array sizes of the predict kernel (compile-time constants), and the staged entries per thread.
+SH_ROWS, SH_KEYS, SH_P, SH_V, SH_LANES = _T["SH_ROWS"], _T["SH_KEYS"], _T["SH_P"], _T["SH_V"], _T["SH_LANES"]
+LOADS_ROWS, LOADS_KEYS, LOADS_V = _T["LOADS_ROWS"], _T["LOADS_KEYS"], _T["LOADS_V"]
+#: Coordinates (and keys of the read-out) per unrolled step of the products' inner loops.
+STEP = _T["STEP"]
+#: Entries of the chunk's scores or rows staged at a time in the plan's comparisons (in the lanes' int32 array and in
+#: the weights' array, free once the block's products are done).
+TILE_PLAN = _T["TILE_PLAN"]
+#: The longest chunk whose plan sorts its keys (a bitonic network in shared memory, the largest power of two in the
+#: lanes' array); a longer one ranks them by comparing every pair, :data:`TILE_PLAN` at a time.
+PLAN_SORT = _T["PLAN_SORT"]
+#: Resident blocks per multiprocessor that ptxas must allow for the predict kernel on a GPU (its launch bounds, by float
+#: type): float32 5 blocks of 128 threads (at most 102 registers, 31.25% occupancy: 5 warps a scheduler), float64 2
+#: (255 registers, 12.5%).  ptxas -v (sm_90): no spills at these bounds (float32 95 registers, float64 214, most of
+#: them for the epilogue's inlined double-precision exponentials); float32 at 6 blocks (80 registers) spills 8 bytes,
+#: at 8 (64) 116; float64 at 3 blocks 60.
+MIN_BLOCKS = {np.dtype(np.float32): 5, np.dtype(np.float64): 2}
+_BOUNDED = {}
+
+
+def _launch_bounds(f):
+    """The compile options of :func:`_predict_kernel` for the float type ``f``: its launch bounds."""
+    return {"launch_bounds": (tile_sizes(GPU_GEOMETRY)["NT"], MIN_BLOCKS[np.dtype(str(f))])}
+
+
+def _predict(dtype):
+    """:func:`_predict_kernel` for ``dtype``: on a GPU compiled with its launch bounds, once per dtype (the registry holds
+    the same options, so the PTX and resource checks compile what runs); the simulator has no launch bounds."""
+    if SIMULATOR:
+        return _predict_kernel
+    key = np.dtype(dtype)
+    if key not in _BOUNDED:
+        _BOUNDED[key] = cuda.jit(_predict_kernel.py_func, **_launch_bounds(key))
+    return _BOUNDED[key]
+
+# Unsigned offsets skip Numba's negative-index wraparound (and 32-bit ones are single instructions); plain ints in
+# the simulator.
+u32 = int if SIMULATOR else uint32
+u64 = int if SIMULATOR else uint64
 
 
 @contextlib.contextmanager
@@ -134,8 +200,8 @@ def block_sizes(sizes):
     if not SIMULATOR:
         raise RuntimeError("block_sizes: the block sizes are compile-time constants on a GPU; switch them in the simulator")
     module = globals()
-    saved = {name: module[name] for name in _derive(sizes)}
-    module.update(_derive(sizes))
+    saved = {name: module[name] for name in tile_sizes(sizes)}
+    module.update(tile_sizes(sizes))
     try:
         yield
     finally:
@@ -166,18 +232,22 @@ class Geometry(NamedTuple):
     chunk: int  #: ``min(C, N)``, the longest chunk
     splits: int  #: key tiles of ``KEYS`` over ``n_max + chunk``
     row_tiles: int  #: position tiles of ``ROWS`` over ``chunk``
+    centroid_tiles: int  #: assignment tiles of ``KEYS`` centroids over ``n_max`` (VQ: 0, the codes are known)
     d_v: int  #: value columns (the read-out's items per key)
     width: int  #: columns the update writes per key, ``d + d_v`` (VQ: ``d_v``)
 
     def predict_for(self, n, L):
-        """``(grid, threads, key tiles)`` of the predict launch of a chunk of ``L`` keys read against ``n`` centroids.
+        """``(grid, threads, key tiles, centroid tiles)`` of the predict launch of a chunk of ``L`` keys and ``n`` centroids.
 
         The :attr:`predict` grid cut to the tiles the chunk has:
-        ``ceil(L / ROWS) ceil((n + L) / KEYS)`` blocks (capped at 2^31 - 1).
+        ``ceil(L / ROWS) (ceil((n + L) / KEYS) + ceil(n / KEYS))`` blocks (the
+        read-out's tiles, then the assignment's; VQ has none of the latter),
+        capped at 2^31 - 1.
         """
         tiles = -(-(n + L) // KEYS)
+        ctiles = -(-n // KEYS) if self.centroid_tiles else 0
         (_, y, z), threads = self.predict
-        return (min(-(-L // ROWS) * tiles, MAX_GRID_X), y, z), threads, tiles
+        return (min(-(-L // ROWS) * (tiles + ctiles), MAX_GRID_X), y, z), threads, tiles, ctiles
 
     def merge_for(self, L):
         """``(grid, threads)`` of the merge launch of a chunk of ``L`` keys: ``L (d_v + width)`` items."""
@@ -225,6 +295,7 @@ def launch_geometry(N, heads, d, d_v, n_max, chunk_size, with_keys=True):
     y2, z2 = _fold(2 * heads)
     splits = -(-(n_max + Cm) // KEYS)
     row_tiles = -(-Cm // ROWS)
+    ctiles = -(-n_max // KEYS) if with_keys else 0
     width = (d + d_v) if with_keys else d_v
 
     def x(items):
@@ -233,12 +304,13 @@ def launch_geometry(N, heads, d, d_v, n_max, chunk_size, with_keys=True):
     return Geometry(
         unit=((x(blocks(N, FLAT // KEYS)), y2, z2), FLAT),
         codes=((x(blocks(N, FLAT)), y, z), FLAT),
-        predict=((x(row_tiles * splits), y, z), ROWS * KEYS),
+        predict=((x(row_tiles * (splits + ctiles)), y, z), NT),
         merge=((x(blocks(Cm * (d_v + width), FLAT)), y, z), FLAT),
         pack=((x(blocks(n_max, FLAT)), y, z), FLAT),
         chunk=Cm,
         splits=splits,
         row_tiles=row_tiles,
+        centroid_tiles=ctiles,
         d_v=d_v,
         width=width,
     )
@@ -301,6 +373,35 @@ def _codes_kernel(khat, codebook, z, H):
         z[h, r] = arg
 
 
+_INT32_MAX = 2**31 - 1  # the sort's padding key after every row
+
+
+# Sorts the pairs (key[i], idx[i]), i < P (P a power of two), ascending by key and then by idx, in place: Batcher's
+# bitonic network, log2(P) (log2(P) + 1) / 2 steps of P / 2 compare-exchanges with a barrier after each.  The indices
+# are distinct, so the order is total: the same result on every run, and a stable sort of the keys.  Every thread of
+# the block calls it (tid, nth: its index and the block's size).
+@cuda.jit(device=True)
+def _sort_pairs(key, idx, P, tid, nth):
+    k = 2
+    while k <= P:
+        j = k // 2
+        while j > 0:
+            for i in range(tid, P, nth):
+                partner = i ^ j
+                if partner > i:
+                    greater = key[i] > key[partner] or (key[i] == key[partner] and idx[i] > idx[partner])
+                    if greater == ((i & k) == 0):  # out of order for this block's direction: exchange
+                        t = key[i]
+                        key[i] = key[partner]
+                        key[partner] = t
+                        u = idx[i]
+                        idx[i] = idx[partner]
+                        idx[partner] = u
+            cuda.syncthreads()
+            j //= 2
+        k *= 2
+
+
 # The chunk's plan, by the last block of launch 1 (all the tiles' assignments are written), for head h:
 #   rows[b] = argmax_m k^_b . D_k[m] (m < n): the tiles' winners combined in centroid order with a strict '>' (np.argmax's
 #             first maximum); scores[b] its similarity.  First chunk (n = 0): rows = 0, scores[b] = k^_b . k^_0.  VQ:
@@ -314,13 +415,20 @@ def _codes_kernel(khat, codebook, z, H):
 #          rows[order[p]], so a run of srow is one centroid's members in token order (a seed first: the first chunk's
 #          key 0, or a new row's only member).
 #   counts: at the first position p of a run, cbase[p] = c_m (1 for a seeded row) and counts[m] = c_m + |S_m|.
-# The block's threads stride over the keys; each phase ends with a barrier (global writes of a block are visible to
-# its threads after it).
+# Both ranks are positions in a sort by (key, index): a chunk of L <= PLAN_SORT keys is sorted in shared memory by
+# _sort_pairs (scores, the first chunk's key 0 as -inf; rows), O(L log^2 L / threads) a thread; a longer chunk compares
+# every pair, O(L^2 / threads), its scores and rows staged TILE_PLAN at a time.  The shared arrays (stage_f, stage_i,
+# key_i) are the predict kernel's weights, lanes and sort-key arrays, free by then.  The block's threads stride over
+# the keys; each phase ends with a barrier (global writes of a block are visible to its threads after it).
 @cuda.jit(device=True)
 def _plan_chunk(h, khat, s, L, n, n_add, vq, z, abest, aarg, rows, seeded, order, srow, cbase, scores, counts,
-                draws, draw_off, use_draws):
+                draws, draw_off, use_draws, stage_f, stage_i, key_i):
     tid = cuda.threadIdx.x
     nth = cuda.blockDim.x
+    sort = L <= PLAN_SORT
+    P = 1  # the sorting network's size: the power of two at or above L
+    while P < L:
+        P *= 2
     d = khat.shape[2]
     tiles = (n + KEYS - 1) // KEYS
     for b in range(tid, L, nth):
@@ -344,36 +452,79 @@ def _plan_chunk(h, khat, s, L, n, n_add, vq, z, abest, aarg, rows, seeded, order
             scores[h, b] = best
         seeded[h, b] = 0
     cuda.syncthreads()
-    if n_add > 0:
-        if use_draws:
-            for r in range(tid, n_add, nth):
-                b = draws[draw_off + r]
-                rows[h, b] = n + r
+    start = 1 if n == 0 else 0
+    if n_add > 0 and use_draws:
+        for r in range(tid, n_add, nth):
+            b = draws[draw_off + r]
+            rows[h, b] = n + r
+            seeded[h, b] = 1
+    elif n_add > 0 and sort:
+        # the keys sorted by (score, index), the first chunk's key 0 first (-inf): a key's position is its rank
+        for i in range(tid, P, nth):
+            stage_f[i] = (scores[h, i] if i >= start else -math.inf) if i < L else math.inf
+            stage_i[i] = i
+        cuda.syncthreads()
+        _sort_pairs(stage_f, stage_i, P, tid, nth)
+        for p in range(tid, min(L, n_add), nth):
+            b = stage_i[p]
+            rows[h, b] = n + p
+            seeded[h, b] = 1
+    elif n_add > 0:
+        # each key's rank among the keys >= start, the scores staged a tile of TILE_PLAN at a time (uniform loops:
+        # every thread passes every barrier)
+        for b0 in range(0, L, nth):
+            b = b0 + tid
+            x = scores[h, b] if b < L else scores[h, 0]
+            rank = u32(start)
+            for o0 in range(0, L, TILE_PLAN):
+                cuda.syncthreads()  # the previous tile is read
+                for e in range(tid, min(TILE_PLAN, L - o0), nth):
+                    stage_f[e] = scores[h, o0 + e]
+                cuda.syncthreads()
+                # the tile's keys o = o0 + e >= start, and those before b (e < before): unsigned offsets
+                top = u32(min(TILE_PLAN, L - o0))
+                before = u32(min(top, max(0, b - o0)))
+                for e in range(u32(max(0, start - o0)), top):
+                    y = stage_f[e]
+                    if y < x or (y == x and e < before):
+                        rank = u32(rank + u32(1))
+            if b < L and b >= start and rank < n_add:
+                rows[h, b] = n + rank
                 seeded[h, b] = 1
-        else:
-            start = 1 if n == 0 else 0
-            for b in range(tid, L, nth):
-                rank = 0
-                if b >= start:
-                    rank = start
-                    x = scores[h, b]
-                    for o in range(start, L):
-                        y = scores[h, o]
-                        if y < x or (y == x and o < b):
-                            rank += 1
-                if rank < n_add:
-                    rows[h, b] = n + rank
-                    seeded[h, b] = 1
+            elif b < L and b < start:
+                rows[h, b] = n  # the first chunk's key 0 seeds row 0 (rank 0 < n_add)
+                seeded[h, b] = 1
     cuda.syncthreads()
-    for b in range(tid, L, nth):
-        rb = rows[h, b]
-        pos = 0
-        for o in range(L):
-            ro = rows[h, o]
-            if ro < rb or (ro == rb and o < b):
-                pos += 1
-        order[h, pos] = b
-        srow[h, pos] = rb
+    if sort:
+        # the stable order by row: the keys sorted by (row, index)
+        for i in range(tid, P, nth):
+            key_i[i] = rows[h, i] if i < L else _INT32_MAX
+            stage_i[i] = i
+        cuda.syncthreads()
+        _sort_pairs(key_i, stage_i, P, tid, nth)
+        for p in range(tid, L, nth):
+            order[h, p] = stage_i[p]
+            srow[h, p] = key_i[p]
+    else:
+        # the stable order by row, comparing every pair, the rows staged a tile at a time
+        for b0 in range(0, L, nth):
+            b = b0 + tid
+            rb = int32(rows[h, b] if b < L else 0)
+            pos = u32(0)
+            for o0 in range(0, L, TILE_PLAN):
+                cuda.syncthreads()  # the previous tile is read
+                for e in range(tid, min(TILE_PLAN, L - o0), nth):
+                    stage_i[e] = rows[h, o0 + e]
+                cuda.syncthreads()
+                top = u32(min(TILE_PLAN, L - o0))
+                before = u32(min(top, max(0, b - o0)))
+                for e in range(u32(0), top):
+                    ro = stage_i[e]
+                    if ro < rb or (ro == rb and e < before):
+                        pos = u32(pos + u32(1))
+            if b < L:
+                order[h, pos] = b
+                srow[h, pos] = rb
     cuda.syncthreads()
     for p in range(tid, L, nth):
         m = srow[h, p]
@@ -395,153 +546,257 @@ def _plan_chunk(h, khat, s, L, n, n_add, vq, z, abest, aarg, rows, seeded, order
 #   l_{a,u} = beta q^_a . D_k[u] + log c_u (u < n)       a centroid of count c stands for c tokens: weight pi ~ c, logit + log c
 #   l_{a,u} = beta q^_a . k^_b, b = u - n <= a           causal inside the chunk: position a sees the chunk keys b <= a only
 #   o_a = softmax(l_a) [D_v[:n]; v_0..v_a]
+# and each chunk key b finds its nearest centroid, z_b = argmax_{m < n} k^_b . D_k[m] (the first maximum).
 # VQ: D_k is the codebook and the chunk key b is D_k[z[s + b]] (past = b q^ . D_k[m] + log L_m, -inf for codes no earlier
-# chunk used; current = b q^_a . D_k[z_b]).
-# The key axis u < n + L is cut into tiles of KEYS and the positions into tiles of ROWS; work item w = (row tile
-# w // splits, key tile w % splits), visited grid-stride.  For its rows a and keys u the block writes the partial pair
-# of the tile (m = max_u l_{a,u}, NaN kept; l = sum_u e^{l_{a,u} - m}) to pmax, psum and the partial numerator
-# sum_u e^{l_{a,u} - m} values[u] to pnum (only rows that see a key of the tile: u0 <= n + a), and, for the tile's
-# centroids (u < n), each chunk key's best centroid of the tile (the first maximum) to abest, aarg.
-# Block: ROWS x KEYS threads, thread (i, j) owns the logit (row a0 + i, key u0 + j) and its similarity k^_{a0+i} . D_k[u0+j];
-# shared memory: feature slabs of q^ and k^ [ROWS, SLAB], of the tile's keys [KEYS, SLAB + 1] (padded: lanes j read
-# column t), the tile's logits, then weights, [ROWS, KEYS], the similarities [ROWS, KEYS], value slabs [KEYS, KEYS].
-# Each thread of row i finds the row's maximum by reading the row of logits (broadcast loads, no reduction).
+# chunk used; current = b q^_a . D_k[z_b]); no assignment (the codes are known).
+# The key axis u < n + L is cut into tiles of KEYS and the positions into tiles of ROWS.  Work items, visited
+# grid-stride: w < row_tiles splits a read-out item (row tile w // splits, key tile w % splits), then (OVQ) the
+# assignment items (row tile, centroid tile kt < ctiles).  Each is a register-tiled product over the coordinates, the
+# tile's keys [DC, KEYS] and the positions [DC, ROWS] staged DC coordinates at a time (coordinate-major):
+#   assignment: A = K^_pos D_k[tile]^T, then per position the tile's first maximum over its centroids (u < n): each
+#            thread over its RK keys in index order, then the TX lanes by an ordered tree ((best, index) pairs, the
+#            larger similarity or, equal, the lower index) -> abest, aarg;
+#   read-out: S = Q^_pos [D_k; k^][tile]^T, the logits l = beta S (+ log c, -inf where masked); per position the tile's
+#            pair (m = max_u l, NaN kept; s = sum_u e^{l - m}) from each thread's RK keys, combined over the lanes by an
+#            ordered tree (softmax_combine) -> pmax, psum; then the weights e^{l - m} to shared memory and the partial
+#            numerator sum_u e^{l_{a,u} - m} values[u] as a second product, VC value columns at a time -> pnum.
+# Only positions that see a key of the tile (u0 <= n + a) write partials.
+# Thread (ty, tx) owns the adjacent positions ty RQ + i (i < RQ), keys tx RK + c (c < RK) and value columns tx RV + c
+# (c < RV) of each stage, so that its RQ (RK, RV) operands of a coordinate are adjacent in shared memory: one 128-bit
+# load each on a GPU (ld.shared.v4), the lanes of a warp reading adjacent 16-byte words.  The weights are stored
+# key-major [KEYS, ROWS] for the same reason.  The lanes' pairs of the two trees live in the weights' array
+# (2 ROWS TX <= ROWS KEYS: RK >= 2), the indices in [ROWS, TX] int32.  Shared offsets are below KEYS ROWS and KEYS VC
+# (a few thousand: 32-bit), global ones 64-bit; all unsigned (no negative-index wraparound).
 # At the end each block takes a ticket (integer atomic, after a fence); the last block of the head makes the plan
 # (_plan_chunk) and resets the ticket.
 @kernel(
     lambda f: (
         f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], int64[:, ::1], int64, int64, f[:, :, ::1], f[:, :, ::1], int64[:, ::1],
-        int64, f, f, int32, int64, f[:, :, ::1], f[:, :, ::1], f[:, :, :, ::1], f[:, :, ::1], int64[:, :, ::1],
+        int64, f, f, int32, int64, int64, f[:, :, ::1], f[:, :, ::1], f[:, :, :, ::1], f[:, :, ::1], int64[:, :, ::1],
         int32[::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], f[:, ::1], int64,
         int64[::1], int64, int32, int64,
     ),
-    threads=GPU_GEOMETRY["ROWS"] * GPU_GEOMETRY["KEYS"],
+    threads=tile_sizes(GPU_GEOMETRY)["NT"],
+    options=_launch_bounds,
 )
-def _predict_kernel(qhat, khat, v, z, s, L, Dk, Dv, counts, n, beta, ninf, flags, splits, pmax, psum, pnum, abest,
+def _predict_kernel(qhat, khat, v, z, s, L, Dk, Dv, counts, n, beta, ninf, flags, splits, ctiles, pmax, psum, pnum, abest,
                     aarg, ticket, rows, seeded, order, srow, cbase, scores, n_add, draws, draw_off, use_draws, H):
-    sq = cuda.shared.array(ROW_SLAB, dtype=qhat.dtype)  # [ROWS, SLAB] q^ of the tile's rows
-    sk = cuda.shared.array(ROW_SLAB, dtype=qhat.dtype)  # [ROWS, SLAB] k^ of the same positions (the assignment)
-    sd = cuda.shared.array(KEY_SLAB, dtype=qhat.dtype)  # [KEYS, SLAB + 1] the tile's keys
-    sl = cuda.shared.array(ROW_KEYS, dtype=qhat.dtype)  # [ROWS, KEYS] logits, then e^{l - m}
-    sa = cuda.shared.array(ROW_KEYS, dtype=qhat.dtype)  # [ROWS, KEYS] similarities k^ . D_k
-    sv = cuda.shared.array(KEY_KEYS, dtype=qhat.dtype)  # [KEYS keys, KEYS columns] a value slab
+    sa = cuda.shared.array(SH_ROWS, dtype=qhat.dtype)  # [DC, ROWS] k^ (assignment) or q^ (read-out) of the positions
+    sb = cuda.shared.array(SH_KEYS, dtype=qhat.dtype)  # [DC, KEYS] the tile's keys
+    sp = cuda.shared.array(SH_P, dtype=qhat.dtype)  # [ROWS, KEYS] the weights e^{l - m}; before them, the lanes' pairs
+    sv = cuda.shared.array(SH_V, dtype=qhat.dtype)  # [KEYS, VC] a stage of the values
+    sarg = cuda.shared.array(SH_LANES, dtype=int32)  # [ROWS, TX] the lanes' best centroid
+    skey = cuda.shared.array(SH_LANES, dtype=int32)  # the plan's sort keys (rows)
     last = cuda.shared.array(1, dtype=int32)
+    acc = cuda.local.array((RQ, RK), dtype=qhat.dtype)  # the register tile: similarities, then logits
+    num = cuda.local.array((RQ, RV), dtype=qhat.dtype)  # the register tile of the numerator
+    ra = cuda.local.array(RQ, dtype=qhat.dtype)
+    rb = cuda.local.array(RK, dtype=qhat.dtype)
+    rv = cuda.local.array(RV, dtype=qhat.dtype)
+    rm = cuda.local.array(RQ, dtype=qhat.dtype)  # the positions' tile maxima
     cf = cuda.local.array(1, dtype=qhat.dtype)  # a count in the float dtype
     h = cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y
     if h >= H:
         return
+    hh = u64(h)
     count_bias = (flags & 1) != 0
     vq = (flags & 2) != 0
-    tid = cuda.threadIdx.x
-    nth = ROWS * KEYS
-    i = tid // KEYS
-    j = tid % KEYS
+    tid = u32(cuda.threadIdx.x)
+    ty = u32(tid // u32(TX))
+    tx = u32(tid - ty * u32(TX))
+    orow = u32(ty * u32(RQ))  # the thread's first position in a tile, its first key, its first value column
+    okey = u32(tx * u32(RK))
+    ocol = u32(tx * u32(RV))
     d = qhat.shape[2]
     dv = v.shape[2]
     zero = beta - beta
     U = n + L
-    for w in range(cuda.blockIdx.x, ((L + ROWS - 1) // ROWS) * splits, cuda.gridDim.x):
-        a0 = (w // splits) * ROWS
-        u0 = (w % splits) * KEYS
-        if u0 > n + min(L, a0 + ROWS) - 1:
-            continue  # no row of the tile sees a key of it (block-uniform)
-        a = a0 + i
-        u = u0 + j
-        acc_r = zero
-        acc_a = zero
-        for d0 in range(0, d, SLAB):
-            for e in range(tid, ROWS * SLAB, nth):
-                r = a0 + e // SLAB
-                c = d0 + e % SLAB
+    lanes = u32(ROWS * TX)  # the pairs' second array starts here in sp
+    row_tiles = (L + ROWS - 1) // ROWS
+    reads = row_tiles * splits
+    for w in range(cuda.blockIdx.x, row_tiles * (splits + ctiles), cuda.gridDim.x):
+        assign = w >= reads  # an assignment item: the tile's centroids against the chunk's keys
+        item = w - reads if assign else w
+        per = ctiles if assign else splits
+        a0 = (item // per) * ROWS
+        kt = item % per
+        u0 = kt * KEYS
+        if not assign and u0 > n + min(L, a0 + ROWS) - 1:
+            continue  # no position of the tile sees a key of it (block-uniform)
+        ukeys = n if assign else U  # the keys of the product: centroids only for the assignment
+        x_rows = khat if assign else qhat
+        for i in range(RQ):
+            for c in range(RK):
+                acc[i, c] = zero
+        for d0 in range(0, d, DC):
+            # stage the positions and the keys: entry e is (row e // DC, coordinate e % DC), read along the
+            # coordinates, stored coordinate-major
+            e = tid
+            while e < u32(ROWS * DC):
+                r = u32(e // u32(DC))
+                t = u32(e - r * u32(DC))
                 x = zero
+                if a0 + r < L and d0 + t < d:
+                    x = x_rows[hh, u64(s + a0 + r), u64(d0 + t)]
+                sa[u32(t * u32(ROWS) + r)] = x
+                e = u32(e + u32(NT))
+            e = tid
+            while e < u32(KEYS * DC):
+                r = u32(e // u32(DC))
+                t = u32(e - r * u32(DC))
+                u = u0 + r
                 y = zero
-                if r < L and c < d:
-                    x = qhat[h, s + r, c]
-                    y = khat[h, s + r, c]
-                sq[e] = x
-                sk[e] = y
-            for e in range(tid, KEYS * SLAB, nth):
-                r = u0 + e // SLAB
-                c = d0 + e % SLAB
-                y = zero
-                if r < U and c < d:
-                    if r < n:
-                        y = Dk[h, r, c]
+                if u < ukeys and d0 + t < d:
+                    if u < n:
+                        y = Dk[hh, u64(u), u64(d0 + t)]
                     elif vq:
-                        y = Dk[h, z[h, s + r - n], c]
+                        y = Dk[hh, u64(z[hh, u64(s + u - n)]), u64(d0 + t)]
                     else:
-                        y = khat[h, s + r - n, c]
-                sd[(e // SLAB) * (SLAB + 1) + e % SLAB] = y
+                        y = khat[hh, u64(s + u - n), u64(d0 + t)]
+                sb[u32(t * u32(KEYS) + r)] = y
+                e = u32(e + u32(NT))
             cuda.syncthreads()
-            for t in range(SLAB):
-                y = sd[j * (SLAB + 1) + t]
-                acc_r += sq[i * SLAB + t] * y
-                acc_a += sk[i * SLAB + t] * y
+            # the register tile of the product: RQ + RK shared loads (two 128-bit ones on a GPU) for RQ RK
+            # multiply-adds per coordinate, STEP coordinates per unrolled step, offsets advanced by constants
+            oa = orow
+            ob = okey
+            for t0 in range(DC // STEP):
+                for t in range(STEP):
+                    for i in range(RQ):
+                        ra[i] = sa[oa + u32(t * ROWS + i)]
+                    for c in range(RK):
+                        rb[c] = sb[ob + u32(t * KEYS + c)]
+                    for i in range(RQ):
+                        for c in range(RK):
+                            acc[i, c] += ra[i] * rb[c]
+                oa = u32(oa + u32(STEP * ROWS))
+                ob = u32(ob + u32(STEP * KEYS))
             cuda.syncthreads()
-        lg = ninf
-        if a < L:
-            if u < n:
-                lg = acc_r * beta
-                if count_bias:
-                    cnt = counts[h, u]
-                    if cnt > 0:
-                        cf[0] = cnt
-                        lg += math.log(cf[0])
-                    else:
-                        lg = ninf
-            elif u < U and u - n <= a:
-                lg = acc_r * beta
-        sl[tid] = lg
-        sa[tid] = acc_a if u < n else ninf
-        cuda.syncthreads()
-        # the tile's maximum of row i, NaN kept (as np.max keeps it)
-        m = ninf
-        for t in range(KEYS):
-            x = sl[i * KEYS + t]
-            if x > m or x != x:
-                m = x
-        p = exp_shifted(lg, m)
-        cuda.syncthreads()  # every thread has read the logits
-        sl[tid] = p
-        cuda.syncthreads()
-        sees = a < L and u0 <= n + a
-        if sees and j == 0:
+        if assign:
+            # the first maximum over the tile's centroids: per thread in index order, then the lanes by a tree
+            for i in range(RQ):
+                best = ninf
+                arg = -1
+                for c in range(RK):
+                    u = u0 + okey + c
+                    if u < n and (arg < 0 or acc[i, c] > best):
+                        best = acc[i, c]
+                        arg = u
+                slot = u32((orow + u32(i)) * u32(TX) + tx)
+                sp[slot] = best
+                sarg[slot] = arg
+            cuda.syncthreads()
+            stride = u32(TX // 2)
+            while stride > 0:
+                if tx < stride:
+                    for i in range(RQ):
+                        slot = u32((orow + u32(i)) * u32(TX) + tx)
+                        other = sarg[slot + stride]
+                        mine = sarg[slot]
+                        y = sp[slot + stride]
+                        x = sp[slot]
+                        if other >= 0 and (mine < 0 or y > x or (y == x and other < mine)):
+                            sp[slot] = y
+                            sarg[slot] = other
+                cuda.syncthreads()
+                stride = u32(stride // u32(2))
+            if tx == 0:
+                for i in range(RQ):
+                    r = u32(orow + u32(i))
+                    a = a0 + r
+                    if a < L:
+                        abest[hh, u64(kt), u64(a)] = sp[u32(r * u32(TX))]
+                        aarg[hh, u64(kt), u64(a)] = sarg[u32(r * u32(TX))]
+            cuda.syncthreads()  # the pairs are read before the next item writes its own
+            continue
+        # the logits, masked, and each thread's pair (m, s) per position
+        for i in range(RQ):
+            a = a0 + orow + i
+            m = ninf
+            for c in range(RK):
+                u = u0 + okey + c
+                lg = ninf
+                if a < L:
+                    if u < n:
+                        lg = acc[i, c] * beta
+                        if count_bias:
+                            cnt = counts[hh, u64(u)]
+                            if cnt > 0:
+                                cf[0] = cnt
+                                lg += math.log(cf[0])
+                            else:
+                                lg = ninf
+                    elif u < U and u - n <= a:
+                        lg = acc[i, c] * beta
+                acc[i, c] = lg
+                m = max_keep_nan(m, lg)  # NaN, once met, stays (as np.max keeps it)
             tot = zero
-            for t in range(KEYS):
-                tot += sl[i * KEYS + t]
-            pmax[h, w % splits, a] = m
-            psum[h, w % splits, a] = tot
-        for c0 in range(0, dv, KEYS):
-            for e in range(tid, KEYS * KEYS, nth):
-                r = u0 + e // KEYS
-                c = c0 + e % KEYS
+            for c in range(RK):
+                tot += exp_shifted(acc[i, c], m)
+            slot = u32((orow + u32(i)) * u32(TX) + tx)
+            sp[slot] = m
+            sp[lanes + slot] = tot
+        cuda.syncthreads()
+        # (m, s) of the lanes combined by an ordered tree: lane t absorbs lane t + stride
+        stride = u32(TX // 2)
+        while stride > 0:
+            if tx < stride:
+                for i in range(RQ):
+                    slot = u32((orow + u32(i)) * u32(TX) + tx)
+                    m_new, s_new = softmax_combine(sp[slot], sp[lanes + slot], sp[slot + stride], sp[lanes + slot + stride])
+                    sp[slot] = m_new
+                    sp[lanes + slot] = s_new
+            cuda.syncthreads()
+            stride = u32(stride // u32(2))
+        for i in range(RQ):
+            r = u32(orow + u32(i))
+            a = a0 + r
+            rm[i] = sp[u32(r * u32(TX))]
+            if tx == 0 and a < L and u0 <= n + a:
+                pmax[hh, u64(kt), u64(a)] = rm[i]
+                psum[hh, u64(kt), u64(a)] = sp[lanes + u32(r * u32(TX))]
+        cuda.syncthreads()  # every thread has its maxima before the weights overwrite the pairs
+        # the weights, key-major [KEYS, ROWS]: the thread's RQ positions of a key are adjacent
+        for c in range(RK):
+            for i in range(RQ):
+                sp[u32((okey + u32(c)) * u32(ROWS)) + orow + u32(i)] = exp_shifted(acc[i, c], rm[i])
+        # the partial numerator: weights [KEYS, ROWS]^T times the tile's values [KEYS, VC], a stage at a time
+        for c0 in range(0, dv, VC):
+            e = tid
+            while e < u32(KEYS * VC):
+                r = u32(e // u32(VC))
+                col = c0 + (e - r * u32(VC))
+                u = u0 + r
                 y = zero
-                if r < U and c < dv:
-                    if r < n:
-                        y = Dv[h, r, c]
-                    else:
-                        y = v[h, s + r - n, c]
+                if u < U and col < dv:
+                    y = Dv[hh, u64(u), u64(col)] if u < n else v[hh, u64(s + u - n), u64(col)]
                 sv[e] = y
+                e = u32(e + u32(NT))
             cuda.syncthreads()
-            c = c0 + j
-            if sees and c < dv:
-                o = zero
-                for t in range(KEYS):
-                    o += sl[i * KEYS + t] * sv[t * KEYS + j]
-                pnum[h, w % splits, a, c] = o
-            cuda.syncthreads()
-        # nearest centroid of the tile by dot product, the first maximum (lowest index) on ties
-        if not vq and u0 < n and a < L and j == 0:
-            best = sa[i * KEYS]
-            arg = u0
-            for t in range(1, min(KEYS, n - u0)):
-                x = sa[i * KEYS + t]
-                if x > best:
-                    best = x
-                    arg = u0 + t
-            abest[h, w % splits, a] = best
-            aarg[h, w % splits, a] = arg
-        cuda.syncthreads()  # the similarities are read before the next item writes them
+            for i in range(RQ):
+                for c in range(RV):
+                    num[i, c] = zero
+            op = orow
+            ov = ocol
+            for t0 in range(KEYS // STEP):
+                for t in range(STEP):
+                    for i in range(RQ):
+                        ra[i] = sp[op + u32(t * ROWS + i)]
+                    for c in range(RV):
+                        rv[c] = sv[ov + u32(t * VC + c)]
+                    for i in range(RQ):
+                        for c in range(RV):
+                            num[i, c] += ra[i] * rv[c]
+                op = u32(op + u32(STEP * ROWS))
+                ov = u32(ov + u32(STEP * VC))
+            for i in range(RQ):
+                a = a0 + orow + i
+                if a < L and u0 <= n + a:
+                    for c in range(RV):
+                        col = c0 + ocol + c
+                        if col < dv:
+                            pnum[hh, u64(kt), u64(a), u64(col)] = num[i, c]
+            cuda.syncthreads()  # the stage is read before the next one is written
     # the last block of the head to finish makes the plan
     cuda.threadfence()
     cuda.syncthreads()
@@ -552,7 +807,7 @@ def _predict_kernel(qhat, khat, v, z, s, L, Dk, Dv, counts, n, beta, ninf, flags
         return
     cuda.threadfence()
     _plan_chunk(h, khat, s, L, n, n_add, vq, z, abest, aarg, rows, seeded, order, srow, cbase, scores, counts,
-                draws, draw_off, use_draws)
+                draws, draw_off, use_draws, sp, sarg, skey)  # the products' shared arrays stage the plan's comparisons
     if tid == 0:
         ticket[h] = 0
 
@@ -737,10 +992,11 @@ def _ovq_run(q, k, v, p, Dk, Dv, counts, n, t):
     eta = f(0 if p.eta is None else p.eta)
     read_flags = np.int32(1 if p.count_bias else 0)
     merge_flags = np.int32(1 | (2 if p.eta is not None else 0))
+    predict = _predict(q.dtype)
     for s, L, n, n_add, offset, use in plans:
-        grid, threads, tiles = g.predict_for(n, L)
-        _predict_kernel[grid, threads](
-            qhat, khat, v, no_codes, s, L, Dk, Dv, counts, n, beta, ninf, read_flags, tiles, w.pmax, w.psum, w.pnum,
+        grid, threads, tiles, ctiles = g.predict_for(n, L)
+        predict[grid, threads](
+            qhat, khat, v, no_codes, s, L, Dk, Dv, counts, n, beta, ninf, read_flags, tiles, ctiles, w.pmax, w.psum, w.pnum,
             w.abest, w.aarg, w.ticket, w.rows, w.seeded, w.order, w.srow, w.cbase, w.scores, n_add, draws, offset,
             np.int32(use), H,
         )
@@ -766,12 +1022,13 @@ def _vq_run(q, k, v, codebook, C, beta):
     out = cuda.device_array((H, N, d_v), dtype=dtype)
     rowmax = cuda.device_array((H, N), dtype=dtype)
     b, ninf = dtype.type(beta), dtype.type(-np.inf)
+    predict = _predict(dtype)
     for s in range(0, N, C):
         L = min(s + C, N) - s
         # past codes (log L_m) and the current chunk through its codes; the plan buckets the chunk's keys by code
-        grid, threads, tiles = g.predict_for(S, L)
-        _predict_kernel[grid, threads](
-            qhat, khat, v, z, s, L, codebook, value_means, counts, S, b, ninf, np.int32(3), tiles, w.pmax, w.psum,
+        grid, threads, tiles, _ = g.predict_for(S, L)
+        predict[grid, threads](
+            qhat, khat, v, z, s, L, codebook, value_means, counts, S, b, ninf, np.int32(3), tiles, 0, w.pmax, w.psum,
             w.pnum, w.abest, w.aarg, w.ticket, w.rows, w.seeded, w.order, w.srow, w.cbase, w.scores, 0, no_draw, 0,
             np.int32(0), H,
         )

@@ -30,19 +30,24 @@ register tile of it (rows ``ty + a TY``, columns ``tx + k TX``), and the
 operands are staged in shared memory ``DC`` reduction entries at a time,
 loaded by the whole block along contiguous addresses.  Per reduction entry a
 thread reads ``RM + RN`` shared entries for ``RM RN`` fused multiply-adds
-(8 for 16 on a GPU, against 2 for 1 with one output a thread).  The kernels
+(8 for 16 on a GPU in float32, 6 for 8 in float64, against 2 for 1 with one
+output a thread).  The kernels
 take flat views of their arrays: each computes the flat offsets of its tile
 once, advances them by a stage at each stage, and adds to them the fixed
 offsets of the entries its thread loads.  Shared and register offsets are
 unsigned 32-bit, bounded by the geometry (below
 ``TILE_ROWS (TILE_KEYS + 1)``: 2,112 on a GPU); the global offsets stay
 64-bit, since an array's ``B N F`` entries can pass ``2^32`` (one sequence
-of ``N = 2^24`` tokens by ``F = 256`` does).  The tile sizes are module
-constants (:data:`GPU_GEOMETRY` on a GPU, :data:`SIMULATOR_GEOMETRY` in the
-simulator); :func:`geometry` runs the GPU's tiles in the simulator, for
-tests.  :func:`_chunk_rows` is compiled with launch bounds
-(:data:`MIN_BLOCKS`).  Every grid comes from
-:func:`launch_geometry`, a pure function of the shapes: its ``x`` axis runs
+of ``N = 2^24`` tokens by ``F = 256`` does).  The tile sizes are
+compile-time constants of each build, one geometry per float type on a GPU
+(:data:`GPU_GEOMETRIES`: 4 x 4 register tiles in float32, 2 x 4 in float64,
+so that ``_chunk_rows`` fits in 64 registers, 50% occupancy, in both),
+:data:`SIMULATOR_GEOMETRY` in the simulator; :func:`geometry` runs the GPU's
+tiles in the simulator, for tests.  On a GPU each kernel is built once per
+float type (``_chunk_rows[float64]``), :func:`_chunk_rows` with launch
+bounds (:data:`MIN_BLOCKS`).  Every grid comes from
+:func:`launch_geometry`, a pure function of the shapes and the float type
+(the tiles): its ``x`` axis runs
 over the work of one sequence, ``y`` and ``z`` over the sequences
 (:func:`~gpu.numba_cuda._primitives.sequence_axes`), all within the
 hardware's limits for any ``N`` and ``B``.
@@ -115,7 +120,8 @@ import math
 from contextlib import contextmanager
 from typing import NamedTuple
 
-from numba import boolean, config, cuda, int64, uint32, uint64
+import numpy as np
+from numba import boolean, config, cuda, float32, float64, int64, uint32, uint64
 from numba.core.types import UniTuple
 
 from ._device import blocks, kernel
@@ -124,7 +130,11 @@ from ._primitives import MAX_GRID_X, exclusive_scan_columns, sequence_axes
 __all__ = [
     "Geometry",
     "GPU_GEOMETRY",
+    "GPU_GEOMETRY_F64",
+    "GPU_GEOMETRIES",
     "SIMULATOR_GEOMETRY",
+    "GEOMETRIES",
+    "MIN_BLOCKS",
     "geometry",
     "SEGMENT",
     "THREADS",
@@ -141,7 +151,10 @@ SIMULATOR = bool(config.ENABLE_CUDASIM)
 
 
 class Geometry(NamedTuple):
-    """Tile sizes of :func:`_chunk_states` and :func:`_chunk_rows` (module constants; :func:`geometry` sets others)."""
+    """Tile sizes of :func:`_chunk_states` and :func:`_chunk_rows` (compile-time constants of each build).
+
+    :func:`geometry` sets others in the simulator.
+    """
 
     rows_per_thread: int  # RM: output rows of a thread's register tile
     cols_per_thread: int  # RN: output columns of a thread's register tile
@@ -150,40 +163,60 @@ class Geometry(NamedTuple):
     depth: int  # DC: reduction entries (tokens, h, pair dimensions, keys) per shared-memory stage
 
 
-#: On a GPU: 16 x 16 threads of 4 x 4 register tiles, 64 x 64 block tiles, 8 reduction entries a stage; the scores
-#: of _chunk_rows in 4 x 2 register tiles, 64 x 32 score tiles (its shared memory: 2 x 64 x 8 staged entries +
-#: 64 x 33 scores = 12.25 KiB in float32, 24.5 KiB in float64).
+#: On a GPU, in float32: 16 x 16 threads of 4 x 4 register tiles, 64 x 64 block tiles, 8 reduction entries a
+#: stage; the scores of _chunk_rows in 4 x 2 register tiles, 64 x 32 score tiles (its shared memory: 2 x 64 x 8
+#: staged entries + 64 x 33 scores = 12.25 KiB).
 GPU_GEOMETRY = Geometry(4, 4, 16, 16, 8)
+#: On a GPU, in float64: 16 x 16 threads of 2 x 4 register tiles, 32 x 64 block tiles, 8 entries a stage; scores in
+#: 2 x 2 register tiles, 32 x 32 score tiles (32 x 8 + 8 x 64 staged doubles + 32 x 33 scores = 14.25 KiB): eight
+#: doubles a thread in the output tile in place of sixteen floats, so that _chunk_rows fits in the 64 registers of
+#: its launch bounds without spilling (:data:`MIN_BLOCKS`).
+GPU_GEOMETRY_F64 = Geometry(2, 4, 16, 16, 8)
+#: The GPU's tiles by dtype.
+GPU_GEOMETRIES = {np.dtype(np.float32): GPU_GEOMETRY, np.dtype(np.float64): GPU_GEOMETRY_F64}
 #: In the simulator (every thread a Python thread): 2 x 2 threads of 2 x 2 register tiles, 4 x 4 block tiles,
-#: 2 entries a stage; scores in 2 x 1 register tiles, 4 x 2 score tiles.
+#: 2 entries a stage; scores in 2 x 1 register tiles, 4 x 2 score tiles; in both types.
 SIMULATOR_GEOMETRY = Geometry(2, 2, 2, 2, 2)
+#: The tiles the launches use, by dtype (:func:`geometry` switches them in the simulator).
+GEOMETRIES = {dt: SIMULATOR_GEOMETRY for dt in GPU_GEOMETRIES} if SIMULATOR else dict(GPU_GEOMETRIES)
 
 
-def _set_geometry(g: Geometry) -> None:
-    # the kernels read these module globals; on a GPU they are compile-time constants (the shared and local array
-    # shapes, the unrolled loops' bounds), so they are set once, at import
-    global RM, RN, TX, TY, DC, TILE_ROWS, TILE_COLS, NT, SH_A, SH_B, S_STRIDE, SH_S, LOADS_A, LOADS_B, UNROLL
-    global GEOMETRY, RS, TILE_KEYS, LOADS_Y
+def tile_constants(g: Geometry) -> dict:
+    """The constants :func:`_chunk_states` and :func:`_chunk_rows` are compiled with for the geometry ``g``.
+
+    ``RM, RN, TX, TY, DC`` (the fields of ``g``), ``TILE_ROWS = TY RM``,
+    ``TILE_COLS = TX RN``, ``NT = TX TY`` threads, the shared array sizes
+    ``SH_A`` and ``SH_B``, the scores' register tile ``RM x RS`` (``RS =
+    max(1, RN / 2)``), ``TILE_KEYS = TX RS`` keys a score tile, ``S_STRIDE``
+    and ``SH_S`` (its padded rows), ``LOADS_A``, ``LOADS_B``, ``LOADS_Y``
+    (the entries of each staged tile a thread loads) and ``UNROLL`` (the
+    reduction loops' inner trip count).
+    """
     rm, rn, tx, ty, dc = g
     nt = tx * ty
     if min(g) < 1 or (ty * rm * dc) % nt or (dc * tx * rn) % nt or (dc * tx * max(1, rn // 2)) % nt:
         raise ValueError("Geometry: the shared tiles must be a multiple of the block's threads")
-    GEOMETRY = g
-    RM, RN, TX, TY, DC = rm, rn, tx, ty, dc
-    TILE_ROWS, TILE_COLS, NT = ty * rm, tx * rn, nt
-    SH_A = TILE_ROWS * DC  # [TILE_ROWS rows, DC] (_chunk_rows) or [DC tokens, TILE_ROWS features] (_chunk_states)
-    SH_B = DC * TILE_COLS  # [DC, TILE_COLS columns or keys]
-    RS = max(1, rn // 2)  # keys of a thread's register tile of scores (RM x RS)
-    TILE_KEYS = tx * RS  # keys of a score tile
-    S_STRIDE = TILE_KEYS + 1  # a row of the score tile, padded by one entry
-    SH_S = TILE_ROWS * S_STRIDE  # [TILE_ROWS rows, TILE_KEYS + 1]
-    LOADS_A = SH_A // NT  # entries of the SH_A tile each thread loads
-    LOADS_B = SH_B // NT  # entries of the SH_B tile each thread loads
-    LOADS_Y = dc * TILE_KEYS // NT  # entries of a [DC, TILE_KEYS] tile of keys each thread loads
-    UNROLL = 4 if dc % 4 == 0 else 1  # the reduction loops' inner trip count (unrolled by the compiler)
+    tile_rows, tile_cols = ty * rm, tx * rn
+    rs = max(1, rn // 2)  # keys of a thread's register tile of scores (RM x RS)
+    tile_keys = tx * rs  # keys of a score tile
+    return dict(
+        RM=rm, RN=rn, TX=tx, TY=ty, DC=dc, TILE_ROWS=tile_rows, TILE_COLS=tile_cols, NT=nt,
+        SH_A=tile_rows * dc,  # [TILE_ROWS rows, DC] (_chunk_rows) or [DC tokens, TILE_ROWS features] (_chunk_states)
+        SH_B=dc * tile_cols,  # [DC, TILE_COLS columns or keys]
+        RS=rs, TILE_KEYS=tile_keys,
+        S_STRIDE=tile_keys + 1,  # a row of the score tile, padded by one entry
+        SH_S=tile_rows * (tile_keys + 1),  # [TILE_ROWS rows, TILE_KEYS + 1]
+        LOADS_A=tile_rows * dc // nt,  # entries of the SH_A tile each thread loads
+        LOADS_B=dc * tile_cols // nt,  # entries of the SH_B tile each thread loads
+        LOADS_Y=dc * tile_keys // nt,  # entries of a [DC, TILE_KEYS] tile of keys each thread loads
+        UNROLL=4 if dc % 4 == 0 else 1,  # the reduction loops' inner trip count (unrolled by the compiler)
+    )
 
 
-_set_geometry(SIMULATOR_GEOMETRY if SIMULATOR else GPU_GEOMETRY)
+def constants(dtype) -> dict:
+    """:func:`tile_constants` of the geometry the launches use for ``dtype`` (:data:`GEOMETRIES`)."""
+    return tile_constants(GEOMETRIES[np.dtype(dtype)])
+
 
 #: The unsigned 32-bit conversion of the kernels' shared and register offsets (``numba.uint32``); in the simulator a
 #: plain ``int``, the same value, since calling a Numba type from Python costs microseconds per offset there.
@@ -194,21 +227,44 @@ u64 = int if SIMULATOR else uint64
 
 
 @contextmanager
-def geometry(g: Geometry):
+def geometry(g):
     """Run the scan with the tile geometry ``g`` (the CUDA simulator only).
 
-    The simulator reads the module's constants at every launch, so a test can
-    run the GPU's own tiles (:data:`GPU_GEOMETRY`) there; a GPU compiles them
-    into the kernels once, so this refuses to run on one.
+    ``g`` is a :class:`Geometry` for both float types, or a dict by dtype
+    (:data:`GPU_GEOMETRIES`).  The simulator builds the kernels for the
+    geometry at launch, so a test can run the GPU's own tiles there; a GPU
+    compiles them into the kernels once, so this refuses to run on one.
     """
     if not SIMULATOR:
         raise RuntimeError("gpu.numba_cuda.scan.geometry: the tile geometry is fixed on a GPU (compile-time constants)")
-    old = GEOMETRY
-    _set_geometry(g)
+    new = {np.dtype(dt): v for dt, v in g.items()} if isinstance(g, dict) else {dt: g for dt in GEOMETRIES}
+    for v in new.values():
+        tile_constants(v)  # refuses a geometry the kernels cannot run
+    old = dict(GEOMETRIES)
+    GEOMETRIES.update(new)
     try:
         yield
     finally:
-        _set_geometry(old)
+        GEOMETRIES.clear()
+        GEOMETRIES.update(old)
+
+
+#: Resident blocks per multiprocessor that ptxas must allow for :func:`_chunk_rows` on a GPU (its launch bounds, with
+#: TX x TY = 256 threads per block), by dtype: 4, at most 64 registers (32 of the 64 warps of an sm_90, 50%
+#: occupancy), without spills (ptxas -v, sm_90: 64 registers in both types).  Unbounded, ptxas takes 72 registers in
+#: both (two register tiles live at once, the output's and the scores'): 3 blocks.  With scores of 4 x 4 too, the
+#: float32 build spills 12 B within 64 registers; float64 in the float32 tiles (4 x 4 and 4 x 2 doubles) took 128
+#: registers bounded to 2 blocks (25%), 132 unbounded.  :func:`_chunk_states` has no bounds: unbounded, it takes 40
+#: registers in float32 (75% occupancy) and 48 in float64 (62.5%), and bounds of 4 blocks raise float32's to 56.
+MIN_BLOCKS = {"float32": 4, "float64": 4}
+
+
+def _rows_options(f):
+    """The compile options of :func:`_chunk_rows`'s GPU build for the Numba float type ``f``: its launch bounds
+    (``None`` in the simulator, ``f`` None: no launch bounds there)."""
+    if f is None:
+        return None
+    return {"launch_bounds": (tile_constants(GPU_GEOMETRIES[np.dtype(str(f))])["NT"], MIN_BLOCKS[str(f)])}
 
 
 #: Tokens per segment of the bidirectional reductions over tokens (one partial state per segment, then an ordered sum).
@@ -253,6 +309,12 @@ def _ones_column(v, v1):
         v1[b, j, e] = v1.dtype.type(1.0)
 
 
+def _unpack(g):
+    c = tile_constants(g)
+    return tuple(c[k] for k in ("RM", "RN", "TX", "TY", "DC", "TILE_ROWS", "TILE_COLS", "NT", "SH_A", "SH_B", "RS",
+                                "TILE_KEYS", "S_STRIDE", "SH_S", "LOADS_A", "LOADS_B", "LOADS_Y", "UNROLL"))
+
+
 # s1 += pk.T @ vc (refimpl.scan._causal_forward), and s = phi_k.T @ v, z = phi_k.sum(axis=0) per segment
 # (refimpl.scan._bidirectional_forward); the backward's r1 += pq.T @ gc and ds, dz = phi_q.T @ [gn, delta] likewise:
 #     partial[b, c, f, e] = sum_{j in chunk c} y[b, j, f] z[b, j, e]   (Y_c^T Z_c),
@@ -266,70 +328,83 @@ def _ones_column(v, v1):
 # a thread reads RM + RN shared entries for RM RN fused multiply-adds (the token loop unrolled UNROLL at a time).
 # Arguments: the flat views of y (B, N, F), z (B, N, E) and partial (B, n_chunks, F, E); dims = (B, N, F, E, chunk,
 # n_chunks).
-@kernel(lambda f: (f[::1], f[::1], UniTuple(int64, 6), f[::1]), threads=lambda f: NT, tags=("gma",))
-def _chunk_states(y, z, dims, partial):
-    sh_y = cuda.shared.array(SH_A, dtype=y.dtype)  # [DC tokens, TILE_ROWS features]
-    sh_z = cuda.shared.array(SH_B, dtype=y.dtype)  # [DC tokens, TILE_COLS columns]
-    acc = cuda.local.array((RM, RN), dtype=y.dtype)  # the register tile of partial[b, c]
-    yr = cuda.local.array(RM, dtype=y.dtype)
-    zr = cuda.local.array(RN, dtype=y.dtype)
-    zero = y.dtype.type(0.0)
-    B, N, F, E, chunk, n_chunks = dims
-    b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
-    if b >= B:
-        return
-    # shared and register offsets are unsigned 32-bit: below DC * TILE_ROWS and DC * TILE_COLS, bounded by the
-    # geometry (a few hundred), and unsigned indices skip Numba's negative-index wraparound
-    tx = u32(cuda.threadIdx.x)
-    ty = u32(cuda.threadIdx.y)
-    tid = ty * u32(TX) + tx
-    f_tiles = (F + TILE_ROWS - 1) // TILE_ROWS
-    e_tiles = (E + TILE_COLS - 1) // TILE_COLS
-    c = cuda.blockIdx.x // (f_tiles * e_tiles)
-    rest = cuda.blockIdx.x - c * (f_tiles * e_tiles)
-    f0 = (rest // e_tiles) * TILE_ROWS
-    e0 = (rest - (rest // e_tiles) * e_tiles) * TILE_COLS
-    j_start = c * chunk
-    j_end = min(j_start + chunk, N)
-    # flat offsets of the tile's first token, 64-bit (one sequence's N x F entries can pass 2^32), advanced by a
-    # stage's DC rows at each stage; the thread's entries of a stage are at fixed offsets from them
-    y_at = (b * N + j_start) * F + f0
-    z_at = (b * N + j_start) * E + e0
-    for a in range(RM):
-        for k in range(RN):
-            acc[a, k] = zero
-    for j0 in range(j_start, j_end, DC):
-        for u in range(LOADS_A):
-            e = tid + u32(u * NT)
-            jj = e // u32(TILE_ROWS)
-            ff = e - jj * u32(TILE_ROWS)
-            sh_y[e] = y[u64(y_at + jj * F + ff)] if j0 + jj < j_end and f0 + ff < F else zero
-        for u in range(LOADS_B):
-            e = tid + u32(u * NT)
-            jj = e // u32(TILE_COLS)
-            ee = e - jj * u32(TILE_COLS)
-            sh_z[e] = z[u64(z_at + jj * E + ee)] if j0 + jj < j_end and e0 + ee < E else zero
-        y_at += DC * F
-        z_at += DC * E
-        cuda.syncthreads()
-        for j2 in range(0, DC, UNROLL):
-            for j1 in range(UNROLL):
-                jj = j2 + j1
-                for a in range(RM):
-                    yr[a] = sh_y[u32(jj * TILE_ROWS) + ty + u32(a * TY)]
-                for k in range(RN):
-                    zr[k] = sh_z[u32(jj * TILE_COLS) + tx + u32(k * TX)]
-                for a in range(RM):
+def _build_chunk_states(g: Geometry, f=None):
+    """:func:`_chunk_states` compiled for the tiles ``g`` (:func:`tile_constants`: compile-time constants).
+
+    On a GPU (``f`` the Numba float type the tiles are for) it is registered
+    for ``f`` alone (``scan._chunk_states[float32]``, ``[float64]``); in the
+    simulator (``f`` None) for both types.
+    """
+    (RM, RN, TX, TY, DC, TILE_ROWS, TILE_COLS, NT, SH_A, SH_B, RS, TILE_KEYS, S_STRIDE, SH_S, LOADS_A, LOADS_B, LOADS_Y,
+     UNROLL) = _unpack(g)
+    dtypes = None if f is None else (f,)
+
+    @kernel(lambda f: (f[::1], f[::1], UniTuple(int64, 6), f[::1]), threads=NT, tags=("gma",), dtypes=dtypes)
+    def _chunk_states(y, z, dims, partial):
+        sh_y = cuda.shared.array(SH_A, dtype=y.dtype)  # [DC tokens, TILE_ROWS features]
+        sh_z = cuda.shared.array(SH_B, dtype=y.dtype)  # [DC tokens, TILE_COLS columns]
+        acc = cuda.local.array((RM, RN), dtype=y.dtype)  # the register tile of partial[b, c]
+        yr = cuda.local.array(RM, dtype=y.dtype)
+        zr = cuda.local.array(RN, dtype=y.dtype)
+        zero = y.dtype.type(0.0)
+        B, N, F, E, chunk, n_chunks = dims
+        b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
+        if b >= B:
+            return
+        # shared and register offsets are unsigned 32-bit: below DC * TILE_ROWS and DC * TILE_COLS, bounded by the
+        # geometry (a few hundred), and unsigned indices skip Numba's negative-index wraparound
+        tx = u32(cuda.threadIdx.x)
+        ty = u32(cuda.threadIdx.y)
+        tid = ty * u32(TX) + tx
+        f_tiles = (F + TILE_ROWS - 1) // TILE_ROWS
+        e_tiles = (E + TILE_COLS - 1) // TILE_COLS
+        c = cuda.blockIdx.x // (f_tiles * e_tiles)
+        rest = cuda.blockIdx.x - c * (f_tiles * e_tiles)
+        f0 = (rest // e_tiles) * TILE_ROWS
+        e0 = (rest - (rest // e_tiles) * e_tiles) * TILE_COLS
+        j_start = c * chunk
+        j_end = min(j_start + chunk, N)
+        # flat offsets of the tile's first token, 64-bit (one sequence's N x F entries can pass 2^32), advanced by a
+        # stage's DC rows at each stage; the thread's entries of a stage are at fixed offsets from them
+        y_at = (b * N + j_start) * F + f0
+        z_at = (b * N + j_start) * E + e0
+        for a in range(RM):
+            for k in range(RN):
+                acc[a, k] = zero
+        for j0 in range(j_start, j_end, DC):
+            for u in range(LOADS_A):
+                e = tid + u32(u * NT)
+                jj = e // u32(TILE_ROWS)
+                ff = e - jj * u32(TILE_ROWS)
+                sh_y[e] = y[u64(y_at + jj * F + ff)] if j0 + jj < j_end and f0 + ff < F else zero
+            for u in range(LOADS_B):
+                e = tid + u32(u * NT)
+                jj = e // u32(TILE_COLS)
+                ee = e - jj * u32(TILE_COLS)
+                sh_z[e] = z[u64(z_at + jj * E + ee)] if j0 + jj < j_end and e0 + ee < E else zero
+            y_at += DC * F
+            z_at += DC * E
+            cuda.syncthreads()
+            for j2 in range(0, DC, UNROLL):
+                for j1 in range(UNROLL):
+                    jj = j2 + j1
+                    for a in range(RM):
+                        yr[a] = sh_y[u32(jj * TILE_ROWS) + ty + u32(a * TY)]
                     for k in range(RN):
-                        acc[a, k] += yr[a] * zr[k]
-        cuda.syncthreads()
-    for a in range(RM):
-        f = f0 + (ty + u32(a * TY))
-        out_at = ((b * n_chunks + c) * F + f) * E + e0
-        for k in range(RN):
-            ee = tx + u32(k * TX)
-            if f < F and e0 + ee < E:
-                partial[u64(out_at + ee)] = acc[a, k]
+                        zr[k] = sh_z[u32(jj * TILE_COLS) + tx + u32(k * TX)]
+                    for a in range(RM):
+                        for k in range(RN):
+                            acc[a, k] += yr[a] * zr[k]
+            cuda.syncthreads()
+        for a in range(RM):
+            f = f0 + (ty + u32(a * TY))
+            out_at = ((b * n_chunks + c) * F + f) * E + e0
+            for k in range(RN):
+                ee = tx + u32(k * TX)
+                if f < F and e0 + ee < E:
+                    partial[u64(out_at + ee)] = acc[a, k]
+
+    return _chunk_states
 
 
 # s1 += pk.T @ vc across the chunks (refimpl.scan._causal_forward: the state before chunk c is the sum over the chunks
@@ -384,34 +459,6 @@ def _add_offsets(x, offsets, reverse):
     x[b, c, m] += offsets[b, p // SPAN, m]
 
 
-#: Resident blocks per multiprocessor that ptxas must allow for :func:`_chunk_rows` on a GPU (its launch bounds, with
-#: TX x TY threads per block): 4 in float32 (at most 64 registers: 32 of the 64 warps of an sm_90, 50% occupancy),
-#: 2 in float64 (at most 128 registers, 25%), without spills (ptxas -v, sm_90).  Unbounded, ptxas takes 72 and 132
-#: registers (two register tiles live at once, the output's 4 x 4 and the scores' 4 x 2): 3 and 1 blocks.  With
-#: scores of 4 x 4 too, the float32 build spills 12 B within 64 registers.
-MIN_BLOCKS = {"float32": 4, "float64": 2}
-_BOUNDED = {}
-
-
-def _launch_bounds(f):
-    """The compile options of :func:`_chunk_rows` for the float type ``f``: its launch bounds."""
-    return {"launch_bounds": (NT, MIN_BLOCKS[str(f)])}
-
-
-def _rows_kernel(dtype):
-    """:func:`_chunk_rows` for ``dtype``: on a GPU compiled with its launch bounds (:func:`_launch_bounds`).
-
-    The registry (:func:`~gpu.numba_cuda._device.kernel`) holds the same
-    options, so the PTX and resource checks compile what runs.
-    """
-    if SIMULATOR:  # the simulator has no launch bounds
-        return _chunk_rows
-    name = str(dtype)
-    if name not in _BOUNDED:
-        _BOUNDED[name] = cuda.jit(_chunk_rows.py_func, **_launch_bounds(name))
-    return _BOUNDED[name]
-
-
 # num = pq @ s1 + block @ vc with block = tril(pq @ pk.T) (refimpl.scan._causal_forward), and its backward lines
 # dphi_q = gc @ s1.T + m @ pk, dphi_k = vc @ r1.T + m.T @ pq, dv = pk @ r1[:, :-1] + block.T @ gc[:, :-1]
 # (refimpl.scan._causal_backward); bidirectional (one chunk, no within-chunk term): phi_q @ s, gn @ s.T + delta z,
@@ -432,159 +479,203 @@ def _rows_kernel(dtype):
 # chunk's state, the key tile's first key (y) and the stage's first key (z).
 # Arguments: the flat views of p (B, N, n_in), states (B, n_st, st_rows, st_cols), x and y (B, N, n_pair), z (B, N, n_z)
 # and out (B, N, n_out); dims = (B, N, chunk, n_in, n_pair, n_z, n_out, n_st, st_rows, st_cols).
-@kernel(
-    lambda f: (f[::1], f[::1], f[::1], f[::1], f[::1], f[::1], UniTuple(int64, 10), boolean, boolean, boolean),
-    threads=lambda f: NT,
-    tags=("gma",),
-    options=lambda f: _launch_bounds(f),
-)
-def _chunk_rows(p, states, x, y, z, out, dims, transposed, within, lower):
-    sh_a = cuda.shared.array(SH_A, dtype=p.dtype)  # [TILE_ROWS rows, DC]: p or x of the rows
-    sh_b = cuda.shared.array(SH_B, dtype=p.dtype)  # [DC, TILE_COLS]: state, y (keys on the columns) or z
-    sh_s = cuda.shared.array(SH_S, dtype=p.dtype)  # [TILE_ROWS rows, TILE_KEYS + 1]: the masked scores
-    acc = cuda.local.array((RM, RN), dtype=p.dtype)  # the register tile of out
-    sc = cuda.local.array((RM, RS), dtype=p.dtype)  # the register tile of the scores
-    ar = cuda.local.array(RM, dtype=p.dtype)
-    br = cuda.local.array(RN, dtype=p.dtype)
-    zero = p.dtype.type(0.0)
-    B, N, chunk, n_in, n_pair, n_z, n_out, n_st, st_rows, st_cols = dims
-    b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
-    if b >= B:
-        return
-    # shared and register offsets are unsigned 32-bit: below TILE_ROWS * (TILE_COLS + 1), bounded by the geometry
-    # (a few thousand), and unsigned indices skip Numba's negative-index wraparound
-    tx = u32(cuda.threadIdx.x)
-    ty = u32(cuda.threadIdx.y)
-    tid = ty * u32(TX) + tx
-    row_tiles = (chunk + TILE_ROWS - 1) // TILE_ROWS
-    col_tiles = (n_out + TILE_COLS - 1) // TILE_COLS
-    c = cuda.blockIdx.x // (row_tiles * col_tiles)
-    rest = cuda.blockIdx.x - c * (row_tiles * col_tiles)
-    rt = rest // col_tiles
-    row0 = c * chunk + rt * TILE_ROWS
-    o0 = (rest - rt * col_tiles) * TILE_COLS
-    chunk_end = min((c + 1) * chunk, N)
-    row_end = min(row0 + TILE_ROWS, chunk_end)
-    if row0 >= row_end:
-        return
-    # flat offsets, 64-bit (one sequence's N x F entries can pass 2^32): the tile's first row of p and x, its
-    # chunk's state; the thread's entries of a stage are at fixed offsets from them
-    p_at = (b * N + row0) * n_in
-    x_at = (b * N + row0) * n_pair
-    s_at = (b * n_st + c) * st_rows * st_cols
-    for a in range(RM):
-        for k in range(RN):
-            acc[a, k] = zero
-    # the carried state: p_r . state_c
-    for h0 in range(0, n_in, DC):
-        for u in range(LOADS_A):
-            e = tid + u32(u * NT)
-            rr = e // u32(DC)
-            hh = e - rr * u32(DC)
-            sh_a[e] = p[u64(p_at + rr * n_in + (h0 + hh))] if row0 + rr < row_end and h0 + hh < n_in else zero
-        for u in range(LOADS_B):
-            e = tid + u32(u * NT)
-            if transposed:  # state_c[h, o] = states[b, c, o, h]: consecutive threads on consecutive h
-                oo = e // u32(DC)
-                hh = e - oo * u32(DC)
-                at = s_at + (o0 + oo) * st_cols + (h0 + hh)
-            else:  # state_c[h, o] = states[b, c, h, o]: consecutive threads on consecutive o
-                hh = e // u32(TILE_COLS)
-                oo = e - hh * u32(TILE_COLS)
-                at = s_at + (h0 + hh) * st_cols + (o0 + oo)
-            sh_b[hh * u32(TILE_COLS) + oo] = states[u64(at)] if h0 + hh < n_in and o0 + oo < n_out else zero
-        cuda.syncthreads()
-        for h2 in range(0, DC, UNROLL):
-            for h1 in range(UNROLL):
-                hh = h2 + h1
-                for a in range(RM):
-                    ar[a] = sh_a[(ty + u32(a * TY)) * u32(DC) + u32(hh)]
-                for k in range(RN):
-                    br[k] = sh_b[u32(hh * TILE_COLS) + tx + u32(k * TX)]
-                for a in range(RM):
+def _build_chunk_rows(g: Geometry, f=None):
+    """:func:`_chunk_rows` compiled for the tiles ``g``, registered as :func:`_build_chunk_states` registers its kernel.
+
+    On a GPU with the launch bounds of :data:`MIN_BLOCKS` (the registry holds
+    them, so the PTX and resource checks compile what runs).
+    """
+    (RM, RN, TX, TY, DC, TILE_ROWS, TILE_COLS, NT, SH_A, SH_B, RS, TILE_KEYS, S_STRIDE, SH_S, LOADS_A, LOADS_B, LOADS_Y,
+     UNROLL) = _unpack(g)
+    dtypes = None if f is None else (f,)
+
+    @kernel(
+        lambda f: (f[::1], f[::1], f[::1], f[::1], f[::1], f[::1], UniTuple(int64, 10), boolean, boolean, boolean),
+        threads=NT,
+        tags=("gma",),
+        options=_rows_options(f),
+        dtypes=dtypes,
+    )
+    def _chunk_rows(p, states, x, y, z, out, dims, transposed, within, lower):
+        sh_a = cuda.shared.array(SH_A, dtype=p.dtype)  # [TILE_ROWS rows, DC]: p or x of the rows
+        sh_b = cuda.shared.array(SH_B, dtype=p.dtype)  # [DC, TILE_COLS]: state, y (keys on the columns) or z
+        sh_s = cuda.shared.array(SH_S, dtype=p.dtype)  # [TILE_ROWS rows, TILE_KEYS + 1]: the masked scores
+        acc = cuda.local.array((RM, RN), dtype=p.dtype)  # the register tile of out
+        sc = cuda.local.array((RM, RS), dtype=p.dtype)  # the register tile of the scores
+        ar = cuda.local.array(RM, dtype=p.dtype)
+        br = cuda.local.array(RN, dtype=p.dtype)
+        zero = p.dtype.type(0.0)
+        B, N, chunk, n_in, n_pair, n_z, n_out, n_st, st_rows, st_cols = dims
+        b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
+        if b >= B:
+            return
+        # shared and register offsets are unsigned 32-bit: below TILE_ROWS * (TILE_COLS + 1), bounded by the geometry
+        # (a few thousand), and unsigned indices skip Numba's negative-index wraparound
+        tx = u32(cuda.threadIdx.x)
+        ty = u32(cuda.threadIdx.y)
+        tid = ty * u32(TX) + tx
+        row_tiles = (chunk + TILE_ROWS - 1) // TILE_ROWS
+        col_tiles = (n_out + TILE_COLS - 1) // TILE_COLS
+        c = cuda.blockIdx.x // (row_tiles * col_tiles)
+        rest = cuda.blockIdx.x - c * (row_tiles * col_tiles)
+        rt = rest // col_tiles
+        row0 = c * chunk + rt * TILE_ROWS
+        o0 = (rest - rt * col_tiles) * TILE_COLS
+        chunk_end = min((c + 1) * chunk, N)
+        row_end = min(row0 + TILE_ROWS, chunk_end)
+        if row0 >= row_end:
+            return
+        # flat offsets, 64-bit (one sequence's N x F entries can pass 2^32): the tile's first row of p and x, its
+        # chunk's state; the thread's entries of a stage are at fixed offsets from them
+        p_at = (b * N + row0) * n_in
+        x_at = (b * N + row0) * n_pair
+        s_at = (b * n_st + c) * st_rows * st_cols
+        for a in range(RM):
+            for k in range(RN):
+                acc[a, k] = zero
+        # the carried state: p_r . state_c
+        for h0 in range(0, n_in, DC):
+            for u in range(LOADS_A):
+                e = tid + u32(u * NT)
+                rr = e // u32(DC)
+                hh = e - rr * u32(DC)
+                sh_a[e] = p[u64(p_at + rr * n_in + (h0 + hh))] if row0 + rr < row_end and h0 + hh < n_in else zero
+            for u in range(LOADS_B):
+                e = tid + u32(u * NT)
+                if transposed:  # state_c[h, o] = states[b, c, o, h]: consecutive threads on consecutive h
+                    oo = e // u32(DC)
+                    hh = e - oo * u32(DC)
+                    at = s_at + (o0 + oo) * st_cols + (h0 + hh)
+                else:  # state_c[h, o] = states[b, c, h, o]: consecutive threads on consecutive o
+                    hh = e // u32(TILE_COLS)
+                    oo = e - hh * u32(TILE_COLS)
+                    at = s_at + (h0 + hh) * st_cols + (o0 + oo)
+                sh_b[hh * u32(TILE_COLS) + oo] = states[u64(at)] if h0 + hh < n_in and o0 + oo < n_out else zero
+            cuda.syncthreads()
+            for h2 in range(0, DC, UNROLL):
+                for h1 in range(UNROLL):
+                    hh = h2 + h1
+                    for a in range(RM):
+                        ar[a] = sh_a[(ty + u32(a * TY)) * u32(DC) + u32(hh)]
                     for k in range(RN):
-                        acc[a, k] += ar[a] * br[k]
-        cuda.syncthreads()
-    if within:
-        # within the chunk: the masked score tiles times the z tiles
-        if lower:
-            j_start = c * chunk
-            j_end = row_end
-        else:
-            j_start = row0
-            j_end = chunk_end
-        for j0 in range(j_start, j_end, TILE_KEYS):
-            y_at = (b * N + j0) * n_pair
-            for a in range(RM):
-                for k in range(RS):
-                    sc[a, k] = zero
-            for d0 in range(0, n_pair, DC):
-                for u in range(LOADS_A):
-                    e = tid + u32(u * NT)
-                    rr = e // u32(DC)
-                    dd = e - rr * u32(DC)
-                    inside = row0 + rr < row_end and d0 + dd < n_pair
-                    sh_a[e] = x[u64(x_at + rr * n_pair + (d0 + dd))] if inside else zero
-                for u in range(LOADS_Y):
-                    e = tid + u32(u * NT)
-                    kk = e // u32(DC)  # consecutive threads on consecutive pair dimensions of one key
-                    dd = e - kk * u32(DC)
-                    inside = j0 + kk < j_end and d0 + dd < n_pair
-                    sh_b[dd * u32(TILE_KEYS) + kk] = y[u64(y_at + kk * n_pair + (d0 + dd))] if inside else zero
-                cuda.syncthreads()
-                for d2 in range(0, DC, UNROLL):
-                    for d1 in range(UNROLL):
-                        dd = d2 + d1
-                        for a in range(RM):
-                            ar[a] = sh_a[(ty + u32(a * TY)) * u32(DC) + u32(dd)]
-                        for k in range(RS):
-                            br[k] = sh_b[u32(dd * TILE_KEYS) + tx + u32(k * TX)]
-                        for a in range(RM):
-                            for k in range(RS):
-                                sc[a, k] += ar[a] * br[k]
-                cuda.syncthreads()
-            # the mask in 32-bit tile coordinates (row rr = r - row0, key kk = j - j0): the keys of the tile,
-            # kk < n_keys, and j <= r (lower: kk + TILE_ROWS <= rr + shift) or j >= r (upper: rr <= kk + shift),
-            # the shifts clamped where the whole tile is on one side; rows past row_end are never written
-            n_keys = u32(min(j_end - j0, TILE_KEYS))
-            if lower:
-                shift = u32(min(row0 - j0 + TILE_ROWS, TILE_ROWS + TILE_KEYS))
-            else:
-                shift = u32(min(j0 - row0, TILE_ROWS))
-            for a in range(RM):
-                rr = ty + u32(a * TY)
-                for k in range(RS):
-                    kk = tx + u32(k * TX)
-                    keep = kk < n_keys and ((kk + u32(TILE_ROWS) <= rr + shift) if lower else (rr <= kk + shift))
-                    # masked entries are set to 0, not multiplied (inf * 0 is NaN)
-                    sh_s[rr * u32(S_STRIDE) + kk] = sc[a, k] if keep else zero
-            for k0 in range(0, min(TILE_KEYS, j_end - j0), DC):
-                z_at = (b * N + j0 + k0) * n_z + o0
-                for u in range(LOADS_B):
-                    e = tid + u32(u * NT)
-                    kk = e // u32(TILE_COLS)
-                    oo = e - kk * u32(TILE_COLS)
-                    inside = j0 + k0 + kk < j_end and o0 + oo < n_out
-                    sh_b[e] = z[u64(z_at + kk * n_z + oo)] if inside else zero
-                cuda.syncthreads()  # also orders the score tile's writes before its reads
-                for k2 in range(0, DC, UNROLL):
-                    for k1 in range(UNROLL):
-                        kk = k2 + k1
-                        for a in range(RM):
-                            ar[a] = sh_s[(ty + u32(a * TY)) * u32(S_STRIDE) + u32(k0 + kk)]
+                        br[k] = sh_b[u32(hh * TILE_COLS) + tx + u32(k * TX)]
+                    for a in range(RM):
                         for k in range(RN):
-                            br[k] = sh_b[u32(kk * TILE_COLS) + tx + u32(k * TX)]
-                        for a in range(RM):
+                            acc[a, k] += ar[a] * br[k]
+            cuda.syncthreads()
+        if within:
+            # within the chunk: the masked score tiles times the z tiles
+            if lower:
+                j_start = c * chunk
+                j_end = row_end
+            else:
+                j_start = row0
+                j_end = chunk_end
+            for j0 in range(j_start, j_end, TILE_KEYS):
+                y_at = (b * N + j0) * n_pair
+                for a in range(RM):
+                    for k in range(RS):
+                        sc[a, k] = zero
+                for d0 in range(0, n_pair, DC):
+                    for u in range(LOADS_A):
+                        e = tid + u32(u * NT)
+                        rr = e // u32(DC)
+                        dd = e - rr * u32(DC)
+                        inside = row0 + rr < row_end and d0 + dd < n_pair
+                        sh_a[e] = x[u64(x_at + rr * n_pair + (d0 + dd))] if inside else zero
+                    for u in range(LOADS_Y):
+                        e = tid + u32(u * NT)
+                        kk = e // u32(DC)  # consecutive threads on consecutive pair dimensions of one key
+                        dd = e - kk * u32(DC)
+                        inside = j0 + kk < j_end and d0 + dd < n_pair
+                        sh_b[dd * u32(TILE_KEYS) + kk] = y[u64(y_at + kk * n_pair + (d0 + dd))] if inside else zero
+                    cuda.syncthreads()
+                    for d2 in range(0, DC, UNROLL):
+                        for d1 in range(UNROLL):
+                            dd = d2 + d1
+                            for a in range(RM):
+                                ar[a] = sh_a[(ty + u32(a * TY)) * u32(DC) + u32(dd)]
+                            for k in range(RS):
+                                br[k] = sh_b[u32(dd * TILE_KEYS) + tx + u32(k * TX)]
+                            for a in range(RM):
+                                for k in range(RS):
+                                    sc[a, k] += ar[a] * br[k]
+                    cuda.syncthreads()
+                # the mask in 32-bit tile coordinates (row rr = r - row0, key kk = j - j0): the keys of the tile,
+                # kk < n_keys, and j <= r (lower: kk + TILE_ROWS <= rr + shift) or j >= r (upper: rr <= kk + shift),
+                # the shifts clamped where the whole tile is on one side; rows past row_end are never written
+                n_keys = u32(min(j_end - j0, TILE_KEYS))
+                if lower:
+                    shift = u32(min(row0 - j0 + TILE_ROWS, TILE_ROWS + TILE_KEYS))
+                else:
+                    shift = u32(min(j0 - row0, TILE_ROWS))
+                for a in range(RM):
+                    rr = ty + u32(a * TY)
+                    for k in range(RS):
+                        kk = tx + u32(k * TX)
+                        keep = kk < n_keys and ((kk + u32(TILE_ROWS) <= rr + shift) if lower else (rr <= kk + shift))
+                        # masked entries are set to 0, not multiplied (inf * 0 is NaN)
+                        sh_s[rr * u32(S_STRIDE) + kk] = sc[a, k] if keep else zero
+                for k0 in range(0, min(TILE_KEYS, j_end - j0), DC):
+                    z_at = (b * N + j0 + k0) * n_z + o0
+                    for u in range(LOADS_B):
+                        e = tid + u32(u * NT)
+                        kk = e // u32(TILE_COLS)
+                        oo = e - kk * u32(TILE_COLS)
+                        inside = j0 + k0 + kk < j_end and o0 + oo < n_out
+                        sh_b[e] = z[u64(z_at + kk * n_z + oo)] if inside else zero
+                    cuda.syncthreads()  # also orders the score tile's writes before its reads
+                    for k2 in range(0, DC, UNROLL):
+                        for k1 in range(UNROLL):
+                            kk = k2 + k1
+                            for a in range(RM):
+                                ar[a] = sh_s[(ty + u32(a * TY)) * u32(S_STRIDE) + u32(k0 + kk)]
                             for k in range(RN):
-                                acc[a, k] += ar[a] * br[k]
-                cuda.syncthreads()
-    for a in range(RM):
-        r = row0 + (ty + u32(a * TY))
-        out_at = (b * N + r) * n_out + o0
-        for k in range(RN):
-            oo = tx + u32(k * TX)
-            if r < row_end and o0 + oo < n_out:
-                out[u64(out_at + oo)] = acc[a, k]
+                                br[k] = sh_b[u32(kk * TILE_COLS) + tx + u32(k * TX)]
+                            for a in range(RM):
+                                for k in range(RN):
+                                    acc[a, k] += ar[a] * br[k]
+                    cuda.syncthreads()
+        for a in range(RM):
+            r = row0 + (ty + u32(a * TY))
+            out_at = (b * N + r) * n_out + o0
+            for k in range(RN):
+                oo = tx + u32(k * TX)
+                if r < row_end and o0 + oo < n_out:
+                    out[u64(out_at + oo)] = acc[a, k]
+
+    return _chunk_rows
+
+
+#: The builds of the two products, ``{name: {key: kernel}}``: by dtype on a GPU, by geometry in the simulator.
+_BUILDERS = {"_chunk_states": _build_chunk_states, "_chunk_rows": _build_chunk_rows}
+if SIMULATOR:
+    _BUILDS = {name: {SIMULATOR_GEOMETRY: build(SIMULATOR_GEOMETRY)} for name, build in _BUILDERS.items()}
+else:
+    _BUILDS = {name: {np.dtype(str(f)): build(GPU_GEOMETRIES[np.dtype(str(f))], f) for f in (float32, float64)}
+               for name, build in _BUILDERS.items()}
+
+
+def _built(name, dtype):
+    """Kernel ``name`` for ``dtype``: on a GPU its build (its tiles, its launch bounds); in the simulator the build
+    for the geometry of :data:`GEOMETRIES` (made at the first launch with it)."""
+    dtype = np.dtype(dtype)
+    if not SIMULATOR:
+        return _BUILDS[name][dtype]
+    g = GEOMETRIES[dtype]
+    if g not in _BUILDS[name]:
+        _BUILDS[name][g] = _BUILDERS[name](g)
+    return _BUILDS[name][g]
+
+
+def _states_kernel(dtype):
+    """:func:`_chunk_states` for ``dtype`` (:func:`_built`)."""
+    return _built("_chunk_states", dtype)
+
+
+def _rows_kernel(dtype):
+    """:func:`_chunk_rows` for ``dtype`` (:func:`_built`)."""
+    return _built("_chunk_rows", dtype)
 
 
 # d = num[:, -1] + eps; out[a:b] = num[:, :-1] / d[:, None]; den[a:b] = d (refimpl.scan._causal_forward), and
@@ -629,7 +720,7 @@ def _scaled_grads(g, out, den, g1):
         g1[b, t, e] = -s / den[b, t]
 
 
-def launch_geometry(B: int, N: int, F: int, E: int, chunk: int) -> dict:
+def launch_geometry(B: int, N: int, F: int, E: int, chunk: int, dtype=np.float64) -> dict:
     """``{launch: (grid, block)}`` of every kernel of the scan over ``B`` sequences of ``N`` tokens, a pure function.
 
     ``F`` features, ``E`` columns (``d_v + 1``), chunks of ``chunk`` tokens
@@ -643,17 +734,19 @@ def launch_geometry(B: int, N: int, F: int, E: int, chunk: int) -> dict:
     (:func:`_add_offsets` at each level but the last).  Grid ``x`` stays within
     ``2^31 - 1`` and ``y``, ``z`` within 65,535 (the sequences, by
     :func:`~gpu.numba_cuda._primitives.sequence_axes`); blocks have at most
-    1,024 threads.
+    1,024 threads.  The product kernels' tiles are those of ``dtype``
+    (:data:`GEOMETRIES`).
     """
     chunk = max(1, int(chunk))
     n_chunks = blocks(N, chunk)
+    c = constants(dtype)
     plan = {
         "entries": _entries_geometry(B, N * E),
         "entries F": _entries_geometry(B, N * F),
-        "states": _tiles_geometry(B, n_chunks * blocks(F, TILE_ROWS) * blocks(E, TILE_COLS)),
-        "rows": _rows_geometry(B, N, chunk, E),
-        "rows F": _rows_geometry(B, N, chunk, F),
-        "rows V": _rows_geometry(B, N, chunk, E - 1),
+        "states": _tiles_geometry(B, n_chunks * blocks(F, c["TILE_ROWS"]) * blocks(E, c["TILE_COLS"]), c),
+        "rows": _rows_geometry(B, N, chunk, E, dtype),
+        "rows F": _rows_geometry(B, N, chunk, F, dtype),
+        "rows V": _rows_geometry(B, N, chunk, E - 1, dtype),
         "scan": [],
         "offsets": [],
     }
@@ -677,15 +770,16 @@ def _grid(B: int, x: int) -> tuple:
     return (max(1, int(x)), y, z)
 
 
-def _tiles_geometry(B: int, x: int) -> tuple:
-    """``(grid, block)`` of a register-tiled kernel with ``x`` blocks of ``TX x TY`` threads per sequence."""
-    return _grid(B, x), (TX, TY)
+def _tiles_geometry(B: int, x: int, c: dict) -> tuple:
+    """``(grid, block)`` of a register-tiled kernel with ``x`` blocks of ``TX x TY`` threads (of ``c``) per sequence."""
+    return _grid(B, x), (c["TX"], c["TY"])
 
 
-def _rows_geometry(B: int, N: int, chunk: int, n_out: int) -> tuple:
+def _rows_geometry(B: int, N: int, chunk: int, n_out: int, dtype) -> tuple:
     """``(grid, block)`` of :func:`_chunk_rows` writing ``n_out`` columns of ``N`` rows in chunks of ``chunk``."""
     chunk = max(1, int(chunk))
-    return _tiles_geometry(B, blocks(N, chunk) * blocks(chunk, TILE_ROWS) * blocks(max(1, n_out), TILE_COLS))
+    c = constants(dtype)
+    return _tiles_geometry(B, blocks(N, chunk) * blocks(chunk, c["TILE_ROWS"]) * blocks(max(1, n_out), c["TILE_COLS"]), c)
 
 
 def _entries_geometry(B: int, n: int) -> tuple:
@@ -734,11 +828,11 @@ def _states(y, z, chunk, exclusive, reverse):
     B, N, F = y.shape
     E = z.shape[2]
     n_chunks = blocks(N, chunk)
-    plan = launch_geometry(B, N, F, E, chunk)
+    plan = launch_geometry(B, N, F, E, chunk, y.dtype)
     partial = cuda.device_array((B, n_chunks, F, E), dtype=y.dtype)
     total = cuda.device_array((B, 1, F, E), dtype=y.dtype)
     grid, block = plan["states"]
-    _chunk_states[grid, block](_flat(y), _flat(z), (B, N, F, E, chunk, n_chunks), _flat(partial))
+    _states_kernel(y.dtype)[grid, block](_flat(y), _flat(z), (B, N, F, E, chunk, n_chunks), _flat(partial))
     _prefix(partial.reshape(B, n_chunks, F * E), exclusive, reverse, total.reshape(B, 1, F * E), plan["scan"], plan["offsets"])
     return partial, total
 
@@ -747,7 +841,7 @@ def _rows(p, states, transposed, x, y, z, chunk, within, lower, n_out):
     """Launch :func:`_chunk_rows` over the rows of ``p``: a new ``(B, N, n_out)`` array."""
     B, N, _ = p.shape
     out = cuda.device_array((B, N, n_out), dtype=p.dtype)
-    grid, block = _rows_geometry(B, N, chunk, n_out)
+    grid, block = _rows_geometry(B, N, chunk, n_out, p.dtype)
     dims = (B, N, chunk, p.shape[2], x.shape[2], z.shape[2], n_out) + tuple(states.shape[1:])
     _rows_kernel(p.dtype)[grid, block](_flat(p), _flat(states), _flat(x), _flat(y), _flat(z), _flat(out), dims, transposed, within, lower)
     return out
