@@ -29,10 +29,12 @@ The model and its assumptions
   module (:data:`PARTS`): the responsibilities by ``gmm`` (and GMA's two
   quadratic forms: GMA computes them with the same kernel), the scan's write
   and read by ``scan``, the backward's per-row and per-parameter products by
-  ``gma``, softmax attention by ``attention``, OVQ and VQ by ``ovq``.
+  ``gma`` (a part each: ``gma:responsibility_rows`` does ``dL/dx``,
+  ``gma:parameter_partials`` the sums over tokens), softmax attention by
+  ``attention``, OVQ and VQ by ``ovq``.
 * A part runs at the pace of its module's *main kernel* (:func:`main_kernel`):
-  of the kernels named for the work (:data:`MAIN`), the one whose loop holds
-  the most useful FLOPs.  The loop is the kernel's *work loop*
+  of the kernels named for the work (the part's kernel after the ``:``, else
+  :data:`MAIN`), the one whose loop holds the most useful FLOPs.  The loop is the kernel's *work loop*
   (:func:`gpu.sass.work_loop`, in float32 or the float type asked): of the
   loop regions (innermost loop bodies, basic blocks inside a loop) that do
   useful arithmetic, the one nested in the most loops, ties to the most
@@ -112,7 +114,8 @@ MAIN = {
 PARTS = {
     "responsibilities": lambda N, K, d: [("gmm", 4 * N * K * d)],
     "gma_forward": lambda N, K, d_r, d_v: [("gmm", 8 * N * K * d_r), ("scan", 4 * N * K * (d_v + 1))],
-    "gma_backward": lambda N, K, d_r, d_v: [("gma", 16 * N * K * d_r),
+    "gma_backward": lambda N, K, d_r, d_v: [("gma:responsibility_rows", 8 * N * K * d_r),
+                                            ("gma:parameter_partials", 8 * N * K * d_r),
                                             ("scan", 6 * N * K * (d_v + 1) + 2 * N * K * d_v)],
 }
 
@@ -127,7 +130,7 @@ def vq_counts(T, d, d_v, S, chunk_size):
 
 
 def workloads():
-    """``[(function, variant, size, (bytes, flops) in float32, [(module, flops)])]`` at ``bench_gpu.py``'s full sizes."""
+    """``[(function, variant, size, (bytes, flops) in float32, [(part, flops)])]`` at ``bench_gpu.py``'s full sizes."""
     N, K, d = 1 << 20, 256, 64
     rows = []
     size = f"N={N} K={K} d={d}"
@@ -162,19 +165,21 @@ def _work(row):
     return row["work_loop"]["total"], row["work_loop_flops"]
 
 
-def main_kernel(kernel_rows, module, dtype):
+def main_kernel(kernel_rows, module, dtype, name=None):
     """The static row of ``module``'s main kernel in ``dtype``; ``None`` when none of its kernels has FLOPs in a loop.
 
     Among the module's kernels whose work loop holds useful FLOPs, those
     whose name matches :data:`MAIN` (all of them when none does), and of
-    these the one whose work loop holds the most useful FLOPs.
+    these the one whose work loop holds the most useful FLOPs.  With
+    ``name`` (a regular expression), only the kernels it matches: ``None``
+    when none does.
     """
     import re
 
     mine = [r for r in kernel_rows if r["kernel"].rsplit(".", 2)[-2] == module and r["dtype"] == dtype
             and r.get("loop") and r.get("work_loop") is not None and _work(r)[1]]
-    named = [r for r in mine if re.search(MAIN.get(module, "$^"), r["kernel"].rsplit(".", 1)[-1])]
-    return max(named or mine, key=lambda r: (_work(r)[1], r["kernel"]), default=None)
+    named = [r for r in mine if re.search(name or MAIN.get(module, "$^"), r["kernel"].rsplit(".", 1)[-1])]
+    return max(named if name else (named or mine), key=lambda r: (_work(r)[1], r["kernel"]), default=None)
 
 
 def issue_efficiency(occupancy, device=H200):
@@ -201,14 +206,15 @@ def model_rows(kernel_rows, dtype="float32", device=H200):
         roofline = max(nbytes / device["peak_bandwidth_Bps"], flops / peak_flops)
         memory = nbytes / device["copy_bandwidth_Bps"]
         issue, kernels, missing = 0.0, [], []
-        for module, part_flops in parts:
-            row = main_kernel(kernel_rows, module, dtype)
+        for part, part_flops in parts:
+            module, _, name = part.partition(":")  # "gma:parameter_partials": that kernel of gma
+            row = main_kernel(kernel_rows, module, dtype, name or None)
             if row is None:
-                missing.append(module)
+                missing.append(part)
                 continue
             issue += issue_time(part_flops, row, device)
             kernels.append({
-                "module": module,
+                "module": part,
                 "kernel": row["kernel"],
                 "flops": part_flops,
                 "instructions_per_flop": _work(row)[0] / _work(row)[1],

@@ -237,6 +237,12 @@ def test_gpu_model_picks_the_kernel_named_for_the_work():
     assert gm.main_kernel(rows, "gmm", "float32") is rows[1]  # named for the work, though it has fewer FLOPs
     assert gm.main_kernel(rows[:1], "gmm", "float32") is rows[0]  # none named: the most FLOPs
     assert gm.main_kernel(rows, "scan", "float32") is None
+    # a part that names its kernel is paced by that kernel alone, though another of the module has more FLOPs
+    gma_rows = [_static_row("gpu.numba_cuda.gma._responsibility_rows", 200, 16, 0.4),
+                _static_row("gpu.numba_cuda.gma._parameter_partials", 200, 30, 0.4)]
+    assert gm.main_kernel(gma_rows, "gma", "float32") is gma_rows[1]
+    assert gm.main_kernel(gma_rows, "gma", "float32", "responsibility_rows") is gma_rows[0]
+    assert gm.main_kernel(gma_rows[1:], "gma", "float32", "responsibility_rows") is None
     # the hot loop (an epilogue: 200 instructions, 100 raw FLOPs) is not the work loop (30 instructions, 20 useful
     # FLOPs): the work loop paces the part, at 1.5 instructions a FLOP, and picks the kernel
     flash = dict(_static_row("gpu.numba_cuda.attention._flash", 200, 100, 0.5), work_loop={"total": 30, "fp": 10},

@@ -221,14 +221,14 @@ def gpu_tiles(responsibilities=True):
 
 
 def test_gpu_geometry_forward_and_gradients_cross_the_tiles():
-    """GPU tiles of the backward, float64: N = 17 crosses dL/dx's 16-row tile, K = 17 its 16-component stage and the
-    16 x 16 partial tiles (the responsibilities keep the simulator's tiles here: theirs are crossed in
-    tests/test_gpu_gmm.py)."""
+    """GPU tiles of the backward, float64: N = 33 crosses dL/dx's 32-row tile and the partials' 16-token stages,
+    K = 33 dL/dx's 16-component stages (two whole, one partial) and the 32 x 32 partial tiles (the responsibilities
+    keep the simulator's tiles here: theirs are crossed in tests/test_gpu_gmm.py)."""
     g = gpu_gma.GPU_GEOMETRY
-    n, K = g.threads_y * g.rows_per_thread + 1, g.m_chunk + 1
+    n, K = g.threads_y * g.rows_per_thread + 1, g.tile * g.params_per_thread + 1
     args = problem(21, (), False, n=n, K=K, d_r=3, d_v=2)
     with gpu_tiles(responsibilities=False):
-        assert (gpu_gma.ROW_TILE, gpu_gma.MC, gpu_gma.TILE) == (n - 1, K - 1, K - 1)
+        assert (gpu_gma.ROW_TILE, gpu_gma.PTILE, 2 * gpu_gma.MC, gpu_gma.TILE) == (n - 1, K - 1, K - 1, 16)
         out, cache = gpu_gma.gma_forward(*args)
         g_out = np.random.default_rng(22).normal(size=out.shape)
         grads = gpu_gma.gma_backward(g_out, cache)
@@ -264,8 +264,9 @@ def test_backward_blocks_loop_over_the_tiles_when_the_grid_is_capped(monkeypatch
     monkeypatch.setattr(gpu_gma, "MAX_GRID_X", 2)
     monkeypatch.setattr(gpu_gmm, "MAX_GRID_X", 2)
     monkeypatch.setattr(gpu_scan, "SEGMENT", 2)
-    args = problem(24, (3,), True, n=5, K=5, d_r=3)
-    launches = gpu_gma.backward_geometry(3, 5, 5, 5, 3, 3, 2)
+    # K = d_r = 5: the parameter partials cross a tile of components and one of coordinates (PTILE = 4 here)
+    args = problem(24, (3,), True, n=5, K=5, d_r=5)
+    launches = gpu_gma.backward_geometry(3, 5, 5, 5, 5, 3, 2)
     assert all(grid <= 2 for grid, _ in launches.values())
     out, cache = gpu_gma.gma_forward(*args)
     ref_out, ref_cache = gma.gma_forward(*args)
@@ -291,4 +292,4 @@ def test_launch_geometry_is_inside_every_hardware_limit(B, N, K, d_r, H):
             assert int(np.prod(block)) <= 1024 and all(v <= 64 for v in block[2:]), (name, block)
         assert launches["_responsibility_rows q"][0] == min(B * -(-N // gpu_gma.ROW_TILE), 2**31 - 1)
         # static shared memory of dL/dx's kernel in float64: at most 48 KiB
-        assert 8 * (gpu_gma.SH_RED + gpu_gma.SH_CR + 2 * gpu_gma.SH_MJ) <= 48 * 1024
+        assert 8 * (gpu_gma.SH_RED + gpu_gma.SH_CR + gpu_gma.SH_MP) <= 48 * 1024

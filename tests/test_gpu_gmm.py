@@ -429,9 +429,11 @@ def _stage_loop(code):
 
 
 #: Most SASS instructions per useful FLOP (4 a (row, component, coordinate): sub, square, scale, add) in the stage
-#: loop.  float32's 4 x 4 tile: 48 fp and 3 LDS.128 a coordinate for 64 FLOPs (0.80), the staging on top; float64's
-#: 2 x 2 tile: 12 fp and 3 LDS.128 for 16 FLOPs, 0.94 a coordinate at best.
-MAX_INSTRUCTIONS_PER_FLOP = {"float32": 0.9, "float64": 1.2}
+#: loop.  float32's 4 x 4 tile: 48 fp and 3 LDS.128 a coordinate for 64 FLOPs (0.80), the staging on top (0.85 with
+#: ptxas 13); 0.857 is where benchmarks/gpu_model.py's issue time reaches twice the FP32 roofline (its 1.7 GHz issue
+#: rate against 67 TFLOP/s: 2 / 2.333).  float64's 2 x 2 tile: 12 fp and 3 LDS.128 for 16 FLOPs, 0.94 a coordinate at
+#: best (1.09 with ptxas 13).
+MAX_INSTRUCTIONS_PER_FLOP = {"float32": 0.857, "float64": 1.1}
 
 
 @pytest.mark.parametrize("dt", ["float32", "float64"])

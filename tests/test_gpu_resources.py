@@ -416,8 +416,10 @@ def test_roofline_kernels_reach_half_occupancy_at_their_block_size(table):
 
 
 #: The kernels whose float64 build must reach :data:`MIN_OCCUPANCY` too (named as in :data:`MIN_FP_SHARES`): each has
-#: a float64 geometry of its own (smaller register tiles), so that doubles fit in the registers of half occupancy.
-FLOAT64_OCCUPANCY = ("responsibilities", "gpu.numba_cuda.scan._chunk_states", "gpu.numba_cuda.scan._chunk_rows")
+#: a float64 geometry of its own (smaller register tiles), or register tiles small enough for doubles in both types
+#: (dL/dx's 2 x 2), so that doubles fit in the registers of half occupancy.
+FLOAT64_OCCUPANCY = ("responsibilities", "gpu.numba_cuda.scan._chunk_states", "gpu.numba_cuda.scan._chunk_rows",
+                     "gpu.numba_cuda.gma._responsibility_rows")
 
 
 @pytest.mark.parametrize("key", FLOAT64_OCCUPANCY)
@@ -459,3 +461,29 @@ def test_floating_point_share_of_the_work_loop(table, key):
             f"{_short(r['kernel'])}: floating point is {100 * share:.1f}% of its work loop of {mix['total']} instructions "
             f"({mix}; depth {r['work_loop_depth']}, {r['work_loop_flops']} useful FLOPs)"
         )
+
+
+#: Most SASS instructions per useful FLOP (:func:`gpu.sass.work_flops`) in the work loop, by kernel (named as in
+#: :data:`MIN_FP_SHARES`) and float type.  dL/dx of the GMA backward: 2 x 2 register tiles over 16 components a stage,
+#: straight-line: per component 12 fp and one 64-bit and one 128-bit shared load for 16 FLOPs in float32 (0.875), one
+#: more 128-bit load in float64 (0.94), the staging on top (ptxas 13: 289 and 306 instructions for 256 FLOPs).  The
+#: parameter partials: 2 x 2 register tiles over 16 tokens a stage, per token and entry 4 fp instructions for 7.5 useful
+#: FLOPs (0.53), with the shared loads of c and x (ptxas 13: 401 and 380 instructions for 480 FLOPs; one entry a thread
+#: took 11 instructions per token and entry).
+MAX_INSTRUCTIONS_PER_FLOP = {"gpu.numba_cuda.gma._responsibility_rows": {"float32": 1.15, "float64": 1.2},
+                             "gpu.numba_cuda.gma._parameter_partials": {"float32": 0.86, "float64": 0.82}}
+
+
+@pytest.mark.parametrize("key", sorted(MAX_INSTRUCTIONS_PER_FLOP))
+def test_instructions_per_useful_flop_of_the_work_loop(table, compiled, key):
+    _tool_or_skip("cuobjdump")
+    for dt, most in MAX_INSTRUCTIONS_PER_FLOP[key].items():
+        rows = [r for r in gated_kernels(table, key) if r["dtype"] == dt]
+        assert rows, f"no {dt} kernel {key}"
+        for r in rows:
+            if r["work_loop"] is None:  # the table disassembles float32 only: this build's code, here
+                r = dict(r, **sass.analyse(compiled["ptx"][r["kernel"]][dt], r["threads"], sass=True))
+            total, useful = r["work_loop"]["total"], r["work_loop_flops"]
+            assert useful and total / useful <= most, (
+                f"{_short(r['kernel'])} {dt}: {total} instructions for {useful} useful FLOPs in its work loop "
+                f"({total / max(useful, 1):.3f} a FLOP, at most {most})")

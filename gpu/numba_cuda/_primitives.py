@@ -30,10 +30,12 @@ entry ``t + w / 2^h`` (``w`` the power of two at or above ``n``), always
 in that order, so the result has the same bits on every run (no atomics).
 Every thread of the block must call them (they synchronise the block).
 
-Scans and launch limits
------------------------
+Scans, straight-line steps and launch limits
+--------------------------------------------
 :func:`exclusive_scan_columns` is the work-efficient scan of Blelloch
 (1990) over the rows of a shared array, one column per thread lane.
+:func:`unrolled` (host side) builds a register-tiled product's stage as
+straight-line code from its one step.
 :func:`sequence_axes` (host side) spreads a number of sequences over the
 grid's ``y`` and ``z`` axes within the hardware's limits.
 """
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from numba import cuda
 
 __all__ = [
@@ -54,6 +57,7 @@ __all__ = [
     "row_max",
     "row_sum",
     "exclusive_scan_columns",
+    "unrolled",
     "sequence_axes",
 ]
 
@@ -169,6 +173,46 @@ def exclusive_scan_columns(buf, n, lane, col):
         cuda.syncthreads()
         offset //= 2
     return total
+
+
+# ---------------------------------------------------------------------------
+# Straight-line steps (host side: builds device functions)
+# ---------------------------------------------------------------------------
+
+
+def unrolled(step, n, da, db, inline):
+    """``step`` ``n`` times in straight-line code: a function ``f(regs, sh_a, sh_b, oa, ob)`` that calls
+    ``step(regs, sh_a, sh_b, oa + k da, ob + k db)`` for ``k = 0, 1, ..., n - 1``, in that order.
+
+    ``n`` is a power of two; each doubling is a function of its own, made a
+    device function by ``inline`` (on a GPU ``cuda.jit(device=True,
+    forceinline=True)``, so that NVVM inlines every level: the compiler does
+    not unroll a loop of many such steps itself; in the simulator the Python
+    function).  ``regs`` is a tuple of the caller's register arrays, ``sh_a``
+    and ``sh_b`` two shared arrays, ``oa`` and ``ob`` the offsets of the
+    first step in them (64-bit, so that the constant ``k da``, ``k db``
+    fold into the loads' addresses).  A step is one unit of a register-tiled
+    product: one coordinate, component or token of the staged tiles.
+    """
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"unrolled: n must be a power of two, got {n}")
+    width = 1
+    while width < n:
+        step = _doubled(step, width * da, width * db, inline)
+        width *= 2
+    return step
+
+
+def _doubled(step, da, db, inline):
+    # step at (oa, ob), then at (oa + da, ob + db); the strides unsigned 64-bit constants, as the offsets (an int64
+    # added to a uint64 would be a float64 in Numba)
+    da, db = np.uint64(da), np.uint64(db)
+
+    def twice(regs, sh_a, sh_b, oa, ob):
+        step(regs, sh_a, sh_b, oa, ob)
+        step(regs, sh_a, sh_b, oa + da, ob + db)
+
+    return inline(twice)
 
 
 # ---------------------------------------------------------------------------

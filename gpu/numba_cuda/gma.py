@@ -44,8 +44,8 @@ when there are more).
    ``ROW_TILE`` rows, ``dx`` a register-tiled product over the components,
    from the differences, its arrays flat with offsets formed once per tile,
    so that its hot loop is the product's), :func:`_parameter_partials` (per segment of
-   :data:`~gpu.numba_cuda.scan.SEGMENT` tokens, a block per ``TILE x TILE``
-   tile of ``(m, j)``), then one :func:`_parameter_sums` (one thread per
+   :data:`~gpu.numba_cuda.scan.SEGMENT` tokens, a block per ``PTILE x PTILE``
+   tile of ``(m, j)``, each thread a register tile), then one :func:`_parameter_sums` (one thread per
    mean, raw variance and logit entry, adding the partials over segments
    and sequences in a fixed order): 5 launches besides the scan's.  No
    atomics: the results are deterministic for a given launch geometry.
@@ -106,44 +106,139 @@ class Geometry(NamedTuple):
     threads_x: int  # TX: threads along the components / coordinates (a power of two)
     threads_y: int  # TY: threads along the rows
     m_chunk: int  # MC: components per shared-memory stage of dL/dx
-    tile: int  # TILE: side of the square blocks and shared tiles of _parameter_partials
+    tile: int  # TILE: threads along each side of a _parameter_partials block, and its tokens per stage
     threads: int  # THREADS: threads per block of _parameter_sums
+    params_per_thread: int  # PP: components and coordinates of a thread's register tile in _parameter_partials
 
 
-#: On a GPU, in float32 and float64 alike: dL/dx in 16 x 32 block tiles (rows x coordinates) of 16 x 16 threads with
-#: 1 x 2 register tiles, 16 components a stage (shared memory 16 x 16 + 16 x 32 x 2 + 16 x 16 entries: 6 KiB in
-#: float32, 12 KiB in float64); 16 x 16 tiles of parameter partials; 128 threads per block for the sums.
-GPU_GEOMETRY = Geometry(1, 2, 16, 16, 16, 16, 128)
+#: On a GPU, in float32 and float64 alike: dL/dx in 32 x 32 block tiles (rows x coordinates) of 16 x 16 threads with
+#: 2 x 2 register tiles, 16 components a stage (shared memory 32 x 16 + 16 x 36 + 16 x 32 x 2 entries: 8,448 bytes in
+#: float32, 16,896 in float64); the parameter partials in 32 x 32 tiles (components x coordinates) of 16 x 16 threads
+#: with 2 x 2 register tiles, 16 tokens a stage; 128 threads per block for the sums.
+GPU_GEOMETRY = Geometry(2, 2, 16, 16, 16, 16, 128, 2)
 #: In the simulator (every thread a Python thread): 2 x 2 register tiles of 2 x 2 threads, 2 components a stage,
-#: 4 x 4 parameter tiles, 32 threads for the sums.
-SIMULATOR_GEOMETRY = Geometry(2, 2, 2, 2, 2, 4, 32)
+#: 4 x 4 parameter tiles of 2 x 2 threads (2 tokens a stage), 32 threads for the sums.
+SIMULATOR_GEOMETRY = Geometry(2, 2, 2, 2, 2, 2, 32, 2)
+
+
+def _inline(fn):
+    # on a GPU a device function inlined into the kernel (NVVM's alwaysinline); in the simulator the Python function
+    return fn if SIMULATOR else cuda.jit(device=True, forceinline=True)(fn)
+
+
+# one component of a stage of dL/dx: acc[a, e] += c_a (mu_e - x_ae) p_e, the thread's RM entries of c at oc in sh_c,
+# its RJ means at om in sh_mp and its RJ precisions RJ further (the stage's steps: _primitives.unrolled)
+@_inline
+def _rows_step(regs, sh_c, sh_mp, oc, om):
+    acc, xr, cr, mr, pr = regs
+    for a in range(RM):
+        cr[a] = sh_c[oc + u64(a)]
+    for e in range(RJ):
+        mr[e] = sh_mp[om + u64(e)]
+        pr[e] = sh_mp[om + u64(RJ + e)]
+    for a in range(RM):
+        for e in range(RJ):
+            acc[a, e] += cr[a] * (mr[e] - xr[a, e]) * pr[e]
+
+
+# one token of a stage of the parameter partials: per entry (a, e) of the thread's register tile, with diff = x_e - mu_ae,
+# acc_mu += c_a diff, acc_var += c_a (diff^2 - sigma2_ae), and acc_c[a] += c_a; the thread's PP entries of c at oc in
+# sh_c, of x at ox in sh_x
+@_inline
+def _partials_step(regs, sh_c, sh_x, oc, ox):
+    acc_mu, acc_var, acc_c, mu, s2, cr, xr = regs
+    for a in range(PP):
+        cr[a] = sh_c[oc + u64(a)]
+    for e in range(PP):
+        xr[e] = sh_x[ox + u64(e)]
+    for a in range(PP):
+        cm = cr[a]
+        for e in range(PP):
+            diff = xr[e] - mu[a, e]
+            acc_mu[a, e] += cm * diff
+            acc_var[a, e] += cm * (diff * diff - s2[a, e])
+        acc_c[a] += cm
+
+
+# the MC components of a stage, UNROLL at a time (one call when MC = UNROLL: straight-line code), the thread's entries of
+# the first at oc in sh_c and om in sh_mp
+@_inline
+def _rows_stage(acc, xr, cr, mr, pr, sh_c, sh_mp, oc, om):
+    for _ in range(MC // UNROLL):
+        STEPS((acc, xr, cr, mr, pr), sh_c, sh_mp, oc, om)
+        oc += u64(UNROLL * CS)
+        om += u64(UNROLL * 2 * COORD_TILE)
+
+
+# this thread's entries of the stage from component m0 into shared memory, its offsets c_src, mj_src advanced to the
+# next stage: c at component c_col of the stage and rows c_row + u C_STEP of the tile (zero at and past row rows_in), the
+# means and precisions at components mj_row + u MJ_STEP (zero past d_r: mj_in false); in the last stage (tail) also zero
+# at and past component K
+def _rows_loads(tail):
+    def loads(c, means, precisions, sh_c, sh_mp, c_src, mj_src, c_col, c_row, mj_row, mj_slot, rows_in, mj_in, m0, K32,
+              mj_step, zero):
+        c_in = (not tail) or u32(m0 + c_col) < K32
+        for u in range(LOADS_CR):
+            v = zero
+            if c_in and u32(c_row + u32(u * C_STEP)) < rows_in:
+                v = c[c_src[u]]
+            sh_c[u32(c_col * u32(CS) + c_row + u32(u * C_STEP))] = v
+            c_src[u] += u64(MC)
+        for u in range(LOADS_MJ):
+            mu = zero
+            pj = zero
+            if mj_in and ((not tail) or u32(m0 + mj_row + u32(u * MJ_STEP)) < K32):
+                mu = means[mj_src[u]]
+                pj = precisions[mj_src[u]]
+            sh_mp[u32(mj_slot + u32(u * MJ_STEP * 2 * COORD_TILE))] = mu
+            sh_mp[u32(mj_slot + u32(u * MJ_STEP * 2 * COORD_TILE + RJ))] = pj
+            mj_src[u] += mj_step
+
+    return _inline(loads)
+
+
+_rows_loads_full, _rows_loads_tail = _rows_loads(False), _rows_loads(True)
 
 
 def _set_geometry(g: Geometry) -> None:
     # the kernels read these module globals; on a GPU they are compile-time constants (shared and local array shapes,
-    # unrolled loop bounds), set once at import
-    global GEOMETRY, RM, RJ, TX, TY, MC, TILE, TILE2, THREADS, NT, ROW_TILE, COORD_TILE, SH_RED, RED2, SH_CR, SH_MJ
-    global LOADS_CR, LOADS_MJ
-    rm, rj, tx, ty, mc, tile, threads = g
+    # unrolled loop bounds, the step function of a stage), set once at import
+    global GEOMETRY, RM, RJ, TX, TY, MC, TILE, THREADS, NT, ROW_TILE, COORD_TILE, SH_RED, RED2, SH_CR, SH_MJ
+    global LOADS_CR, LOADS_MJ, CS, SH_MP, C_STEP, MJ_STEP, UNROLL, STEPS, P_STEPS, PP, PTILE, SH_P, TT_STEP
+    rm, rj, tx, ty, mc, tile, threads, pp = g
     if tx & (tx - 1) or tile & (tile - 1) or threads & (threads - 1):
         raise ValueError("Geometry: threads_x, tile and threads must be powers of two")
     nt = tx * ty
-    if (ty * rm * mc) % nt or (mc * tx * rj) % nt:
+    if (ty * rm * mc) % nt or (mc * tx * rj) % nt or nt % mc or nt % (tx * rj) or tile % pp:
         raise ValueError("Geometry: the shared tiles must be a multiple of the block's threads")
     GEOMETRY = g
     RM, RJ, TX, TY, MC, TILE, THREADS = rm, rj, tx, ty, mc, tile, threads
-    TILE2 = (tile, tile)
+    PP = pp
+    PTILE = tile * pp  # side of a _parameter_partials tile (components x coordinates)
+    SH_P = tile * PTILE  # its staged tokens: [TILE tokens, PTILE components or coordinates]
+    TT_STEP = tile * tile // PTILE  # tokens between a thread's staged entries there
     NT = nt
     ROW_TILE, COORD_TILE = ty * rm, tx * rj
     SH_RED = ROW_TILE * TX  # [ROW_TILE rows, TX lanes]
     RED2 = (ROW_TILE, TX)
-    SH_CR = ROW_TILE * MC  # [ROW_TILE rows, MC components]
+    CS = ROW_TILE + 4  # a component's row of the staged c tile, padded (16-byte aligned, fewer bank conflicts)
+    SH_CR = MC * CS  # [MC components, CS]
     SH_MJ = MC * COORD_TILE  # [MC components, COORD_TILE coordinates]
-    LOADS_CR = SH_CR // NT
+    SH_MP = 2 * SH_MJ  # the means and the precisions: [MC components, TX, (mean, precision), RJ]
+    LOADS_CR = ROW_TILE * MC // NT
     LOADS_MJ = SH_MJ // NT
+    C_STEP = NT // MC  # rows between a thread's staged entries of c
+    MJ_STEP = NT // COORD_TILE  # components between its staged means
+    UNROLL = math.gcd(MC, 16)  # components of a stage per step of its unrolled loop
+    STEPS = _primitives.unrolled(_rows_step, UNROLL, CS, 2 * COORD_TILE, _inline)  # UNROLL components of dL/dx
+    P_STEPS = _primitives.unrolled(_partials_step, tile, PTILE, PTILE, _inline)  # the TILE tokens of a partials stage
 
 
 _set_geometry(SIMULATOR_GEOMETRY if SIMULATOR else GPU_GEOMETRY)
+
+#: The alignment of the shared tiles of :func:`_responsibility_rows` (16 bytes on a GPU, so that a thread's contiguous
+#: entries are read by 64- and 128-bit loads; the simulator refuses an alignment).
+ALIGN = None if SIMULATOR else 16
 
 row_sum = device_function(_primitives.row_sum)
 
@@ -185,8 +280,9 @@ class GMADeviceCache(NamedTuple):
 
 #: Resident blocks per multiprocessor that ptxas must allow for :func:`_responsibility_rows` on a GPU (its launch
 #: bounds, TX x TY threads per block): 4 in both types (at most 64 registers: 32 of the 64 warps of an sm_90, 50%
-#: occupancy). ptxas -v (sm_90): 64 registers, no spills, in float32 and float64 with the 1 x 2 register tile; a
-#: 2 x 4 tile takes 135 unbounded (float32) and spills when held to 64, with 16 or 8 components a stage.
+#: occupancy). ptxas -v (sm_90, CUDA 13): 64 registers, no spills, in float32 and float64 with the 2 x 2 register tile
+#: (the staged entries' offsets in two small arrays, the stages without a test of the components in code of their own;
+#: with every offset and test formed again at each stage, float64 spills).
 MIN_BLOCKS = {np.dtype(np.float32): 4, np.dtype(np.float64): 4}
 _BOUNDED = {}
 
@@ -214,6 +310,25 @@ def _rows_kernel(dtype):
     return _bounded(_responsibility_rows, _launch_bounds, dtype)
 
 
+#: Resident blocks per multiprocessor that ptxas must allow for :func:`_parameter_partials` on a GPU (TILE x TILE = 256
+#: threads a block): 4 in float32 (at most 64 registers, 50% occupancy), 2 in float64 (25%: its 2 x 2 register tiles
+#: hold 22 doubles, and spill when held to 64 or 80 registers; four entries a thread keep as many independent sums in
+#: flight as 100% occupancy of one entry a thread).  ptxas -v (sm_90, CUDA 13): 62 registers in float32, 126 in float64,
+#: no spills.
+PARTIALS_MIN_BLOCKS = {np.dtype(np.float32): 4, np.dtype(np.float64): 2}
+
+
+def _partials_bounds(f):
+    """The compile options of :func:`_parameter_partials` for the float type ``f``: its launch bounds
+    (:data:`PARTIALS_MIN_BLOCKS`)."""
+    return {"launch_bounds": (TILE * TILE, PARTIALS_MIN_BLOCKS[np.dtype(str(f))])}
+
+
+def _partials_kernel(dtype):
+    """:func:`_parameter_partials` for ``dtype``, compiled with its launch bounds (:func:`_partials_bounds`) on a GPU."""
+    return _bounded(_parameter_partials, _partials_bounds, dtype)
+
+
 # c = grad - gbar[:, None]; c *= gam with gbar = (gam * grad) @ ones (dL/dl_m = gamma_m (g_m - gbar)), then
 # dL/dx_i = sum_m c_im (mu_m - x_i) / sigma_m^2 (refimpl.gma._responsibility_backward), from the differences, as the
 # register-tiled product dx = sum_m c_im (mu_mj - x_ij) p_mj with p = 1 / sigma^2 (the forward's precisions).
@@ -223,33 +338,36 @@ def _rows_kernel(dtype):
 # the arrays unsigned 64-bit (no negative-index wraparound).
 # Work: the rows of sequence b (mixture h = b % H) in tiles of ROW_TILE, the tiles of every sequence folded onto grid x
 # (block x loops over tiles x, x + gridDim.x, ...); a block of TY x TX threads (on a GPU 16 x 16 threads with
-# RM x RJ = 1 x 2: 16 rows by 32 coordinates, in both float types).
+# RM x RJ = 2 x 2: 32 rows by 32 coordinates, in both float types).
 # Phase 1: thread (ty, tx) sums gamma * grad over the components tx, tx + TX, ... of rows ty + a TY (a < RM) into its
 # lane of shared memory [ROW_TILE rows, TX lanes]; every thread of a row adds the row's lanes in order (row_sum: the
 # same bits in each), then writes its entries of c.
-# Phase 2, per tile of COORD_TILE coordinates: thread (ty, tx) owns the RM x RJ register tile of rows ty + a TY and
-# coordinates tx + e TX; the components are staged MC at a time in shared memory, c [ROW_TILE rows, MC] and the means
-# and precisions [MC, COORD_TILE] (zeros past N, K and d_r): per component a thread reads RM + 2 RJ shared entries for
-# RM RJ (sub, mul, fma).
+# Phase 2, per tile of COORD_TILE coordinates: thread (ty, tx) owns the RM x RJ register tile of rows ty RM + a and
+# coordinates tx RJ + e (contiguous; x in registers); the components are staged MC at a time in 16-byte aligned shared
+# memory (zeros past N, K and d_r), consecutive threads loading consecutive addresses:
+# - c component-major, [MC, CS] with CS = ROW_TILE + 4: a thread's RM rows are RM contiguous entries (one 64-bit load
+#   in float32, 128-bit in float64); the padding keeps them aligned and spreads the transposing stores over the banks;
+# - the means and precisions [MC, TX, 2, RJ]: a thread's RJ means then its RJ precisions, contiguous (one 128-bit load
+#   in float32, two in float64).
+# Per component a thread reads RM + 2 RJ shared entries for RM RJ (sub, mul, fma); the MC components of a stage are
+# straight-line code (the steps are device functions inlined UNROLL at a time, UNROLL = gcd(MC, 16)), their shared
+# offsets constants.  The stages whose MC components are all below K run in a loop without a test of the components,
+# then the last, partial stage (if K is not a multiple of MC) in code of its own that tests them: the loop sm_90 runs
+# floor(K / MC) times is 289 instructions for 256 FLOPs in float32 (192 fp, 32 shared loads), 306 in float64.
 @kernel(lambda f: (f[::1], f[::1], f[::1], f[::1], f[::1], f[::1], f[::1], int64, int64, int64, int64, int64),
         threads=lambda f: NT, tags=("gma",), options=lambda f: _launch_bounds(f))
 def _responsibility_rows(x, gamma, grad, means, precisions, c, dx, B, N, K, d, H):
     f = x.dtype.type
     red = cuda.shared.array(RED2, dtype=x.dtype)  # [ROW_TILE rows, TX lanes]
-    sh_c = cuda.shared.array(SH_CR, dtype=x.dtype)  # [ROW_TILE rows, MC components]
-    sh_mu = cuda.shared.array(SH_MJ, dtype=x.dtype)  # [MC components, COORD_TILE coordinates]
-    sh_p = cuda.shared.array(SH_MJ, dtype=x.dtype)  # [MC components, COORD_TILE coordinates]
+    sh_c = cuda.shared.array(SH_CR, dtype=x.dtype, alignment=ALIGN)  # [MC components, CS: ROW_TILE rows, padded]
+    sh_mp = cuda.shared.array(SH_MP, dtype=x.dtype, alignment=ALIGN)  # [MC components, TX, (mean, precision), RJ]
     acc = cuda.local.array((RM, RJ), dtype=x.dtype)
+    c_src = cuda.local.array(LOADS_CR, dtype=uint64)  # offset in c of this thread's staged entries (stage m0)
+    mj_src = cuda.local.array(LOADS_MJ, dtype=uint64)  # offset in the means and precisions of its staged entries
     xr = cuda.local.array((RM, RJ), dtype=x.dtype)
     cr = cuda.local.array(RM, dtype=x.dtype)
     mr = cuda.local.array(RJ, dtype=x.dtype)
     pr = cuda.local.array(RJ, dtype=x.dtype)
-    c_off = cuda.local.array(LOADS_CR, dtype=uint64)  # offset in c of this thread's staged entry (stage m0 = 0)
-    c_col = cuda.local.array(LOADS_CR, dtype=uint32)  # its component within the stage
-    c_ok = cuda.local.array(LOADS_CR, dtype=boolean)  # its row < N
-    mj_off = cuda.local.array(LOADS_MJ, dtype=uint64)  # offset in the means of its staged entry (stage m0)
-    mj_row = cuda.local.array(LOADS_MJ, dtype=uint32)  # its component within the stage
-    mj_ok = cuda.local.array(LOADS_MJ, dtype=boolean)  # its coordinate < d_r
     zero = f(0.0)
     K32 = u32(K)
     d32 = u32(d)
@@ -260,7 +378,6 @@ def _responsibility_rows(x, gamma, grad, means, precisions, c, dx, B, N, K, d, H
     tid = u32(ty * u32(TX) + tx)
     tiles_n = (N + ROW_TILE - 1) // ROW_TILE
     j_tiles = (d + COORD_TILE - 1) // COORD_TILE
-    m_chunks = max(1, (K + MC - 1) // MC)  # at least one stage: its barriers order the tiles' shared memory
     for tile in range(cuda.blockIdx.x, B * tiles_n, cuda.gridDim.x):
         b = tile // tiles_n
         i0 = (tile - b * tiles_n) * ROW_TILE
@@ -287,127 +404,143 @@ def _responsibility_rows(x, gamma, grad, means, precisions, c, dx, B, N, K, d, H
                     c[o + m] = (grad[o + m] - gbar) * gamma[o + m]
                     m = u32(m + u32(TX))
         cuda.syncthreads()  # c of the tile's rows written (and visible to the block), the row sums read
-        # the entries this thread stages: c at (row q // MC, component q % MC), the means at (component q // COORD_TILE,
-        # coordinate q % COORD_TILE) of each stage; a row past N reads at offset 0 (and keeps a zero)
-        for u in range(LOADS_CR):
-            q = u32(tid + u32(u * NT))
-            rr = u32(q // u32(MC))
-            c_col[u] = u32(q - rr * u32(MC))
-            c_ok[u] = i0 + rr < N
-            c_off[u] = u64(row0 + rr) * K64 + c_col[u] if c_ok[u] else u64(0)
+        # the entries this thread stages (consecutive threads on consecutive addresses): c at component c_col of the
+        # stage and rows c_row + u C_STEP of the tile (u < LOADS_CR), its slot in sh_c c_col CS + c_row, then C_STEP
+        # further for each u; the means and precisions at coordinate mj_col of the coordinate tile and components
+        # mj_row + u MJ_STEP of the stage (u < LOADS_MJ), their slots 2 COORD_TILE MJ_STEP apart for each u
+        c_col = u32(tid % u32(MC))
+        c_row = u32(tid // u32(MC))
+        mj_col = u32(tid % u32(COORD_TILE))
+        mj_row = u32(tid // u32(COORD_TILE))
+        mj_blk = u32(mj_col // u32(RJ))
+        mj_slot = u32(mj_row * u32(2 * COORD_TILE) + mj_blk * u32(2 * RJ) + u32(mj_col - mj_blk * u32(RJ)))
+        rows_in = u32(min(N - i0, ROW_TILE))  # rows of the tile inside the sequence (>= 1)
+        xo = u32(ty * u32(RM))  # the thread's rows in the tile: xo, ..., xo + RM - 1
+        jo = u32(tx * u32(RJ))  # its coordinates in the coordinate tile: jo, ..., jo + RJ - 1
         for jt in range(j_tiles):
             j0 = u32(jt * COORD_TILE)
             for a in range(RM):
-                r = u32(ty + u32(a * TY))
+                r = u32(xo + u32(a))
                 for e in range(RJ):
-                    j = u32(j0 + tx + u32(e * TX))
+                    j = u32(j0 + jo + u32(e))
                     acc[a, e] = zero
-                    xr[a, e] = x[u64(row0 + r) * d64 + j] if i0 + r < N and j < d32 else zero
+                    xr[a, e] = x[u64(row0 + r) * d64 + j] if r < rows_in and j < d32 else zero
+            for u in range(LOADS_CR):
+                c_src[u] = u64(row0 + c_row + u * C_STEP) * K64 + c_col
+            mj_in = u32(j0 + mj_col) < d32
             for u in range(LOADS_MJ):
-                q = u32(tid + u32(u * NT))
-                mm = u32(q // u32(COORD_TILE))
-                mj_row[u] = mm
-                j = u32(j0 + (q - mm * u32(COORD_TILE)))
-                mj_ok[u] = j < d32
-                mj_off[u] = u64(h * K + mm) * d64 + j
+                mj_src[u] = u64(h * K + mj_row + u * MJ_STEP) * d64 + u32(j0 + mj_col)
+            # the full stages m0 = 0, MC, ... while m0 + MC <= K (no test of the components), then the partial one, if any
+            # (none when K = 0: the tile's dx is 0)
             m0 = u32(0)
-            for mc in range(m_chunks):
-                for u in range(LOADS_CR):
-                    inside = c_ok[u] and m0 + c_col[u] < K32
-                    sh_c[u32(tid + u32(u * NT))] = c[c_off[u] + m0] if inside else zero
-                for u in range(LOADS_MJ):
-                    q = u32(tid + u32(u * NT))
-                    inside = mj_ok[u] and m0 + mj_row[u] < K32
-                    sh_mu[q] = means[mj_off[u]] if inside else zero
-                    sh_p[q] = precisions[mj_off[u]] if inside else zero
-                    mj_off[u] += u64(MC) * d64
+            while u32(m0 + u32(MC)) <= K32:
+                _rows_loads_full(c, means, precisions, sh_c, sh_mp, c_src, mj_src, c_col, c_row, mj_row, mj_slot, rows_in,
+                                 mj_in, m0, K32, MC * d64, zero)
                 cuda.syncthreads()
-                # shared offsets advanced by a constant per component, never wrapped: the addresses of the unrolled
-                # steps are one register plus constants
-                oc = u64(ty * u32(MC))  # sh_c[ty, mm], then a row TY further for each a
-                om = u64(tx)  # sh_mu[mm, tx], then TX further for each e
-                oc_end = oc + u32(MC)  # MC steps: a constant trip count, the loop fully unrolled
-                while oc < oc_end:
-                    for a in range(RM):
-                        cr[a] = sh_c[oc + u32(a * TY * MC)]
-                    for e in range(RJ):
-                        mr[e] = sh_mu[om + u32(e * TX)]
-                        pr[e] = sh_p[om + u32(e * TX)]
-                    for a in range(RM):
-                        for e in range(RJ):
-                            acc[a, e] += cr[a] * (mr[e] - xr[a, e]) * pr[e]
-                    oc += u32(1)
-                    om += u32(COORD_TILE)
+                _rows_stage(acc, xr, cr, mr, pr, sh_c, sh_mp, u64(xo), u64(u32(tx * u32(2 * RJ))))
                 cuda.syncthreads()
                 m0 = u32(m0 + u32(MC))
+            if m0 < K32:
+                _rows_loads_tail(c, means, precisions, sh_c, sh_mp, c_src, mj_src, c_col, c_row, mj_row, mj_slot, rows_in,
+                                 mj_in, m0, K32, MC * d64, zero)
+                cuda.syncthreads()
+                _rows_stage(acc, xr, cr, mr, pr, sh_c, sh_mp, u64(xo), u64(u32(tx * u32(2 * RJ))))
+                cuda.syncthreads()
             for a in range(RM):
-                r = u32(ty + u32(a * TY))
+                r = u32(xo + u32(a))
                 if i0 + r < N:
                     o = u64(row0 + r) * d64
                     for e in range(RJ):
-                        j = u32(j0 + tx + u32(e * TX))
+                        j = u32(j0 + jo + u32(e))
                         if j < d32:
                             dx[o + j] = acc[a, e]
 
 
 # ctx += c.T @ xc, ctx2 += c.T @ xc**2, csum += ones @ c over the blocks of rows (refimpl.gma._responsibility_backward),
 # here from the differences x - mu per token: sum_i c_im (x_ij - mu_mj) and sum_i c_im ((x_ij - mu_mj)^2 - sigma2_mj),
-# and sum_i c_im, over the tokens of segment s.
-# Work: the (sequence b, segment s, m-tile, j-tile) tiles folded onto grid x, in that order (block x loops over tiles
-# x, x + gridDim.x, ...); block TILE x TILE, thread (ty, tx) owns entry (m0 + ty, j0 + tx) [K, d_r];
-# the segment's tokens are read TILE at a time into shared tiles c [T tokens, T components] and x [T tokens, T coords].
-# The threads tx = 0 of the blocks with j0 = 0 also sum c over the tokens for dlogits.
-@kernel(lambda f: (f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], int64, f[:, :, :, ::1], f[:, :, :, ::1], f[:, :, ::1]),
-        threads=lambda f: TILE * TILE)
-def _parameter_partials(x, c, means, variances, segment, part_mu, part_var, part_c):
-    sh_c = cuda.shared.array(TILE2, dtype=x.dtype)  # [T tokens, T components]
-    sh_x = cuda.shared.array(TILE2, dtype=x.dtype)  # [T tokens, T coordinates]
+# and sum_i c_im, over the tokens of segment s, each entry's sums in token order.
+# Work: the (sequence b, segment s, m-tile, j-tile) tiles of PTILE x PTILE entries folded onto grid x, in that order
+# (block x loops over tiles x, x + gridDim.x, ...); block TILE x TILE, thread (ty, tx) owns the PP x PP register tile of
+# entries (m0 + ty PP + a, j0 + tx PP + e) of [K, d_r] (contiguous); the segment's tokens are staged TILE at a time in
+# shared tiles c [TILE tokens, PTILE components] and x [TILE tokens, PTILE coordinates] (consecutive threads on
+# consecutive addresses, zeros past the segment, K and d_r): per token a thread reads its PP components' c and its PP
+# coordinates' x, contiguous (a 64-bit load each in float32 on a GPU, PP = 2), for PP^2 (sub, fma, fma, fma).
+# The threads tx = 0 of the blocks with j0 = 0 also write the sums of c over the tokens for dlogits.
+@kernel(lambda f: (f[::1], f[::1], f[:, :, ::1], f[:, :, ::1], int64, f[:, :, :, ::1], f[:, :, :, ::1], f[:, :, ::1],
+                   int64, int64, int64, int64), threads=lambda f: TILE * TILE, options=lambda f: _partials_bounds(f))
+def _parameter_partials(x, c, means, variances, segment, part_mu, part_var, part_c, B, N, K, d):
+    sh_c = cuda.shared.array(SH_P, dtype=x.dtype, alignment=ALIGN)  # [TILE tokens, PTILE components], flat
+    sh_x = cuda.shared.array(SH_P, dtype=x.dtype, alignment=ALIGN)  # [TILE tokens, PTILE coordinates], flat
+    mu = cuda.local.array((PP, PP), dtype=x.dtype)
+    s2 = cuda.local.array((PP, PP), dtype=x.dtype)
+    acc_mu = cuda.local.array((PP, PP), dtype=x.dtype)
+    acc_var = cuda.local.array((PP, PP), dtype=x.dtype)
+    acc_c = cuda.local.array(PP, dtype=x.dtype)
+    cr = cuda.local.array(PP, dtype=x.dtype)
+    xr = cuda.local.array(PP, dtype=x.dtype)
     zero = x.dtype.type(0.0)
-    B = x.shape[0]
-    N = x.shape[1]
-    d = x.shape[2]
-    K = c.shape[2]
     H = means.shape[0]
     n_seg = part_c.shape[1]
-    tx = cuda.threadIdx.x
-    ty = cuda.threadIdx.y
-    m_tiles = (K + TILE - 1) // TILE
-    j_tiles = max(1, (d + TILE - 1) // TILE)
+    K64 = u64(K)
+    d64 = u64(d)
+    tx = u32(cuda.threadIdx.x)
+    ty = u32(cuda.threadIdx.y)
+    tid = u32(ty * u32(TILE) + tx)
+    mo = u32(ty * u32(PP))  # the thread's components in the tile: mo, ..., mo + PP - 1
+    jo = u32(tx * u32(PP))  # its coordinates
+    # the entries this thread stages: column col of the staged tiles (a component of c, a coordinate of x) at tokens
+    # tt + u TT_STEP of the stage (u < PP: TILE PTILE entries over TILE^2 threads), consecutive threads on consecutive
+    # columns
+    col = u32(tid % u32(PTILE))
+    tt = u32(tid // u32(PTILE))
+    m_tiles = (K + PTILE - 1) // PTILE
+    j_tiles = max(1, (d + PTILE - 1) // PTILE)
     per_seq = n_seg * m_tiles * j_tiles
     for blk in range(cuda.blockIdx.x, B * per_seq, cuda.gridDim.x):
         b = blk // per_seq
         h = b % H
         s = (blk - b * per_seq) // (m_tiles * j_tiles)
         rest = blk - b * per_seq - s * m_tiles * j_tiles
-        m0 = (rest // j_tiles) * TILE
-        j0 = (rest % j_tiles) * TILE
-        m = m0 + ty
-        j = j0 + tx
-        entry = m < K and j < d
-        mu = means[h, m, j] if entry else zero
-        s2 = variances[h, m, j] if entry else zero
-        acc_mu = zero
-        acc_var = zero
-        acc_c = zero
+        m0 = (rest // j_tiles) * PTILE
+        j0 = (rest % j_tiles) * PTILE
+        for a in range(PP):
+            m = m0 + mo + a
+            for e in range(PP):
+                j = j0 + jo + e
+                entry = m < K and j < d
+                mu[a, e] = means[h, m, j] if entry else zero
+                s2[a, e] = variances[h, m, j] if entry else zero
+                acc_mu[a, e] = zero
+                acc_var[a, e] = zero
+            acc_c[a] = zero
         i_start = s * segment
         i_end = min(i_start + segment, N)
+        c_in = m0 + col < K
+        x_in = j0 + col < d
+        # offsets of this thread's first staged entries (token i_start + tt), then TILE rows further each stage
+        c_src = u64(b * N + i_start + tt) * K64 + u64(m0 + col)
+        x_src = u64(b * N + i_start + tt) * d64 + u64(j0 + col)
         for i0 in range(i_start, i_end, TILE):
-            i = i0 + ty
-            sh_c[ty, tx] = c[b, i, m0 + tx] if i < i_end and m0 + tx < K else zero
-            sh_x[ty, tx] = x[b, i, j] if i < i_end and j < d else zero
+            for u in range(PP):
+                inside = i0 + tt + u * TT_STEP < i_end
+                sh_c[u32(tid + u32(u * TILE * TILE))] = c[c_src + u64(u * TT_STEP) * K64] if inside and c_in else zero
+                sh_x[u32(tid + u32(u * TILE * TILE))] = x[x_src + u64(u * TT_STEP) * d64] if inside and x_in else zero
+            c_src += u64(TILE) * K64
+            x_src += u64(TILE) * d64
             cuda.syncthreads()
-            for tt in range(TILE):
-                cm = sh_c[tt, ty]
-                diff = sh_x[tt, tx] - mu
-                acc_mu += cm * diff
-                acc_var += cm * (diff * diff - s2)
-                acc_c += cm
+            # the stage's TILE tokens, straight-line code (its tokens past the segment are zeros: they add nothing)
+            P_STEPS((acc_mu, acc_var, acc_c, mu, s2, cr, xr), sh_c, sh_x, u64(mo), u64(jo))
             cuda.syncthreads()
-        if entry:
-            part_mu[b, s, m, j] = acc_mu
-            part_var[b, s, m, j] = acc_var
-        if j0 == 0 and tx == 0 and m < K:
-            part_c[b, s, m] = acc_c
+        for a in range(PP):
+            m = m0 + mo + a
+            if m < K:
+                for e in range(PP):
+                    j = j0 + jo + e
+                    if j < d:
+                        part_mu[b, s, m, j] = acc_mu[a, e]
+                        part_var[b, s, m, j] = acc_var[a, e]
+                if j0 == 0 and tx == 0:
+                    part_c[b, s, m] = acc_c[a]
 
 
 # dmeans = (ctx - csum mc) * prec, dvariances = 0.5 * sq * prec * prec, draw = (dvar_q + dvar_k) * expit(raw),
@@ -489,7 +622,7 @@ def backward_geometry(B, N_q, N_k, K, d_r, H=1, segment=None):
     for side, n in (("q", int(N_q)), ("k", int(N_k))):
         rows = B * blocks(n, ROW_TILE)
         out[f"_responsibility_rows {side}"] = (max(1, min(rows, MAX_GRID_X)), (TX, TY))
-        partials = B * blocks(n, segment) * blocks(K, TILE) * blocks(d_r, TILE)
+        partials = B * blocks(n, segment) * blocks(K, PTILE) * blocks(d_r, PTILE)
         out[f"_parameter_partials {side}"] = (max(1, min(partials, MAX_GRID_X)), (TILE, TILE))
     out["_parameter_sums"] = (min(blocks(H * K * (2 * d_r + 1), THREADS), MAX_GRID_X), THREADS)
     return out
@@ -785,7 +918,8 @@ def gma_backward(grad_out, cache) -> GMAGrads:
         part_var = cuda.device_array((B, n_seg, K, d), dtype=dtype)
         part_c = cuda.device_array((B, n_seg, K), dtype=dtype)
         grid, block = launches[f"_parameter_partials {side}"]
-        _parameter_partials[grid, block](x, c, means, variances, segment, part_mu, part_var, part_c)
+        _partials_kernel(dtype)[grid, block](x.reshape(x.size), c.reshape(c.size), means, variances, segment, part_mu,
+                                             part_var, part_c, B, N, K, d)
         parts.append((part_mu, part_var, part_c))
         dxs.append(dx)
     dmeans = cuda.device_array((H, K, d), dtype=dtype)

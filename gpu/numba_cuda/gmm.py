@@ -283,7 +283,10 @@ MIN_BLOCKS = {np.dtype(np.float32): 4, np.dtype(np.float64): 4}
 # Per step j a thread reads RM + 2 RK shared entries in (RM + 2 RK) / V 128-bit loads (V = 4 floats, 2 doubles) for
 # RM RK (sub, mul, fma): the register tile of a product, from the differences; the DC steps of a stage are
 # straight-line code (the steps are device functions inlined UNROLL at a time, UNROLL = gcd(DC, 8)), their shared
-# offsets constants.
+# offsets constants.  The stages below d run in a loop whose x loads have no bound test (floor(d / DC) of them), then the
+# last, partial stage (if d is not a multiple of DC) in code of its own that tests each coordinate against d: the loop
+# sm_90 runs floor(d / DC) times is 6 global loads, 6 shared stores, 2 barriers and 13 other instructions besides the
+# product's 384 fp and 24 LDS.128 (float32; 435 instructions for 512 FLOPs).
 # Epilogue of each component tile: l = log_norm - q/2 written to gamma, and per row the running pair (m, s) of
 # _primitives, s = sum exp(l - m), rescaled by exp_shifted(m_old, m_new) (0 while the row is all -inf), and min q/2
 # (NaN, once met, stays, in both).
@@ -323,7 +326,8 @@ def _build_posterior_tiles(g: Geometry, f=None):
         return fn if f is None else cuda.jit(device=True, forceinline=True)(fn)
 
     # one coordinate of a stage: q[a, c] += (x_a - mu_c)^2 hp_c, the thread's entries at xa in sh_x and ca in sh_c
-    def step1(q, xr, mr, hr, sh_x, sh_c, xa, ca):
+    def step(regs, sh_x, sh_c, xa, ca):
+        q, xr, mr, hr = regs
         for a in range(RM):
             xr[a] = sh_x[xa + u64(a)]
         for c in range(RK):
@@ -334,27 +338,37 @@ def _build_posterior_tiles(g: Geometry, f=None):
                 diff = xr[a] - mr[c]
                 q[a, c] += diff * diff * hr[c]
 
-    step1 = device(step1)
+    # UNROLL consecutive coordinates, written out (the compiler does not unroll a loop of eight such steps)
+    steps = _primitives.unrolled(device(step), UNROLL, XS, 2 * TILE_COMPS, device)
 
-    # 2, 4 and 8 consecutive coordinates, written out (the compiler does not unroll a loop of eight such steps)
-    def step2(q, xr, mr, hr, sh_x, sh_c, xa, ca):
-        step1(q, xr, mr, hr, sh_x, sh_c, xa, ca)
-        step1(q, xr, mr, hr, sh_x, sh_c, xa + u64(XS), ca + u64(2 * TILE_COMPS))
+    # the DC coordinates of a stage, UNROLL at a time (one call when DC = UNROLL: straight-line code)
+    def stage(q, xr, mr, hr, sh_x, sh_c, x_at, c_at):
+        xa = x_at
+        ca = c_at
+        for _ in range(DC // UNROLL):
+            steps((q, xr, mr, hr), sh_x, sh_c, xa, ca)
+            xa += u64(UNROLL * XS)
+            ca += u64(UNROLL * 2 * TILE_COMPS)
 
-    step2 = device(step2)
+    stage = device(stage)
 
-    def step4(q, xr, mr, hr, sh_x, sh_c, xa, ca):
-        step2(q, xr, mr, hr, sh_x, sh_c, xa, ca)
-        step2(q, xr, mr, hr, sh_x, sh_c, xa + u64(2 * XS), ca + u64(4 * TILE_COMPS))
+    # this thread's entries of a stage into shared memory: x[x_src + u] (u < LOADS_X; in the last stage, TAIL, zero
+    # from coordinate d_in of the stage on, past d) and the component pairs at c_src (padded with zeros to whole tiles:
+    # no test)
+    def loads(tail):
+        def load(x, comps_t, sh_x, sh_c, x_src, c_src, x_slot, c_slot, x_col, d_in, zero):
+            for u in range(LOADS_X):
+                v = zero
+                if not tail or u32(x_col + u32(u)) < d_in:
+                    v = x[x_src + u64(u)]
+                sh_x[u32(x_slot + u32(u * XS))] = v
+            for u in range(LOADS_C):
+                sh_c[u32(c_slot + u32(u * RK))] = comps_t[c_src + u64(2 * u)]
+                sh_c[u32(c_slot + u32(u * RK + TILE_COMPS))] = comps_t[c_src + u64(2 * u + 1)]
 
-    step4 = device(step4)
+        return device(load)
 
-    def step8(q, xr, mr, hr, sh_x, sh_c, xa, ca):
-        step4(q, xr, mr, hr, sh_x, sh_c, xa, ca)
-        step4(q, xr, mr, hr, sh_x, sh_c, xa + u64(4 * XS), ca + u64(8 * TILE_COMPS))
-
-    step8 = device(step8)
-    steps = {1: step1, 2: step2, 4: step4, 8: step8}[UNROLL]
+    load_full, load_tail = loads(False), loads(True)
 
     @kernel(_tiles_signature, threads=NT, tags=("responsibilities",), options=options, dtypes=dtypes)
     def _posterior_tiles(x, comps_t, log_norm, log, gamma, min_quad, B, N, K, d, H):
@@ -424,35 +438,22 @@ def _build_posterior_tiles(g: Geometry, f=None):
                         q[a, c] = zero
                 # (h, c_coord, k0 + c_comp, 0) in comps_t
                 c_src = u64(2) * ((u64(h) * d_pad + c_coord) * k_pad + u32(k0 + c_comp))
-                # the stages j0 = 0, DC, ... below d, and at least one (d = 0): its barriers order the tiles' shared memory
+                # the full stages j0 = 0, DC, ... while j0 + DC <= d (no test), then the partial one, if any (none when
+                # d = 0: q stays 0, and the epilogue below touches only the thread's own lanes until its barrier)
                 j0 = u32(0)
-                staging = True
-                while staging:
-                    d_in = u32(d32 - j0)  # coordinates left from j0 on
-                    for u in range(LOADS_X):
-                        v = zero
-                        if u32(x_col + u32(u)) < d_in:
-                            v = x[x_src + u64(u)]
-                        sh_x[u32(x_slot + u32(u * XS))] = v
-                    # the component arrays are padded with zeros to whole tiles: no test
-                    for u in range(LOADS_C):
-                        sh_c[u32(c_slot + u32(u * RK))] = comps_t[c_src + u64(2 * u)]
-                        sh_c[u32(c_slot + u32(u * RK + TILE_COMPS))] = comps_t[c_src + u64(2 * u + 1)]
+                while u32(j0 + u32(DC)) <= d32:
+                    load_full(x, comps_t, sh_x, sh_c, x_src, c_src, x_slot, c_slot, x_col, d32, zero)
                     cuda.syncthreads()
-                    # the stage's DC coordinates, UNROLL at a time (one call when DC = UNROLL: straight-line code)
-                    xa = x_at
-                    ca = c_at
-                    j2 = u32(0)
-                    while j2 < u32(DC):
-                        steps(q, xr, mr, hr, sh_x, sh_c, xa, ca)
-                        xa += u64(UNROLL * XS)
-                        ca += u64(UNROLL * 2 * TILE_COMPS)
-                        j2 = u32(j2 + u32(UNROLL))
+                    stage(q, xr, mr, hr, sh_x, sh_c, x_at, c_at)
                     cuda.syncthreads()
                     x_src += u64(DC)
                     c_src += u64(2 * DC) * k_pad
                     j0 = u32(j0 + u32(DC))
-                    staging = j0 < d32
+                if j0 < d32:
+                    load_tail(x, comps_t, sh_x, sh_c, x_src, c_src, x_slot, c_slot, x_col, u32(d32 - j0), zero)
+                    cuda.syncthreads()
+                    stage(q, xr, mr, hr, sh_x, sh_c, x_at, c_at)
+                    cuda.syncthreads()
                 x_src -= u64(j0)  # back to coordinate 0 for the next component tile
                 ln_at = u64(h) * K64 + k0  # log_norm of the tile's first component
                 for a in range(RM):
