@@ -35,7 +35,8 @@ Scans, straight-line steps and launch limits
 :func:`exclusive_scan_columns` is the work-efficient scan of Blelloch
 (1990) over the rows of a shared array, one column per thread lane.
 :func:`unrolled` (host side) builds a register-tiled product's stage as
-straight-line code from its one step.
+straight-line code from its one step, :func:`inliner` the decorator that
+makes each piece a device function inlined into the kernel.
 :func:`sequence_axes` (host side) spreads a number of sequences over the
 grid's ``y`` and ``z`` axes within the hardware's limits.
 """
@@ -57,6 +58,7 @@ __all__ = [
     "row_max",
     "row_sum",
     "exclusive_scan_columns",
+    "inliner",
     "unrolled",
     "sequence_axes",
 ]
@@ -180,15 +182,29 @@ def exclusive_scan_columns(buf, n, lane, col):
 # ---------------------------------------------------------------------------
 
 
+def inliner(simulator):
+    """The decorator that makes a kernel's piece a device function inlined into its caller.
+
+    On a GPU (``simulator`` false) ``cuda.jit(device=True, forceinline=True)``
+    (NVVM's alwaysinline); in the CUDA simulator the Python function itself
+    (a simulated device function swaps the ``cuda`` module into its globals
+    at every call).
+    """
+
+    def inline(fn):
+        return fn if simulator else cuda.jit(device=True, forceinline=True)(fn)
+
+    return inline
+
+
 def unrolled(step, n, da, db, inline):
     """``step`` ``n`` times in straight-line code: a function ``f(regs, sh_a, sh_b, oa, ob)`` that calls
     ``step(regs, sh_a, sh_b, oa + k da, ob + k db)`` for ``k = 0, 1, ..., n - 1``, in that order.
 
     ``n`` is a power of two; each doubling is a function of its own, made a
-    device function by ``inline`` (on a GPU ``cuda.jit(device=True,
-    forceinline=True)``, so that NVVM inlines every level: the compiler does
-    not unroll a loop of many such steps itself; in the simulator the Python
-    function).  ``regs`` is a tuple of the caller's register arrays, ``sh_a``
+    device function by ``inline`` (:func:`inliner`: on a GPU NVVM inlines
+    every level, since the compiler does not unroll a loop of many such
+    steps itself).  ``regs`` is a tuple of the caller's register arrays, ``sh_a``
     and ``sh_b`` two shared arrays, ``oa`` and ``ob`` the offsets of the
     first step in them (64-bit, so that the constant ``k da``, ``k db``
     fold into the loads' addresses).  A step is one unit of a register-tiled

@@ -121,9 +121,7 @@ GPU_GEOMETRY = Geometry(2, 2, 16, 16, 16, 16, 128, 2)
 SIMULATOR_GEOMETRY = Geometry(2, 2, 2, 2, 2, 2, 32, 2)
 
 
-def _inline(fn):
-    # on a GPU a device function inlined into the kernel (NVVM's alwaysinline); in the simulator the Python function
-    return fn if SIMULATOR else cuda.jit(device=True, forceinline=True)(fn)
+_inline = _primitives.inliner(SIMULATOR)  # the kernels' pieces, inlined into them on a GPU
 
 
 # one component of a stage of dL/dx: acc[a, e] += c_a (mu_e - x_ae) p_e, the thread's RM entries of c at oc in sh_c,
@@ -417,6 +415,7 @@ def _responsibility_rows(x, gamma, grad, means, precisions, c, dx, B, N, K, d, H
         rows_in = u32(min(N - i0, ROW_TILE))  # rows of the tile inside the sequence (>= 1)
         xo = u32(ty * u32(RM))  # the thread's rows in the tile: xo, ..., xo + RM - 1
         jo = u32(tx * u32(RJ))  # its coordinates in the coordinate tile: jo, ..., jo + RJ - 1
+        om = u64(u32(tx * u32(2 * RJ)))  # its RJ means, then RJ precisions, of a component in sh_mp
         for jt in range(j_tiles):
             j0 = u32(jt * COORD_TILE)
             for a in range(RM):
@@ -437,14 +436,14 @@ def _responsibility_rows(x, gamma, grad, means, precisions, c, dx, B, N, K, d, H
                 _rows_loads_full(c, means, precisions, sh_c, sh_mp, c_src, mj_src, c_col, c_row, mj_row, mj_slot, rows_in,
                                  mj_in, m0, K32, MC * d64, zero)
                 cuda.syncthreads()
-                _rows_stage(acc, xr, cr, mr, pr, sh_c, sh_mp, u64(xo), u64(u32(tx * u32(2 * RJ))))
+                _rows_stage(acc, xr, cr, mr, pr, sh_c, sh_mp, u64(xo), om)
                 cuda.syncthreads()
                 m0 = u32(m0 + u32(MC))
             if m0 < K32:
                 _rows_loads_tail(c, means, precisions, sh_c, sh_mp, c_src, mj_src, c_col, c_row, mj_row, mj_slot, rows_in,
                                  mj_in, m0, K32, MC * d64, zero)
                 cuda.syncthreads()
-                _rows_stage(acc, xr, cr, mr, pr, sh_c, sh_mp, u64(xo), u64(u32(tx * u32(2 * RJ))))
+                _rows_stage(acc, xr, cr, mr, pr, sh_c, sh_mp, u64(xo), om)
                 cuda.syncthreads()
             for a in range(RM):
                 r = u32(xo + u32(a))

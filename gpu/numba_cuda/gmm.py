@@ -321,9 +321,7 @@ def _build_posterior_tiles(g: Geometry, f=None):
     options = None if f is None else {"launch_bounds": (NT, MIN_BLOCKS[np.dtype(str(f))])}
     dtypes = None if f is None else (f,)
 
-    def device(fn):
-        # on a GPU a device function inlined into the kernel (NVVM's alwaysinline); in the simulator the Python function
-        return fn if f is None else cuda.jit(device=True, forceinline=True)(fn)
+    device = _primitives.inliner(f is None)  # the kernel's pieces, inlined into it on a GPU
 
     # one coordinate of a stage: q[a, c] += (x_a - mu_c)^2 hp_c, the thread's entries at xa in sh_x and ca in sh_c
     def step(regs, sh_x, sh_c, xa, ca):
