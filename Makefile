@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11+ and pip:
-#   make verify   create .venv, install the project with its dev and cuda13 extras, run `python -m refimpl verify`
+#   make verify   create .venv, install the project with its dev and cuda13 extras at the versions CI last passed with
+#                 (constraints/cuda13.txt), run `python -m refimpl verify`
 #   make test     the same set-up, then the whole test suite (unit tests, notebooks, docs check, the built
 #                 site in a headless Chromium when one is installed)
 # and the documentation site:
@@ -15,7 +16,13 @@ PY := $(VENV)/bin/python
 # without a GPU), or cuda12 for a driver whose nvidia-smi header says CUDA 12.x: make clean install CUDA_EXTRA=cuda12
 # (one major per venv: the two CuPy wheels cannot live side by side)
 CUDA_EXTRA ?= cuda13
-STAMP := $(VENV)/.installed-$(CUDA_EXTRA)
+# the versions CI last passed with (pip's -c; `make lock` writes them): a fresh machine installs what was tested.
+# LOCK= (empty) takes the newest releases instead, upgrading what is installed: make install-latest, make test-latest
+LOCK ?= constraints/$(CUDA_EXTRA).txt
+PIP_VERSIONS := $(if $(LOCK),-c $(LOCK),--upgrade --upgrade-strategy eager)
+STAMP := $(VENV)/.installed-$(CUDA_EXTRA)$(if $(LOCK),-locked,-latest)
+# where install-latest and test-latest put the newest releases, beside the locked .venv
+LATEST_VENV ?= .venv-latest
 GPU_CHECK_OUT ?= results/gpu-check
 PYTEST_WORKERS ?= auto
 SPHINXOPTS ?= -j auto
@@ -25,21 +32,41 @@ SPHINX := $(PY) -m sphinx -E -W --keep-going -b html $(SPHINXOPTS)
 
 COURSE_STAMP := $(VENV)/.installed-course
 
-.PHONY: install verify test bench experiments docs docs-check lab clean gpu-check student-course grade
+.PHONY: install install-latest verify test test-latest lock bench experiments docs docs-check lab clean gpu-check \
+	student-course grade
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	@$(PYTHON) -c 'import sys; v = sys.version_info; sys.exit(0 if v >= (3, 11) else "Python 3.11+ is needed, found %d.%d" % v[:2])'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,$(CUDA_EXTRA)]'
+	rm -f $(VENV)/.installed-*
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,$(CUDA_EXTRA)]' $(PIP_VERSIONS)
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# the newest releases in $(LATEST_VENV), and the unit tests on them (CI runs both: drift fails CI, not a newcomer)
+install-latest:
+	rm -f $(LATEST_VENV)/.installed-*
+	$(MAKE) --no-print-directory install VENV=$(LATEST_VENV) LOCK=
+
+test-latest: install-latest
+	@$(LATEST_VENV)/bin/python -c '$(SHOW_VERSIONS)'
+	$(LATEST_VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) -m "not site and not notebook"
+
+# rewrite constraints/cuda13.txt and cuda12.txt from pip's newest resolution (commit them once .ci/run passes)
+lock:
+	$(PYTHON) constraints/lock.py
+
 verify: $(STAMP)
 	$(PY) -m refimpl verify
 
+# the versions a test run used, in one line of its log
+SHOW_VERSIONS := import importlib.metadata as m, sys; print("versions:", sys.version.split()[0], ", ".join(f"{p} {m.version(p)}" \
+	for p in ("numpy", "scipy", "numba", "llvmlite", "numba-cuda", "scikit-learn", "hypothesis", "pytest")))
+
 # the site tests (marked `site`) read the build that docs-check writes, so they run after it
 test: $(STAMP)
+	@$(PY) -c '$(SHOW_VERSIONS)'
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not site"
 	$(MAKE) --no-print-directory docs-check
 	$(PY) -m pytest -m site tests/test_site.py
@@ -71,7 +98,7 @@ bench: $(STAMP)
 	@for f in benchmarks/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
 $(COURSE_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,$(CUDA_EXTRA),course]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,$(CUDA_EXTRA),course]' $(PIP_VERSIONS)
 	touch $(COURSE_STAMP)
 
 # JupyterLab on the lessons; its python3 kernel is this virtual environment's Python (JUPYTER_PREFER_ENV_PATH:
@@ -93,4 +120,4 @@ grade: $(STAMP)
 	$(PY) tutorials/course.py grade $(LESSON) $(SUBMISSIONS) --out $(GRADEBOOK)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis docs/_build docs/tutorials docs/api/generated
+	rm -rf $(VENV) $(LATEST_VENV) .pytest_cache .hypothesis docs/_build docs/tutorials docs/api/generated

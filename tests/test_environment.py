@@ -158,3 +158,53 @@ def test_both_cuda_extras_resolve():
     lines = proc.stdout.splitlines()
     assert any(line.startswith("cuda12: resolves in") and "cupy-cuda12x" in line and "cuda-bindings 12." in line for line in lines)
     assert any(line.startswith("cuda13: resolves in") and "cupy-cuda13x" in line and "cuda-bindings 13." in line for line in lines)
+
+
+# --- the locked versions (constraints/) ---------------------------------------------------------------------
+
+def _lock(extra):
+    lines = (ROOT / "constraints" / f"{extra}.txt").read_text().splitlines()
+    pins = {}
+    for line in lines:
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[name] = version
+    return pins
+
+
+@pytest.mark.parametrize("extra", ["cuda12", "cuda13"])
+def test_the_lock_pins_every_requirement_within_its_range(extra):
+    """Each constraints file names every package the project asks for (core, dev, course and the extra), at a version
+    its requirement admits, and nothing twice; the project itself is not in it."""
+    pins = _lock(extra)
+    project = _project()
+    extras = project["optional-dependencies"]
+    assert "gmattn-reference" not in pins
+    for text in project["dependencies"] + extras["dev"] + extras["course"] + extras[extra]:
+        req = Requirement(text.split("#")[0])
+        name = req.name.lower().replace("_", "-")
+        assert name in pins, f"constraints/{extra}.txt does not pin {name}"
+        assert req.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} is outside {req}"
+    lines = [line for line in (ROOT / "constraints" / f"{extra}.txt").read_text().splitlines() if line and line[0] != "#"]
+    names = [line.split("==")[0] for line in lines]
+    assert len(names) == len(pins) and names == sorted(names)
+
+
+def test_the_two_locks_differ_only_in_the_cuda_stack():
+    """cuda12.txt holds every package of cuda13.txt that names no CUDA major at cuda13.txt's version (CI tests those)."""
+    twelve, thirteen = _lock("cuda12"), _lock("cuda13")
+    cuda = ("cupy-", "cuda-", "nvidia-")
+    shared12 = {n: v for n, v in twelve.items() if not n.startswith(cuda)}
+    shared13 = {n: v for n, v in thirteen.items() if not n.startswith(cuda)}
+    assert shared12 == shared13
+    assert twelve["cuda-bindings"].startswith("12.") and thirteen["cuda-bindings"].startswith("13.")
+
+
+def test_make_install_uses_the_lock_unless_told_otherwise():
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^LOCK \?= constraints/\$\(CUDA_EXTRA\)\.txt$", makefile, re.M)
+    assert "PIP_VERSIONS := $(if $(LOCK),-c $(LOCK),--upgrade --upgrade-strategy eager)" in makefile
+    assert "-e '.[dev,$(CUDA_EXTRA)]' $(PIP_VERSIONS)" in makefile
+    assert re.search(r"^install-latest:\n(\t.*\n)*\t\$\(MAKE\) --no-print-directory install VENV=\$\(LATEST_VENV\) LOCK=$", makefile, re.M)
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci.index("make test") < ci.index("make test-latest")

@@ -128,6 +128,18 @@ def test_every_skip_fails_the_tests_stage_but_one_for_machines_without_a_gpu(tmp
     assert verdict["counts"] == {"passed": 1, "failed": 1, "error": 1, "skipped": 2, "no_gpu_only": 1}
     assert [c["id"] for c in verdict["skips"]] == ["tests.test_a.test_needs_gpu", "tests.test_b"]
     assert [c["id"] for c in verdict["no_gpu_only"]] == ["tests.test_c.test_without_gpu"]
+    # the failed and the errored test are both listed, each with its message, for the report's table
+    assert [(c["id"], c["outcome"], c["message"]) for c in verdict["failures"]] == [
+        ("tests.test_c.test_wrong", "failed", "assert 1 == 2"), ("tests.test_c.test_broken", "error", "fixture failed")]
+
+
+def test_an_errored_test_alone_fails_the_tests_stage_and_is_listed(tmp_path):
+    cases = [c for c in check.read_junit(_junit(tmp_path)) if c["outcome"] in ("passed", "error")]
+    verdict = check.judge_tests(cases)
+    assert not verdict["passed"]
+    assert verdict["counts"] == {"passed": 1, "failed": 0, "error": 1, "skipped": 0, "no_gpu_only": 0}
+    assert [c["id"] for c in verdict["failures"]] == ["tests.test_c.test_broken"]
+    assert "1 errors" in verdict["summary"]
 
 
 def test_one_skip_alone_fails_the_tests_stage(tmp_path):

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,7 +98,7 @@ def test_the_student_build_has_no_answers_and_its_checks_work(tmp_path):
     leaked = [f for f in files if "solutions/" in f or "hidden_" in f or "/keys/" in f]
     assert not leaked, f"the student build holds answers: {leaked}"
     assert {"tutorials/_course.py", "tutorials/_exercises_04.py", "tutorials/04_gma_gradients.ipynb",
-            "refimpl/gma.py", "pyproject.toml"} <= set(files)
+            "refimpl/gma.py", "pyproject.toml", "Makefile", "constraints/cuda13.txt"} <= set(files)
     # the instructor build keeps them
     instructor = course.build(tmp_path / "instructor", student=False)
     assert (instructor / "tutorials" / "solutions" / "hidden_04.py").exists()
@@ -229,15 +230,48 @@ NUMPY_KERNEL_ANSWERS = {
 }
 
 
-@pytest.mark.parametrize("ex_id", sorted(NUMPY_KERNEL_ANSWERS))
-def test_a_numpy_answer_to_a_kernel_exercise_is_refused(ex_id):
+# answers that launch the project's own kernels (gpu.numba_cuda, which lesson 9 imports as nc) and none of their own:
+# a launch counts only when its kernel is defined outside refimpl, cpu and gpu
+PROJECT_KERNEL_ANSWERS = {
+    "9.3": "def chunk_states(gamma_k, v, C):\n    # the project's kernel builds [v, 1] on the device; NumPy does the rest\n"
+           "    N, E = v.shape[0], v.shape[1] + 1\n    v1 = cuda.device_array((1, N, E))\n"
+           "    nc.scan._ones_column[(-(-N * E // nc.scan.THREADS), 1, 1), (nc.scan.THREADS,)](cuda.to_device(v[None].copy()), v1)\n"
+           "    v1 = v1.copy_to_host()[0]\n"
+           "    return np.stack([gamma_k[: c * C].T @ v1[: c * C] for c in range(-(-N // C))])\n",
+    "9.4": "def online_attention(q, k, v, causal):\n    return nc.attention.softmax_attention(q, k, v, causal=causal)\n",
+}
+
+
+KERNEL_ANSWERS = [pytest.param(ex_id, source, id=f"numpy-{ex_id}") for ex_id, source in sorted(NUMPY_KERNEL_ANSWERS.items())]
+KERNEL_ANSWERS += [pytest.param(ex_id, source, id=f"project-{ex_id}") for ex_id, source in sorted(PROJECT_KERNEL_ANSWERS.items())]
+
+
+@pytest.mark.parametrize("ex_id, source", KERNEL_ANSWERS)
+def test_an_answer_that_launches_no_kernel_of_its_own_is_refused(ex_id, source):
+    """NumPy on the host, or only the project's kernels: nothing it calls is refused, and its values are right."""
     name = grader.answer_names(9)[ex_id]
-    namespace = _define(_namespace(9), NUMPY_KERNEL_ANSWERS[ex_id], f"numpy {ex_id}")
+    namespace = _define(_namespace(9), source, f"answer to {ex_id}")
     with pytest.raises(_course.Refused, match="launched no kernel of its own"):
         _course.run(ex_id, namespace[name])
+    assert _course.get(ex_id).kernel and not any(r.split(".")[0] == "gpu" for r in _course.get(ex_id).refuse)
     # the same computation is right: the refusal, not the values, fails it
-    assert _course.get(ex_id).kernel
     _course.get(ex_id).run(namespace[name])
+
+
+def test_a_kernel_defined_in_the_answer_counts_and_one_of_the_project_does_not():
+    from numba import cuda
+
+    namespace = _define(_namespace(9), "@cuda.jit\ndef fill(a):\n    i = cuda.grid(1)\n    if i < a.size:\n        a[i] = i\n",
+                        "a kernel of its own")
+    out, v1 = cuda.device_array(8), cuda.device_array((1, 2, 3))
+    launches: list[str] = []
+    with _course.counted_launches(launches):
+        namespace["fill"][1, 8](out)
+        import gpu.numba_cuda.scan as project_scan
+
+        project_scan._ones_column[(1, 1, 1), (project_scan.THREADS,)](cuda.to_device(np.zeros((1, 2, 2))), v1)
+    assert launches == ["fill"]
+    assert list(out.copy_to_host()) == list(range(8)) and np.all(v1.copy_to_host()[..., -1] == 1)
 
 
 # ---------------------------------------------------------------------------

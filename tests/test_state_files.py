@@ -172,6 +172,9 @@ def _tampered():
         ("negative tokens_seen", {"tokens_seen": np.array(-5)}, "tokens_seen: expected an integer >= 0"),
         ("float size", {"size": np.array(float(st.size))}, "field 'size' must be one integer"),
         ("boolean version", {"version": np.array(True)}, "field 'version' must be one integer"),
+        ("a newer version", {"version": np.array(2)}, "expected version 1, got 2"),
+        ("an older version", {"version": np.array(0)}, "expected version 1, got 0"),
+        ("a negative version", {"version": np.array(-1)}, "expected version 1, got -1"),
         ("format as bytes", {"format": np.array(b"something")}, "expected format"),
         ("format as a list", {"format": np.array(["refimpl.ovq.OVQState"])}, "expected format"),
     ]
@@ -214,7 +217,9 @@ def _gma_tampered():
         ("negative tokens_seen", {"tokens_seen": np.array(-5)}, "tokens_seen: expected an integer >= 0"),
         ("float tokens_seen", {"tokens_seen": np.array(9.0)}, "field 'tokens_seen' must be one integer"),
         ("boolean version", {"version": np.array(True)}, "field 'version' must be one integer"),
-        ("another version", {"version": np.array(2)}, "expected version 1, got 2"),
+        ("a newer version", {"version": np.array(2)}, "expected version 1, got 2"),
+        ("an older version", {"version": np.array(0)}, "expected version 1, got 0"),
+        ("a negative version", {"version": np.array(-1)}, "expected version 1, got -1"),
         ("format as bytes", {"format": np.array(b"something")}, "expected format"),
         ("the OVQ format", {"format": np.array("refimpl.ovq.OVQState")}, "expected format 'refimpl.gma.GMAState'"),
     ]

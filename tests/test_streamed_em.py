@@ -10,7 +10,7 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.mixture import GaussianMixture
 
 from refimpl import gmm, tuned
-from refimpl.testing import assert_close
+from refimpl.testing import assert_close, exact_log_joint
 
 
 def _clusters(n=203, K=7, d=5, dtype=np.float64, seed=1):
@@ -72,32 +72,89 @@ def test_matches_one_sklearn_iteration(reg_covar):
     np.testing.assert_allclose(w, g.weights_, rtol=1e-12)
 
 
+def _exact_sums(x, resp, dtype):
+    """:func:`refimpl.gmm.m_step`'s definition in long double: ``g_k``, ``N_k = g_k + 10 u``, ``mu_k`` and ``S_k``.
+
+    ``S_k = sum_i r_ik (x_i - mu_k)^2``, so the exact variances are ``S_k / N_k``.
+    """
+    X, R = np.asarray(x, np.longdouble), np.asarray(resp, np.longdouble)
+    g = R.sum(axis=0)
+    nk = g + 10 * np.longdouble(np.finfo(dtype).eps)
+    mu = (R.T @ X) / nk[:, None]
+    return g, nk, mu, np.stack([R[:, k] @ (X - mu[k]) ** 2 for k in range(R.shape[1])])
+
+
+def _logit_error(calls):
+    """The largest error of the float32 or float64 logits in ``calls`` (args and result of ``tuned.log_joint``)
+    against long double, over the entries within 40 of their row's maximum (the rest weigh < e^-40 relative)."""
+    worst = 0.0
+    for (xb, means, variances, log_w), logits in calls:
+        exact, _ = exact_log_joint(xb, means, variances, np.exp(log_w.astype(np.float64)))
+        near = exact >= exact.max(axis=1, keepdims=True) - 40
+        worst = max(worst, float(np.max(np.abs(logits - exact)[near])))
+    return worst
+
+
 @pytest.mark.parametrize("kept_per_row", [tuned.STREAM_KEPT_PER_ROW, 0])  # refined from the kept pairs; by a second pass
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_tight_components_far_from_the_mean_of_the_data_keep_their_variances(dtype, kept_per_row, monkeypatch):
-    """sum r x^2 - mu sum r x cancels to noise here (terms 1e8 to 1e14 times the result); the refined variances do not.
+    r"""sum r x^2 - mu sum r x cancels to noise here (terms 1e8 to 1e14 times the result); the refined variances do not.
 
-    In float32 the reference's own variances carry the error of its float32
-    mean (about 2e-4 relative); the refined ones are exact to rounding.
+    The bound, against the definition of :func:`refimpl.gmm.m_step` in long double (its ``10 u`` guard included),
+    with ``u`` the unit roundoff of the dtype and ``n = 500`` rows:
+
+    * the clusters are 1e5 of their standard deviations apart, so every responsibility of the first pass is
+      exactly 0, 1/2 or 1 (asserted);
+    * the refined sums are float64 sums of ``n`` nonnegative terms, each a weight times the rounded square of a
+      rounded difference: relative error at most ``(n + 3) u_64``;
+    * the second pass (``kept_per_row = 0``) weighs the pairs by ``exp(l - L)``, ``l`` the logits of
+      ``tuned.log_joint`` in the dtype: an error ``delta`` of those logits (measured against long double) moves
+      every weight, hence the sum of nonnegative terms, by at most ``e^delta - 1`` relative;
+    * the result is rounded to the dtype once: ``u``.
+
+    So ``|v - v_exact| <= (u + (n + 3) u_64 + e^delta - 1) v_exact``, whatever order BLAS sums in.
     """
     monkeypatch.setattr(tuned, "STREAM_KEPT_PER_ROW", kept_per_row)
+    calls = []
+    log_joint = tuned.log_joint
+
+    def spy(*args, **kwargs):  # the second pass's logits, to measure their error
+        out = log_joint(*args, **kwargs)
+        calls.append((args, out[0]))
+        return out
+
+    monkeypatch.setattr(tuned, "log_joint", spy)
     rng = np.random.default_rng(3)
     spread = 1e-4 if dtype == np.float64 else 1e-2
     centres = np.array([[1e3, 1e3], [-1e3, 5e2]])
     x = np.concatenate([centres[0] + spread * rng.normal(size=(300, 2)), centres[1] + spread * rng.normal(size=(200, 2))])
     x = x.astype(dtype)
+    n, u, u64 = x.shape[0], np.finfo(dtype).eps / 2, np.finfo(np.float64).eps / 2
     start = (centres.astype(dtype), np.full((2, 2), spread**2, dtype), np.array([0.5, 0.5], dtype))
-    expected = gmm.em_step(x, *start)
-    means, variances, weights = tuned.streamed_em_step(x, *start, block_rows=64)
-    assert_close(means, expected[0], dtype)
-    exact = np.stack([np.var(x[:300].astype(np.float64), axis=0), np.var(x[300:].astype(np.float64), axis=0)])
-    np.testing.assert_allclose(variances, exact, rtol=1e-9 if dtype == np.float64 else 1e-6)
     # two equal components sharing the first cluster: every responsibility there is 1/2, and none may be left out
     shared = (np.concatenate([start[0][:1], start[0]]), np.full((3, 2), spread**2, dtype), np.full(3, 1 / 3, dtype))
-    split = tuned.streamed_em_step(x, *shared, block_rows=64)
-    np.testing.assert_allclose(split[1], exact[[0, 0, 1]], rtol=1e-9 if dtype == np.float64 else 1e-6)
-    np.testing.assert_allclose(split[2], [0.3, 0.3, 0.4], rtol=1e-6)
-    np.testing.assert_allclose(variances, expected[1], rtol=1e-9 if dtype == np.float64 else 1e-3)
+    for params in (start, shared):
+        resp = gmm.responsibilities(x, *params)
+        assert set(np.unique(resp)) <= {0.0, 0.5, 1.0}
+        g, nk, mu, S = _exact_sums(x, resp, dtype)
+        calls.clear()
+        means, variances, weights = tuned.streamed_em_step(x, *params, block_rows=64)
+        assert bool(calls) == (kept_per_row == 0)  # the kept pairs suffice; without them, a second pass
+        bound = u + (n + 3) * u64 + np.expm1(_logit_error(calls))
+        np.testing.assert_allclose(variances, S / nk[:, None], rtol=bound, atol=0)
+        np.testing.assert_allclose(means, mu, rtol=u + n * u64, atol=0)
+        # the weights N_k / sum N_k: an addition, two divisions and a sum of K terms in float64, then the dtype's rounding
+        np.testing.assert_allclose(weights, nk / nk.sum(), rtol=u + (len(nk) + 3) * u64, atol=0)
+
+        # The reference's float32 variances carry the error of its float32 mean mu' = resp^T x / N_k, whose
+        # rounding depends on the order in which BLAS sums.  With delta = mu' - mu, exactly,
+        #   sum_i r_i (x_i - mu')^2 = S - 2 delta (N_k - g) mu + g delta^2      (sum_i r_i (x_i - mu) = (N_k - g) mu);
+        # its own rounding (difference, square, a dot of n nonnegative terms, the division) is within gamma_{n+3}.
+        ref_means, ref_variances, _ = gmm.em_step(x, *params)
+        delta = ref_means.astype(np.longdouble) - mu
+        predicted = (S - 2 * delta * (nk - g)[:, None] * mu + g[:, None] * delta**2) / nk[:, None]
+        gamma = (n + 3) * u / (1 - (n + 3) * u)
+        np.testing.assert_allclose(ref_variances, predicted, rtol=gamma, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
@@ -115,10 +172,19 @@ def test_a_component_made_only_of_responsibilities_too_small_to_keep_is_refined_
     third = tuned.responsibilities(x, means, variances, weights)[:300, 2]
     floor = tuned.EXACT_LOGIT_TOL * np.finfo(dtype).eps / 500
     assert third.max() < floor and third.sum() > 100 * np.finfo(dtype).eps  # all dropped, 10 times the 10 u guard
-    expected = gmm.em_step(x, means, variances, weights)
-    got = tuned.streamed_em_step(x, means, variances, weights, block_rows=64)
-    np.testing.assert_allclose(got[1], expected[1], rtol=1e-9 if dtype == np.float64 else 1e-3)
-    assert_close(got[2], expected[2], dtype)
+    # Against the M-step of these responsibilities in long double, not gmm.em_step's float32 variances, which carry the
+    # error of its float32 means (an order of summation of BLAS's).  The third's variance is dominated by the shift of
+    # its mean by the guard, 10 u mu / N_3 with N_3 ~ 100 u, which magnifies the error of the second pass's weights by
+    # about 2 (10 u) |mu| sqrt(g / S) / N_3: that bound is not derived here.  Without the second pass the third's
+    # variances are 3.6% off in either dtype; the tolerances hold them to 1e-9 and 1e-5.
+    rows = 64
+    g, nk, mu, S = _exact_sums(x, tuned.responsibilities(x, means, variances, weights), dtype)
+    got = tuned.streamed_em_step(x, means, variances, weights, block_rows=rows)
+    np.testing.assert_allclose(got[1], S / nk[:, None], rtol=1e-9 if dtype == np.float64 else 1e-5, atol=0)
+    # the weights N_k / sum N_k: g_k summed in the dtype a block of rows at a time (gamma_{rows-1} in each N_k, so twice
+    # in their ratio), the blocks and the rest in float64, then rounded to the dtype
+    u, u64 = np.finfo(dtype).eps / 2, np.finfo(np.float64).eps / 2
+    np.testing.assert_allclose(got[2], nk / nk.sum(), rtol=u + 2 * (rows - 1) * u + (len(nk) + 3) * u64, atol=0)
 
 
 def test_a_component_with_no_responsibility_stays_finite_as_in_the_reference():

@@ -325,7 +325,8 @@ def this_interpreter_kernel():
 
 
 # what a copy of the course holds: the lessons and the packages they import, and how to install them
-COURSE_FILES = ("README.md", "pyproject.toml", "Makefile", "environment.yml")
+COURSE_FILES = ("README.md", "pyproject.toml", "Makefile", "environment.yml", "constraints/cuda13.txt",
+                "constraints/cuda12.txt")
 COURSE_PACKAGES = ("refimpl", "cpu", "gpu", "tutorials")
 NEVER_COPIED = ("__pycache__", "*.pyc", ".ipynb_checkpoints", ".pytest_cache", ".hypothesis")
 # the answers: worked solutions, near misses, hidden cases of the grader (solutions/hidden_NN.py), answer keys
@@ -351,6 +352,7 @@ def build(out: Path, student: bool = True) -> Path:
     root = HERE.parent
     for name in COURSE_FILES:
         if (root / name).exists():
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(root / name, out / name)
     for name in COURSE_PACKAGES:
         ignore = shutil.ignore_patterns(*NEVER_COPIED)
