@@ -84,7 +84,7 @@ docs-check: $(STAMP)
 experiments: $(STAMP)
 	@for e in recall regression scaling continual positional; do \
 	  jobs=2; [ $$e = scaling ] && jobs=1; \
-	  $(PY) -m refimpl experiment $$e --jobs $$jobs || exit 1; \
+	  $(PY) -m app experiment $$e --jobs $$jobs || exit 1; \
 	done
 
 # both GPU backends on this machine's GPU: environment, backend status, the GPU tests (a skip is a failure),
@@ -106,7 +106,7 @@ $(COURSE_STAMP): $(STAMP)
 lab: $(COURSE_STAMP)
 	JUPYTER_PREFER_ENV_PATH=1 $(VENV)/bin/jupyter lab --notebook-dir=tutorials
 
-# a copy of the course to hand out (tutorials/course.py build-student): the lessons, refimpl, cpu, gpu and what
+# a copy of the course to hand out (tutorials/course.py build-student): the lessons, refimpl, cpu, gpu, app and what
 # installs them, without tutorials/solutions/ (worked solutions, near misses, the grader's hidden cases, answer keys)
 STUDENT_COURSE ?= dist/student-course
 student-course: $(STAMP)

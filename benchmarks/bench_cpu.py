@@ -37,7 +37,7 @@ the median over the rounds of the ratio of two calls made back to back):
 * OVQ at T = 16384 and 65536 (n_max = 1024, C = 256, d = 64): numba against
   the NumPy reference;
 * one training step of every mixer on ListOps at the defaults, on both
-  backends (:mod:`refimpl.backend`);
+  backends (:mod:`app.backend`);
 * accuracy on the spread-means example (two means near +1e4, one at -1e4,
   variances 1e-8) against the definition in extended precision.
 
@@ -422,7 +422,7 @@ def bench_ovq(sizes, repeats):
 
 def bench_training(repeats, quick):
     """One training step (forward, backward) of every mixer on ListOps at the defaults, on both backends."""
-    from refimpl import backend, model, train
+    from app import backend, model, train
 
     config = train.quick_config() if quick else train.TrainConfig(n_train=256, n_val=16, n_test=16)
     splits = train.load_data(config)

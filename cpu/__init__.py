@@ -22,6 +22,6 @@ float32 inputs are computed in float32, float64 is the default, and every
 reduction runs in an order fixed by the data, so a result is the same bits
 with one thread or many.  The kernels are compiled on first use and cached
 on disk (``cache=True``: ``__pycache__`` beside the sources), so later runs
-start at once.  The model, ``python -m refimpl train`` and the experiments
-call this package when numba is installed (:mod:`refimpl.backend`).
+start at once.  The model, ``python -m app train`` and the experiments
+call this package when numba is installed (:mod:`app.backend`).
 """

@@ -6,7 +6,7 @@ a performance page needs no edit here:
 * ``docs/tutorials/``: copies of ``tutorials/NN_name.ipynb`` (Sphinx reads only
   files under its source folder); ignored by git (``docs/.gitignore``);
 * ``docs/api/generated/``: one autodoc page per public module of ``refimpl``,
-  ``cpu`` and ``gpu``, found with ``pkgutil``, and a table of the verifications that
+  ``cpu``, ``gpu`` and ``app``, found with ``pkgutil``, and a table of the verifications that
   ``python -m refimpl verify`` runs; ignored by git;
 * the "Performance" and "Experiments" toctrees of ``index.md``: every
   ``docs/performance_*.md`` and ``docs/experiment_*.md``,
@@ -99,7 +99,7 @@ autodoc_mock_imports = ["cupy", "cupyx"]
 # names an attribute of two classes (ModelConfig.d_model, TrainConfig.d_model) is ambiguous, and is no reference
 suppress_warnings = ["ref.python"]
 
-DOCUMENTED_PACKAGES = ("refimpl", "cpu", "gpu")
+DOCUMENTED_PACKAGES = ("refimpl", "cpu", "gpu", "app")
 SKIPPED_SUBPACKAGES = {"refimpl.checks"}  # listed by the verification table instead
 
 

@@ -133,11 +133,11 @@ PACKAGES = {
 
 
 def _check_out_folder(out):
-    """:func:`refimpl.files.check_out_folder`, read from its file if :mod:`refimpl` itself cannot be imported here."""
+    """:func:`refimpl.validation.check_out_folder`, read from its file if :mod:`refimpl` itself cannot be imported here."""
     try:
-        from refimpl.files import check_out_folder
-    except ImportError:  # a Python without refimpl's dependencies: the environment stage will say which
-        found = importlib.util.spec_from_file_location("_refimpl_files", ROOT / "refimpl" / "files.py")
+        from refimpl.validation import check_out_folder
+    except ImportError:  # a Python without refimpl's dependencies but NumPy: the environment stage will say which
+        found = importlib.util.spec_from_file_location("_refimpl_validation", ROOT / "refimpl" / "validation.py")
         module = importlib.util.module_from_spec(found)
         found.loader.exec_module(module)
         check_out_folder = module.check_out_folder

@@ -17,8 +17,6 @@ attention
 gma
     Gaussian Mixture Attention, bidirectional and causal, with its
     hand-derived backward, and the streaming state of one head.
-layers
-    A multi-head GMA layer with Q/K/V/output projections.
 theory
     The responsibility Jacobian, Lipschitz and gradient bounds, and the
     structure of the implicit affinity.
@@ -30,25 +28,6 @@ ovq
 ovq_oracle
     The token-by-token loop oracles for OVQ and VQ, written straight from the
     contract in ``docs/derivations/ovq_gmr.md``.
-model
-    A small classifier or language model, every piece a hand-derived
-    forward/backward pair: embedding, positions, pre-norm residual blocks with
-    an interchangeable mixer (GMA, softmax, linear or OVQ attention), MLP,
-    layer norm, heads and softmax cross-entropy.
-optim
-    AdamW with global-norm gradient clipping.
-tasks
-    The generated training tasks: ListOps-mini and a Markov language model.
-train
-    The training loop of ``python -m refimpl train``: progress, CSV log,
-    checkpoints that resume bit for bit.
-files
-    The output folder and the CSV files that training and the experiments
-    write and read back: checked before anything is written, refused naming
-    the file and line when damaged.
-interpret
-    What a trained GMA learned: used components, usage entropy, NMI against
-    token categories, and the gradient bounds on the trained model.
 validation
     The argument checks of every public function (each makes one call).
 statefile
@@ -56,15 +35,22 @@ statefile
 tuned
     The GMM and GMA functions computed the fast way (the expansion of the
     square with its cancellation screen, cache-sized blocks, reductions as
-    matrix products): what the model, training and the experiments call.
+    matrix products): what the application (:mod:`app`) calls under NumPy.
+gradcheck
+    Central differences of a scalar loss, for the gradient checks.
+testing
+    What the tests and ``verify`` share: tolerances, problem builders,
+    definition-level oracles.
 verify
     The registry of numerical verifications run by ``python -m refimpl verify``.
+
+``import refimpl`` needs NumPy and SciPy only.  The kernels that mirror it
+(:mod:`cpu`, :mod:`gpu`) import it, and the application built on them, the
+model, its training and the experiments (:mod:`app`, ``python -m app``),
+imports those; nothing here imports any of them.
 """
 
-from . import attention, files, gma, gmm, gmr, interpret, layers, model, numerics, optim, ovq, ovq_oracle, scan, statefile, tasks, theory, train, tuned, validation
+from . import attention, gma, gmm, gmr, numerics, ovq, ovq_oracle, scan, statefile, theory, tuned, validation
 
-__all__ = [
-    "attention", "files", "gma", "gmm", "gmr", "interpret", "layers", "model", "numerics", "optim", "ovq", "ovq_oracle", "scan",
-    "statefile", "tasks", "theory", "train", "tuned", "validation",
-]
+__all__ = ["attention", "gma", "gmm", "gmr", "numerics", "ovq", "ovq_oracle", "scan", "statefile", "theory", "tuned", "validation"]
 __version__ = "0.1.0"

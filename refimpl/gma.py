@@ -376,7 +376,8 @@ def _responsibility_backward(x, gamma, grad_gamma, means, variances):
     dx = np.empty_like(x)
     dmeans = np.zeros_like(means)
     sq = np.zeros_like(means)  # sum_i c_im ((x_ij - mu_mj)^2 - sigma2_mj)
-    rows = max(1, numerics.BLOCK_BYTES // (means.size * x.dtype.itemsize))
+    # a block's differences x_i - mu_m take K d_r numbers a row
+    rows = numerics.block_rows(means.size * x.dtype.itemsize)
     for a in range(0, n, rows):
         cb = c[a : a + rows]
         diff = x[a : a + rows, None, :] - means[None, :, :]  # (B, K, d_r): x_i - mu_m
@@ -517,10 +518,7 @@ class GMAState:
         :meth:`refimpl.ovq.OVQState.load` does (:mod:`refimpl.statefile`).
         """
         f = statefile.load(path, _FORMAT, _FORMAT_VERSION, "GMAState", ("slots", "norms"), ("tokens_seen",))
-        try:
-            return cls(f["slots"], f["norms"], f["tokens_seen"])
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{path}: invalid GMAState: {e}") from e
+        return validation.check_loaded_state(path, "GMAState", cls, f["slots"], f["norms"], f["tokens_seen"])
 
 
 def gma_step(x_q, x_k, v, means, variances, weights, *, state=None, eps: float = 1e-6):

@@ -76,6 +76,7 @@ __all__ = [
     "hard_assignments",
     "kmeans_step",
     "running_mean_update",
+    "fold_running_means",
     "log_joint",
     "m_step",
 ]
@@ -204,21 +205,14 @@ def log_joint(x, means, variances, log_weights):
     log_norm = log_weights - 0.5 * (d * LOG_2PI + np.sum(np.log(variances), axis=1))
     precisions = 1.0 / variances
     q = np.empty((n, K), dtype=x.dtype)
-    rows = max(1, numerics.BLOCK_BYTES // (K * d * x.dtype.itemsize))  # the differences of a block: K d numbers a row
+    # a block's differences x_i - mu_k take K d numbers a row
+    rows = numerics.block_rows(K * d * x.dtype.itemsize)
     for a in range(0, n, rows):
         with np.errstate(over="ignore", invalid="ignore"):
             diff = x[a : a + rows, None, :] - means[None, :, :]  # (B, K, d): x_i - mu_k
             # q_ik = sum_j (x_ij - mu_kj)^2 / sigma_kj^2: every term >= 0, nothing cancels
             q[a : a + rows] = np.einsum("bkj,bkj,kj->bk", diff, diff, precisions)
     return log_norm - 0.5 * q, np.min(q, axis=1, initial=np.inf)
-
-
-def _checked_log_joint(x, means, variances, weights):
-    """:func:`log_joint` of checked arrays (``weights`` ``None``: log-densities), and the check of its ``min_quad``."""
-    log_weights = np.zeros(means.shape[0], dtype=x.dtype) if weights is None else numerics.log_weights(weights)
-    logits, min_quad = log_joint(x, means, variances, log_weights)
-    validation.check_scaled_distances(min_quad, "x")
-    return logits
 
 
 # ---------------------------------------------------------------------------
@@ -245,7 +239,10 @@ def log_gaussian_diag(x, means, variances):
         constant, from the differences ``x - mu``.
     """
     x, means, variances, _ = validation.check_gmm(x, means, variances)
-    return _checked_log_joint(x, means, variances, None)
+    # log N(x | mu_k, sigma_k^2) is the log joint with log pi_k = 0
+    logits, min_quad = log_joint(x, means, variances, np.zeros(means.shape[0], dtype=x.dtype))
+    validation.check_scaled_distances(min_quad, "x")
+    return logits
 
 
 def log_responsibilities(x, means, variances, weights):
@@ -267,9 +264,11 @@ def log_responsibilities(x, means, variances, weights):
         every row's log-sum-exp is 0.  Right to rounding for every input
         (module docstring), not only for points near the origin.
     """
-    # log gamma_k = l_k - logsumexp_m l_m
     x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
-    return numerics.log_softmax(_checked_log_joint(x, means, variances, weights), axis=1)
+    logits, min_quad = log_joint(x, means, variances, numerics.log_weights(weights))
+    validation.check_scaled_distances(min_quad, "x")
+    # log gamma_k = l_k - logsumexp_m l_m
+    return numerics.log_softmax(logits, axis=1)
 
 
 def responsibilities(x, means, variances, weights):
@@ -282,9 +281,11 @@ def responsibilities(x, means, variances, weights):
     ndarray, shape (N, K)
         Nonnegative rows that sum to one.
     """
-    # gamma_k = exp(l_k) / sum_m exp(l_m)
     x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
-    return numerics.softmax(_checked_log_joint(x, means, variances, weights), axis=1)
+    logits, min_quad = log_joint(x, means, variances, numerics.log_weights(weights))
+    validation.check_scaled_distances(min_quad, "x")
+    # gamma_k = exp(l_k) / sum_m exp(l_m)
+    return numerics.softmax(logits, axis=1)
 
 
 def log_likelihood(x, means, variances, weights):
@@ -296,9 +297,11 @@ def log_likelihood(x, means, variances, weights):
     -------
     ndarray, shape (N,)
     """
-    # log p(x) = log sum_k pi_k N(x | mu_k, sigma_k^2) = logsumexp_k l_k
     x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
-    return numerics.logsumexp(_checked_log_joint(x, means, variances, weights), axis=1)
+    logits, min_quad = log_joint(x, means, variances, numerics.log_weights(weights))
+    validation.check_scaled_distances(min_quad, "x")
+    # log p(x) = log sum_k pi_k N(x | mu_k, sigma_k^2) = logsumexp_k l_k
+    return numerics.logsumexp(logits, axis=1)
 
 
 def em_step(x, means, variances, weights, *, reg_covar: float = 0.0):
@@ -328,11 +331,11 @@ def em_step(x, means, variances, weights, *, reg_covar: float = 0.0):
     (memory ``O(N d)``), not by the expansion ``E[x^2] - mu^2``, which
     cancels catastrophically for tight components far from the origin.
     """
-    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
-    reg_covar = validation.check_positive_float(reg_covar, "reg_covar", allow_zero=True)
+    x, means, variances, weights, reg_covar = validation.check_em_step(x, means, variances, weights, reg_covar)
+    logits, min_quad = log_joint(x, means, variances, numerics.log_weights(weights))
+    validation.check_scaled_distances(min_quad, "x")
     # E-step: r_ik = gamma_k(x_i)
-    resp = numerics.softmax(_checked_log_joint(x, means, variances, weights), axis=1)
-    return m_step(x, resp, reg_covar)
+    return m_step(x, numerics.softmax(logits, axis=1), reg_covar)
 
 
 def m_step(x, resp, reg_covar):
@@ -379,8 +382,10 @@ def isotropic_nll(x, means, beta, weights=None) -> float:
         ``-sum_i log sum_n pi_n N(x_i; mu_n, I / beta)``.
     """
     x, means, variances, weights = validation.check_isotropic_gmm(x, means, beta, weights)
+    logits, min_quad = log_joint(x, means, variances, numerics.log_weights(weights))
+    validation.check_scaled_distances(min_quad, "x")
     # -sum_i log p(x_i) = -sum_i logsumexp_n l_in
-    return float(-np.sum(numerics.logsumexp(_checked_log_joint(x, means, variances, weights), axis=1)))
+    return float(-np.sum(numerics.logsumexp(logits, axis=1)))
 
 
 def isotropic_nll_gradient(x, means, beta, weights=None):
@@ -393,7 +398,9 @@ def isotropic_nll_gradient(x, means, beta, weights=None):
         at ``means`` (exact: the derivative of the log-sum-exp is the softmax).
     """
     x, means, variances, weights = validation.check_isotropic_gmm(x, means, beta, weights)
-    resp = numerics.softmax(_checked_log_joint(x, means, variances, weights), axis=1)  # r_in at the current means
+    logits, min_quad = log_joint(x, means, variances, numerics.log_weights(weights))
+    validation.check_scaled_distances(min_quad, "x")
+    resp = numerics.softmax(logits, axis=1)  # r_in at the current means
     # sum_i r_in (x_i - mu_n) = (R^T X)_n - N_n mu_n
     return -(1.0 / variances[0, 0]) * (resp.T @ x - resp.sum(axis=0)[:, None] * means)
 
@@ -413,7 +420,9 @@ def isotropic_surrogate_hessian(x, means, beta, weights=None):
         ``beta * N_n``.
     """
     x, means, variances, weights = validation.check_isotropic_gmm(x, means, beta, weights)
-    resp = numerics.softmax(_checked_log_joint(x, means, variances, weights), axis=1)  # r_in at the current means
+    logits, min_quad = log_joint(x, means, variances, numerics.log_weights(weights))
+    validation.check_scaled_distances(min_quad, "x")
+    resp = numerics.softmax(logits, axis=1)  # r_in at the current means
     return (1.0 / variances[0, 0]) * resp.sum(axis=0)
 
 
@@ -442,7 +451,9 @@ def isotropic_m_step(x, means, beta, weights=None):
         ``sum_i r_in x_i / sum_i r_in``, responsibilities at ``means``.
     """
     x, means, variances, weights = validation.check_isotropic_gmm(x, means, beta, weights)
-    resp = numerics.softmax(_checked_log_joint(x, means, variances, weights), axis=1)  # r_in at the current means
+    logits, min_quad = log_joint(x, means, variances, numerics.log_weights(weights))
+    validation.check_scaled_distances(min_quad, "x")
+    resp = numerics.softmax(logits, axis=1)  # r_in at the current means
     return (resp.T @ x) / resp.sum(axis=0)[:, None]
 
 
@@ -484,7 +495,7 @@ def kmeans_step(x, means):
     x, means = validation.check_points_and_means(x, means)
     zeros = np.zeros(means.shape[0], dtype=x.dtype)
     # the mean of the points nearest to each centroid: the running mean from a count of 0
-    return running_mean_update(means, zeros, x, _nearest_means(x, means))[0]
+    return fold_running_means(means, zeros, x, _nearest_means(x, means))[0]
 
 
 def running_mean_update(means, counts, x, assignments):
@@ -515,9 +526,18 @@ def running_mean_update(means, counts, x, assignments):
     -----
     Sparse: only the rows in ``assignments`` are touched.  The batch sums are
     accumulated by ``np.add.at`` in the order of ``x``, so the result is
-    reproducible bit for bit.
+    reproducible bit for bit (:func:`fold_running_means`).
     """
-    means, counts, x, assignments = validation.check_running_mean(means, counts, x, assignments)
+    return fold_running_means(*validation.check_running_mean(means, counts, x, assignments))
+
+
+def fold_running_means(means, counts, x, assignments):
+    """Core: :func:`running_mean_update` of checked arguments, for the loops that fold a batch per chunk.
+
+    ``means (K, d)`` and ``x (B, d)`` of one float dtype, ``counts (K,)``
+    nonnegative, ``assignments (B,)`` integers in ``[0, K)``; returns ``(means,
+    counts)`` as :func:`running_mean_update` does.
+    """
     sums = np.zeros(means.shape, dtype=means.dtype)
     np.add.at(sums, assignments, x)  # sum_{i in S_n} x_i, accumulated in the order of x
     added = np.bincount(assignments, minlength=means.shape[0]).astype(counts.dtype)

@@ -58,7 +58,7 @@ Conventions this module fixes (bit-for-bit reproducible):
   for both ``init`` values; the other keys join centroid 0 and are merged by
   the chosen rule, like the members of any existing centroid.
 * Within a chunk the sums :math:`\sum_{S_m} x_i` of the running mean are
-  accumulated in token order (:func:`refimpl.gmm.running_mean_update`), and
+  accumulated in token order (:func:`refimpl.gmm.fold_running_means`), and
   the constant-rate steps are applied in token order;
   :mod:`refimpl.ovq_oracle` does the same arithmetic in loops.
 
@@ -132,21 +132,6 @@ _FORMAT_VERSION = 1
 # ---------------------------------------------------------------------------
 
 
-def _check_dictionary_size(t, max_size, growth):
-    n_max = validation.check_int(max_size, "max_size", minimum=1)
-    growth = validation.check_option(growth, "growth", GROWTHS)
-    if not isinstance(t, (np.ndarray, list, tuple)):
-        return validation.check_int(t, "t", minimum=0), n_max, growth
-    t = np.asarray(t)
-    if not np.issubdtype(t.dtype, np.integer) or t.dtype == bool:
-        raise TypeError(f"t: expected integers, got dtype {t.dtype}")
-    if t.size and np.min(t) < 0:
-        raise ValueError(f"t: expected token counts >= 0, got minimum {np.min(t)}")
-    if t.size and np.max(t) > (np.iinfo(np.int64).max - n_max) // n_max:
-        raise ValueError(f"t: t * max_size overflows int64 (max t = {np.max(t)}, max_size = {n_max})")
-    return t.astype(np.int64), n_max, growth
-
-
 def _growth(t, n_max, growth):
     # plateau: max(1, floor(t n_max / (t + n_max))) <= n_max - 1, in exact integer arithmetic;
     # linear: min(t, n_max); 0 before any token
@@ -179,7 +164,7 @@ def dictionary_size(t, max_size, growth: str = "plateau"):
         0 for ``t = 0`` (an empty stream), otherwise at least 1.  Computed in
         integers, so the floor is exact.
     """
-    t, n_max, growth = _check_dictionary_size(t, max_size, growth)
+    t, n_max, growth = validation.check_dictionary_size(t, max_size, growth, GROWTHS)
     return _growth(t, n_max, growth)
 
 
@@ -257,27 +242,7 @@ class OVQState:
 
     def __init__(self, keys, values, counts, size, tokens_seen):
         # the invariants of the class docstring, each refused with its own message
-        keys, values = validation.as_float_array(keys, "keys", ndim=2), validation.as_float_array(values, "values", ndim=2)
-        n_max = keys.shape[0]
-        if n_max < 1 or keys.shape[1] < 1:
-            raise ValueError(f"keys: expected shape (n_max, d) with n_max >= 1 and d >= 1, got {keys.shape}")
-        validation.check_shape(values, "values", (n_max, None), ("n_max", "d_v"))
-        if keys.dtype != values.dtype:
-            raise TypeError(f"values: expected the dtype of keys ({keys.dtype}), got {values.dtype}")
-        counts = np.asarray(counts)
-        if counts.dtype == bool or not np.issubdtype(counts.dtype, np.integer):
-            raise TypeError(f"counts: expected integers (int64), got dtype {counts.dtype}")
-        validation.check_counts(counts, "counts", (n_max,), ("n_max",))
-        size = validation.check_int(size, "size", minimum=0)
-        if size > n_max:
-            raise ValueError(f"size: expected at most n_max = {n_max} (the rows of keys), got {size}")
-        tokens_seen = validation.check_int(tokens_seen, "tokens_seen", minimum=0)
-        if np.any(counts[:size] < 1):
-            raise ValueError(f"counts: every active row (< size = {size}) needs a count >= 1, got minimum {np.min(counts[:size])}")
-        if np.any(counts[size:] != 0):
-            raise ValueError(f"counts: rows >= size = {size} are unused and must have count 0, got {int(np.sum(counts[size:] != 0))} nonzero")
-        if np.sum(counts, dtype=np.int64) != tokens_seen:
-            raise ValueError(f"counts: expected sum(counts) == tokens_seen = {tokens_seen}, got {int(np.sum(counts, dtype=np.int64))}")
+        keys, values, counts, size, tokens_seen = validation.check_ovq_state(keys, values, counts, size, tokens_seen)
         self._keys = _readonly(np.array(keys, copy=True))
         self._values = _readonly(np.array(values, copy=True))
         self._counts = _readonly(counts.astype(np.int64, copy=True))
@@ -333,10 +298,7 @@ class OVQState:
             ...).  The message names the file and the problem.
         """
         f = statefile.load(path, _FORMAT, _FORMAT_VERSION, "OVQState", ("keys", "values", "counts"), ("size", "tokens_seen"))
-        try:
-            return cls(f["keys"], f["values"], f["counts"], f["size"], f["tokens_seen"])
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{path}: invalid OVQState: {e}") from e
+        return validation.check_loaded_state(path, "OVQState", cls, f["keys"], f["values"], f["counts"], f["size"], f["tokens_seen"])
 
 
 # ---------------------------------------------------------------------------
@@ -368,35 +330,6 @@ class OVQArguments(NamedTuple):
     dtype: np.dtype
 
 
-def _check_tokens(q, k, v):
-    """``q, k (N, d)`` and ``v (N, d_v)`` with ``N, d >= 1``: one dtype, shape and finiteness check per array."""
-    q, k, v = (validation.as_float_array(x, name, ndim=2) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    if q.shape[0] < 1 or q.shape[1] < 1:
-        raise ValueError(f"q: expected shape (N, d) with N >= 1 and d >= 1, got {q.shape}")
-    validation.check_shape(k, "k", q.shape, ("N", "d"))
-    validation.check_shape(v, "v", (q.shape[0], None), ("N", "d_v"))
-    return q, k, v
-
-
-def _check_stream_state(state, params, N, d, d_v):
-    validation.check_instance(state, "state", OVQState, "an OVQState (or None)")
-    if state.max_size != params.max_size:
-        raise ValueError(f"state: has n_max = {state.max_size} rows but max_size = {params.max_size}; pass max_size={state.max_size}")
-    if state.d != d:
-        raise ValueError(f"state: holds keys of dimension d = {state.d}, but q and k have d = {d}")
-    if state.d_v != d_v:
-        raise ValueError(f"state: holds values of dimension d_v = {state.d_v}, but v has d_v = {d_v}")
-    # n' - n <= L: the first chunk must be able to seed the rows growth asks for
-    # (after it, n >= growth(t) and growth rises by at most one per token)
-    L = min(params.chunk_size, N)
-    needed = _growth(state.tokens_seen + L, params.max_size, params.growth) - state.size
-    if needed > L:
-        least = _growth(state.tokens_seen, params.max_size, params.growth)
-        raise ValueError(f"state: size = {state.size} after tokens_seen = {state.tokens_seen} is too small for growth={params.growth!r}: "
-                         f"the first chunk of {L} tokens would need {needed} new centroids; a state that ovq_attention returned "
-                         f"with this growth has size >= dictionary_size(tokens_seen, max_size, growth) = {least}")
-
-
 def check_ovq_arguments(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state):
     """Check the arguments of :func:`ovq_attention` and :func:`ovq_attention_forward`; the GPU backends share it.
 
@@ -406,22 +339,17 @@ def check_ovq_arguments(q, k, v, max_size, chunk_size, beta, growth, init, count
         ``q, k, v`` cast to ``dtype``, the common dtype of the arrays and of
         ``state.keys``; ``params``, the checked options; ``state`` as given.
     """
-    q, k, v = _check_tokens(q, k, v)
-    if v.shape[1] < 1:
-        raise ValueError(f"v: expected shape (N, d_v) with d_v >= 1, got {v.shape}")
+    q, k, v = validation.check_ovq_qkv(q, k, v)
     max_size = validation.check_int(max_size, "max_size", minimum=1)
     chunk_size = validation.check_int(chunk_size, "chunk_size", minimum=1)
     beta = float(np.sqrt(q.shape[1])) if beta is None else validation.check_positive_float(beta, "beta")
     growth = validation.check_option(growth, "growth", GROWTHS)
     init = validation.check_option(init, "init", INITS)
     count_bias = validation.check_bool(count_bias, "count_bias")
-    eta = None if learning_rate is None else validation.check_positive_float(learning_rate, "learning_rate")
-    if eta is not None and eta > 1:
-        raise ValueError(f"learning_rate: expected a constant step in (0, 1] (D += eta (x - D) token by token), "
-                         f"or None for the adaptive 1/c running mean, got {eta!r}")
+    eta = validation.check_learning_rate(learning_rate)
     params = OVQParams(max_size, chunk_size, beta, growth, init, count_bias, eta, validation.check_int(seed, "seed", minimum=0))
     if state is not None:
-        _check_stream_state(state, params, q.shape[0], q.shape[1], v.shape[1])
+        validation.check_ovq_stream_state(state, OVQState, params, q.shape[0], q.shape[1], v.shape[1], _growth)
     dtype = validation.common_float_dtype(q, k, v, *([] if state is None else [state.keys]))
     tokens = q.shape[0] + (0 if state is None else state.tokens_seen)
     validation.check_value_sums(v, tokens, dtype, None if state is None else state.values)
@@ -516,8 +444,8 @@ def _update_chunk(Dk, Dv, counts, khat, vc, rows, seeded, seeds, n, eta):
     added = np.bincount(a, minlength=counts.shape[0]).astype(np.int64)
     if eta is None:
         # exact running mean: (c D + sum_S x) / (c + |S|), sums in token order
-        new_k, new_counts = gmm.running_mean_update(Dk, counts, khat[keep], a)
-        new_v, _ = gmm.running_mean_update(Dv, counts, vc[keep], a)
+        new_k, new_counts = gmm.fold_running_means(Dk, counts, khat[keep], a)
+        new_v, _ = gmm.fold_running_means(Dv, counts, vc[keep], a)
     else:
         # constant step: an exponential moving average of the members, in token order
         ranks = _member_ranks(a)
@@ -813,7 +741,7 @@ class VQArguments(NamedTuple):
 
 def check_vq_arguments(q, k, v, codebook, chunk_size, beta):
     """Check the arguments of :func:`vq_attention`, cast to one dtype; the GPU backends share it."""
-    q, k, v = _check_tokens(q, k, v)
+    q, k, v = validation.check_ovq_tokens(q, k, v)
     codebook = validation.as_float_array(codebook, "codebook", ndim=2)
     validation.check_shape(codebook, "codebook", (None, q.shape[1]), ("S", "d"))
     validation.check_nonempty(codebook, "codebook", what="code", symbol="S")
@@ -877,6 +805,6 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
             P = numerics.softmax(logits, axis=1)
         out[s:e] = P[:, :S] @ value_means + P[:, S:] @ v[s:e]
         # U_m / L_m: running mean of the values each code summarises
-        value_means, counts = gmm.running_mean_update(value_means, counts, v[s:e], z)
+        value_means, counts = gmm.fold_running_means(value_means, counts, v[s:e], z)
     validation.check_overflowed_rows(*overflow, dtype, "beta, codebook", "lower beta or rescale the codebook")
     return out

@@ -83,6 +83,129 @@ def _growth(t, n_max, growth):
     return max(1, (t * n_max) // (t + n_max))
 
 
+def _read_out(qa, kh, vc, Dk, Dv, c, beta, count_bias):
+    """``o_a``: one softmax over the centroids ``m < n`` and the chunk's raw keys ``b <= a``, read out of their rows.
+
+    ``Dk``, ``Dv`` and ``c`` hold the ``n`` centroids of the state before the
+    chunk, ``kh`` and ``vc`` the unit keys and values ``b <= a``.
+    """
+    dtype = Dk.dtype
+    logits, rows = [], []
+    for m in range(len(c)):
+        # l_am = beta q^_a . D_k[m] + log c_m
+        logit = beta * np.dot(qa, Dk[m])
+        if count_bias:
+            logit += np.log(dtype.type(c[m]))
+        logits.append(logit)
+        rows.append(Dv[m])
+    for b in range(len(kh)):
+        logits.append(beta * np.dot(qa, kh[b]))  # a raw key: count 1, log 1 = 0
+        rows.append(vc[b])
+    p = _softmax(np.array(logits, dtype=dtype))
+    o = np.zeros(Dv.shape[1], dtype=dtype)
+    for j in range(len(rows)):
+        o += p[j] * rows[j]
+    return o
+
+
+def _assign_first_chunk(kh, n_new):
+    """``(assigned, seeds)`` of the first chunk: k^_0 seeds centroid 0, the ``n' - 1`` keys least like it the next ones.
+
+    The seeds come in ascending order of score ``k^_i . k^_0`` (ties to the
+    lowest index); every other key joins centroid 0 (``assigned[i] = 0``,
+    ``None`` for a seed).
+    """
+    L = len(kh)
+    assigned = [None] * L
+    seeds = [0]
+    score = {i: np.dot(kh[i], kh[0]) for i in range(1, L)}
+    by_score = sorted(range(1, L), key=lambda i: (score[i], i))
+    seeds += by_score[: n_new - 1]
+    for i in range(1, L):
+        if i not in seeds:
+            assigned[i] = 0
+    return assigned, seeds
+
+
+def _nearest(x, Dk):
+    """``(score, a)``: the largest ``x . D_k[m]`` over the rows ``m`` of ``Dk`` and its ``m``; ties keep the lowest index."""
+    best, best_m = None, None
+    for m in range(len(Dk)):
+        sim = np.dot(x, Dk[m])
+        if best is None or sim > best:  # strict: ties keep the lowest index
+            best, best_m = sim, m
+    return best, best_m
+
+
+def _assign_later_chunk(kh, Dk, n_new, init, seed, t):
+    """``(assigned, seeds)`` of a chunk after the first: each key's candidate ``a_i``, and the ``n' - n`` keys that seed.
+
+    ``Dk`` holds the ``n`` centroids before the chunk.  With ``spread`` the
+    keys of the smallest scores seed, in ascending order of score; with
+    ``random`` those drawn by ``default_rng([seed, t])``, in draw order.
+    Every other key joins its candidate (``None`` for a seed).
+    """
+    assigned, score = [], []
+    for x in kh:
+        best, best_m = _nearest(x, Dk)
+        assigned.append(best_m)
+        score.append(best)
+    seeds = []
+    if n_new > 0:
+        if init == "spread":
+            seeds = sorted(range(len(kh)), key=lambda i: (score[i], i))[:n_new]
+        else:
+            rng = np.random.default_rng([seed, t])
+            seeds = [int(i) for i in rng.choice(len(kh), size=n_new, replace=False)]
+    for i in seeds:
+        assigned[i] = None
+    return assigned, seeds
+
+
+def _merge_running_mean(D, m, count, rows):
+    """The adaptive rule into row ``m`` of ``D``: ``(c_m D[m] + sum_{i in S_m} x_i) / c'_m``, the sum in token order.
+
+    ``count`` is ``c_m``, ``rows`` the members ``x_(1), x_(2), ...`` of ``S_m`` in token order.
+    """
+    dtype = D.dtype
+    total = np.zeros(D.shape[1], dtype=dtype)
+    for x in rows:
+        total += x
+    D[m] = (dtype.type(count) * D[m] + total) / dtype.type(count + len(rows))
+
+
+def _merge_constant_rate(D, m, rows, eta):
+    """The constant rule into row ``m`` of ``D``, token by token in token order: ``D[m] <- D[m] + eta (x_i - D[m])``."""
+    for x in rows:
+        D[m] = D[m] + eta * (x - D[m])
+
+
+def _update(Dk, Dv, c, n, n_next, seeds, assigned, kh, vc, learning_rate):
+    """The update of the state, in place: seeded centroids first (D = key, value; c = 1), then every merge.
+
+    Each centroid ``m < n'`` folds in the keys that joined it, ``S_m`` in
+    token order, by the adaptive rule or with the constant ``learning_rate``;
+    its count becomes ``c'_m = c_m + |S_m|``.
+    """
+    for j, i in enumerate(seeds):
+        m = n + j
+        Dk[m] = kh[i]
+        Dv[m] = vc[i]
+        c[m] = 1
+    for m in range(n_next):
+        members = [i for i in range(len(kh)) if assigned[i] == m]
+        if not members:
+            continue
+        if learning_rate is None:
+            _merge_running_mean(Dk, m, c[m], [kh[i] for i in members])
+            _merge_running_mean(Dv, m, c[m], [vc[i] for i in members])
+        else:
+            eta = Dk.dtype.type(learning_rate)
+            _merge_constant_rate(Dk, m, [kh[i] for i in members], eta)
+            _merge_constant_rate(Dv, m, [vc[i] for i in members], eta)
+        c[m] = c[m] + len(members)
+
+
 def ovq_attention_loop(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread",
                        count_bias=True, learning_rate=None, seed=0):
     """OVQ attention, one token at a time.
@@ -102,6 +225,7 @@ def ovq_attention_loop(q, k, v, *, max_size, chunk_size, beta=None, growth="plat
     N, d = q.shape
     d_v = v.shape[1]
     n_max, C = max_size, chunk_size
+    # the state: D_k, D_v, the counts c, n active rows, t tokens seen, all zero
     Dk = np.zeros((n_max, d), dtype=dtype)
     Dv = np.zeros((n_max, d_v), dtype=dtype)
     c = [0] * n_max
@@ -115,87 +239,22 @@ def ovq_attention_loop(q, k, v, *, max_size, chunk_size, beta=None, growth="plat
         kh = [_unit(k[s + a]) for a in range(L)]
         vc = [v[s + a] for a in range(L)]
 
-        # Predict: one softmax over the n centroids and the chunk keys b <= a
+        # Read-out, with the state before the chunk: position a attends to the n centroids and the keys b <= a
         for a in range(L):
-            logits, rows = [], []
-            for m in range(n):
-                logit = beta * np.dot(qh[a], Dk[m])
-                if count_bias:
-                    logit += np.log(dtype.type(c[m]))
-                logits.append(logit)
-                rows.append(Dv[m])
-            for b in range(a + 1):
-                logits.append(beta * np.dot(qh[a], kh[b]))  # a raw key: count 1, log 1 = 0
-                rows.append(vc[b])
-            p = _softmax(np.array(logits, dtype=dtype))
-            o = np.zeros(d_v, dtype=dtype)
-            for j in range(len(rows)):
-                o += p[j] * rows[j]
-            out[s + a] = o
+            out[s + a] = _read_out(qh[a], kh[: a + 1], vc[: a + 1], Dk[:n], Dv[:n], c[:n], beta, count_bias)
 
-        # Grow
+        # Growth: t' = t + C', n' = max(n, growth(t', n_max))
         t_next = t + L
         n_next = max(n, _growth(t_next, n_max, growth))
-        n_new = n_next - n
 
-        # Assign
-        assigned = [None] * L  # centroid each non-seeding key joins
-        seeds = []  # keys seeding centroids n, n+1, ... in this order
+        # Assignment: the keys that seed centroids n..n'-1, and the centroid each other key joins
         if n == 0:
-            seeds.append(0)
-            score = {i: np.dot(kh[i], kh[0]) for i in range(1, L)}
-            by_score = sorted(range(1, L), key=lambda i: (score[i], i))
-            seeds += by_score[: n_new - 1]
-            for i in range(1, L):
-                if i not in seeds:
-                    assigned[i] = 0
+            assigned, seeds = _assign_first_chunk(kh, n_next - n)
         else:
-            score = []
-            for i in range(L):
-                best, best_m = None, None
-                for m in range(n):
-                    sim = np.dot(kh[i], Dk[m])
-                    if best is None or sim > best:  # strict: ties keep the lowest index
-                        best, best_m = sim, m
-                assigned[i] = best_m
-                score.append(best)
-            if n_new > 0:
-                if init == "spread":
-                    seeds = sorted(range(L), key=lambda i: (score[i], i))[:n_new]
-                else:
-                    rng = np.random.default_rng([seed, t])
-                    seeds = [int(i) for i in rng.choice(L, size=n_new, replace=False)]
-            for i in seeds:
-                assigned[i] = None
+            assigned, seeds = _assign_later_chunk(kh, Dk[:n], n_next - n, init, seed, t)
 
-        # Update: seeded centroids first (D = key, value; c = 1) ...
-        for j, i in enumerate(seeds):
-            m = n + j
-            Dk[m] = kh[i]
-            Dv[m] = vc[i]
-            c[m] = 1
-        # ... then every centroid folds in the keys assigned to it, sums in token order
-        for m in range(n_next):
-            members = [i for i in range(L) if assigned[i] == m]
-            if not members:
-                continue
-            if learning_rate is None:
-                sum_k = np.zeros(d, dtype=dtype)
-                sum_v = np.zeros(d_v, dtype=dtype)
-                for i in members:
-                    sum_k += kh[i]
-                    sum_v += vc[i]
-                c_old, c_new = c[m], c[m] + len(members)
-                Dk[m] = (dtype.type(c_old) * Dk[m] + sum_k) / dtype.type(c_new)
-                Dv[m] = (dtype.type(c_old) * Dv[m] + sum_v) / dtype.type(c_new)
-            else:
-                # constant step, token by token in token order: D <- D + eta (x_i - D)
-                eta = dtype.type(learning_rate)
-                for i in members:
-                    Dk[m] = Dk[m] + eta * (kh[i] - Dk[m])
-                    Dv[m] = Dv[m] + eta * (vc[i] - Dv[m])
-                c_new = c[m] + len(members)
-            c[m] = c_new
+        # Update: seeded centroids first, then every centroid merges the keys that joined it
+        _update(Dk, Dv, c, n, n_next, seeds, assigned, kh, vc, learning_rate)
         n, t = n_next, t_next
 
     return out, LoopState(Dk, Dv, np.array(c, dtype=np.int64), n, t)

@@ -575,6 +575,165 @@ def _pair_sums(x, rows, comps, gamma, centres, first, second, block=_EXACT_BLOCK
         second[cs[starts]] += np.add.reduceat(weighted, starts, axis=0)
 
 
+class _FirstPass(NamedTuple):
+    """What the first pass over the blocks leaves: the M-step's sums about the data mean, and what a refinement needs."""
+
+    centre: np.ndarray  # (d,): c, the mean of the data
+    g: np.ndarray  # (K,): g_k = sum_i r_ik, float64
+    s: np.ndarray  # (K, d): s_k = sum_i r_ik xc_i, float64
+    t: np.ndarray  # (K, d): t_k = sum_i r_ik xc_i^2, float64
+    min_quad: np.ndarray  # (N,): the E-step's min_k q_ik, for the caller's check
+    lse: np.ndarray  # (N,): L_i = log sum_k pi_k N(x_i | mu_k, sigma_k^2), float64
+    kept: tuple | None  # (rows, comps, r_ik) lists of the pairs with r_ik >= floor; None if they were too many
+    dropped: np.ndarray  # (K,): D_k, the sum of the responsibilities below floor, float64
+
+
+def _first_pass(x, means, variances, log_w, rows, posterior):
+    """Core: the first pass, a block of ``rows`` rows at a time: each block's E-step reduced to its sums and dropped.
+
+    Every block adds its ``g_k``, ``s_k``, ``t_k`` (:func:`_add_block_sums`),
+    its log-normalisers ``L_i`` (:func:`_block_log_normaliser`) and, while
+    they number at most :data:`STREAM_KEPT_PER_ROW` ``N``, its pairs with
+    ``r_ik >= EXACT_LOGIT_TOL u / N``; the others are summed into ``D_k``.
+    No raise: the caller checks ``min_quad``.
+    """
+    n, d = x.shape
+    K = means.shape[0]
+    dtype, f64 = x.dtype, np.float64
+    # (x - mu)^2 is invariant under a common shift: the statistics are taken about the mean of the data
+    centre = x.mean(axis=0)
+    g, s, t = np.zeros(K, f64), np.zeros((K, d), f64), np.zeros((K, d), f64)
+    min_quad, lse = np.empty(n, dtype), np.empty(n, f64)
+    # the pairs (i, k) with r_ik >= floor are kept while they number at most STREAM_KEPT_PER_ROW N, and the rest summed
+    floor, kept, n_kept, dropped = dtype.type(EXACT_LOGIT_TOL * np.finfo(dtype).eps / n), ([], [], []), 0, np.zeros(K, f64)
+    # log N(x | mu, sigma^2) = -(d/2) log 2 pi - (1/2) sum_j log sigma_j^2 - q / 2
+    log_norm = log_w - 0.5 * (d * gmm.LOG_2PI + np.sum(np.log(variances), axis=1))
+    for a in range(0, n, rows):
+        xb = x[a : a + rows]
+        # E-step of the block: r_ik = gamma_k(x_i)
+        resp, min_quad[a : a + rows] = posterior(xb, means, variances, log_w)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # a bad row is refused by the caller
+            lse[a : a + rows] = _block_log_normaliser(xb, resp, means, variances, log_norm)
+            if kept is not None:
+                big = resp >= floor
+                r, c = np.nonzero(big)
+                n_kept += r.size
+                if n_kept > STREAM_KEPT_PER_ROW * n:
+                    kept = None  # too many: the components to refine get a second pass instead
+                else:
+                    kept[0].append(r + a), kept[1].append(c), kept[2].append(resp[r, c].astype(f64))
+                    dropped += np.ones(xb.shape[0], dtype) @ np.where(big, 0, resp)
+            _add_block_sums(xb - centre, resp, g, s, t)
+    return _FirstPass(centre, g, s, t, min_quad, lse, kept, dropped)
+
+
+def _block_log_normaliser(xb, resp, means, variances, log_norm):
+    """Core: ``L_i = l_ik* - log r_ik*`` of a block at its largest responsibility ``r_ik* >= 1/K``, in float64.
+
+    The logit ``l_ik* = log_norm_k* - q_ik* / 2`` comes from the differences
+    ``x_i - mu_k*``; ``log_norm`` (K,) holds
+    ``log pi_k - (d/2) log 2 pi - (1/2) sum_j log sigma_kj^2``.
+    """
+    top = np.argmax(resp, axis=1)
+    diff = xb.astype(np.float64) - means[top]
+    # log r_ik = l_ik - L_i, so L_i = l_ik - log r_ik at any k: at k*, where log r_ik* is the most accurate
+    return log_norm[top] - 0.5 * np.sum(diff * diff / variances[top], axis=1) - np.log(resp[np.arange(xb.shape[0]), top])
+
+
+def _add_block_sums(xc, resp, g, s, t):
+    """Core: ``g_k += sum_i r_ik``, ``s_k += sum_i r_ik xc_i``, ``t_k += sum_i r_ik xc_i^2`` over a block, as matrix products.
+
+    ``xc`` (B, d) holds the block's centred rows and is overwritten.
+    """
+    g += np.ones(xc.shape[0], xc.dtype) @ resp
+    s += resp.T @ xc
+    xc *= xc
+    t += resp.T @ xc
+
+
+def _expanded_m_step(fp):
+    """Core: ``(N_k, mu'_k, m_k, S_k, T_k)``: the M-step from the first pass's sums, by the expansion of the square.
+
+    ``N_k = g_k + 10 u`` (the guard of :func:`refimpl.gmm.m_step`), the new
+    means ``mu'_k``, ``m_k = mu'_k - c``, the sums
+    ``S_k = sum_i r_ik (x_i - mu'_k)^2`` as the expansion computes them and
+    the size ``T_k`` of its terms, for the screen; all float64.
+    """
+    g, s, t = fp.g, fp.s, fp.t
+    nk = g + 10 * np.finfo(fp.centre.dtype).eps
+    shift = s / nk[:, None]  # m_k = mu_k - c, up to the guard's share of c
+    # mu_k = sum_i r_ik x_i / N_k = (s_k + g_k c) / N_k
+    new_means = shift + (g / nk)[:, None] * fp.centre.astype(np.float64)
+    m = new_means - fp.centre
+    # sum_i r_ik (x_i - mu_k)^2 = t_k - 2 m_k s_k + g_k m_k^2, and the size of its terms
+    ms = m * s
+    sq = t - 2 * ms + g[:, None] * m * m
+    terms = t + 2 * np.abs(ms) + g[:, None] * m * m
+    return nk, new_means, m, sq, terms
+
+
+def _cancellation_screen(sq, terms, g, rows, n_blocks, dtype):
+    """Core: ``(refined, err)``: the components whose expanded sums cancellation may have spoiled, and the error bounds.
+
+    A sum is suspect where its terms exceed it :data:`CANCELLATION_RATIO`
+    times and its bound ``err = ((4 + sqrt(B)) / 2 u + n_blocks u_64)`` times
+    the terms exceeds ``EXACT_LOGIT_TOL u`` of it, or where it is not
+    positive; a component without responsibility (``g_k = 0``) is left as it is.
+    """
+    u = np.finfo(dtype).eps
+    # a block's sum of B terms in the dtype is off by (4 + sqrt(B)) / 2 u of their size, each addition of a block by u_64
+    kappa = (4 + np.sqrt(rows)) / 2 * u + n_blocks * np.finfo(np.float64).eps
+    err = kappa * terms
+    suspect = (terms > CANCELLATION_RATIO * sq) & (err > EXACT_LOGIT_TOL * u * sq)
+    return np.flatnonzero(np.any(suspect | ~(sq > 0), axis=1) & (g > 0)), err
+
+
+def _refinement_bounds(x, centre, m, sq, err):
+    """Core: ``(R, low)`` of the components to refine: ``R_kj >= (x_ij - mu_kj)^2`` for every row, and ``low <= S_k``.
+
+    ``m`` (C, d) holds their ``mu'_k - c``, ``sq`` and ``err`` (C, d) their
+    expanded sums and its error bounds.
+    """
+    # R_kj >= (x_ij - mu_kj)^2 for every row i
+    reach = np.abs(x - centre).max(axis=0).astype(np.float64)
+    R = (reach + np.abs(m)) ** 2
+    low = np.maximum(sq - err, 0)  # a lower bound on the exact sum
+    return R, low
+
+
+def _kept_pair_sums(x, fp, refined, R, low, tol, centres, first, second):
+    """Core: the centred sums of the components the kept pairs suffice for, into ``first``, ``second``; returns which.
+
+    The kept pairs suffice for a component where the responsibilities below
+    the floor, ``D_k`` in all, change its sum by at most ``tol / 2`` of it:
+    ``D_k R_kj <= tol low_kj / 2``.  ``refined`` lists the components,
+    ``R`` and ``low`` (C, d) are their bounds (:func:`_refinement_bounds`).
+    """
+    # the kept pairs suffice where the responsibilities below floor change the sum by < tol / 2 of it
+    enough = np.all(fp.dropped[refined, None] * R <= tol * low / 2, axis=1)
+    chosen = np.zeros(fp.g.shape[0], dtype=bool)
+    chosen[refined[enough]] = True
+    r, c, gam = (np.concatenate(part) for part in fp.kept)
+    sel = chosen[c]
+    order = np.argsort(c[sel], kind="stable")
+    _pair_sums(x, r[sel][order], c[sel][order], gam[sel][order], centres, first, second)
+    return enough
+
+
+def _corrected_two_pass(e, second, g, nk, mean):
+    """Core: the corrected two-pass mean and sum ``(mu_k, sum_i r_ik (x_i - mu_k)^2)`` of the components refined.
+
+    ``mean`` (C, d) holds their means ``mu'_k`` computed by the expansion,
+    ``e`` and ``second`` (C, d) the sums ``sum_i r_ik (x_i - mu'_k)`` and
+    ``sum_i r_ik (x_i - mu'_k)^2`` from the differences; ``g`` and ``nk``
+    (C,) their ``g_k`` and ``N_k`` (Chan, Golub and LeVeque, 1983).
+    """
+    # mu_k = sum_i r_ik x_i / N_k = mu'_k + delta_k, delta_k = (e_k - 10 u mu'_k) / N_k (the guard N_k - g_k = 10 u)
+    delta = (e - (nk - g)[:, None] * mean) / nk[:, None]
+    # sum_i r_ik (x_i - mu_k)^2 = sum_i r_ik (x_i - mu'_k)^2 - 2 delta_k e_k + g_k delta_k^2
+    return mean + delta, np.maximum(second - 2 * delta * e + g[:, None] * delta * delta, 0)
+
+
 def streamed_em_step(x, means, variances, weights, *, reg_covar: float = 0.0, block_rows=None, posterior=None):
     r""":func:`refimpl.gmm.em_step` a block of rows at a time: memory ``O(block_rows K)``, the same result to rounding.
 
@@ -661,87 +820,31 @@ def streamed_em_step(x, means, variances, weights, *, reg_covar: float = 0.0, bl
     n, d = x.shape
     K = means.shape[0]
     dtype = x.dtype
-    u, f64 = np.finfo(dtype).eps, np.float64
     rows = max(1, min(n, block_rows or STREAM_BLOCK_BYTES // (K * dtype.itemsize)))
-    n_blocks = -(-n // rows)
     log_w = numerics.log_weights(weights)
-    # (x - mu)^2 is invariant under a common shift: the statistics are taken about the mean of the data
-    centre = x.mean(axis=0)
-    g, s, t = np.zeros(K, f64), np.zeros((K, d), f64), np.zeros((K, d), f64)
-    min_quad, lse = np.empty(n, dtype), np.empty(n, f64)
-    tol = EXACT_LOGIT_TOL * u
-    # the pairs (i, k) with r_ik >= floor are kept while they number at most STREAM_KEPT_PER_ROW N, and the rest summed
-    floor, kept, n_kept, dropped = dtype.type(tol / n), ([], [], []), 0, np.zeros(K, f64)
-    # log N(x | mu, sigma^2) = -(d/2) log 2 pi - (1/2) sum_j log sigma_j^2 - q / 2
-    log_norm = log_w - 0.5 * (d * gmm.LOG_2PI + np.sum(np.log(variances), axis=1))
-    for a in range(0, n, rows):
-        xb = x[a : a + rows]
-        # E-step of the block: r_ik = gamma_k(x_i)
-        resp, min_quad[a : a + rows] = posterior(xb, means, variances, log_w)
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # a bad row is refused below, with its count
-            # L_i = l_ik* - log r_ik* at the largest responsibility, its logit from the differences
-            top = np.argmax(resp, axis=1)
-            diff = xb.astype(f64) - means[top]
-            lse[a : a + rows] = (log_norm[top] - 0.5 * np.sum(diff * diff / variances[top], axis=1)
-                                 - np.log(resp[np.arange(xb.shape[0]), top]))
-            if kept is not None:
-                big = resp >= floor
-                r, c = np.nonzero(big)
-                n_kept += r.size
-                if n_kept > STREAM_KEPT_PER_ROW * n:
-                    kept = None  # too many: the components to refine get a second pass instead
-                else:
-                    kept[0].append(r + a), kept[1].append(c), kept[2].append(resp[r, c].astype(f64))
-                    dropped += np.ones(xb.shape[0], dtype) @ np.where(big, 0, resp)
-            xc = xb - centre
-            g += np.ones(xb.shape[0], dtype) @ resp
-            s += resp.T @ xc
-            xc *= xc
-            t += resp.T @ xc
-    validation.check_scaled_distances(min_quad, "x")
-    nk = g + 10 * u
-    shift = s / nk[:, None]  # m_k = mu_k - c, up to the guard's share of c
-    # mu_k = sum_i r_ik x_i / N_k = (s_k + g_k c) / N_k
-    new_means = shift + (g / nk)[:, None] * centre.astype(f64)
-    m = new_means - centre
-    # sum_i r_ik (x_i - mu_k)^2 = t_k - 2 m_k s_k + g_k m_k^2, and the size of its terms
-    ms = m * s
-    sq = t - 2 * ms + g[:, None] * m * m
-    terms = t + 2 * np.abs(ms) + g[:, None] * m * m
-    kappa = (4 + np.sqrt(rows)) / 2 * u + n_blocks * np.finfo(f64).eps
-    err = kappa * terms
-    suspect = (terms > CANCELLATION_RATIO * sq) & (err > tol * sq)
-    refined = np.flatnonzero(np.any(suspect | ~(sq > 0), axis=1) & (g > 0))
+    tol = EXACT_LOGIT_TOL * np.finfo(dtype).eps
+    # the first pass: g_k, s_k, t_k about the data mean c, L_i and the kept pairs, a block at a time
+    fp = _first_pass(x, means, variances, log_w, rows, posterior)
+    validation.check_scaled_distances(fp.min_quad, "x")
+    # mu'_k = (s_k + g_k c) / N_k and sum_i r_ik (x_i - mu'_k)^2 = t_k - 2 m_k s_k + g_k m_k^2, screened for cancellation
+    nk, new_means, m, sq, terms = _expanded_m_step(fp)
+    refined, err = _cancellation_screen(sq, terms, fp.g, rows, -(-n // rows), dtype)
     if refined.size:
-        # R_kj >= (x_ij - mu_kj)^2 for every row i
-        reach = np.abs(x - centre).max(axis=0).astype(f64)
-        R = (reach + np.abs(m[refined])) ** 2
-        low = np.maximum(sq[refined] - err[refined], 0)  # a lower bound on the exact sum
-        first, second = np.zeros((K, d), f64), np.zeros((K, d), f64)
+        # the refinement's sums about mu'_k from the differences: the kept pairs where they suffice, else a second pass
+        R, low = _refinement_bounds(x, fp.centre, m[refined], sq[refined], err[refined])
+        first, second = np.zeros((K, d), np.float64), np.zeros((K, d), np.float64)
         cols = refined
-        if kept is not None:
-            # the kept pairs suffice where the responsibilities below floor change the sum by < tol / 2 of it
-            enough = np.all(dropped[refined, None] * R <= tol * low / 2, axis=1)
-            chosen = np.zeros(K, dtype=bool)
-            chosen[refined[enough]] = True
-            r, c, gam = (np.concatenate(part) for part in kept)
-            sel = chosen[c]
-            order = np.argsort(c[sel], kind="stable")
-            _pair_sums(x, r[sel][order], c[sel][order], gam[sel][order], new_means, first, second)
+        if fp.kept is not None:
+            enough = _kept_pair_sums(x, fp, refined, R, low, tol, new_means, first, second)
             cols, R, low = refined[~enough], R[~enough], low[~enough]
         if cols.size:
-            _second_pass(x, means, variances, log_w, lse, rows, cols, R, low, tol, new_means, first, second)
-        # the corrected two-pass sums, about the mean mu' computed above, e_k = sum_i r_ik (x_i - mu'_k):
-        # mu_k = sum_i r_ik x_i / N_k = mu'_k + delta_k, delta_k = (e_k - 10 u mu'_k) / N_k (the guard N_k - g_k = 10 u),
-        # sum_i r_ik (x_i - mu_k)^2 = sum_i r_ik (x_i - mu'_k)^2 - 2 delta_k e_k + g_k delta_k^2
-        e = first[refined]
-        delta = (e - (nk - g)[refined, None] * new_means[refined]) / nk[refined, None]
-        new_means[refined] += delta
-        sq[refined] = np.maximum(second[refined] - 2 * delta * e + g[refined, None] * delta * delta, 0)
+            _second_pass(x, means, variances, log_w, fp.lse, rows, cols, R, low, tol, new_means, first, second)
+        # the corrected two-pass sums about mu'_k, e_k = sum_i r_ik (x_i - mu'_k): mu_k = mu'_k + delta_k
+        new_means[refined], sq[refined] = _corrected_two_pass(first[refined], second[refined], fp.g[refined], nk[refined],
+                                                              new_means[refined])
     # sigma_k^2 = sum_i r_ik (x_i - mu_k)^2 / N_k + reg
     new_variances = sq / nk[:, None] + reg_covar
     # pi_k = N_k / N, renormalised after the 10 u guard
     new_weights = nk / n
     new_weights /= new_weights.sum()
     return new_means.astype(dtype), new_variances.astype(dtype), new_weights.astype(dtype)
-

@@ -4,10 +4,12 @@ Validation happens once, at the public boundary: each public function makes
 one call to the checker of its signature, and then does only math.  The
 checkers live here, grouped by the module they serve (the primitives first,
 then the signatures of :mod:`refimpl.gmm`, :mod:`refimpl.gma`,
-:mod:`refimpl.attention`, :mod:`refimpl.gmr` and :mod:`refimpl.theory`), so
-that the modules of the mechanisms read as their derivations; a checker that
-returns many values returns a named tuple.  :mod:`refimpl.ovq` keeps the
-checks of its options and its state beside them.
+:mod:`refimpl.attention`, :mod:`refimpl.gmr`, :mod:`refimpl.ovq` and
+:mod:`refimpl.theory`), so that the modules of the mechanisms read as their
+derivations; a checker that returns many values returns a named tuple.  The
+few ``check_*`` functions that :mod:`refimpl.gma` and :mod:`refimpl.ovq`
+export for the GPU backends only call the checkers here and gather the
+results in their modules' named tuples; they raise nothing of their own.
 The computational cores never raise; where a result can only be judged after
 computing it (an overflowed distance, a zero denominator), the core returns
 the quantity and the public function checks it with one of the
@@ -25,7 +27,10 @@ from __future__ import annotations
 
 import numbers
 import operator
+import os
+import stat
 from collections import namedtuple
+from pathlib import Path
 
 import numpy as np
 
@@ -45,6 +50,8 @@ __all__ = [
     "check_seed",
     "check_float_dtype",
     "check_instance",
+    "check_loaded_state",
+    "check_out_folder",
     "check_nonempty",
     "check_nonnegative",
     "check_log_values",
@@ -60,6 +67,7 @@ __all__ = [
     "check_raw_from_variances",
     "check_points_and_means",
     "check_isotropic_gmm",
+    "check_em_step",
     "check_running_mean",
     "check_gma_tokens",
     "check_gma_mixture",
@@ -91,6 +99,13 @@ __all__ = [
     "FitJointGMMArguments",
     "check_fit_joint_gmm",
     "check_joint_gmm_predict",
+    "check_dictionary_size",
+    "check_ovq_tokens",
+    "check_ovq_qkv",
+    "check_learning_rate",
+    "check_ovq_state",
+    "check_ovq_stream_state",
+    "check_value_sums",
     "check_responsibilities",
     "check_responsibility_pair",
     "check_rng",
@@ -103,7 +118,6 @@ __all__ = [
     "check_affinity",
     "check_slot_means",
     "check_isotropic_router",
-    "check_value_sums",
     "check_softmax_logits",
     "check_overflowed_rows",
     "check_scaled_distances",
@@ -313,6 +327,18 @@ def check_instance(value, name: str, cls, what: str):
     return value
 
 
+def check_loaded_state(path, what: str, state_type, *fields):
+    """Return ``state_type(*fields)``, the state read from the file ``path``; an invalid field is a ``ValueError`` naming the file.
+
+    The constructor's ``TypeError`` or ``ValueError`` is raised again as
+    ``ValueError("{path}: invalid {what}: {message}")``, chained to it.
+    """
+    try:
+        return state_type(*fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: invalid {what}: {e}") from e
+
+
 def check_nonempty(arr: np.ndarray, name: str, what: str = "component", symbol: str = "K") -> None:
     """Raise ``ValueError`` if ``arr`` has no rows: a mixture needs at least one component."""
     if arr.shape[0] < 1:
@@ -434,6 +460,58 @@ def check_feature_maps(phi_q, phi_k, v, names=("phi_q", "phi_k"), labels=("N_k",
     return common_dtype_arrays(phi_q, phi_k, v)
 
 
+def check_out_folder(out, name: str = "out") -> Path:
+    """The output folder ``out`` as a :class:`~pathlib.Path`, refused unless it is or can become a writable folder.
+
+    Nothing is created: the folder may not exist yet, but its nearest
+    existing ancestor must then be a writable folder.
+
+    Parameters
+    ----------
+    out : str or os.PathLike
+        The folder.  An empty string is refused (it is not taken as the
+        current folder).
+    name : str, default "out"
+        The argument's name in the messages.
+
+    Returns
+    -------
+    pathlib.Path
+
+    Raises
+    ------
+    ValueError
+        ``out`` is empty, is a file, lies below a file, or is (or would be
+        created in) a folder that is not writable.
+    TypeError
+        ``out`` is not a path.
+    """
+    if isinstance(out, bytes) or not isinstance(out, (str, os.PathLike)):
+        raise TypeError(f"{name}: expected a folder path, got {type(out).__name__}")
+    if not str(os.fspath(out)).strip():
+        raise ValueError(f"{name}: expected a folder, got an empty path {os.fspath(out)!r}; pass a folder such as results/run")
+    path = Path(out)
+    probe = path
+    while True:
+        try:
+            mode = os.stat(probe).st_mode
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            if probe.parent == probe:
+                raise ValueError(f"{name}: {path} cannot be created: no part of it exists") from None
+            probe = probe.parent
+        except OSError as err:
+            raise ValueError(f"{name}: cannot inspect {probe} ({err.strerror or err})") from None
+    if not stat.S_ISDIR(mode):
+        if probe == path:
+            raise ValueError(f"{name}: {path} is a file, not a folder; pass a folder")
+        raise ValueError(f"{name}: {path} lies below {probe}, which is a file, not a folder; pass a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = f"{path}" if probe == path else f"{probe}, where {path} would be created,"
+        raise ValueError(f"{name}: {where} is not writable (permission denied); pass a folder you can write to")
+    return path
+
+
 # ---------------------------------------------------------------------------
 # The signatures of refimpl.gmm
 # ---------------------------------------------------------------------------
@@ -475,6 +553,11 @@ def check_isotropic_gmm(x, means, beta, weights) -> tuple:
     weights = np.full(K, 1.0 / K, dtype=x.dtype) if weights is None else check_weights(weights, K)
     x, means, weights = common_dtype_arrays(x, means, weights)
     return x, means, np.full(means.shape, 1.0 / beta, dtype=x.dtype), weights
+
+
+def check_em_step(x, means, variances, weights, reg_covar) -> tuple:
+    """``(x, means, variances, weights, reg_covar)`` of :func:`refimpl.gmm.em_step`: :func:`check_gmm`, and ``reg_covar >= 0``."""
+    return check_gmm(x, means, variances, weights) + (check_positive_float(reg_covar, "reg_covar", allow_zero=True),)
 
 
 def check_running_mean(means, counts, x, assignments) -> tuple:
@@ -806,6 +889,134 @@ def check_joint_gmm_predict(q, fit, fit_type) -> tuple:
 
 
 # ---------------------------------------------------------------------------
+# The signatures of refimpl.ovq
+# ---------------------------------------------------------------------------
+
+
+def check_dictionary_size(t, max_size, growth, growths) -> tuple:
+    """``(t, n_max, growth)`` of :func:`refimpl.ovq.dictionary_size`: ``t >= 0`` an int or an int64 array, ``growth`` one of ``growths``."""
+    n_max = check_int(max_size, "max_size", minimum=1)
+    growth = check_option(growth, "growth", growths)
+    if not isinstance(t, (np.ndarray, list, tuple)):
+        return check_int(t, "t", minimum=0), n_max, growth
+    t = np.asarray(t)
+    if not np.issubdtype(t.dtype, np.integer) or t.dtype == bool:
+        raise TypeError(f"t: expected integers, got dtype {t.dtype}")
+    if t.size and np.min(t) < 0:
+        raise ValueError(f"t: expected token counts >= 0, got minimum {np.min(t)}")
+    # growth computes t * n_max in int64
+    if t.size and np.max(t) > (np.iinfo(np.int64).max - n_max) // n_max:
+        raise ValueError(f"t: t * max_size overflows int64 (max t = {np.max(t)}, max_size = {n_max})")
+    return t.astype(np.int64), n_max, growth
+
+
+def check_ovq_tokens(q, k, v) -> tuple:
+    """Queries and keys ``(N, d)`` and values ``(N, d_v)`` of OVQ and VQ attention, ``N, d >= 1`` (not cast)."""
+    q, k, v = (as_float_array(x, name, ndim=2) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    if q.shape[0] < 1 or q.shape[1] < 1:
+        raise ValueError(f"q: expected shape (N, d) with N >= 1 and d >= 1, got {q.shape}")
+    check_shape(k, "k", q.shape, ("N", "d"))
+    check_shape(v, "v", (q.shape[0], None), ("N", "d_v"))
+    return q, k, v
+
+
+def check_ovq_qkv(q, k, v) -> tuple:
+    """``(q, k, v)`` of :func:`refimpl.ovq.ovq_attention`: :func:`check_ovq_tokens`, and values of ``d_v >= 1``."""
+    q, k, v = check_ovq_tokens(q, k, v)
+    if v.shape[1] < 1:
+        raise ValueError(f"v: expected shape (N, d_v) with d_v >= 1, got {v.shape}")
+    return q, k, v
+
+
+def check_learning_rate(learning_rate):
+    """OVQ's ``learning_rate``: ``None`` (the adaptive ``1/c`` running mean), or a constant step ``eta`` in ``(0, 1]``."""
+    if learning_rate is None:
+        return None
+    eta = check_positive_float(learning_rate, "learning_rate")
+    if eta > 1:
+        raise ValueError(f"learning_rate: expected a constant step in (0, 1] (D += eta (x - D) token by token), "
+                         f"or None for the adaptive 1/c running mean, got {eta!r}")
+    return eta
+
+
+def check_ovq_state(keys, values, counts, size, tokens_seen) -> tuple:
+    """The fields of a :class:`refimpl.ovq.OVQState`, each invariant of its docstring refused with its own message.
+
+    Returns ``(keys, values, counts, size, tokens_seen)``: ``keys (n_max, d)``
+    and ``values (n_max, d_v)`` of one float dtype, integer ``counts
+    (n_max,)`` (not cast), ``0 <= size <= n_max``, and ``tokens_seen =
+    sum(counts)``.
+    """
+    keys, values = as_float_array(keys, "keys", ndim=2), as_float_array(values, "values", ndim=2)
+    n_max = keys.shape[0]
+    if n_max < 1 or keys.shape[1] < 1:
+        raise ValueError(f"keys: expected shape (n_max, d) with n_max >= 1 and d >= 1, got {keys.shape}")
+    check_shape(values, "values", (n_max, None), ("n_max", "d_v"))
+    if keys.dtype != values.dtype:
+        raise TypeError(f"values: expected the dtype of keys ({keys.dtype}), got {values.dtype}")
+    counts = np.asarray(counts)
+    if counts.dtype == bool or not np.issubdtype(counts.dtype, np.integer):
+        raise TypeError(f"counts: expected integers (int64), got dtype {counts.dtype}")
+    check_counts(counts, "counts", (n_max,), ("n_max",))
+    size = check_int(size, "size", minimum=0)
+    if size > n_max:
+        raise ValueError(f"size: expected at most n_max = {n_max} (the rows of keys), got {size}")
+    tokens_seen = check_int(tokens_seen, "tokens_seen", minimum=0)
+    if np.any(counts[:size] < 1):
+        raise ValueError(f"counts: every active row (< size = {size}) needs a count >= 1, got minimum {np.min(counts[:size])}")
+    if np.any(counts[size:] != 0):
+        raise ValueError(f"counts: rows >= size = {size} are unused and must have count 0, got {int(np.sum(counts[size:] != 0))} nonzero")
+    if np.sum(counts, dtype=np.int64) != tokens_seen:
+        raise ValueError(f"counts: expected sum(counts) == tokens_seen = {tokens_seen}, got {int(np.sum(counts, dtype=np.int64))}")
+    return keys, values, counts, size, tokens_seen
+
+
+def check_ovq_stream_state(state, state_type, params, N, d, d_v, growth_of) -> None:
+    """A ``state`` (a ``state_type``) that a call of OVQ with options ``params`` on ``N`` tokens can continue.
+
+    Its capacity and dimensions must be those of the call, and its size must
+    let the first chunk seed what the growth asks for; ``growth_of(t, n_max,
+    growth)`` is the dictionary size after ``t`` tokens
+    (:func:`refimpl.ovq.dictionary_size` of checked arguments).
+    """
+    check_instance(state, "state", state_type, "an OVQState (or None)")
+    if state.max_size != params.max_size:
+        raise ValueError(f"state: has n_max = {state.max_size} rows but max_size = {params.max_size}; pass max_size={state.max_size}")
+    if state.d != d:
+        raise ValueError(f"state: holds keys of dimension d = {state.d}, but q and k have d = {d}")
+    if state.d_v != d_v:
+        raise ValueError(f"state: holds values of dimension d_v = {state.d_v}, but v has d_v = {d_v}")
+    # n' - n <= L: the first chunk must be able to seed the rows growth asks for
+    # (after it, n >= growth(t) and growth rises by at most one per token)
+    L = min(params.chunk_size, N)
+    needed = growth_of(state.tokens_seen + L, params.max_size, params.growth) - state.size
+    if needed > L:
+        least = growth_of(state.tokens_seen, params.max_size, params.growth)
+        raise ValueError(f"state: size = {state.size} after tokens_seen = {state.tokens_seen} is too small for growth={params.growth!r}: "
+                         f"the first chunk of {L} tokens would need {needed} new centroids; a state that ovq_attention returned "
+                         f"with this growth has size >= dictionary_size(tokens_seen, max_size, growth) = {least}")
+
+
+def check_value_sums(v, tokens: int, dtype, state_values=None) -> None:
+    """Refuse values whose running mean could overflow ``dtype``: OVQ and VQ add up to ``tokens`` of them before dividing.
+
+    The exact running mean is ``(c D + sum_S v) / (c + |S|)``, whose numerator
+    is at most ``tokens * max|v|`` in magnitude (``state_values``, the value
+    dictionary of a state passed in, count as values).  Below that bound
+    nothing overflows; above it the result could be ``inf``.
+    """
+    vmax = float(np.max(np.abs(v), initial=0.0))
+    if state_values is not None:
+        vmax = max(vmax, float(np.max(np.abs(state_values), initial=0.0)))
+    if vmax * tokens > float(np.finfo(dtype).max):
+        hint = ", or compute in float64" if np.dtype(dtype) == np.float32 else ""
+        raise ValueError(
+            f"v: the running means of the values add up to {tokens} values before dividing, and with magnitudes up to "
+            f"{vmax:.3g} that sum would overflow {np.dtype(dtype)}; rescale v{hint}"
+        )
+
+
+# ---------------------------------------------------------------------------
 # The signatures of refimpl.theory
 # ---------------------------------------------------------------------------
 
@@ -918,25 +1129,6 @@ def check_isotropic_router(x, means, variance, weights) -> tuple:
     means = as_float_array(means, "means", ndim=2)
     x, means, _, weights = check_gmm(x, means, np.full(means.shape, variance, dtype=means.dtype), weights)
     return x, means, variance, weights
-
-
-def check_value_sums(v, tokens: int, dtype, state_values=None) -> None:
-    """Refuse values whose running mean could overflow ``dtype``: OVQ and VQ add up to ``tokens`` of them before dividing.
-
-    The exact running mean is ``(c D + sum_S v) / (c + |S|)``, whose numerator
-    is at most ``tokens * max|v|`` in magnitude (``state_values``, the value
-    dictionary of a state passed in, count as values).  Below that bound
-    nothing overflows; above it the result could be ``inf``.
-    """
-    vmax = float(np.max(np.abs(v), initial=0.0))
-    if state_values is not None:
-        vmax = max(vmax, float(np.max(np.abs(state_values), initial=0.0)))
-    if vmax * tokens > float(np.finfo(dtype).max):
-        hint = ", or compute in float64" if np.dtype(dtype) == np.float32 else ""
-        raise ValueError(
-            f"v: the running means of the values add up to {tokens} values before dividing, and with magnitudes up to "
-            f"{vmax:.3g} that sum would overflow {np.dtype(dtype)}; rescale v{hint}"
-        )
 
 
 # ---------------------------------------------------------------------------

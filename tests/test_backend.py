@@ -1,6 +1,6 @@
-"""refimpl.backend: the choice of kernels, and the same training curves and experiment metrics with either.
+"""app.backend: the choice of kernels, and the same training curves and experiment metrics with either.
 
-The model, ``python -m refimpl train`` and the experiments call numba's fused
+The model, ``python -m app train`` and the experiments call numba's fused
 kernels (:mod:`cpu`) when numba is installed and NumPy otherwise; the two give
 the same numbers to rounding.  Fifty training steps on each backend follow
 the same curve (losses to 1e-9 relative in float64: the rounding differences
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from refimpl import backend, model, train
+from app import backend, model, train
 
 ROOT = Path(__file__).resolve().parents[1]
 numba = pytest.importorskip("numba")
@@ -97,14 +97,14 @@ def test_the_experiments_give_the_same_metrics_with_either_backend(experiment, t
     rows = {}
     for name in backend.BACKENDS:
         out = tmp_path / name
-        cmd = [sys.executable, "-m", "refimpl", "experiment", experiment, "--quick", "--seeds", "1", "--no-progress",
+        cmd = [sys.executable, "-m", "app", "experiment", experiment, "--quick", "--seeds", "1", "--no-progress",
                "--backend", name, "--out", str(out)]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert done.returncode == 0, done.stderr
         with open(out / f"{experiment}.csv", newline="") as f:
             rows[name] = list(csv.DictReader(f))
-    from refimpl.experiments import load
+    from app.experiments import load
 
     module = load(experiment)
     assert len(rows["numpy"]) == len(rows["numba"]) > 0
@@ -116,7 +116,7 @@ def test_the_experiments_give_the_same_metrics_with_either_backend(experiment, t
 
 def test_a_bad_backend_option_is_refused_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(backend, "available", lambda: False)
-    from refimpl.__main__ import main
+    from app.__main__ import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["train", "--task", "listops", "--mixer", "gma", "--quick", "--backend", "cuda", "--out", str(tmp_path / "a")])

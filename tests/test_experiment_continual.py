@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from refimpl.experiments import continual as c
-from refimpl.experiments import load, sweep
+from app.experiments import continual as c
+from app.experiments import load, sweep
 from refimpl.ovq import ovq_attention, unit_rows
 
 

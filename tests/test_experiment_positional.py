@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from refimpl.experiments import positional as pos
-from refimpl.experiments import recall
+from app.experiments import positional as pos
+from app.experiments import recall
 
 
 def test_the_decomposition_recovers_known_weights_of_the_right_and_older_values():

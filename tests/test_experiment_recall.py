@@ -1,4 +1,4 @@
-"""The in-context recall experiment (:mod:`refimpl.experiments.recall`): its sweep, its methods, its tasks."""
+"""The in-context recall experiment (:mod:`app.experiments.recall`): its sweep, its methods, its tasks."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from refimpl.attention import softmax_attention
-from refimpl.experiments import load, sweep
-from refimpl.experiments import recall
+from app.experiments import load, sweep
+from app.experiments import recall
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +207,8 @@ def test_gma_runs_at_every_length_of_the_sweep():
 @pytest.mark.parametrize("backend_name", ["numpy", "numba"])
 def test_gma_mixture_is_exact_em_streamed(backend_name):
     """The fit is EM_STEPS steps of refimpl.gmm.em_step, to rounding, computed EM_BLOCK_ROWS keys at a time."""
-    from refimpl import backend, gmm
+    from refimpl import gmm
+    from app import backend
 
     if backend_name == "numba" and not backend.available():
         pytest.skip("numba is not installed")

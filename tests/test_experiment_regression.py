@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from refimpl import gmr, ovq
-from refimpl.experiments import load, sweep
-from refimpl.experiments import regression as reg
+from app.experiments import load, sweep
+from app.experiments import regression as reg
 
 
 @pytest.fixture(scope="module")

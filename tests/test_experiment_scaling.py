@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from refimpl.experiments import load, sweep
-from refimpl.experiments.scaling import fit_slope
+from app.experiments import load, sweep
+from app.experiments.scaling import fit_slope
 
 scaling = load("scaling")
 

@@ -1,4 +1,4 @@
-"""The sweep runner behind ``python -m refimpl experiment``: results file, resume, grid order, errors.
+"""The sweep runner behind ``python -m app experiment``: results file, resume, grid order, errors.
 
 The experiments themselves are tested in ``test_experiment_*.py``; here a
 small experiment defined in this file exercises the runner (``--jobs 1`` runs
@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import refimpl.experiments as experiments
-from refimpl.experiments import sweep
+import app.experiments as experiments
+from app.experiments import sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,7 +127,7 @@ def test_load_refuses_an_unknown_experiment():
 @pytest.mark.parametrize("argv, message", [(["--seeds", "0"], "seeds: expected an integer >= 1"), (["--jobs", "0"], "jobs: expected an integer >= 1"), (["--seeds", "two"], "argument --seeds: invalid int value")])
 def test_the_command_line_refuses_bad_options_with_their_name(tmp_path, argv, message):
     proc = subprocess.run(
-        [sys.executable, "-m", "refimpl", "experiment", "scaling", "--quick", "--no-progress", "--out", str(tmp_path), *argv],
+        [sys.executable, "-m", "app", "experiment", "scaling", "--quick", "--no-progress", "--out", str(tmp_path), *argv],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
     assert proc.returncode == 2
@@ -138,7 +138,7 @@ def test_the_command_line_refuses_bad_options_with_their_name(tmp_path, argv, me
 def test_every_experiment_runs_quick_from_the_command_line(tmp_path, name):
     """``--quick`` through the command line: a table on standard output, the CSV file and the plot in --out."""
     proc = subprocess.run(
-        [sys.executable, "-m", "refimpl", "experiment", name, "--quick", "--seeds", "1", "--jobs", "1", "--no-progress", "--out", str(tmp_path)],
+        [sys.executable, "-m", "app", "experiment", name, "--quick", "--seeds", "1", "--jobs", "1", "--no-progress", "--out", str(tmp_path)],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -222,8 +222,8 @@ def test_a_point_with_a_non_finite_metric_is_refused_and_not_written(calls, tmp_
 def test_an_unwritable_out_is_refused_before_anything_is_written(calls, tmp_path, monkeypatch):
     """The folder check (as root, which ignores permissions, os.access is what says no)."""
     made, exp = calls
-    real_access = sweep.files.os.access
-    monkeypatch.setattr(sweep.files.os, "access", lambda p, mode: False if str(p).startswith(str(tmp_path)) else real_access(p, mode))
+    real_access = sweep.validation.os.access
+    monkeypatch.setattr(sweep.validation.os, "access", lambda p, mode: False if str(p).startswith(str(tmp_path)) else real_access(p, mode))
     with pytest.raises(ValueError, match=rf"out: {tmp_path}, where {tmp_path / 'new'} would be created, is not writable"):
         sweep.run(exp, quick=True, seeds=1, jobs=1, out=tmp_path / "new", progress=False)
     with pytest.raises(ValueError, match=rf"out: {tmp_path} is not writable"):
@@ -234,9 +234,9 @@ def test_an_unwritable_out_is_refused_before_anything_is_written(calls, tmp_path
 def test_the_command_line_reports_a_damaged_file_in_one_line(tmp_path):
     (tmp_path / "scaling.csv").write_text("method,direction,n,seed,time_s,peak_mib\ngma,forward,256,0,0.1,inf\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "refimpl", "experiment", "scaling", "--quick", "--no-progress", "--out", str(tmp_path)],
+        [sys.executable, "-m", "app", "experiment", "scaling", "--quick", "--no-progress", "--out", str(tmp_path)],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr == (f"python -m refimpl experiment scaling: --out: {tmp_path / 'scaling.csv'}, line 2: peak_mib = 'inf' "
+    assert proc.stderr == (f"python -m app experiment scaling: --out: {tmp_path / 'scaling.csv'}, line 2: peak_mib = 'inf' "
                            "is not a finite number; remove the file or that line\n")

@@ -1,4 +1,4 @@
-"""Faults injected into real processes of ``python -m refimpl train`` and ``python -m refimpl experiment``.
+"""Faults injected into real processes of ``python -m app train`` and ``python -m app experiment``.
 
 Each test runs the command line in a child process and makes something go
 wrong there: an output folder that cannot be written, a disk that fills up
@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from refimpl import train
-from refimpl.__main__ import main
-from refimpl.experiments import load, sweep
+from app import train
+from app.__main__ import main
+from app.experiments import load, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = train.quick_config()  # 12 steps, evaluations and checkpoints at 4, 8, 12
@@ -159,14 +159,14 @@ def child_env(site, fault):
 
 
 def run_cli(site, argv, fault=None, timeout=180):
-    return subprocess.run([sys.executable, "-m", "refimpl", *argv], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "app", *argv], capture_output=True, text=True, cwd=ROOT,
                           env=child_env(site, fault), timeout=timeout)
 
 
 def start_cli(site, argv, fault, log):
     """The command in the background, its output to ``log`` (a pipe would be held open by any process it leaves)."""
     with open(log, "w") as f:
-        return subprocess.Popen([sys.executable, "-m", "refimpl", *argv], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+        return subprocess.Popen([sys.executable, "-m", "app", *argv], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
                                 env=child_env(site, fault))
 
 
@@ -272,7 +272,7 @@ def test_permission_denied_at_a_checkpoint_keeps_the_last_one_and_resume_finishe
     out = tmp_path / "run"
     proc = run_cli(site, TRAIN + ["--out", str(out)], DENIED_AT.format(suffix="checkpoint.npz.tmp", nth=2))
     assert proc.returncode == 2
-    assert one_line(proc.stderr) == (f"python -m refimpl train: cannot write {out / 'checkpoint.npz.tmp'} (Permission denied); "
+    assert one_line(proc.stderr) == (f"python -m app train: cannot write {out / 'checkpoint.npz.tmp'} (Permission denied); "
                                      f"the last checkpoint is {out / 'checkpoint.npz'}: continue with the same options and --resume")
     assert train.load_checkpoint(out / "checkpoint.npz", QUICK).step == 4
     assert main(TRAIN + ["--out", str(out), "--resume"]) == 0
@@ -289,7 +289,7 @@ def test_a_disk_that_fills_during_a_checkpoint_ends_in_one_line_and_the_named_co
     proc = run_cli(site, TRAIN + ["--out", str(out)], FULL_DISK.format(suffix="checkpoint.npz.tmp", nth=nth, keep=600))
     assert proc.returncode == 2
     line = one_line(proc.stderr)
-    assert line.startswith(f"python -m refimpl train: cannot write {out / 'checkpoint.npz.tmp'} (No space left on device); ")
+    assert line.startswith(f"python -m app train: cannot write {out / 'checkpoint.npz.tmp'} (No space left on device); ")
     if nth == 1:
         assert line.endswith("no checkpoint was written, so there is nothing to resume: run the same command again, without --resume")
         assert not out.exists()
@@ -309,7 +309,7 @@ def test_a_disk_that_fills_during_a_sweep_leaves_a_cut_row_that_the_rerun_drops(
     proc = run_cli(site, REGRESSION + ["--jobs", "1", "--out", str(out)], FULL_DISK.format(suffix="regression.csv", nth=1, keep=keep))
     assert proc.returncode == 2
     result = out / "regression.csv"
-    assert one_line(proc.stderr) == (f"python -m refimpl experiment regression: cannot write {result} (No space left on device); "
+    assert one_line(proc.stderr) == (f"python -m app experiment regression: cannot write {result} (No space left on device); "
                                      f"the finished points are in {result}: run the same command again to continue")
     assert not result.read_bytes().endswith(b"\n")  # the cut row
     assert len(sweep.read_results(load("regression"), result)) == 1
@@ -323,7 +323,7 @@ def test_a_disk_that_fills_during_a_sweep_leaves_a_cut_row_that_the_rerun_drops(
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc (Linux)")
 def test_sigterm_to_a_parallel_sweep_leaves_no_process_and_the_rerun_finishes(site, regression_csv, tmp_path):
     out = tmp_path / "sweep"
-    slow = SLOW.format(module="refimpl.experiments.regression", function="run_point", seconds=0.5)
+    slow = SLOW.format(module="app.experiments.regression", function="run_point", seconds=0.5)
     proc = start_cli(site, REGRESSION + ["--jobs", "2", "--out", str(out)], slow, tmp_path / "output")
     below = []
     try:
@@ -341,7 +341,7 @@ def test_sigterm_to_a_parallel_sweep_leaves_no_process_and_the_rerun_finishes(si
             os.kill(p, signal.SIGKILL)  # what a failed run left: not left to the next test
     result = out / "regression.csv"
     assert one_line((tmp_path / "output").read_text()) == (
-        f"python -m refimpl experiment regression: interrupted; the finished points are in {result}: run the same command "
+        f"python -m app experiment regression: interrupted; the finished points are in {result}: run the same command "
         "again to continue")
     assert 1 <= len(sweep.read_results(load("regression"), result)) < 4
     assert main(REGRESSION + ["--jobs", "1", "--out", str(out)]) == 0
@@ -351,7 +351,7 @@ def test_sigterm_to_a_parallel_sweep_leaves_no_process_and_the_rerun_finishes(si
 @pytest.mark.parametrize("when", ["after a checkpoint", "before the first checkpoint"])
 def test_sigterm_mid_training_stops_cleanly_and_the_named_command_finishes(site, reference, tmp_path, when):
     out = tmp_path / "run"
-    slow = SLOW.format(module="refimpl.model", function="loss_and_grads", seconds=0.15)
+    slow = SLOW.format(module="app.model", function="loss_and_grads", seconds=0.15)
     proc = start_cli(site, TRAIN + ["--out", str(out)], slow, tmp_path / "output")
     try:
         rows_wanted = 6 if when == "after a checkpoint" else 1  # checkpoints at 4, 8, 12
@@ -363,12 +363,12 @@ def test_sigterm_mid_training_stops_cleanly_and_the_named_command_finishes(site,
             proc.kill()
     line = one_line((tmp_path / "output").read_text())
     if when == "after a checkpoint":
-        assert line == (f"python -m refimpl train: interrupted; the last checkpoint is {out / 'checkpoint.npz'}: continue "
+        assert line == (f"python -m app train: interrupted; the last checkpoint is {out / 'checkpoint.npz'}: continue "
                         "with the same options and --resume")
         assert train.load_checkpoint(out / "checkpoint.npz", QUICK).step in (4, 8)
         assert main(TRAIN + ["--out", str(out), "--resume"]) == 0
     else:
-        assert line == ("python -m refimpl train: interrupted; no checkpoint was written, so there is nothing to resume: run "
+        assert line == ("python -m app train: interrupted; no checkpoint was written, so there is nothing to resume: run "
                         "the same command again, without --resume")
         assert not out.exists()
         assert main(TRAIN + ["--out", str(out)]) == 0
@@ -377,7 +377,7 @@ def test_sigterm_mid_training_stops_cleanly_and_the_named_command_finishes(site,
 
 def test_sigkill_before_the_first_checkpoint_can_be_restarted_and_resume_says_how(site, reference, tmp_path, capsys):
     out = tmp_path / "run"
-    slow = SLOW.format(module="refimpl.model", function="loss_and_grads", seconds=0.15)
+    slow = SLOW.format(module="app.model", function="loss_and_grads", seconds=0.15)
     proc = start_cli(site, TRAIN + ["--out", str(out)], slow, tmp_path / "output")
     try:
         wait_for(lambda: data_rows(out / "log.csv") >= 1, proc)

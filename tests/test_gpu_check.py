@@ -249,8 +249,8 @@ def test_a_bad_out_is_refused_in_one_line_with_exit_status_2(tmp_path, capsys, m
 
 
 def test_a_bad_out_is_refused_where_refimpl_cannot_be_imported(tmp_path, monkeypatch):
-    """A Python without refimpl's dependencies still gets the same one-line refusal (the check reads refimpl/files.py)."""
-    monkeypatch.setitem(sys.modules, "refimpl.files", None)  # `from refimpl.files import ...` raises ImportError
+    """A Python without refimpl's dependencies still gets the same one-line refusal (the check reads refimpl/validation.py)."""
+    monkeypatch.setitem(sys.modules, "refimpl.validation", None)  # `from refimpl.validation import ...` raises ImportError
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(ValueError, match=r"--out: .*file\.txt is a file, not a folder"):
         check.run_check(tmp_path / "file.txt", dry_run=True)

@@ -98,7 +98,7 @@ def test_the_student_build_has_no_answers_and_its_checks_work(tmp_path):
     leaked = [f for f in files if "solutions/" in f or "hidden_" in f or "/keys/" in f]
     assert not leaked, f"the student build holds answers: {leaked}"
     assert {"tutorials/_course.py", "tutorials/_exercises_04.py", "tutorials/04_gma_gradients.ipynb",
-            "refimpl/gma.py", "pyproject.toml", "Makefile", "constraints/cuda13.txt"} <= set(files)
+            "refimpl/gma.py", "app/model.py", "pyproject.toml", "Makefile", "constraints/cuda13.txt"} <= set(files)
     # the instructor build keeps them
     instructor = course.build(tmp_path / "instructor", student=False)
     assert (instructor / "tutorials" / "solutions" / "hidden_04.py").exists()

@@ -1,10 +1,11 @@
-"""refimpl.interpret: usage, usage entropy, NMI (against scikit-learn), the report, the gradient-bound ratios."""
+"""app.interpret: usage, usage entropy, NMI (against scikit-learn), the report, the gradient-bound ratios."""
 
 import numpy as np
 import pytest
 from sklearn.metrics import normalized_mutual_info_score
 
-from refimpl import gmm, interpret
+from refimpl import gmm
+from app import interpret
 
 B, H, N, K, D_R = 3, 2, 11, 6, 4
 

@@ -1,9 +1,10 @@
-"""refimpl.layers: the multi-head GMA layer against a per-head composition, finite differences and causality."""
+"""app.layers: the multi-head GMA layer against a per-head composition, finite differences and causality."""
 
 import numpy as np
 import pytest
 
-from refimpl import gma, gmm, layers
+from refimpl import gma, gmm
+from app import layers
 from refimpl.gradcheck import numerical_gradient
 from refimpl.testing import TOL, assert_close_f32
 

@@ -39,7 +39,7 @@ LESSON_10 = _markdown(TUTORIALS / "10_training_gma.py")
 
 def test_lesson_10_does_not_claim_that_unused_components_stay_dead():
     assert "would stay dead" not in LESSON_10
-    assert "AdamW divides by" in LESSON_10 and "refimpl.optim.adam_step" in LESSON_10
+    assert "AdamW divides by" in LESSON_10 and "app.optim.adam_step" in LESSON_10
 
 
 def test_lesson_10_counts_the_token_types_right():

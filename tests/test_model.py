@@ -1,11 +1,12 @@
-"""refimpl.model: every piece and the whole model against central differences, determinism, causality, errors."""
+"""app.model: every piece and the whole model against central differences, determinism, causality, errors."""
 
 import numpy as np
 import pytest
 from scipy import special
 
-from refimpl import gmm, layers
-from refimpl import model as M
+from refimpl import gmm
+from app import layers
+from app import model as M
 from refimpl.testing import GRAD_TOL
 
 H_STEP = 1e-6

@@ -1,11 +1,11 @@
-"""refimpl.optim: AdamW against a hand-computed example and a loop implementation, clipping, decay, purity, errors."""
+"""app.optim: AdamW against a hand-computed example and a loop implementation, clipping, decay, purity, errors."""
 
 import math
 
 import numpy as np
 import pytest
 
-from refimpl import optim
+from app import optim
 
 
 def test_two_steps_by_hand():

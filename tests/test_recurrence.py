@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from refimpl import gma, gmm, layers, scan
+from refimpl import gma, gmm, scan
+from app import layers
 from refimpl.testing import TOL, assert_grads_close, fd_gradients
 
 DTYPES = [np.float64, np.float32]

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from refimpl import attention, gma, gmm, gmr, layers, ovq
+from refimpl import attention, gma, gmm, gmr, ovq
+from app import layers
 from refimpl.testing import assert_close_f32
 
 EPS64 = np.finfo(np.float64).eps

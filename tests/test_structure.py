@@ -1,12 +1,13 @@
 """The shape of the reference: one home for each idea, cores a kernel can mirror, a self-contained repository.
 
-* No module of ``refimpl`` imports a private (``_``-prefixed) name from
-  another module: what is shared has a public home.
+* No module of ``refimpl`` or ``app`` imports a private (``_``-prefixed) name
+  from another module: what is shared has a public home.
 * No core raises.  A core is a ``_``-prefixed function that is not a
   ``_check_*`` validator, or a public function whose docstring starts with
   "Core"; checks happen once, at the public boundary, on what the cores return.
 * No file of the repository points to a file outside it.
 * ``import refimpl`` does not import numba (a GPU dependency, not the reference's).
+* No public function of ``refimpl`` or ``app`` is longer than 60 lines.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = sorted((ROOT / "refimpl").rglob("*.py"))
+MODULES = sorted((ROOT / "refimpl").rglob("*.py")) + sorted((ROOT / "app").rglob("*.py"))
 
 
 def _ids(paths):
@@ -188,7 +189,7 @@ def test_the_loop_oracle_uses_nothing_of_the_code_it_checks():
 # ---------------------------------------------------------------------------
 
 #: The modules that state the mechanisms and their theory: read to check a formula, so kept plain.  (The
-#: model built on them, refimpl.layers and refimpl.model, runs on refimpl.tuned; the argument checks of every
+#: model built on them, app.layers and app.model, runs on refimpl.tuned or cpu; the argument checks of every
 #: public function are in refimpl.validation.)
 SPEC_MODULES = ("numerics", "gmm", "scan", "attention", "gma", "ovq", "ovq_oracle", "gmr", "theory")
 #: The most calls a public function of a spec module may go through to reach its math.
@@ -371,6 +372,54 @@ def structure_report(root: Path = ROOT) -> str:
         deep = ", ".join(f"{f} {depth[(mod, f)]}" for f in _public_functions(root, mod) if depth[(mod, f)] > 1)
         lines.append(f"{mod:<12} {checking:>4}/{total:<4} {checking / max(total, 1):>5.0%}   {deep}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# No public function longer than a screen
+# ---------------------------------------------------------------------------
+
+#: The package folders (relative to the repository root) whose modules, recursively, the length rule covers.
+LENGTH_RULE_PACKAGES = ("refimpl", "app")
+#: The most lines a public function's body may take, from its first statement after the docstring to its last line.
+MAX_PUBLIC_BODY_LINES = 60
+
+
+def _public_body_lengths(tree) -> dict:
+    """``{name: lines}`` of the public functions of a module and the public methods of its classes (``Class.name``).
+
+    The body is counted from the first statement after the docstring to the
+    function's last line, blank lines and comments inside it included.
+    """
+    def length(func):
+        body = func.body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            body = body[1:]
+        return func.end_lineno - body[0].lineno + 1 if body else 0
+
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    found = {node.name: length(node) for node in tree.body if isinstance(node, functions) and not node.name.startswith("_")}
+    for cls in (node for node in tree.body if isinstance(node, ast.ClassDef)):
+        found |= {f"{cls.name}.{m.name}": length(m) for m in cls.body if isinstance(m, functions) and not m.name.startswith("_")}
+    return found
+
+
+def test_no_public_function_body_is_longer_than_60_lines():
+    """Every public function of the covered packages fits a screen: at most 60 lines after its docstring."""
+    # the measure sees what it measures: 61 lines after a docstring of three, 60 without one; private functions are free
+    toy = ('def long(x):\n    """A docstring\n\n    of three lines."""\n' + "    x += 1\n" * 60 + "    return x\n"
+           + "def short(x):\n" + "    x += 1\n" * 59 + "    return x\n"
+           + "def _private(x):\n" + "    x += 1\n" * 70 + "    return x\n"
+           + "class Toy:\n    def method(self):\n        '''Doc.'''\n" + "        pass\n" * 61)
+    lengths = _public_body_lengths(ast.parse(toy))
+    assert lengths == {"long": 61, "short": 60, "Toy.method": 61}
+    assert [name for name, n in lengths.items() if n > MAX_PUBLIC_BODY_LINES] == ["long", "Toy.method"]
+    paths = [p for package in LENGTH_RULE_PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
+    assert len(paths) >= 15 and ROOT / "refimpl" / "tuned.py" in paths and ROOT / "refimpl" / "ovq_oracle.py" in paths
+    offenders = {}
+    for path in paths:
+        lengths = _public_body_lengths(ast.parse(path.read_text(), filename=str(path)))
+        offenders |= {f"{path.relative_to(ROOT)}:{name}": n for name, n in lengths.items() if n > MAX_PUBLIC_BODY_LINES}
+    assert not offenders, f"public functions longer than {MAX_PUBLIC_BODY_LINES} lines (split them into named steps): {offenders}"
 
 
 if __name__ == "__main__":

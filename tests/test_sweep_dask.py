@@ -1,8 +1,8 @@
 """Experiment sweeps on a real dask cluster: ``--scheduler local:N`` and addresses, and a worker killed mid-sweep.
 
 Each test starts a ``LocalCluster`` of worker processes that talk TCP on
-127.0.0.1 (``python -m refimpl experiment NAME --scheduler local:2``, or
-:func:`refimpl.experiments.sweep.run` with ``scheduler=``), as a sweep on a
+127.0.0.1 (``python -m app experiment NAME --scheduler local:2``, or
+:func:`app.experiments.sweep.run` with ``scheduler=``), as a sweep on a
 lab's cluster would, only with the scheduler and the workers on this machine.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from refimpl.experiments import load, sweep
+from app.experiments import load, sweep
 
 pytest.importorskip("distributed")
 
@@ -31,7 +31,7 @@ TESTS = Path(__file__).resolve().parent
 
 def _experiment(*argv, out):
     return subprocess.run(
-        [sys.executable, "-m", "refimpl", "experiment", "regression", "--quick", "--seeds", "1", "--no-progress",
+        [sys.executable, "-m", "app", "experiment", "regression", "--quick", "--seeds", "1", "--no-progress",
          "--out", str(out), *argv],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )

@@ -1,4 +1,4 @@
-"""refimpl.tasks: ListOps-mini against a recursive oracle, its limits and splits; the Markov source and its entropy rate."""
+"""app.tasks: ListOps-mini against a recursive oracle, its limits and splits; the Markov source and its entropy rate."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 import numpy as np
 import pytest
 
-from refimpl import tasks
+from app import tasks
 
 # ----------------------------------------------------------------------------- a recursive oracle, from the text
 

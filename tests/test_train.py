@@ -1,4 +1,4 @@
-"""refimpl.train and ``python -m refimpl train``: a run end to end, resumption bit for bit, refused checkpoints and options."""
+"""app.train and ``python -m app train``: a run end to end, resumption bit for bit, refused checkpoints and options."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from refimpl import train
-from refimpl.__main__ import main
+from app import train
+from app.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = train.quick_config()  # 12 steps, evaluations at 4, 8, 12
@@ -48,7 +48,7 @@ def reference(tmp_path_factory):
 
 def test_the_command_line_runs_quick_end_to_end(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "refimpl", "train", "--task", "listops", "--mixer", "gma", "--quick", "--no-progress",
+        [sys.executable, "-m", "app", "train", "--task", "listops", "--mixer", "gma", "--quick", "--no-progress",
          "--out", str(tmp_path)],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
@@ -456,7 +456,7 @@ def test_a_damaged_log_is_refused_naming_the_file_and_line_and_nothing_changes(s
         train.train(QUICK, out, resume=True, progress=False)
     code = main(["train", "--task", "listops", "--mixer", "gma", "--quick", "--no-progress", "--out", str(out), "--resume"])
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("python -m refimpl train: log: ") and len(err.strip().splitlines()) == 1
+    assert code == 2 and err.startswith("python -m app train: log: ") and len(err.strip().splitlines()) == 1
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
@@ -488,7 +488,7 @@ def test_a_diverging_run_names_the_option_and_leaves_nothing(tmp_path, capsys, a
         out.mkdir()
     assert main(TRAIN + ["--out", str(out), *argv]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"python -m refimpl train: {message}") and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"python -m app train: {message}") and len(err.strip().splitlines()) == 1, err
     assert (list(out.iterdir()) == []) if exists else not out.exists()
 
 
@@ -577,7 +577,7 @@ def test_a_checkpoint_that_cannot_be_written_ends_with_one_line_and_the_run_resu
     out = tmp_path / "run"
     assert main(TRAIN + ["--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"python -m refimpl train: cannot write {out / 'checkpoint.npz.tmp'} (No space left on device); ")
+    assert err.startswith(f"python -m app train: cannot write {out / 'checkpoint.npz.tmp'} (No space left on device); ")
     assert len(err.strip().splitlines()) == 1
     monkeypatch.undo()
     if failing_step == 4:  # the first checkpoint: nothing to resume, nothing left
@@ -593,7 +593,7 @@ def test_a_checkpoint_that_cannot_be_written_ends_with_one_line_and_the_run_resu
 @pytest.mark.parametrize("clip", [1.0, 0.0])
 def test_every_step_is_adamw_with_the_runs_schedule_decay_and_clipping(tmp_path, monkeypatch, clip):
     """The optimiser gets the learning rate of the step's schedule, the decay, and the clip (0: none)."""
-    from refimpl import optim
+    from app import optim
 
     config = QUICK._replace(steps=6, clip=clip, weight_decay=0.05)
     calls, adam_step = [], optim.adam_step
@@ -614,7 +614,7 @@ def test_every_step_is_adamw_with_the_runs_schedule_decay_and_clipping(tmp_path,
 
 def test_an_update_that_leaves_a_parameter_non_finite_stops_the_run_before_its_checkpoint(tmp_path, monkeypatch):
     """A NaN that the update puts into a parameter is a divergence at that step, never written into a checkpoint."""
-    from refimpl import optim
+    from app import optim
 
     adam_step = optim.adam_step
 

@@ -23,7 +23,8 @@ import pytest
 from scipy import special
 
 import gpu
-from refimpl import attention, gma, gmm, gmr, interpret, layers, model, optim, ovq, ovq_oracle, scan, tasks, theory, train
+from refimpl import attention, gma, gmm, gmr, ovq, ovq_oracle, scan, theory
+from app import interpret, layers, model, optim, tasks, train
 from refimpl.testing import TOL
 
 
@@ -1238,3 +1239,80 @@ def test_float32_in_float32_out(cid, fn, make):
             assert np.array_equal(np.isfinite(o), finite)
             scale = max(1.0, float(np.max(np.abs(r[finite]), initial=0.0)))
             np.testing.assert_allclose(o[finite], r[finite], rtol=TOL[np.float32]["rtol"], atol=TOL[np.float32]["atol"] * scale)
+
+
+# ---------------------------------------------------------------------------
+# Checked once, at the boundary: the checks live in refimpl.validation, the chunk loops call cores
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", [gma, ovq, gmm], ids=lambda m: m.__name__)
+def test_the_mechanisms_leave_their_checks_to_validation(module):
+    """gma, ovq and gmm raise nothing themselves and define no ``_check_*`` helper: every check is a call into validation."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(module))
+    raises = [n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Raise, ast.Assert))]
+    helpers = [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("_check")]
+    assert not raises and not helpers, (raises, helpers)
+
+
+def test_the_ovq_and_vq_chunk_loops_do_not_check_again(monkeypatch):
+    """The running means of every chunk go through gmm's core: check_running_mean is never called inside the loops."""
+    from refimpl import validation
+
+    calls = []
+    original = validation.check_running_mean
+    monkeypatch.setattr(validation, "check_running_mean", lambda *a: calls.append(1) or original(*a))
+    qkv = _qkv(N=40)
+    out, state = ovq.ovq_attention(**qkv, max_size=6, chunk_size=4, return_state=True)
+    ovq.ovq_attention_forward(**qkv, max_size=6, chunk_size=4, state=state)
+    ovq.vq_attention(**qkv, codebook=np.eye(3), chunk_size=4)
+    gmm.kmeans_step(qkv["q"], qkv["q"][:3])
+    assert calls == []
+    gmm.running_mean_update(np.zeros((2, 3)), np.zeros(2, np.int64), qkv["q"], np.arange(40) % 2)
+    assert calls == [1]
+
+
+def test_the_running_mean_core_is_the_public_rule():
+    """gmm.fold_running_means gives the bits of gmm.running_mean_update on checked arguments, integer or float counts."""
+    rng = np.random.default_rng(5)
+    means, x = rng.normal(size=(4, 3)), rng.normal(size=(50, 3))
+    assignments = rng.integers(0, 4, size=50)
+    for counts in (np.array([0, 3, 1, 0]), np.array([0.0, 2.0, 0.0, 5.0])):
+        for a, b in zip(gmm.running_mean_update(means, counts, x, assignments), gmm.fold_running_means(means, counts, x, assignments)):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b)
+
+
+def test_the_row_blocks_come_from_numerics_block_rows(monkeypatch):
+    """gmm.log_joint and GMA's responsibility backward size their row blocks by numerics.block_rows, K d numbers a row."""
+    from refimpl import numerics
+
+    asked = []
+    original = numerics.block_rows
+    monkeypatch.setattr(numerics, "block_rows", lambda row_bytes: asked.append(row_bytes) or original(row_bytes))
+    a = _gma_args()
+    K, d_r = a["means"].shape
+    gmm.log_joint(a["x_q"], a["means"], a["variances"], np.log(a["weights"]))
+    assert asked == [K * d_r * 8]
+    asked.clear()
+    out, cache = gma.gma_forward(a["x_q"], a["x_k"], a["v"], a["means"], np.zeros((K, d_r)), np.zeros(K))
+    assert asked == [K * d_r * 8] * 2  # the forward's log joint, of the queries and of the keys
+    asked.clear()
+    gma.gma_backward(np.ones_like(out), cache)
+    assert asked == [K * d_r * 8] * 2
+
+
+def test_a_state_file_that_breaks_an_invariant_names_the_file_and_keeps_the_cause(tmp_path):
+    """validation.check_loaded_state: the constructor's error becomes a ValueError naming the file, chained to it."""
+    for state, field, bad in ((gma.GMAState.empty(3, 2), "norms", -np.ones(3)), (ovq.OVQState.empty(4, 3, 2), "size", np.array(9))):
+        path = tmp_path / f"{type(state).__name__}.npz"
+        state.save(path)
+        fields = dict(np.load(path))
+        fields[field] = bad
+        np.savez(path, **fields)
+        with pytest.raises(ValueError, match=rf"^{path}: invalid {type(state).__name__}: {field}: expected") as info:
+            type(state).load(path)
+        assert isinstance(info.value.__cause__, ValueError)

@@ -30,8 +30,8 @@ def test_required_foundation_checks_are_registered():
 
 
 def test_a_failing_or_crashing_check_is_reported_and_sets_the_exit_code(monkeypatch, capsys):
-    reg = dict(verify._REGISTRY)
-    monkeypatch.setattr(verify, "_REGISTRY", reg)
+    # registry() imports the checks first: imported into the copy, they would be lost for the tests that follow
+    monkeypatch.setattr(verify, "_REGISTRY", verify.registry())
     verify.register("zz.too_big", "an error above its tolerance", tol=1e-3)(lambda: 1.0)
     verify.register("zz.nan", "a NaN error never passes", tol=1.0)(lambda: float("nan"))
 
@@ -46,7 +46,7 @@ def test_a_failing_or_crashing_check_is_reported_and_sets_the_exit_code(monkeypa
 
 
 def test_duplicate_names_and_bad_tolerances_are_refused(monkeypatch):
-    monkeypatch.setattr(verify, "_REGISTRY", dict(verify._REGISTRY))
+    monkeypatch.setattr(verify, "_REGISTRY", verify.registry())
     verify.register("zz.once", "first", tol=1.0)(lambda: 0.0)
     with pytest.raises(ValueError, match="already registered"):
         verify.register("zz.once", "second", tol=1.0)(lambda: 0.0)
@@ -80,3 +80,15 @@ def test_list_honours_the_pattern(capsys):
     assert main(["verify", "--list", "-k", "no-such-check"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "no check matches 'no-such-check'" in captured.err
+
+
+def test_json_holds_every_error_to_the_last_digit(capsys):
+    import json
+
+    assert main(["verify", "-k", "gmm.*", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    expected = {r.name: r for r in verify.run_checks("gmm.*")}
+    assert [r["check"] for r in records] == list(expected)
+    for r in records:
+        assert float(r["error"]) == expected[r["check"]].error  # repr round-trips the float exactly
+        assert r["tolerance"] == expected[r["check"]].tol and r["passed"] is True

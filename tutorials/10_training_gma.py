@@ -23,7 +23,7 @@
 # - check a hand-written backward against central finite differences, and
 #   justify the step and the tolerance;
 # - implement an AdamW step (bias correction, decoupled weight decay) and
-#   check it against `refimpl.optim`;
+#   check it against `app.optim`;
 # - train GMA's mixture by backpropagation and measure how its components
 #   are used (used components, usage entropy, NMI);
 # - check lesson 4's gradient bounds on a trained model.
@@ -38,16 +38,16 @@
 # Lessons 2 to 4 derived GMA's forward and backward. Here the Gaussian
 # mixture is *learned*: its means, variances and weights are trained by
 # backpropagation together with the rest of a small network, as in the GMA
-# paper, with every backward written by hand (`refimpl.model`) and an AdamW
-# optimiser (`refimpl.optim`). No deep-learning framework is involved.
+# paper, with every backward written by hand (`app.model`) and an AdamW
+# optimiser (`app.optim`). No deep-learning framework is involved.
 #
 # **The claims of this lesson.**
 #
-# 1. The multi-head GMA layer (`refimpl.layers`) is the mechanism of lesson 2
+# 1. The multi-head GMA layer (`app.layers`) is the mechanism of lesson 2
 #    run once per head between learned projections; its backward, assembled
 #    from GMA's backward and the projections', agrees with central finite
 #    differences in the input and in every parameter.
-# 2. The model's backward, assembled from the pieces of `refimpl.model`
+# 2. The model's backward, assembled from the pieces of `app.model`
 #    (embedding, positions, layer norm, the mixer, MLP, head, cross-entropy),
 #    is the gradient of the loss: a finite-difference check along a random
 #    direction in the space of *all* parameters agrees, for every mixer.
@@ -76,7 +76,8 @@ import numpy as np
 
 from matplotlib.colors import LogNorm
 
-from refimpl import gma, gmm, interpret, layers, model, optim, tasks, train
+from refimpl import gma, gmm
+from app import interpret, layers, model, optim, tasks, train
 from refimpl.gradcheck import numerical_gradient, relative_error
 
 SMALL = os.environ.get("TUTORIAL_SMALL", "0") not in ("", "0")
@@ -91,7 +92,7 @@ print(f"small sizes: {SMALL}")
 # them from the residual stream $X$ ($N\times d_{\text{model}}$, one row per
 # token) by learned projections, runs $H$ GMAs side by side (the *heads*,
 # each with its own mixture), and projects their outputs back
-# (`refimpl.layers`; derivation in `docs/derivations/layers.md`). For one
+# (`app.layers`; derivation in `docs/derivations/layers.md`). For one
 # sequence and head $\nu$ ($\nu = 1, \dots, H$; the letter $h$ is kept for the
 # finite-difference step below),
 #
@@ -119,7 +120,7 @@ print(f"small sizes: {SMALL}")
 # | output $Y$ | $B\times N\times d_{\text{model}}$ | times $W_O$ |
 #
 # Here is that forward written out with lesson 2's GMA, one head at a time,
-# against `refimpl.layers.multihead_gma_forward`, on a tiny layer (with
+# against `app.layers.multihead_gma_forward`, on a tiny layer (with
 # $d_r \ne d_h$, so that a block taken with the wrong width would show).
 
 # %%
@@ -153,7 +154,7 @@ def layer_forward(x, p, causal=False):
 for causal in (False, True):
     y_ref, _ = layers.multihead_gma_forward(x, lp, causal=causal, chunk_size=2)
     err = relative_error(layer_forward(x, lp, causal), y_ref)
-    print(f"causal={causal}: the layer written out against refimpl.layers, relative difference {err:.1e}")
+    print(f"causal={causal}: the layer written out against app.layers, relative difference {err:.1e}")
     assert err < 1e-13  # the same operations in the same order: only rounding, a few u
 
 # %% [markdown]
@@ -269,13 +270,13 @@ print(f"majority-class rate (train): {tasks.majority_rate(y_train):.3f}")
 # %% [markdown]
 # ## 4. Training, with the mixture's usage recorded along the way
 #
-# `refimpl.train` runs AdamW with warm-up, cosine decay, weight decay on the
+# `app.train` runs AdamW with warm-up, cosine decay, weight decay on the
 # weight matrices and clipping at global norm 1. A run can stop with a
 # checkpoint and resume bit for bit, so we train in segments and, between
 # them, measure how much of the validation tokens each component takes: the
 # mean responsibility $\bar\gamma_k$ over the non-padding tokens, first at
 # step 0 (the initial parameters, `model.init_params` with the run's seed, as
-# `refimpl.train` draws them), then after each segment.
+# `app.train` draws them), then after each segment.
 
 # %%
 if SMALL:
@@ -348,7 +349,7 @@ if not SMALL:
 # step, and such a component would indeed barely move. AdamW divides by
 # $\sqrt{\hat v}$: a gradient that is small but *consistent* in sign gets
 # $\hat m/(\sqrt{\hat v} + \delta) \approx g/(|g| + \delta)$, a step of nearly
-# the full learning rate. The cell below runs `refimpl.optim.adam_step` for
+# the full learning rate. The cell below runs `app.optim.adam_step` for
 # 100 steps on one parameter with the constant gradient $g = 10^{-7}$ at the
 # default learning rate $\eta = 3\times10^{-3}$: it moves by
 # $100\,\eta\, g/(g + \delta) = 0.27$ ($\delta = 10^{-8}$), where SGD with the
@@ -452,7 +453,7 @@ assert np.allclose(gamma_seq.sum(axis=1), 1.0)
 # **How high can the NMI be?** With $A$ the hard assignments and
 # $\mathrm{cat}$ the categories, $\mathcal H$ the entropy (in nats; not the head
 # count $H$), $\mathrm{NMI} = 2I(A;\mathrm{cat})/(\mathcal H(A) + \mathcal H(\mathrm{cat}))$
-# (the arithmetic normalisation of `refimpl.interpret`), and
+# (the arithmetic normalisation of `app.interpret`), and
 # $I(A;\mathrm{cat}) \le \mathcal H(\mathrm{cat})$, so
 #
 # $$\mathrm{NMI} \le \frac{2\,\mathcal H(\mathrm{cat})}{\mathcal H(A) + \mathcal H(\mathrm{cat})} .$$
@@ -549,8 +550,8 @@ for layer, (queries, keys) in enumerate(result.bounds):
 # prints that the exercise is not done yet, and a wrong answer stops with a
 # message that says what is wrong. You may use `refimpl.gma` and
 # `refimpl.gmm` inside your answers (the single-head GMA and its backward),
-# but not `refimpl.layers`, `refimpl.optim`, the loss functions and the
-# backwards of `refimpl.model` or `refimpl.gradcheck`: those are what the
+# but not `app.layers`, `app.optim`, the loss functions and the
+# backwards of `app.model` or `refimpl.gradcheck`: those are what the
 # checks compare with. Worked solutions
 # are in `tutorials/solutions/lesson_10.py`; try first.
 
@@ -566,7 +567,7 @@ from _course import check  # noqa: E402  (the exercises need it only here)
 # kept for the chunk length, as in the glossary) and write
 # `cross_entropy_grad(logits, targets)` returning it, shape
 # $(B, n_{\text{cls}})$ (`targets` holds the class ids $y_b$). The check uses logits of size up to $10^3$, so the softmax must
-# subtract each row's maximum, and compares with `refimpl.model` and with
+# subtract each row's maximum, and compares with `app.model` and with
 # central differences of the loss.
 
 # %%
@@ -589,9 +590,9 @@ check("10.1", cross_entropy_grad)
 #   \hat m = \frac{m}{1-\rho_1^t},\quad \hat v = \frac{v}{1-\rho_2^t},\quad
 #   \theta \leftarrow \theta - \eta\Bigl(\frac{\hat m}{\sqrt{\hat v}+\delta} + \lambda\theta\Bigr),$$
 #
-# with $\eta$ = `lr` and $\lambda$ = `weight_decay` (`refimpl.optim` names
+# with $\eta$ = `lr` and $\lambda$ = `weight_decay` (`app.optim` names
 # $\rho_1, \rho_2, \delta$ `beta1`, `beta2`, `eps`). The check runs three
-# steps against `refimpl.optim.adam_step`, with and without decay, on
+# steps against `app.optim.adam_step`, with and without decay, on
 # gradients from $10^{-7}$ to $10$ (where it matters whether $\delta$ is
 # added inside or outside the square root) and one entry with no gradient.
 # **Question 10.2.** Why must the decay stay out of $g$?
@@ -610,13 +611,13 @@ check("10.2", adamw_step)
 #
 # Write `multihead_forward(x, params)`: the bidirectional multi-head GMA
 # layer of section 1 on `x` ($B\times N\times d_{\text{model}}$), with
-# `params` a `refimpl.layers.MultiheadGMAParams` (fields `W_q`, `W_k`, `W_v`,
+# `params` a `app.layers.MultiheadGMAParams` (fields `W_q`, `W_k`, `W_v`,
 # `W_o`, `means`, `raw_variances`, `logits`), returning
 # $B\times N\times d_{\text{model}}$. Use `refimpl.gma.gma` for each (sequence,
 # head), with variances $\operatorname{softplus}(s) + \sigma^2_{\min}$
 # (`refimpl.gmm.variances_from_raw`) and weights $\operatorname{softmax}(a)$
 # (`refimpl.gmm.softmax`). Mind which columns belong to head $\nu$. The check
-# uses $Hd_v \ne d_{\text{model}}$ and compares with `refimpl.layers`.
+# uses $Hd_v \ne d_{\text{model}}$ and compares with `app.layers`.
 
 # %%
 def multihead_forward(x, params):
@@ -637,7 +638,7 @@ check("10.3", multihead_forward)
 # of what it differentiates. Run the forward with `refimpl.gma.gma_forward`
 # (it takes the raw variances and the logits and returns a cache), then
 # reverse the steps as in section 1, with `refimpl.gma.gma_backward` for each
-# (sequence, head). The check compares with `refimpl.layers`, itself checked
+# (sequence, head). The check compares with `app.layers`, itself checked
 # against central differences in section 1; to debug, compare one gradient
 # at a time with `numerical_gradient` as section 1 does.
 
@@ -661,14 +662,14 @@ check("10.4", multihead_backward)
 #   \operatorname{gelu}(z) = \tfrac12 z\bigl(1 + \tanh\bigl(\sqrt{2/\pi}\,(z + 0.044715\,z^3)\bigr)\bigr),$$
 #
 # mean and variance over the $d$ entries of each row, $\epsilon_{\mathrm{LN}}$ =
-# `refimpl.model.LN_EPS` $= 10^{-5}$. Derive $\operatorname{gelu}'$ and the
+# `app.model.LN_EPS` $= 10^{-5}$. Derive $\operatorname{gelu}'$ and the
 # Jacobian $\partial\hat x_j/\partial x_i$ of one row (hint: it has a
 # centring part and a part along $\hat x$), then write
 # `ln_gelu_backward(dy, x, gain, bias)` returning the gradients of
 # $L = \sum \mathtt{dy}\odot y$ as `(dx, dgain, dbias)`: `dx` of the shape of
 # `x` ($B\times N\times d$), `dgain` and `dbias` of shape $(d,)$, summed over
 # every row, since every row shares them. The check compares with
-# `refimpl.model`'s `layer_norm_backward` and `gelu_derivative` (which your
+# `app.model`'s `layer_norm_backward` and `gelu_derivative` (which your
 # answer may not call) and with central differences in `x`, `gain` and
 # `bias` (tolerance $10^{-6}$: `docs/floating_point.md`, section Lesson 10).
 

@@ -1,9 +1,9 @@
 """Checks of lesson 10's exercises (training GMA without a framework).
 
 Each check builds its own seeded inputs at small sizes, calls the answer
-and compares with an independent result: ``refimpl.model``'s cross-entropy
-backward and central finite differences, ``refimpl.optim.adam_step``, and
-``refimpl.layers``' multi-head forward and backward, ``refimpl.model``'s
+and compares with an independent result: ``app.model``'s cross-entropy
+backward and central finite differences, ``app.optim.adam_step``, and
+``app.layers``' multi-head forward and backward, ``app.model``'s
 layer norm and GELU backwards, and a loss whose gradient is known in closed
 form.  Each runs in well under a second.
 """
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from _course import exercise
-from refimpl import layers, model, optim
+from app import layers, model, optim
 from refimpl.gradcheck import numerical_gradient, relative_error
 
 
@@ -31,7 +31,7 @@ def _compare(got, expected, what, tol, **options):
     _hints.compare(got, expected, what, tol, relative=True, **options)
 
 
-@exercise("10.1", "The cross-entropy backward", 1, refuse=("refimpl.model.cross_entropy_backward",))
+@exercise("10.1", "The cross-entropy backward", 1, refuse=("app.model.cross_entropy_backward",))
 def check_cross_entropy_grad(cross_entropy_grad):
     """``cross_entropy_grad(logits, targets) -> dL/dlogits``, shape (B, C).
 
@@ -70,7 +70,7 @@ def check_cross_entropy_grad(cross_entropy_grad):
         got, numeric, factors={f"B = {B}, the number of rows": B})
 
 
-@exercise("10.2", "One AdamW step", 2, refuse=("refimpl.optim.adam_step",))
+@exercise("10.2", "One AdamW step", 2, refuse=("app.optim.adam_step",))
 def check_adamw_step(adamw_step):
     """``adamw_step(theta, g, m, v, t, lr, rho1, rho2, delta, weight_decay) -> (theta, m, v)``, each of theta's shape.
 
@@ -114,11 +114,11 @@ def check_adamw_step(adamw_step):
 
 
 @exercise("10.3", "The multi-head layer's forward", 2,
-          refuse=("refimpl.layers.multihead_gma", "refimpl.layers.multihead_gma_forward"))
+          refuse=("app.layers.multihead_gma", "app.layers.multihead_gma_forward"))
 def check_multihead_forward(multihead_forward):
     """``multihead_forward(x, params) -> y``: the bidirectional multi-head GMA layer, shape (B, N, d_model).
 
-    ``params`` is a ``refimpl.layers.MultiheadGMAParams`` (``W_q``, ``W_k``,
+    ``params`` is a ``app.layers.MultiheadGMAParams`` (``W_q``, ``W_k``,
     ``W_v``, ``W_o``, ``means``, ``raw_variances``, ``logits``); head ``h``
     uses the ``h``-th block of columns of the projections.
     """
@@ -145,7 +145,7 @@ def check_multihead_forward(multihead_forward):
 _GRAD_FIELDS = ("x",) + layers.MultiheadGMAParams._fields
 
 
-@exercise("10.4", "The multi-head layer's backward", 3, refuse=("refimpl.layers.multihead_gma_backward",))
+@exercise("10.4", "The multi-head layer's backward", 3, refuse=("app.layers.multihead_gma_backward",))
 def check_multihead_backward(multihead_backward):
     """``multihead_backward(grad_out, x, params) -> grads``: a dict with the keys x, W_q, W_k, W_v, W_o, means, raw_variances, logits.
 
@@ -181,7 +181,7 @@ import _hints  # noqa: E402  (tutorials/_hints.py: what a wrong answer's error p
 
 
 def _ln_gelu_reference(dy, x, gain, bias, *, inv_std=None, gelu_prime=None, project=True):
-    """(dx, dgain, dbias) from refimpl.model's layer norm and GELU, or with one step swapped for a named mistake."""
+    """(dx, dgain, dbias) from app.model's layer norm and GELU, or with one step swapped for a named mistake."""
     z, cache = model.layer_norm_forward(x, gain, bias)
     if inv_std is not None:  # the scaling 1 / sqrt(var + eps) replaced
         xc = x - x.mean(axis=-1, keepdims=True)
@@ -198,13 +198,13 @@ def _ln_gelu_reference(dy, x, gain, bias, *, inv_std=None, gelu_prime=None, proj
 
 
 @exercise("10.5", "The layer norm and GELU backward", 3,
-          refuse=("refimpl.model.layer_norm_backward", "refimpl.model.gelu_derivative", "refimpl.model.mlp_backward"))
+          refuse=("app.model.layer_norm_backward", "app.model.gelu_derivative", "app.model.mlp_backward"))
 def check_ln_gelu_backward(ln_gelu_backward):
     """``ln_gelu_backward(dy, x, gain, bias) -> (dx, dgain, dbias)`` for ``y = gelu(LN(x) gain + bias)``.
 
-    Layer norm over the last axis with ``refimpl.model.LN_EPS`` inside the
+    Layer norm over the last axis with ``app.model.LN_EPS`` inside the
     square root, GELU in its tanh form; ``dgain``, ``dbias`` summed over
-    every leading axis.  Compared with ``refimpl.model``'s backwards and
+    every leading axis.  Compared with ``app.model``'s backwards and
     with central differences in ``x``, ``gain`` and ``bias``.
     """
     from scipy.special import ndtr
@@ -217,7 +217,7 @@ def check_ln_gelu_backward(ln_gelu_backward):
     out = ln_gelu_backward(dy.copy(), x.copy(), gain.copy(), bias.copy())
     assert isinstance(out, tuple) and len(out) == 3, "return the tuple (dx, dgain, dbias)"
     expected = _ln_gelu_reference(dy, x, gain, bias)
-    # wrong results the check can name, each computed from refimpl.model's pieces with one step swapped
+    # wrong results the check can name, each computed from app.model's pieces with one step swapped
     known = {
         "the scaling's projection term xhat mean(g xhat) is missing from dx (only the centring's Jacobian)":
             _ln_gelu_reference(dy, x, gain, bias, project=False),

@@ -5,7 +5,7 @@ For the instructor only: it reads the hidden cases of ``tutorials/solutions/hidd
 
 Grading one lesson's submissions (:func:`grade`) follows nbgrader's ``autograde``:
 
-1. a student build of the course (:func:`course.build`, no ``solutions/``) is made
+1. a student build of the course (:func:`course_build.build`, no ``solutions/``) is made
    in the output folder; each submission's kernel gets its ``tutorials/`` on
    ``PYTHONPATH``, so ``import _course`` resolves wherever the notebook was saved,
    and the worked solutions are not importable from the student's code;
@@ -331,7 +331,7 @@ def execute_submission(notebook: Path, lesson: int, names: dict[str, str], tutor
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
-    import course
+    import course_build
 
     lesson_stem = lesson_script(lesson).stem
     sub = Submission(student_name(notebook, lesson_stem), str(notebook))
@@ -356,7 +356,7 @@ def execute_submission(notebook: Path, lesson: int, names: dict[str, str], tutor
 
     path = os.pathsep.join(filter(None, [str(tutorials), os.environ.get("PYTHONPATH")]))
     with _environment(PYTHONPATH=path, TUTORIAL_SMALL="1" if small else "0", MPLBACKEND="Agg"):
-        client = NotebookClient(nb, kernel_name="python3", kernel_manager_class=course.this_interpreter_kernel(),
+        client = NotebookClient(nb, kernel_name="python3", kernel_manager_class=course_build.this_interpreter_kernel(),
                                 timeout_func=timeout_func, allow_errors=True, interrupt_on_timeout=True,
                                 startup_timeout=120, resources={"metadata": {"path": str(workdir)}})
         try:
@@ -405,13 +405,13 @@ def write_gradebook(lesson: int, submissions: list[Submission], out: Path) -> Pa
 def grade(lesson: int, notebooks: list[Path], out: Path, cell_timeout: float = 300, time_limit: float = 60,
           small: bool = True) -> Path:
     """Grade the submitted notebooks of lesson ``lesson`` into ``out/lesson_NN.csv``; return its path."""
-    import course
+    import course_build
 
     out = Path(out).resolve()
     build_dir = out / "course"
     if build_dir.exists():
         shutil.rmtree(build_dir)
-    course.build(build_dir, student=True)
+    course_build.build(build_dir, student=True)
     tutorials = build_dir / "tutorials"
     names = answer_names(lesson)
     submissions = []

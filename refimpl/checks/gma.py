@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import gma, gmm, layers
+from .. import gma, gmm
 from ..gradcheck import numerical_gradient, relative_error
 from ..testing import GMA_FIELDS, gma_problem
 from ..verify import register
@@ -96,35 +96,6 @@ def _fd_bidirectional():
 )
 def _fd_causal():
     return _fd_error(_named_problem(21, 10, 10, 3, 2, 3), causal=True, chunk_size=4)
-
-
-@register(
-    "gma.multihead_backward_vs_fd",
-    "multihead_gma_backward: directional derivative along a random direction per parameter == central differences",
-    tol=1e-7,
-)
-def _fd_layer():
-    rng = np.random.default_rng(30)
-    params = layers.init_multihead_gma(6, 2, 3, 2, 4, seed=31)
-    params = layers.MultiheadGMAParams(*(a + 0.3 * rng.normal(size=a.shape) for a in params))
-    x = rng.normal(size=(2, 9, 6))
-    worst = 0.0
-    for causal in (False, True):
-        out, cache = layers.multihead_gma_forward(x, params, causal=causal, chunk_size=4)
-        g = rng.normal(size=out.shape)
-        grads = layers.multihead_gma_backward(g, cache)
-        args = [x, *params]
-        h = 1e-6
-        for i, arr in enumerate(args):
-            direction = rng.normal(size=arr.shape)
-            plus, minus = list(args), list(args)
-            plus[i], minus[i] = arr + h * direction, arr - h * direction
-            f_plus = layers.multihead_gma(plus[0], layers.MultiheadGMAParams(*plus[1:]), causal=causal, chunk_size=4)
-            f_minus = layers.multihead_gma(minus[0], layers.MultiheadGMAParams(*minus[1:]), causal=causal, chunk_size=4)
-            fd = np.sum(g * (f_plus - f_minus)) / (2 * h)
-            analytic = np.sum(grads[i] * direction)
-            worst = max(worst, abs(analytic - fd) / max(abs(fd), 1e-12))
-    return float(worst)
 
 
 @register("gma.float32_vs_float64", "float32 gma (both variants) relative to the float64 result", tol=1e-5)

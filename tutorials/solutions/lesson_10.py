@@ -77,7 +77,7 @@ def multihead_forward(x, params):
 
 
 def multihead_backward(grad_out, x, params):
-    """The gradients of L = sum(grad_out * y) for the bidirectional layer, as a dict keyed like refimpl.layers' grads.
+    """The gradients of L = sum(grad_out * y) for the bidirectional layer, as a dict keyed like app.layers' grads.
 
     Forward again (keeping each head's cache), then in reverse: Y = O W_O,
     each head's GMA backward (the mixture's gradients summed over the
@@ -239,7 +239,7 @@ NEAR_MISSES = {
 # 10.5 The layer norm and GELU backward
 # ---------------------------------------------------------------------------
 
-_LN_EPS = 1e-5  # refimpl.model.LN_EPS
+_LN_EPS = 1e-5  # app.model.LN_EPS
 _GELU_C, _GELU_A = float(np.sqrt(2.0 / np.pi)), 0.044715
 
 

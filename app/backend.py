@@ -9,7 +9,7 @@ Both give the same results to rounding (``tests/test_backend.py``).  The
 choice, in order: :func:`use`, else the environment variable
 ``REFIMPL_BACKEND`` (which the worker processes of an experiment inherit),
 else ``"numba"`` when numba is installed and ``"numpy"`` otherwise.
-``python -m refimpl train`` and ``python -m refimpl experiment`` take
+``python -m app train`` and ``python -m app experiment`` take
 ``--backend numpy|numba``.
 """
 
@@ -86,7 +86,7 @@ def kernels(name=None) -> Kernels:
             a.linear_attention_forward, a.linear_attention_backward, o.ovq_attention, o.ovq_attention_forward,
             o.ovq_attention_backward, o.vq_attention, True,
         )
-    from . import attention as a, ovq as o, tuned as g
+    from refimpl import attention as a, ovq as o, tuned as g
 
     return Kernels(
         name, g.gma, g.gma_forward, g.gma_backward, a.softmax_attention_forward, a.softmax_attention_backward,

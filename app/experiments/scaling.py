@@ -60,7 +60,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from refimpl import attention, ovq
-# NumPy's kernels whatever refimpl.backend says: tracemalloc sees NumPy's buffers, not those Numba allocates
+# NumPy's kernels whatever app.backend says: tracemalloc sees NumPy's buffers, not those Numba allocates
 from refimpl import tuned as gma
 
 __all__ = [

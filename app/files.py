@@ -1,11 +1,11 @@
-"""The files that ``python -m refimpl train`` and ``python -m refimpl experiment`` write and read back.
+"""The files that ``python -m app train`` and ``python -m app experiment`` write and read back.
 
 Both commands write into one output folder (``--out``) and read their own
 CSV files back when they resume.  This module holds what they share:
 
-* :func:`check_out_folder`: the folder is refused, before anything is
-  written, when it is an empty path, a file, a path below a file, or not
-  writable;
+* the folder itself is checked by :func:`refimpl.validation.check_out_folder`
+  (refused, before anything is written, when it is an empty path, a file, a
+  path below a file, or not writable);
 * :func:`read_csv`: a CSV file as text rows with their line numbers, read as
   UTF-8.  A last line without its newline is the row a kill or a full disk
   cut short: it is left out (the caller recomputes it), never read as
@@ -21,64 +21,10 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
-import os
-import stat
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["CsvFile", "check_out_folder", "read_csv", "naming", "progress_bar"]
-
-
-def check_out_folder(out, name: str = "out") -> Path:
-    """The output folder ``out`` as a :class:`~pathlib.Path`, refused unless it is or can become a writable folder.
-
-    Nothing is created: the folder may not exist yet, but its nearest
-    existing ancestor must then be a writable folder.
-
-    Parameters
-    ----------
-    out : str or os.PathLike
-        The folder.  An empty string is refused (it is not taken as the
-        current folder).
-    name : str, default "out"
-        The argument's name in the messages.
-
-    Returns
-    -------
-    pathlib.Path
-
-    Raises
-    ------
-    ValueError
-        ``out`` is empty, is a file, lies below a file, or is (or would be
-        created in) a folder that is not writable.
-    TypeError
-        ``out`` is not a path.
-    """
-    if isinstance(out, bytes) or not isinstance(out, (str, os.PathLike)):
-        raise TypeError(f"{name}: expected a folder path, got {type(out).__name__}")
-    if not str(os.fspath(out)).strip():
-        raise ValueError(f"{name}: expected a folder, got an empty path {os.fspath(out)!r}; pass a folder such as results/run")
-    path = Path(out)
-    probe = path
-    while True:
-        try:
-            mode = os.stat(probe).st_mode
-            break
-        except (FileNotFoundError, NotADirectoryError):
-            if probe.parent == probe:
-                raise ValueError(f"{name}: {path} cannot be created: no part of it exists") from None
-            probe = probe.parent
-        except OSError as err:
-            raise ValueError(f"{name}: cannot inspect {probe} ({err.strerror or err})") from None
-    if not stat.S_ISDIR(mode):
-        if probe == path:
-            raise ValueError(f"{name}: {path} is a file, not a folder; pass a folder")
-        raise ValueError(f"{name}: {path} lies below {probe}, which is a file, not a folder; pass a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        where = f"{path}" if probe == path else f"{probe}, where {path} would be created,"
-        raise ValueError(f"{name}: {where} is not writable (permission denied); pass a folder you can write to")
-    return path
+__all__ = ["CsvFile", "read_csv", "naming", "progress_bar"]
 
 
 class CsvFile(NamedTuple):

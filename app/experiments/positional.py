@@ -1,10 +1,10 @@
 r"""Why OVQ trails full attention on positional recall: ablations and what the read-out is made of.
 
-``python -m refimpl experiment positional [--quick] [--seeds N] [--jobs J | --scheduler S]``
+``python -m app experiment positional [--quick] [--seeds N] [--jobs J | --scheduler S]``
 
 The question
 ------------
-On the positional task of :mod:`~refimpl.experiments.recall`, OVQ recalls
+On the positional task of :mod:`~app.experiments.recall`, OVQ recalls
 0.65-0.74 where full attention recalls 0.93-0.96, and without its count
 bias it falls from 0.87 at ``T = 1024`` to 0.28 at ``T = 65,536``.  The task
 asks for the *most recent* value of a base key: the same base key was bound
@@ -47,7 +47,7 @@ from __future__ import annotations
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from ..ovq import ovq_attention
+from refimpl.ovq import ovq_attention
 from . import recall
 
 __all__ = ["NAME", "PARAMS", "METRICS", "TIMINGS", "VARIANTS", "grid", "run_point", "decompose", "table", "plot"]
@@ -89,7 +89,7 @@ def decompose(out, task) -> tuple[float, float]:
     out : ndarray, shape (Q, d_v)
         Outputs at the scored positions.
     task : dict
-        A positional task of :func:`refimpl.experiments.recall.make_task`.
+        A positional task of :func:`app.experiments.recall.make_task`.
 
     Returns
     -------

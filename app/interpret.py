@@ -1,10 +1,10 @@
 r"""Interpretability metrics of a trained GMA: component usage, usage entropy, NMI, and the gradient bounds.
 
 The inputs are the routing quantities of a GMA layer, in the layout of
-``refimpl.model.gma_routing``: per layer a dict with ``x_q``, ``x_k``
+``app.model.gma_routing``: per layer a dict with ``x_q``, ``x_k``
 ``(B, H, N, d_r)``, ``means``, ``variances`` ``(H, K, d_r)``, ``weights``
 ``(H, K)`` and the responsibilities ``gamma_q``, ``gamma_k`` ``(B, H, N, K)``,
-together with integer token categories ``(B, N)`` (``refimpl.tasks.token_categories``:
+together with integer token categories ``(B, N)`` (``app.tasks.token_categories``:
 0 padding, 1 digit, 2 operator, 3 bracket) and an optional boolean ``mask``
 ``(B, N)``, True for the tokens that count.  Without a mask every token
 counts, padding included: padding is one of the categories.
@@ -87,7 +87,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import gmm, theory, validation
+from refimpl import gmm, theory, validation
 
 __all__ = [
     "DEFAULT_THRESHOLDS",
@@ -447,10 +447,10 @@ def interpretability_report(routing, categories, *, mask=None, thresholds=DEFAUL
     Parameters
     ----------
     routing : list of dict
-        One dict per layer, as ``refimpl.model.gma_routing`` returns; only
+        One dict per layer, as ``app.model.gma_routing`` returns; only
         ``"gamma_q"`` and ``"gamma_k"`` ``(B, H, N, K)`` are read.
     categories : array_like of int, shape (B, N)
-        Token categories (``refimpl.tasks.token_categories``).
+        Token categories (``app.tasks.token_categories``).
     mask : array_like of bool, shape (B, N), optional
         True for the tokens that count (at least one).  By default every
         token, padding included.

@@ -78,11 +78,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..attention import linear_attention, softmax_attention
-from ..gmm import kmeans_step, running_mean_update
-from ..gmr import ovq_readout
+from refimpl.attention import linear_attention, softmax_attention
+from refimpl.gmm import kmeans_step, running_mean_update
+from refimpl.gmr import ovq_readout
 from .. import backend
-from ..ovq import unit_rows
+from refimpl.ovq import unit_rows
 
 NAME = "regression"
 PARAMS = ("functions", "context", "memory", "beta", "seed")

@@ -1,4 +1,4 @@
-r"""The training tasks of :mod:`refimpl.train`, generated from a seed (no downloads).
+r"""The training tasks of :mod:`app.train`, generated from a seed (no downloads).
 
 ListOps-mini
 ------------
@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .validation import check_int, check_positive_float, check_seed
+from refimpl.validation import check_int, check_positive_float, check_seed
 
 __all__ = [
     "LISTOPS_TOKENS",

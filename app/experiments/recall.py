@@ -1,6 +1,6 @@
 r"""In-context recall without training: full attention, linear attention, VQ, OVQ (and its ablations), GMA.
 
-``python -m refimpl experiment recall [--quick] [--seeds N] [--jobs J]``
+``python -m app experiment recall [--quick] [--seeds N] [--jobs J]``
 
 The claim checked
 -----------------
@@ -93,9 +93,9 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from .. import backend
-from ..attention import linear_attention
-from ..tuned import softmax_rows, streamed_em_step
-from ..ovq import unit_rows
+from refimpl.attention import linear_attention
+from refimpl.tuned import softmax_rows, streamed_em_step
+from refimpl.ovq import unit_rows
 
 __all__ = [
     "NAME", "PARAMS", "METRICS", "TIMINGS", "TASKS", "METHODS",
@@ -402,7 +402,7 @@ def run_point(point: dict) -> dict:
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     N = int(round(float(point["fraction"]) * T))
-    kern = backend.kernels()  # GMA, VQ and OVQ from numba's kernels or NumPy (refimpl.backend)
+    kern = backend.kernels()  # GMA, VQ and OVQ from numba's kernels or NumPy (app.backend)
     with threadpool_limits(limits=1):
         data = make_task(task, T, seed)
         q, k, v, rows = data["q"], data["k"], data["v"], data["rows"]

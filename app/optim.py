@@ -50,7 +50,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import validation
+from refimpl import validation
 
 __all__ = ["AdamState", "adam_init", "adam_step", "decays", "global_norm"]
 

@@ -27,7 +27,7 @@ twice with different results are refused with the file and the line.  A
 point whose metrics are not finite is refused too, and never written.
 ``OUT`` is refused before anything is written when it is an empty path, a
 file, below a file or not writable
-(:func:`refimpl.files.check_out_folder`).
+(:func:`refimpl.validation.check_out_folder`).
 
 The points run on joblib's default (process) backend, or, with
 ``scheduler``, on a dask.distributed cluster (:func:`dask_client`, :func:`dask_rows`): an
@@ -53,6 +53,8 @@ import uuid
 from pathlib import Path
 
 from joblib import Parallel, delayed
+
+from refimpl import validation
 
 from .. import files
 
@@ -90,7 +92,7 @@ def read_results(experiment, path) -> dict:
 
 
 def _check_results_file(experiment, path, table) -> dict:
-    """:func:`read_results` of a file already read (:func:`refimpl.files.read_csv`)."""
+    """:func:`read_results` of a file already read (:func:`app.files.read_csv`)."""
     if table.header is not None and table.header != _columns(experiment):
         raise ValueError(
             f"out: {path} has the columns {table.header}, expected {_columns(experiment)} for experiment "
@@ -252,7 +254,7 @@ def run(experiment, *, quick: bool, seeds: int, jobs: int, out, progress: bool =
     Parameters
     ----------
     experiment : module
-        One of :func:`refimpl.experiments.load`'s modules.
+        One of :func:`app.experiments.load`'s modules.
     quick : bool
         The small grid (seconds), for tests.
     seeds : int
@@ -290,7 +292,7 @@ def run(experiment, *, quick: bool, seeds: int, jobs: int, out, progress: bool =
     keys = [point_key(experiment, p) for p in points]
     if len(set(keys)) != len(keys):
         raise ValueError(f"experiment {experiment.NAME!r}: its grid repeats a point")
-    out = files.check_out_folder(out, "out")
+    out = validation.check_out_folder(out, "out")
     path = out / f"{experiment.NAME}.csv"
     table = files.read_csv(path, "out") if path.exists() else None
     done = {} if table is None else _check_results_file(experiment, path, table)

@@ -1,4 +1,4 @@
-r"""Training the model of :mod:`refimpl.model` on the tasks of :mod:`refimpl.tasks`: ``python -m refimpl train``.
+r"""Training the model of :mod:`app.model` on the tasks of :mod:`app.tasks`: ``python -m app train``.
 
 One run is a :class:`TrainConfig` and an output folder ``OUT``:
 
@@ -14,7 +14,7 @@ One run is a :class:`TrainConfig` and an output folder ``OUT``:
 
 Training
 --------
-AdamW (:func:`refimpl.optim.adam_step`) on the mean cross-entropy of
+AdamW (:func:`app.optim.adam_step`) on the mean cross-entropy of
 batches of ``batch_size`` training sequences, with gradient clipping by the
 global norm ``clip`` (0: none) and the learning rate
 
@@ -27,13 +27,13 @@ tenth of ``lr`` at the last step :math:`S`.  The data order is drawn from
 ``np.random.default_rng(seed)``: every epoch is a fresh permutation of the
 training set, cut into batches in order (the last incomplete batch of an
 epoch is dropped).  The parameters come from
-:func:`refimpl.model.init_params` with the same seed; the data splits from
+:func:`app.model.init_params` with the same seed; the data splits from
 ``data_seed`` (so the seeds of a study share one data set).
 
 ListOps sequences are cut to the longest expression of the data (all
 splits together) when ``trim`` is set: the columns beyond hold only
 padding in every sequence.  The mixers read the padding (it is not masked,
-:mod:`refimpl.model`), so the width is one fixed function of the data,
+:mod:`app.model`), so the width is one fixed function of the data,
 never of the batch: a sequence gets the same prediction in any batch.
 
 Checkpoints and resumption
@@ -101,7 +101,8 @@ from typing import NamedTuple
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from . import files, model, tasks, validation
+from refimpl import validation
+from . import files, model, tasks
 
 __all__ = [
     "TASKS",
@@ -186,8 +187,8 @@ class TrainResult(NamedTuple):
     seconds_per_step: float  # training steps of this call, evaluations excluded
     peak_step_bytes: int  # tracemalloc peak of one training step (forward, backward, update)
     max_rss_bytes: int  # the process's peak resident memory
-    report: list | None  # gma: refimpl.interpret.interpretability_report on the test set; otherwise None
-    bounds: list | None  # gma: per layer, (queries, keys) refimpl.interpret.gradient_bound_ratios on the test set
+    report: list | None  # gma: app.interpret.interpretability_report on the test set; otherwise None
+    bounds: list | None  # gma: per layer, (queries, keys) app.interpret.gradient_bound_ratios on the test set
     out: Path
 
 
@@ -222,7 +223,7 @@ def check_train_config(config) -> TrainConfig:
 
 
 def model_config(config: TrainConfig) -> model.ModelConfig:
-    """The :class:`refimpl.model.ModelConfig` of a run: a classifier for ListOps, a causal language model for Markov."""
+    """The :class:`app.model.ModelConfig` of a run: a classifier for ListOps, a causal language model for Markov."""
     config = check_train_config(config)
     listops = config.task == "listops"
     return model.ModelConfig(
@@ -281,7 +282,7 @@ def evaluate(params, tokens, targets, mcfg) -> tuple:
 class _State(NamedTuple):
     step: int
     params: dict
-    adam: object  # refimpl.optim.AdamState
+    adam: object  # app.optim.AdamState
     rng: np.random.Generator
     order: np.ndarray
     position: int
@@ -637,7 +638,7 @@ def train(config: TrainConfig, out, *, resume: bool = False, progress: bool = Tr
     if stop_after is not None:
         stop_after = validation.check_int(stop_after, "stop_after", minimum=1)
     resume = validation.check_bool(resume, "resume")
-    out = files.check_out_folder(out, "out")
+    out = validation.check_out_folder(out, "out")
     _check_out(out, resume, config, stop_after)
     # one BLAS thread: faster on these small matrices, and the same sums on every machine
     with threadpool_limits(limits=1):
@@ -827,7 +828,7 @@ def _write_result(path, result: TrainResult):
 
 
 def format_result(result: TrainResult) -> str:
-    """The end-of-run summary that ``python -m refimpl train`` prints."""
+    """The end-of-run summary that ``python -m app train`` prints."""
     validation.check_instance(result, "result", TrainResult, "a TrainResult (what train returns)")
     c = result.config
     if not result.finished:

@@ -53,9 +53,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import gmm, validation
+from refimpl import gmm, validation
 from . import backend
-from .scan import DEFAULT_CHUNK_SIZE
+from refimpl.scan import DEFAULT_CHUNK_SIZE
 
 __all__ = [
     "MultiheadGMAParams",
@@ -250,7 +250,7 @@ def multihead_gma_forward(
     vv = (x @ params.W_v).reshape(B, N, H, d_v)
     heads = np.empty((B, N, H, d_v), dtype=dtype)
     caches = []
-    gma_forward = backend.kernels().gma_forward  # refimpl.tuned or cpu.gma (refimpl.backend)
+    gma_forward = backend.kernels().gma_forward  # refimpl.tuned or cpu.gma (app.backend)
     for b in range(B):
         row = []
         for h in range(H):

@@ -1,6 +1,6 @@
 r"""Continual recall without training: does OVQ's sparse clustering forget less than dense state updates?
 
-``python -m refimpl experiment continual [--quick] [--seeds N] [--jobs J | --scheduler S]``
+``python -m app experiment continual [--quick] [--seeds N] [--jobs J | --scheduler S]``
 
 The claim checked
 -----------------
@@ -21,7 +21,7 @@ region of the sphere, a distribution that shifts from task to task:
 its task's centre, about 0 across tasks).  Values are random unit vectors
 (``d_v = 32``).  The task's phase is :data:`WRITES` ``x BINDINGS`` tokens,
 each writing one of its bindings (drawn uniformly) with a noisy key
-``unit(C_b + 0.3 g / sqrt(d))``, as in :mod:`~refimpl.experiments.recall`.
+``unit(C_b + 0.3 g / sqrt(d))``, as in :mod:`~app.experiments.recall`.
 After the phase of task ``a`` the memory is read, without writing, with the
 clean keys of every task ``b <= a``; the answer is right when the output's
 nearest value among the values of all tasks seen so far is the binding's own.
@@ -71,8 +71,8 @@ from __future__ import annotations
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from ..ovq import ovq_attention, unit_rows
-from ..tuned import softmax_rows
+from refimpl.ovq import ovq_attention, unit_rows
+from refimpl.tuned import softmax_rows
 from .recall import BETA, CHUNK, D, D_V, KMEANS_ITERS, NOISE, accuracy, spherical_kmeans
 
 __all__ = [

@@ -60,8 +60,8 @@ With :math:`G = \partial L/\partial(\text{output})` of each piece:
 * **Mixers**, one interface ``mixer_forward(x, params, config) -> (y, cache)``,
   ``mixer_backward(dy, cache) -> (dx, grads)``:
 
-  - ``"gma"``: :func:`refimpl.layers.multihead_gma_forward` /
-    :func:`~refimpl.layers.multihead_gma_backward`: ``H`` heads, each with
+  - ``"gma"``: :func:`app.layers.multihead_gma_forward` /
+    :func:`~app.layers.multihead_gma_backward`: ``H`` heads, each with
     its own GMM of ``K = n_components`` diagonal components in ``d_r = d_route``
     dimensions, values of width ``d_v = d / H``; causal when ``config.causal``.
   - ``"softmax"`` and ``"linear"``: multi-head attention
@@ -69,7 +69,7 @@ With :math:`G = \partial L/\partial(\text{output})` of each piece:
     per (sequence, head), by :func:`refimpl.attention.softmax_attention_forward`
     (scale :math:`1/\sqrt{d_h}`) and :func:`refimpl.attention.linear_attention_forward`
     (``elu + 1`` features); causal when ``config.causal``.  Backward as in
-    :mod:`refimpl.layers`: :math:`dW_O = \sum_b O_b^\top G_b`, :math:`dO = GW_O^\top`,
+    :mod:`app.layers`: :math:`dW_O = \sum_b O_b^\top G_b`, :math:`dO = GW_O^\top`,
     the attention's backward per (sequence, head) gives :math:`dQ, dK, dV`, then
     :math:`dW_Q = \sum_b X_b^\top dQ_b` (likewise K, V) and
     :math:`dX = dQ W_Q^\top + dK W_K^\top + dV W_V^\top`.
@@ -80,7 +80,7 @@ With :math:`G = \partial L/\partial(\text{output})` of each piece:
     dictionary starts empty for every sequence (and head).  Its backward is
     :func:`refimpl.ovq.ovq_attention_backward`, which holds the discrete choices
     of the forward (seeds, assignments, counts) fixed.
-* **Kernels**: the backend of :mod:`refimpl.backend` (numba's fused kernels of
+* **Kernels**: the backend of :mod:`app.backend` (numba's fused kernels of
   :mod:`cpu` when numba is installed, every sequence and head in one call;
   NumPy otherwise) computes the mixers; both give the same results to
   rounding.
@@ -109,7 +109,7 @@ A flat, ordered ``dict`` name -> array (:func:`param_shapes` lists them):
 normal (a one-hot input has fan-in 1), the positions normal with standard
 deviation 0.1 (so that the token identity dominates at the start), every
 matrix Gaussian with variance ``1 / fan_in``, biases 0, gains 1; the GMA
-parameters by :func:`refimpl.layers.init_multihead_gma` on the same generator.
+parameters by :func:`app.layers.init_multihead_gma` on the same generator.
 """
 
 from __future__ import annotations
@@ -119,8 +119,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import backend, layers, numerics, validation
-from .attention import feature_attention_backward
+from refimpl import numerics, validation
+from . import backend, layers
+from refimpl.attention import feature_attention_backward
 
 __all__ = [
     "MIXERS",
@@ -506,7 +507,7 @@ class _MixerCache(NamedTuple):
 
 
 def _single_head(mixer, config, kern):
-    """The forward and backward of the attention mixers, from the backend's kernels ``kern`` (:mod:`refimpl.backend`).
+    """The forward and backward of the attention mixers, from the backend's kernels ``kern`` (:mod:`app.backend`).
 
     One (sequence, head) at a time, ``(N, d_h)``, or every one at once,
     ``(B, H, N, d_h)``, when ``kern.batched``.

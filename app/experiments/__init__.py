@@ -1,8 +1,8 @@
-"""Experiments that check the papers' claims in miniature: ``python -m refimpl experiment NAME``.
+"""Experiments that check the papers' claims in miniature: ``python -m app experiment NAME``.
 
 Each experiment is a module of this package with the same small interface
-(:class:`refimpl.experiments.sweep.Experiment`): a grid of points, a function
-that runs one point, a table and a plot.  :func:`refimpl.experiments.sweep.run`
+(:class:`app.experiments.sweep.Experiment`): a grid of points, a function
+that runs one point, a table and a plot.  :func:`app.experiments.sweep.run`
 runs a grid in parallel with joblib, shows a tqdm progress bar, writes every
 finished point to a CSV file at once and, when run again, resumes from that
 file.  The experiments have no training: they test the memory mechanisms
