@@ -5,8 +5,11 @@ written from the equations; :mod:`cpu` computes the same functions with
 ``@njit`` kernels (``prange`` over rows or columns, one pass over ``N x K``
 where the math allows); :mod:`gpu` has them as CUDA kernels.  Every public
 function has the name, arguments, defaults, results and error messages of
-the :mod:`refimpl` function it mirrors (it calls the same checkers), and is
-tested against it (``tests/test_cpu_*.py``):
+the :mod:`refimpl` function it mirrors: those it shares with the GPU
+backends are bound from :mod:`refimpl.boundary`, which writes each one's
+signature, docstring and checks once, to this package's kernels.  They are
+held to the reference by ``tests/test_conformance.py`` with every other
+backend, and the rest by ``tests/test_cpu_*.py``:
 
 * :mod:`cpu.gmm`: ``responsibilities`` and ``log_responsibilities`` from
   the differences ``x - mu`` (exact for every input, no screen);

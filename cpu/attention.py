@@ -83,11 +83,12 @@ import numpy as np
 from numba import njit, prange
 
 from refimpl import attention as ref_attention
-from refimpl import validation
+from refimpl import boundary, validation
 from refimpl.attention import LinearAttentionCache, LinearAttentionGrads, SoftmaxAttentionGrads
 from refimpl.scan import DEFAULT_CHUNK_SIZE
 
 from . import scan as cpu_scan
+from ._record import backend
 
 __all__ = [
     "softmax_attention",
@@ -447,10 +448,8 @@ def softmax_attention_forward(q, k, v, *, scale=None, causal: bool = False):
     v : array_like, shape (N_k, d_v) or (..., N_k, d_v)
         The leading (batch, head) dimensions ``...`` are the same for all
         three; each ``(N, d)`` slice is one sequence, attended separately.
-    scale : float, optional
-        Multiplies the scores; ``1 / sqrt(d)`` by default.
-    causal : bool, default False
-        Query ``i`` attends to keys ``j <= i`` only (needs ``N_q == N_k``).
+    scale, causal
+        As in :func:`refimpl.attention.softmax_attention_forward`.
 
     Returns
     -------
@@ -475,28 +474,16 @@ def softmax_attention_forward(q, k, v, *, scale=None, causal: bool = False):
     return out.reshape(batch_shape + out.shape[1:]), cache
 
 
-def softmax_attention(q, k, v, *, scale=None, causal: bool = False):
-    """Softmax attention ``softmax(scale q k^T) v``, for one sequence or a batch of them, in memory ``O(N)``.
-
-    Parameters
-    ----------
-    q : array_like, shape (..., N_q, d)
-    k : array_like, shape (..., N_k, d)
-    v : array_like, shape (..., N_k, d_v)
-        The same leading (batch, head) dimensions for all three.
-    scale, causal
-        As in :func:`softmax_attention_forward`.
-
-    Returns
-    -------
-    ndarray, shape (..., N_q, d_v)
-        A row whose scores overflow is refused with the reference's error
-        (with leading dimensions, row ``b N_q + i`` of the sequences in C order).
-    """
-    q, k, v, scale, causal, batch_shape = _checked(q, k, v, scale, causal)
+def _softmax_attention_kernel(xp, checked, given):
+    """Core of :func:`softmax_attention` on the reference's checked arguments: the online softmax, overflowed rows refused."""
+    q, k, v, scale, causal, batch_shape = checked
     out, row_max, _ = _forward(_sequences(q), _sequences(k), _sequences(v), scale, causal)
     validation.check_score_maxima(row_max)
     return out.reshape(batch_shape + out.shape[1:])
+
+
+#: softmax_attention bound to refimpl's boundary: its signature, docstring and checks are written once there.
+softmax_attention = boundary.bind(backend({"softmax_attention": _softmax_attention_kernel}), module=__name__).softmax_attention
 
 
 def softmax_attention_backward(grad_out, cache) -> SoftmaxAttentionGrads:

@@ -21,14 +21,13 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from refimpl import gma as ref_gma
-from refimpl import numerics
+from refimpl import boundary
 from refimpl.gma import GMABatchCache, GMACache, GMAGrads
-from refimpl.scan import DEFAULT_CHUNK_SIZE
 
 from . import gmm as cpu_gmm
-from ._jit import pick, threaded_and_serial
 from . import scan as cpu_scan
+from ._jit import pick, threaded_and_serial
+from ._record import backend
 
 __all__ = ["gma", "gma_forward", "gma_backward", "responsibility_backward", "GMACache", "GMABatchCache", "GMAGrads"]
 
@@ -91,58 +90,9 @@ def responsibility_backward(x, gamma, grad_gamma, means, variances):
     return dx, dmeans, dvariances.astype(x.dtype, copy=False), csum
 
 
-def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """:func:`refimpl.gma.gma` with the kernels of this package; the same arguments, results and errors.
-
-    Parameters
-    ----------
-    x_q : array_like, shape (..., N_q, d_r)
-    x_k : array_like, shape (..., N_k, d_r)
-    v : array_like, shape (..., N_k, d_v)
-    means, variances : array_like, shape (K, d_r) or (H, K, d_r)
-    weights : array_like, shape (K,) or (H, K)
-    causal : bool, default False
-    eps : float, default 1e-6
-    chunk_size : int, default 64
-        Accepted and checked as by the reference; the causal kernel runs
-        token by token and needs no chunks.
-
-    Returns
-    -------
-    ndarray, shape (..., N_q, d_v)
-    """
-    a = ref_gma.check_gma_arguments(x_q, x_k, v, means, variances, weights, causal, eps, chunk_size)
-    args = (a.x_q, a.x_k, a.v, a.means, a.variances, numerics.log_weights(a.weights), a.causal, a.eps, a.chunk_size)
-    return ref_gma.forward_with(cpu_gmm.posterior, *args, keep=False, scan=cpu_scan.scan_forward)[0]
-
-
-def gma_forward(
-    x_q, x_k, v, means, raw_variances, logits, *, causal: bool = False, eps: float = 1e-6, min_variance: float = 1e-6,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-):
-    """:func:`refimpl.gma.gma_forward` with the kernels of this package: ``(out, cache)`` for :func:`gma_backward`.
-
-    Parameters and results are those of :func:`refimpl.gma.gma_forward`.
-    """
-    a = ref_gma.check_gma_forward_arguments(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size)
-    variances, log_weights = ref_gma.mixture_from_raw(a.raw_variances, a.logits, a.min_variance)
-    return ref_gma.forward_with(
-        cpu_gmm.posterior, a.x_q, a.x_k, a.v, a.means, variances, log_weights, a.causal, a.eps, a.chunk_size,
-        raw_variances=a.raw_variances, scan=cpu_scan.scan_forward,
-    )
-
-
-def gma_backward(grad_out, cache) -> GMAGrads:
-    """:func:`refimpl.gma.gma_backward` with the kernels of this package; the same arguments, results and errors.
-
-    Parameters
-    ----------
-    grad_out : array_like, shape (..., N_q, d_v)
-    cache : GMACache or GMABatchCache
-        From :func:`gma_forward` (or :func:`refimpl.gma.gma_forward`).
-
-    Returns
-    -------
-    GMAGrads
-    """
-    return ref_gma.backward_with(responsibility_backward, grad_out, cache, scan=cpu_scan.scan_backward)
+#: GMA with this package's kernels, bound to refimpl's boundary: refimpl's batch rule around them.
+KERNELS = boundary.host_kernels(cpu_gmm.posterior, responsibility_backward, cpu_scan.scan_forward, cpu_scan.scan_backward)
+_public = boundary.bind(backend(KERNELS), ["gma", "gma_forward", "gma_backward"], module=__name__)
+gma = _public.gma
+gma_forward = _public.gma_forward
+gma_backward = _public.gma_backward

@@ -29,9 +29,10 @@ import numpy as np
 from numba import njit, prange
 
 from refimpl import gmm as ref_gmm
-from refimpl import numerics, validation
+from refimpl import boundary
 
 from ._jit import pick, threaded_and_serial
+from ._record import backend
 
 __all__ = ["log_responsibilities", "responsibilities", "posterior"]
 
@@ -137,43 +138,7 @@ def posterior(x, means, variances, log_weights, *, log=False):
     return out, min_quad
 
 
-def _checked(x, means, variances, weights, log):
-    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
-    gamma, min_quad = posterior(x, means, variances, numerics.log_weights(weights), log=log)
-    validation.check_scaled_distances(min_quad, "x")
-    return gamma
-
-
-def log_responsibilities(x, means, variances, weights):
-    """:func:`refimpl.gmm.log_responsibilities` as one fused kernel; the same arguments, results and errors.
-
-    Parameters
-    ----------
-    x : array_like, shape (N, d)
-    means, variances : array_like, shape (K, d)
-    weights : array_like, shape (K,)
-
-    Returns
-    -------
-    ndarray, shape (N, K)
-        ``log p(z = k | x_i)``, in the dtype of the inputs.
-    """
-    return _checked(x, means, variances, weights, True)
-
-
-def responsibilities(x, means, variances, weights):
-    """:func:`refimpl.gmm.responsibilities` as one fused kernel; the same arguments, results and errors.
-
-    Parameters
-    ----------
-    x : array_like, shape (N, d)
-    means, variances : array_like, shape (K, d)
-    weights : array_like, shape (K,)
-
-    Returns
-    -------
-    ndarray, shape (N, K)
-        ``p(z = k | x_i)``: nonnegative rows summing to one, in the dtype of
-        the inputs.
-    """
-    return _checked(x, means, variances, weights, False)
+#: The responsibilities of this module, bound to refimpl's boundary (signature, docstring, checks written once there).
+_public = boundary.bind(backend(boundary.host_kernels(posterior)), ["responsibilities", "log_responsibilities"], module=__name__)
+log_responsibilities = _public.log_responsibilities
+responsibilities = _public.responsibilities

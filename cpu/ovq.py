@@ -63,8 +63,8 @@ import numpy as np
 import threadpoolctl
 from numba import njit, prange
 
+from refimpl import boundary, validation
 from refimpl import ovq as _ovq
-from refimpl import validation
 from refimpl.ovq import (
     GROWTHS,
     INITS,
@@ -74,20 +74,15 @@ from refimpl.ovq import (
     OVQState,
     check_overflow,
     check_ovq_arguments,
-    check_vq_arguments,
     dictionary_size,
     unit_rows,
 )
 
+from ._record import backend
+
+# the names this module defines; it also holds refimpl.ovq's OVQState, OVQCache, OVQGrads, NORM_EPS, GROWTHS, INITS,
+# dictionary_size and unit_rows, which its functions take and return (documented there)
 __all__ = [
-    "NORM_EPS",
-    "GROWTHS",
-    "INITS",
-    "dictionary_size",
-    "unit_rows",
-    "OVQState",
-    "OVQCache",
-    "OVQGrads",
     "ChunkRecords",
     "ovq_attention",
     "ovq_attention_forward",
@@ -878,6 +873,12 @@ def _forward(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, lear
         q3, k3, v3, lead = (np.ascontiguousarray(a.q)[None], np.ascontiguousarray(a.k)[None],
                             np.ascontiguousarray(a.v)[None], ())
     validation.check_bool(return_state, "return_state")
+    return _run(a, q3, k3, v3, lead, batched, record)
+
+
+def _run(a, q3, k3, v3, lead, batched, record):
+    """The forward of checked arguments ``a`` on ``(B, N, .)`` arrays: ``(out, new_state or None, records or None, inputs, params)``."""
+    state = a.state
     dtype, p = a.dtype, a.params
     B, N, d = q3.shape
     d_v = v3.shape[2]
@@ -927,51 +928,10 @@ def _forward(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, lear
     return out, new_state, records, inputs, p
 
 
-def ovq_attention(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread", count_bias=True,
-                  learning_rate=None, seed=0, state=None, return_state=False):
-    """Online vector-quantized attention, causal, chunk by chunk: :func:`refimpl.ovq.ovq_attention` on the CPU.
-
-    Parameters
-    ----------
-    q, k : array_like, shape (N, d)
-        Queries and keys (unit-normalised inside).
-    v : array_like, shape (N, d_v)
-        Values (not normalised).
-    max_size : int
-        ``n_max``, the most centroids (>= 1).
-    chunk_size : int
-        ``C`` (>= 1); the last chunk may be shorter.
-    beta : float, optional
-        Scale of the dot products, ``sqrt(d)`` by default.
-    growth : {"plateau", "linear"}, default "plateau"
-        The growth function of :func:`dictionary_size`.
-    init : {"spread", "random"}, default "spread"
-        Which keys seed new centroids once a dictionary exists: the least
-        similar to it, or drawn with refimpl's generator.
-    count_bias : bool, default True
-        Add ``log c`` to the centroid logits.
-    learning_rate : float, optional
-        ``None``: the adaptive ``1/c`` running mean; ``eta`` in ``(0, 1]``:
-        ``D += eta (x - D)`` token by token in token order.
-    seed : int, default 0
-        Seed of ``init="random"`` (>= 0).
-    state : OVQState, optional
-        Continue a stream from this state (it is not modified).
-    return_state : bool, default False
-        Also return the state after the last chunk.
-
-    Returns
-    -------
-    out : ndarray, shape (N, d_v)
-        Dtype of the inputs (a float64 ``state`` makes it float64).
-    state : OVQState
-        Only with ``return_state=True``; a new object.
-    """
-    if np.ndim(q) > 2:
-        # leading dimensions belong to ovq_attention_forward; here the 2-D check gives refimpl's message
-        check_ovq_arguments(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state)
-    out, new_state, _, _, _ = _forward(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate,
-                                       seed, state, record=False, return_state=return_state)
+def _ovq_attention_kernel(xp, a, given, return_state):
+    """Core of :func:`ovq_attention` on refimpl's checked arguments: one sequence through the chunk loop kernel."""
+    q3, k3, v3 = (np.ascontiguousarray(x)[None] for x in (a.q, a.k, a.v))
+    out, new_state, _, _, _ = _run(a, q3, k3, v3, (), False, record=False)
     return (out, new_state) if return_state else out
 
 
@@ -1044,26 +1004,9 @@ def ovq_attention_backward(grad_out, cache: OVQCache) -> OVQGrads:
     return OVQGrads(q=gq.reshape(q.shape), k=gk.reshape(k.shape), v=gv.reshape(v.shape))
 
 
-def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
-    """VQ attention with a fixed key codebook: :func:`refimpl.ovq.vq_attention` on the CPU.
-
-    Parameters
-    ----------
-    q, k : array_like, shape (N, d)
-        Queries and keys (unit-normalised inside).
-    v : array_like, shape (N, d_v)
-    codebook : array_like, shape (S, d)
-        The fixed key dictionary ``D_k`` (used as given, not normalised).
-    chunk_size : int
-        ``C`` (>= 1).
-    beta : float, optional
-        ``sqrt(d)`` by default.
-
-    Returns
-    -------
-    ndarray, shape (N, d_v)
-    """
-    q, k, v, codebook, C, beta = check_vq_arguments(q, k, v, codebook, chunk_size, beta)
+def _vq_attention_kernel(xp, a, given):
+    """Core of :func:`vq_attention` on refimpl's checked arguments: one kernel, overflowed rows refused."""
+    q, k, v, codebook, C, beta = a
     dtype = q.dtype
     out = np.empty((q.shape[0], v.shape[1]), dtype)
     bad = np.zeros(q.shape[0], np.bool_)
@@ -1073,3 +1016,9 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
     validation.check_overflowed_rows(n_bad, int(np.argmax(bad)) if n_bad else -1, dtype, "beta, codebook",
                                      "lower beta or rescale the codebook")
     return out
+
+
+#: The public functions that refimpl's boundary writes once, bound to this module's kernels.
+_public = boundary.bind(backend({"ovq_attention": _ovq_attention_kernel, "vq_attention": _vq_attention_kernel}), module=__name__)
+ovq_attention = _public.ovq_attention
+vq_attention = _public.vq_attention

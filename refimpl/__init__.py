@@ -30,6 +30,10 @@ ovq_oracle
     contract in ``docs/derivations/ovq_gmr.md``.
 validation
     The argument checks of every public function (each makes one call).
+boundary
+    The public functions that :mod:`tuned`, :mod:`cpu` and :mod:`gpu` share
+    with the reference, written once (signature, defaults, docstring,
+    checks), and the record of kernels that binds them to a backend.
 statefile
     The ``.npz`` files of the stream states (``OVQState``, ``GMAState``).
 tuned
@@ -50,7 +54,7 @@ model, its training and the experiments (:mod:`app`, ``python -m app``),
 imports those; nothing here imports any of them.
 """
 
-from . import attention, gma, gmm, gmr, numerics, ovq, ovq_oracle, scan, statefile, theory, tuned, validation
+from . import attention, boundary, gma, gmm, gmr, numerics, ovq, ovq_oracle, scan, statefile, theory, tuned, validation
 
-__all__ = ["attention", "gma", "gmm", "gmr", "numerics", "ovq", "ovq_oracle", "scan", "statefile", "theory", "tuned", "validation"]
+__all__ = ["attention", "boundary", "gma", "gmm", "gmr", "numerics", "ovq", "ovq_oracle", "scan", "statefile", "theory", "tuned", "validation"]
 __version__ = "0.1.0"

@@ -55,9 +55,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import gma as spec_gma
-from . import gmm, numerics, validation
-from .scan import DEFAULT_CHUNK_SIZE
+from . import boundary, gmm, numerics, validation
 
 __all__ = [
     "EXACT_LOGIT_TOL",
@@ -372,10 +370,9 @@ def log_joint(x, means, variances, log_weights, *, window=np.inf, refine=True, b
 
     Parameters
     ----------
-    x : ndarray, shape (N, d)
-    means, variances : ndarray, shape (K, d)
-    log_weights : ndarray, shape (K,)
-        ``log pi``; ``-inf`` for a component of weight 0.
+    x, means, variances, log_weights : ndarray
+        Those of :func:`refimpl.gmm.log_joint`: ``(N, d)``, ``(K, d)``,
+        ``(K, d)`` and ``(K,)``, checked, of one float dtype.
     window : float, default inf
         A logit that cancellation may have spoiled is recomputed from the
         differences ``x - mu`` if it may lie within ``window`` of its row
@@ -410,23 +407,6 @@ def posterior(x, means, variances, log_weights, *, log=False, refine=True, block
     """
     window = posterior_window(means.shape[0], x.dtype)
     return _blocked_log_joint(x, means, variances, log_weights, window, refine, log_softmax_rows if log else softmax_rows, block_rows)
-
-
-def _checked(x, means, variances, weights, log):
-    x, means, variances, weights = validation.check_gmm(x, means, variances, weights)
-    gamma, min_quad = posterior(x, means, variances, numerics.log_weights(weights), log=log)
-    validation.check_scaled_distances(min_quad, "x")
-    return gamma
-
-
-def log_responsibilities(x, means, variances, weights):
-    """:func:`refimpl.gmm.log_responsibilities`, by the expansion; ``x (N, d)``, ``means, variances (K, d)``, ``weights (K,)``."""
-    return _checked(x, means, variances, weights, log=True)
-
-
-def responsibilities(x, means, variances, weights):
-    """:func:`refimpl.gmm.responsibilities`, by the expansion: nonnegative rows ``(N, K)`` that sum to one."""
-    return _checked(x, means, variances, weights, log=False)
 
 
 def log_likelihood(x, means, variances, weights):
@@ -497,28 +477,20 @@ def _responsibility_backward(x, gamma, grad_gamma, means, variances):
     return dx, dmeans, dvariances, csum
 
 
-def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """:func:`refimpl.gma.gma` with the tuned responsibilities; the same arguments, results and errors."""
-    a = spec_gma.check_gma_arguments(x_q, x_k, v, means, variances, weights, causal, eps, chunk_size)
-    args = (a.x_q, a.x_k, a.v, a.means, a.variances, numerics.log_weights(a.weights), a.causal, a.eps, a.chunk_size)
-    return spec_gma.forward_with(posterior, *args, keep=False)[0]
+#: This module as a backend: the tuned posterior and its blocked backward, the reference's scan and batch rule.
+BACKEND = boundary.Backend(
+    "refimpl.tuned",
+    "Computed the fast way: the square expanded with its cancellation screen, cache-sized blocks, reductions as "
+    "matrix products.",
+    boundary.host_kernels(posterior, _responsibility_backward),
+)
 
-
-def gma_forward(
-    x_q, x_k, v, means, raw_variances, logits, *, causal: bool = False, eps: float = 1e-6, min_variance: float = 1e-6,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-):
-    """:func:`refimpl.gma.gma_forward` with the tuned responsibilities: ``(out, cache)`` for :func:`gma_backward`."""
-    a = spec_gma.check_gma_forward_arguments(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size)
-    variances, log_weights = spec_gma.mixture_from_raw(a.raw_variances, a.logits, a.min_variance)
-    return spec_gma.forward_with(
-        posterior, a.x_q, a.x_k, a.v, a.means, variances, log_weights, a.causal, a.eps, a.chunk_size, raw_variances=a.raw_variances
-    )
-
-
-def gma_backward(grad_out, cache):
-    """:func:`refimpl.gma.gma_backward` with the blocked backward through the responsibilities."""
-    return spec_gma.backward_with(_responsibility_backward, grad_out, cache)
+_public = boundary.bind(BACKEND, module=__name__)
+responsibilities = _public.responsibilities
+log_responsibilities = _public.log_responsibilities
+gma = _public.gma
+gma_forward = _public.gma_forward
+gma_backward = _public.gma_backward
 
 
 # ---------------------------------------------------------------------------
@@ -743,11 +715,9 @@ def streamed_em_step(x, means, variances, weights, *, reg_covar: float = 0.0, bl
 
     Parameters
     ----------
-    x : array_like, shape (N, d)
-    means, variances : array_like, shape (K, d)
-    weights : array_like, shape (K,)
-    reg_covar : float, default 0.0
-        Added to every new variance, as in :func:`refimpl.gmm.em_step`.
+    x, means, variances, weights, reg_covar
+        Those of :func:`refimpl.gmm.em_step`: ``(N, d)``, ``(K, d)``,
+        ``(K, d)``, ``(K,)`` and the floor added to every new variance.
     block_rows : int, optional
         Rows per block (>= 1); by default as many as keep a block's
         responsibilities near :data:`STREAM_BLOCK_BYTES`.

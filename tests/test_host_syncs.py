@@ -15,10 +15,8 @@ import pytest
 from numba import cuda
 
 import gpu.cupy_kernels as ck
-from gpu.cupy_kernels import _backend, attention, gmm, ovq
+from gpu.cupy_kernels import _backend, on_host, ovq
 from refimpl import ovq as ref_ovq
-
-cgma = importlib.import_module("gpu.cupy_kernels.gma")
 
 
 def _rng():
@@ -35,20 +33,20 @@ def _cupy_calls(rng):
     q, k, v = rng.normal(size=(2, 3, 9, 4)), rng.normal(size=(2, 3, 9, 4)), rng.normal(size=(2, 3, 9, 2))
     raw, logits = rng.normal(size=(4, 3)), rng.normal(size=4)
     xq, xk, xv = rng.normal(size=(2, 11, 3)), rng.normal(size=(2, 11, 3)), rng.normal(size=(2, 11, 2))
-    _, cache = cgma.gma_forward_xp(np, xq, xk, xv, means, raw, logits, True, 1e-6, 1e-6, 4)
+    _, cache = on_host.gma_forward(xq, xk, xv, means, raw, logits, causal=True, eps=1e-6, min_variance=1e-6, chunk_size=4)
     g = rng.normal(size=(2, 11, 2))
     oq, ok_, ov = rng.normal(size=(40, 3)), rng.normal(size=(40, 3)), rng.normal(size=(40, 2))
     return [
-        ("responsibilities", lambda: gmm.checked_posterior_xp(np, x, means, variances, weights, False)),
-        ("log_responsibilities", lambda: gmm.checked_posterior_xp(np, x, means, variances, weights, True)),
-        ("softmax_attention", lambda: attention.softmax_attention_xp(np, q, k, v, None, True)),
-        ("gma", lambda: cgma.gma_xp(np, xq, xk, xv, means, variances, weights, True, 1e-6, 4)),
-        ("gma eps=0", lambda: cgma.gma_xp(np, xq, xk, xv, means, variances, weights, False, 0.0, 4)),
-        ("gma_forward", lambda: cgma.gma_forward_xp(np, xq, xk, xv, means, raw, logits, True, 1e-6, 1e-6, 4)),
-        ("gma_backward", lambda: cgma.gma_backward_xp(np, g, cache)),
-        ("ovq_attention", lambda: ovq.ovq_attention_xp(np, oq, ok_, ov, max_size=6, chunk_size=4)),
-        ("ovq_attention random", lambda: ovq.ovq_attention_xp(np, oq, ok_, ov, max_size=9, chunk_size=3, init="random", growth="linear")),
-        ("vq_attention", lambda: ovq.vq_attention_xp(np, oq, ok_, ov, oq[:5], chunk_size=4)),
+        ("responsibilities", lambda: on_host.responsibilities(x, means, variances, weights)),
+        ("log_responsibilities", lambda: on_host.log_responsibilities(x, means, variances, weights)),
+        ("softmax_attention", lambda: on_host.softmax_attention(q, k, v, scale=None, causal=True)),
+        ("gma", lambda: on_host.gma(xq, xk, xv, means, variances, weights, causal=True, eps=1e-6, chunk_size=4)),
+        ("gma eps=0", lambda: on_host.gma(xq, xk, xv, means, variances, weights, causal=False, eps=0.0, chunk_size=4)),
+        ("gma_forward", lambda: on_host.gma_forward(xq, xk, xv, means, raw, logits, causal=True, eps=1e-6, min_variance=1e-6, chunk_size=4)),
+        ("gma_backward", lambda: on_host.gma_backward(g, cache)),
+        ("ovq_attention", lambda: on_host.ovq_attention(oq, ok_, ov, max_size=6, chunk_size=4)),
+        ("ovq_attention random", lambda: on_host.ovq_attention(oq, ok_, ov, max_size=9, chunk_size=3, init="random", growth="linear")),
+        ("vq_attention", lambda: on_host.vq_attention(oq, ok_, ov, oq[:5], chunk_size=4)),
     ]
 
 
@@ -78,7 +76,7 @@ def test_the_flagged_rows_cost_more_copies_only_when_flagged():
     variances, weights = np.full((3, 2), 1e-4), np.array([0.3, 0.3, 0.4])
     x = means[[0, 1, 0, 2]] + _rng().normal(scale=0.005, size=(4, 2))
     with ck.count_launches() as c:
-        ours = gmm.checked_posterior_xp(np, x, means, variances, weights, False)
+        ours = on_host.responsibilities(x, means, variances, weights)
     assert c.host_copies > 1
     np.testing.assert_allclose(ours, ref_gmm.responsibilities(x, means, variances, weights), rtol=1e-10, atol=1e-10)
 
@@ -87,7 +85,7 @@ def _ovq_launches(N, C, **kw):
     rng = np.random.default_rng(1)
     q, k, v = rng.normal(size=(N, 3)), rng.normal(size=(N, 3)), rng.normal(size=(N, 2))
     with ck.count_launches() as c:
-        ovq.ovq_attention_xp(np, q, k, v, max_size=8, chunk_size=C, **kw)
+        on_host.ovq_attention(q, k, v, max_size=8, chunk_size=C, **kw)
     return c.launches
 
 
@@ -105,7 +103,7 @@ def test_vq_launches_three_per_chunk():
     counts = []
     for N in (5, 30):
         with ck.count_launches() as c:
-            ovq.vq_attention_xp(np, q[:N], k[:N], v[:N], q[:4], chunk_size=5)
+            on_host.vq_attention(q[:N], k[:N], v[:N], q[:4], chunk_size=5)
         counts.append(c.launches)
     assert counts[1] - counts[0] == 3 * 5
 
@@ -145,7 +143,7 @@ def test_launch_count_is_an_int_total_and_counts_gemms():
     before = ck.launch_count()
     assert isinstance(before, int)
     x, means, variances, weights = _gmm(_rng())
-    gmm.checked_posterior_xp(np, x, means, variances, weights, False)
+    on_host.responsibilities(x, means, variances, weights)
     # the centring kernel, the GEMM and the fused epilogue
     assert ck.launch_count() - before == 3
 

@@ -950,16 +950,17 @@ for N_, K_, d_, dv_ in ((1 << 16, 64, 32, 32), (1 << 16, 64, 64, 64)):
 # with TF32 on: bandwidth would cap them at 52 to 102 TFLOP/s.
 #
 # The host code is written once for an array module `xp`, NumPy or CuPy, so
-# its logic runs here with NumPy, and must equal the
-# reference:
+# its logic runs here with NumPy (`gpu.cupy_kernels.on_host`: each fused
+# kernel by its NumPy twin), and must equal the reference:
 
 # %%
 cupy_gma = importlib.import_module("gpu.cupy_kernels.gma")  # the module (the package's attribute gma is the function)
+on_host = importlib.import_module("gpu.cupy_kernels").on_host
 N, K, d_r, d_v = 40, 4, 3, 2
 xq6, xk6, v6 = rng.standard_normal((N, d_r)), rng.standard_normal((N, d_r)), rng.standard_normal((N, d_v))
 mu6, var6, w6 = rng.standard_normal((K, d_r)), 0.5 + rng.random((K, d_r)), np.full(K, 1 / K)
 for causal in (False, True):
-    host = cupy_gma.gma_xp(np, xq6, xk6, v6, mu6, var6, w6, causal, 1e-6, 8)  # xp = numpy
+    host = on_host.gma(xq6, xk6, v6, mu6, var6, w6, causal=causal, eps=1e-6, chunk_size=8)
     err = np.max(np.abs(host - gma.gma(xq6, xk6, v6, mu6, var6, w6, causal=causal, chunk_size=8)))
     print(f"gpu.cupy_kernels' host code with xp = numpy, causal={causal}: max abs difference to refimpl {err:.1e}")
     assert err < 1e-12

@@ -60,7 +60,7 @@ import re
 
 import numpy as np
 
-from refimpl import validation
+from refimpl import boundary, validation
 
 __all__ = [
     "SOURCES",
@@ -246,12 +246,14 @@ def device_module(*arrays):
     """The array module the public functions compute with: :mod:`cupy`, or a ``RuntimeError`` naming the backend.
 
     Device arrays among the inputs mean a device is there; NumPy inputs need
-    one too (they are copied to it).
+    one too (they are copied to it).  Without one, the error is
+    :func:`gpu.require`'s: why, and how to get the backend (the extra that
+    matches the driver, where to read its CUDA version, the simulator).
     """
-    if not any(is_device_array(a) for a in arrays):
-        ok, why = probe()
-        if not ok:
-            raise RuntimeError(f"GPU backend 'cupy' is not available: {why}")
+    if not any(is_device_array(a) for a in arrays) and not probe()[0]:
+        import gpu
+
+        gpu.require("cupy")
     return _cupy()
 
 
@@ -368,6 +370,12 @@ def _typed(args: str, t: str) -> str:
     return re.sub(r"\bT\b", t, args)
 
 
+def _templated(name: str, args: str, body: str) -> str:
+    """The CUDA C of ``template <typename T> __global__ void name(args) { body }``, instantiated for float and double."""
+    return (f"template <typename T>\n__global__ void {name}({args}) {{\n{body}}}\n"
+            + "".join(f"template __global__ void {name}<{t}>({_typed(args, t)});\n" for t in ("float", "double")))
+
+
 class Elementwise:
     """A :class:`cupy.ElementwiseKernel` with a NumPy twin, registered for :func:`compile_all_sources`.
 
@@ -399,14 +407,9 @@ class Elementwise:
         loads = "".join(f"    const {t} {n} = _in_{n}[i];\n" for t, n in ins)
         decls = "".join(f"    {t} {n};\n" for t, n in outs)
         stores = "".join(f"    _out_{n}[i] = {n};\n" for t, n in outs)
-        name = f"ew_{self.name}"
-        return (
-            f"{self.preamble}\n"
-            f"template <typename T>\n__global__ void {name}({args}) {{\n"
-            f"    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n"
-            f"    if (i >= _n) return;\n{loads}{decls}    {self.operation};\n{stores}}}\n"
-            + "".join(f"template __global__ void {name}<{t}>({_typed(args, t)});\n" for t in ("float", "double"))
-        )
+        body = (f"    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n"
+                f"    if (i >= _n) return;\n{loads}{decls}    {self.operation};\n{stores}")
+        return f"{self.preamble}\n" + _templated(f"ew_{self.name}", args, body)
 
     def __call__(self, *args):
         _count_launch()
@@ -441,20 +444,18 @@ class Reduction:
         (t_out, out_name), = outs
         args = ", ".join([f"const {t}* _in_{n}" for t, n in ins] + [f"{t_out}* _out_{out_name}", "long long _n_out", "long long _n_in"])
         loads = "".join(f"        const {t} {n} = _in_{n}[o * _n_in + _j];\n" for t, n in ins)
-        name = f"red_{self.name}"
+        body = (f"    const long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n"
+                f"    if (o >= _n_out) return;\n"
+                f"    {t_out} _acc = ({t_out})({self.identity});\n"
+                f"    for (long long _j = 0; _j < _n_in; ++_j) {{\n{loads}"
+                f"        _acc = REDUCE_{self.name}(_acc, ({t_out})({self.map_expr}));\n    }}\n"
+                f"    {t_out} {out_name};\n    POST_MAP_{self.name}(_acc);\n"
+                f"    _out_{out_name}[o] = {out_name};\n")
         # CuPy expands reduce_expr and post_map_expr as macros of (a, b) and (a): so does the check
         return (
             f"#define REDUCE_{self.name}(a, b) ({self.reduce_expr})\n"
             f"#define POST_MAP_{self.name}(a) ({self.post_map_expr})\n"
-            f"template <typename T>\n__global__ void {name}({args}) {{\n"
-            f"    const long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n"
-            f"    if (o >= _n_out) return;\n"
-            f"    {t_out} _acc = ({t_out})({self.identity});\n"
-            f"    for (long long _j = 0; _j < _n_in; ++_j) {{\n{loads}"
-            f"        _acc = REDUCE_{self.name}(_acc, ({t_out})({self.map_expr}));\n    }}\n"
-            f"    {t_out} {out_name};\n    POST_MAP_{self.name}(_acc);\n"
-            f"    _out_{out_name}[o] = {out_name};\n}}\n"
-            + "".join(f"template __global__ void {name}<{t}>({_typed(args, t)});\n" for t in ("float", "double"))
+            + _templated(f"red_{self.name}", args, body)
             + f"#undef REDUCE_{self.name}\n#undef POST_MAP_{self.name}\n"
         )
 
@@ -705,3 +706,43 @@ def device_test_decision() -> tuple[str, str]:
     if not present:
         return "skip", f"no GPU on this machine ({which}): {why}"
     return "fail", f"this machine has a GPU ({which}) but CuPy cannot use it: {why}"
+
+
+# ---------------------------------------------------------------------------
+# The backend's record: how its public functions read their arguments
+# ---------------------------------------------------------------------------
+
+
+def view(a, kind=None):
+    """What refimpl's checkers read for argument ``a`` (:class:`refimpl.boundary.Backend`).
+
+    A token array on the device: its :func:`host_view` (shape and dtype, no
+    copy; its values are checked on the device); a parameter on the device:
+    its host copy (:func:`parameter_to_host`, small).
+    """
+    return host_view(a) if kind is None else parameter_to_host(a)
+
+
+SUMMARY = (
+    "Computed with CuPy (:mod:`gpu.cupy_kernels`): the matrix products through cuBLAS, the rest in fused kernels "
+    "that NVRTC compiles."
+)
+
+ARRAYS = (
+    "CuPy arrays (or any object with ``__cuda_array_interface__``) in give CuPy arrays out; NumPy arrays in are "
+    "computed on the device and come back as NumPy arrays. The dtype follows the inputs."
+)
+
+
+def backend(kernels) -> boundary.Backend:
+    """The CuPy backend with ``kernels`` (a module's share of them: :func:`refimpl.boundary.bind` binds its names)."""
+    return boundary.Backend(
+        "gpu.cupy_kernels", SUMMARY, kernels, ARRAYS, "array_like or cupy.ndarray", "numpy.ndarray or cupy.ndarray", view,
+        device_module, replace={"GMACache or GMABatchCache": "GMADeviceCache"},
+    )
+
+
+def on_host(b: boundary.Backend) -> boundary.Backend:
+    """``b`` computed with NumPy in place of CuPy: each fused kernel by its NumPy twin, on any machine."""
+    return b._replace(name="gpu.cupy_kernels.host", module=boundary.numpy_module,
+                      summary=b.summary + " Here with NumPy in place of CuPy, each fused kernel by its NumPy twin.")

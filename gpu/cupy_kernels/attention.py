@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from refimpl import tuned
-from refimpl.validation import check_batched_softmax_attention, check_finite, check_score_maxima, check_softmax_attention
+from refimpl import boundary, tuned
+from refimpl.validation import check_finite, check_score_maxima
 
-from ._backend import Checks, RawModuleSource, as_module_array, device_module, host_view, is_device_array, launch, matmul, result, to_host
+from ._backend import Checks, RawModuleSource, as_module_array, backend, is_device_array, launch, matmul, result, to_host
 
 __all__ = ["softmax_attention"]
 
@@ -64,19 +64,14 @@ def softmax_rows(xp, t, scale, n_q, causal):
     return row_max
 
 
-def softmax_attention_xp(xp, q, k, v, scale=None, causal=False):
-    """:func:`softmax_attention` computed with the array module ``xp`` (NumPy or CuPy); one copy to the host (the checks)."""
-    on_device = any(is_device_array(a) for a in (q, k, v))
-    views = tuple(host_view(a) for a in (q, k, v))
-    if all(np.ndim(a) == 2 for a in views):
-        hq, hk, hv, scale, causal = check_softmax_attention(*views, scale, causal)
-        batch_shape = ()
-    else:
-        hq, hk, hv, scale, causal, batch_shape = check_batched_softmax_attention(*views, scale, causal)
+def _softmax_attention_kernel(xp, checked, given):
+    """:func:`refimpl.attention.softmax_attention` on refimpl's checked arguments, computed with ``xp``; one copy to the host."""
+    on_device = any(is_device_array(a) for a in given)
+    hq, hk, hv, scale, causal, batch_shape = checked
     dtype = hq.dtype
     Nq, (Nk, dv) = hq.shape[-2], hv.shape[-2:]
     checks = Checks(xp, ["q", "k", "v", "row_max"])
-    inputs = (q, k, v)
+    inputs = given
     q, k, v = (as_module_array(xp, a, dtype).reshape(-1, *a.shape[-2:]) for a in inputs)
     for original, a, name in zip(inputs, (q, k, v), "qkv"):
         if is_device_array(original):
@@ -95,29 +90,6 @@ def softmax_attention_xp(xp, q, k, v, scale=None, causal=False):
     return result(out.reshape(batch_shape + (Nq, dv)), on_device)
 
 
-def softmax_attention(q, k, v, *, scale=None, causal: bool = False):
-    """Softmax attention ``softmax(scale q k^T) v`` (:func:`refimpl.attention.softmax_attention`).
-
-    Parameters
-    ----------
-    q : array_like or cupy.ndarray, shape (..., N_q, d)
-    k : array_like or cupy.ndarray, shape (..., N_k, d)
-    v : array_like or cupy.ndarray, shape (..., N_k, d_v)
-        The same leading (batch, head) dimensions for all three.
-    scale : float, optional
-        Multiplies the scores; ``1 / sqrt(d)`` by default.
-    causal : bool, default False
-        Query ``i`` attends to keys ``j <= i`` only (needs ``N_q == N_k``).
-
-    Returns
-    -------
-    numpy.ndarray or cupy.ndarray, shape (..., N_q, d_v)
-        A CuPy array when any input is a device array, else NumPy.
-
-    Raises
-    ------
-    RuntimeError
-        When CuPy has no usable device and the inputs are NumPy arrays.
-    """
-    xp = device_module(q, k, v)
-    return softmax_attention_xp(xp, q, k, v, scale, causal)
+#: softmax_attention bound to refimpl's boundary, which writes its signature, docstring and checks once.
+KERNELS = {"softmax_attention": _softmax_attention_kernel}
+softmax_attention = boundary.bind(backend(KERNELS), module=__name__).softmax_attention

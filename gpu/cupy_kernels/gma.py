@@ -37,12 +37,11 @@ from typing import NamedTuple
 import numpy as np
 from scipy.special import expit
 
-from refimpl import numerics, validation
-from refimpl.gma import GMAGrads, check_gma_arguments, check_gma_forward_arguments, check_gma_grad_out, check_gma_results
-from refimpl.scan import DEFAULT_CHUNK_SIZE
+from refimpl import boundary, numerics, validation
+from refimpl.gma import GMAGrads, check_gma_grad_out, check_gma_results
 
 from ._backend import (
-    Checks, Elementwise, as_module_array, device_module, host_view, is_device_array, matmul, parameter_to_host, result, to_host,
+    Checks, Elementwise, as_module_array, backend, host_view, is_device_array, matmul, result, to_host,
 )
 from .gmm import expansion, head_matmul, normalise_rows, posterior_xp, raise_bad_input, refine_xp
 from .scan import row_dot, scan_backward_xp, scan_forward_xp
@@ -159,13 +158,10 @@ def _heads(a, per_head):
     return a if per_head else a[None]
 
 
-def gma_xp(xp, x_q, x_k, v, means, variances, weights, causal, eps, chunk_size):
-    """:func:`gma` computed with the array module ``xp`` (NumPy or CuPy): the checks, the core, the checks of the results."""
-    on_device = any(is_device_array(a) for a in (x_q, x_k, v, means, variances, weights))
-    args = check_gma_arguments(
-        host_view(x_q), host_view(x_k), host_view(v), parameter_to_host(means), parameter_to_host(variances),
-        parameter_to_host(weights), causal, eps, chunk_size,
-    )
+def _gma_kernel(xp, args, given):
+    """:func:`refimpl.gma.gma` on refimpl's checked arguments, computed with the array module ``xp`` (NumPy or CuPy)."""
+    x_q, x_k, v = given[:3]
+    on_device = any(is_device_array(a) for a in given)
     _, _, _, means, variances, weights, causal, eps, chunk_size = args
     dtype = means.dtype
     tokens_on_device = tuple(is_device_array(a) for a in (x_q, x_k, v))
@@ -179,13 +175,10 @@ def gma_xp(xp, x_q, x_k, v, means, variances, weights, causal, eps, chunk_size):
     return result(out.reshape(x_q.shape[:-1] + v.shape[-1:]), on_device)
 
 
-def gma_forward_xp(xp, x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size):
-    """:func:`gma_forward` computed with the array module ``xp``."""
-    on_device = any(is_device_array(a) for a in (x_q, x_k, v, means, raw_variances, logits))
-    args = check_gma_forward_arguments(
-        host_view(x_q), host_view(x_k), host_view(v), parameter_to_host(means), parameter_to_host(raw_variances),
-        parameter_to_host(logits), causal, eps, min_variance, chunk_size,
-    )
+def _gma_forward_kernel(xp, args, given):
+    """:func:`refimpl.gma.gma_forward` on refimpl's checked arguments, computed with ``xp``: ``(out, GMADeviceCache)``."""
+    x_q, x_k, v = given[:3]
+    on_device = any(is_device_array(a) for a in given)
     _, _, _, means, raw_variances, logits, causal, eps, min_variance, chunk_size = args
     dtype = means.dtype
     tokens_on_device = tuple(is_device_array(a) for a in (x_q, x_k, v))
@@ -244,8 +237,8 @@ def _parameter_grads(csum, sums, mc, prec, variances):
     return dmeans, 0.5 * sq * prec * prec
 
 
-def gma_backward_xp(xp, grad_out, cache):
-    """:func:`gma_backward` computed with the array module ``xp``."""
+def _gma_backward_kernel(xp, grad_out, cache):
+    """:func:`refimpl.gma.gma_backward` from a :class:`GMADeviceCache`, computed with ``xp``."""
     validation.check_instance(cache, "cache", GMADeviceCache, "the GMADeviceCache from gpu.cupy_kernels.gma.gma_forward")
     on_device = cache.on_device or is_device_array(grad_out)
     dtype = cache.out.dtype
@@ -288,85 +281,9 @@ def gma_backward_xp(xp, grad_out, cache):
     )
 
 
-def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """Gaussian Mixture Attention with a GMM given by its variances and weights (:func:`refimpl.gma.gma`).
-
-    Parameters
-    ----------
-    x_q : array_like or cupy.ndarray, shape (..., N_q, d_r)
-        Routing queries; the last leading dimension is the head axis when
-        the GMM is given per head.
-    x_k : array_like or cupy.ndarray, shape (..., N_k, d_r)
-    v : array_like or cupy.ndarray, shape (..., N_k, d_v)
-    means : array_like or cupy.ndarray, shape (K, d_r) or (H, K, d_r)
-    variances : array_like or cupy.ndarray, shape of ``means``
-        All > 0.
-    weights : array_like or cupy.ndarray, shape (K,) or (H, K)
-        Nonnegative, summing to one (per head).
-    causal : bool, default False
-    eps : float, default 1e-6
-    chunk_size : int, default 64
-
-    Returns
-    -------
-    numpy.ndarray or cupy.ndarray, shape (..., N_q, d_v)
-        A CuPy array when any input is a device array, else NumPy.
-
-    Raises
-    ------
-    RuntimeError
-        When CuPy has no usable device and the inputs are NumPy arrays.
-    """
-    xp = device_module(x_q, x_k, v, means, variances, weights)
-    return gma_xp(xp, x_q, x_k, v, means, variances, weights, causal, eps, chunk_size)
-
-
-def gma_forward(
-    x_q, x_k, v, means, raw_variances, logits, *,
-    causal: bool = False, eps: float = 1e-6, min_variance: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE,
-):
-    """GMA with unconstrained GMM parameters, keeping what :func:`gma_backward` needs (:func:`refimpl.gma.gma_forward`).
-
-    Parameters
-    ----------
-    x_q : array_like or cupy.ndarray, shape (..., N_q, d_r)
-    x_k : array_like or cupy.ndarray, shape (..., N_k, d_r)
-    v : array_like or cupy.ndarray, shape (..., N_k, d_v)
-    means : array_like or cupy.ndarray, shape (K, d_r) or (H, K, d_r)
-    raw_variances : array_like or cupy.ndarray, shape of ``means``
-    logits : array_like or cupy.ndarray, shape (K,) or (H, K)
-    causal : bool, default False
-    eps : float, default 1e-6
-    min_variance : float, default 1e-6
-    chunk_size : int, default 64
-
-    Returns
-    -------
-    out : numpy.ndarray or cupy.ndarray, shape (..., N_q, d_v)
-    cache : GMADeviceCache
-        The inputs, the variances, both responsibility matrices and the
-        scan's output and denominators, on the device.
-    """
-    xp = device_module(x_q, x_k, v, means, raw_variances, logits)
-    return gma_forward_xp(xp, x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size)
-
-
-def gma_backward(grad_out, cache) -> GMAGrads:
-    """Hand-derived gradients of :func:`gma_forward` (:func:`refimpl.gma.gma_backward`).
-
-    Parameters
-    ----------
-    grad_out : array_like or cupy.ndarray, shape (..., N_q, d_v)
-    cache : GMADeviceCache
-        From :func:`gma_forward`.
-
-    Returns
-    -------
-    GMAGrads
-        Fields ``x_q`` (..., N_q, d_r), ``x_k`` (..., N_k, d_r),
-        ``v`` (..., N_k, d_v), ``means`` and ``raw_variances`` (K, d_r) or
-        (H, K, d_r), ``logits`` (K,) or (H, K); CuPy arrays when the
-        forward's inputs or ``grad_out`` were device arrays, else NumPy.
-    """
-    xp = device_module(grad_out, *(cache.x_q,) if isinstance(cache, GMADeviceCache) else ())
-    return gma_backward_xp(xp, grad_out, cache)
+#: GMA bound to refimpl's boundary, which writes the signatures, docstrings and checks once.
+KERNELS = {"gma": _gma_kernel, "gma_forward": _gma_forward_kernel, "gma_backward": _gma_backward_kernel}
+_public = boundary.bind(backend(KERNELS), module=__name__)
+gma = _public.gma
+gma_forward = _public.gma_forward
+gma_backward = _public.gma_backward

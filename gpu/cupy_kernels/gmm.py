@@ -43,12 +43,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refimpl import tuned, validation
+from refimpl import boundary, tuned, validation
 from refimpl.gmm import LOG_2PI
 
 from ._backend import (
-    Checks, RawModuleSource, as_module_array, device_module, host_view, is_device_array, launch, matmul,
-    parameter_to_host, result, to_host,
+    Checks, RawModuleSource, as_module_array, backend, is_device_array, launch, matmul,
+    result, to_host,
 )
 
 __all__ = ["log_responsibilities", "responsibilities"]
@@ -280,16 +280,15 @@ def raise_bad_input(checks, name, a):
         validation.check_finite(to_host(a), name)
 
 
-def checked_posterior_xp(xp, x, means, variances, weights, log):
-    """:func:`refimpl.gmm.responsibilities` (or its log) computed with ``xp``: the checks, the core, the check of ``min_quad``.
+def _posterior_kernel(xp, checked, given, log):
+    """The responsibilities (or their logs) of refimpl's checked arguments, computed with ``xp``; then ``min_quad``'s check.
 
     One copy to the host (the checks) unless one fails or a row is suspect.
     """
-    on_device = any(is_device_array(a) for a in (x, means, variances, weights))
+    x = given[0]
+    on_device = any(is_device_array(a) for a in given)
     x_on_device = is_device_array(x)
-    _, means, variances, weights = validation.check_gmm(
-        host_view(x), parameter_to_host(means), parameter_to_host(variances), parameter_to_host(weights)
-    )
+    _, means, variances, weights = checked
     dtype = means.dtype
     x_in = x
     x = as_module_array(xp, x, dtype)
@@ -309,43 +308,8 @@ def checked_posterior_xp(xp, x, means, variances, weights, log):
     return result(gamma[0, 0], on_device)
 
 
-def log_responsibilities(x, means, variances, weights):
-    """Log posterior ``log p(z = k | x_i)`` under a diagonal GMM (:func:`refimpl.gmm.log_responsibilities`).
-
-    Parameters
-    ----------
-    x : array_like or cupy.ndarray, shape (N, d)
-    means : array_like or cupy.ndarray, shape (K, d)
-    variances : array_like or cupy.ndarray, shape (K, d)
-        All > 0.
-    weights : array_like or cupy.ndarray, shape (K,)
-        Nonnegative, summing to one.
-
-    Returns
-    -------
-    numpy.ndarray or cupy.ndarray, shape (N, K)
-        ``l_k(x_i) - logsumexp_m l_m(x_i)``; a CuPy array when any input is
-        a device array, else NumPy.  Computed on the device.
-
-    Raises
-    ------
-    RuntimeError
-        When CuPy has no usable device and the inputs are NumPy arrays.
-    """
-    xp = device_module(x, means, variances, weights)
-    return checked_posterior_xp(xp, x, means, variances, weights, True)
-
-
-def responsibilities(x, means, variances, weights):
-    """Posterior ``gamma_k(x_i) = p(z = k | x_i)`` under a diagonal GMM (:func:`refimpl.gmm.responsibilities`).
-
-    Parameters are those of :func:`log_responsibilities`.
-
-    Returns
-    -------
-    numpy.ndarray or cupy.ndarray, shape (N, K)
-        Nonnegative rows that sum to one; a CuPy array when any input is a
-        device array, else NumPy.
-    """
-    xp = device_module(x, means, variances, weights)
-    return checked_posterior_xp(xp, x, means, variances, weights, False)
+#: The responsibilities bound to refimpl's boundary, which writes their signature, docstring and checks once.
+KERNELS = {"posterior": _posterior_kernel}
+_public = boundary.bind(backend(KERNELS), module=__name__)
+log_responsibilities = _public.log_responsibilities
+responsibilities = _public.responsibilities

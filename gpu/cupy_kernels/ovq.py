@@ -53,10 +53,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from refimpl import gmm, numerics, validation
+from refimpl import boundary, gmm, numerics, validation
 from refimpl import ovq as ref_ovq
 
-from ._backend import Checks, RawModuleSource, as_module_array, device_module, host_view, is_device_array, launch, parameter_to_host, result, to_host
+from ._backend import Checks, RawModuleSource, as_module_array, backend, is_device_array, launch, result, to_host
 
 __all__ = ["ovq_attention", "vq_attention"]
 
@@ -380,14 +380,10 @@ def _vq_run_xp(xp, q, k, v, codebook, C, beta):
 # ---------------------------------------------------------------------------
 
 
-def ovq_attention_xp(xp, q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread", count_bias=True,
-                     learning_rate=None, seed=0, state=None, return_state=False):
-    """:func:`ovq_attention` computed with the array module ``xp`` (NumPy or CuPy): the checks, the core, the checks of the results."""
-    on_device = any(is_device_array(x) for x in (q, k, v))
-    a = ref_ovq.check_ovq_arguments(
-        host_view(q), host_view(k), host_view(v), max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state
-    )
-    return_state = validation.check_bool(return_state, "return_state")
+def _ovq_attention_kernel(xp, a, given, return_state):
+    """:func:`refimpl.ovq.ovq_attention` on refimpl's checked arguments, computed with ``xp``: the checks, the core, the checks of the results."""
+    q, k, v = given
+    on_device = any(is_device_array(x) for x in given)
     checks = Checks(xp, ["q", "k", "v", "overflow"])
     inputs = (q, k, v)
     q, k, v = _tokens(xp, inputs, (a.q, a.k, a.v), ("q", "k", "v"), a.dtype, checks)
@@ -404,10 +400,10 @@ def ovq_attention_xp(xp, q, k, v, *, max_size, chunk_size, beta=None, growth="pl
     return out, ref_ovq.OVQState(*(result(a, False) for a in (Dk, Dv, counts)), n, t)
 
 
-def vq_attention_xp(xp, q, k, v, codebook, *, chunk_size, beta=None):
-    """:func:`vq_attention` computed with the array module ``xp``."""
-    on_device = any(is_device_array(x) for x in (q, k, v, codebook))
-    a = ref_ovq.check_vq_arguments(host_view(q), host_view(k), host_view(v), parameter_to_host(codebook), chunk_size, beta)
+def _vq_attention_kernel(xp, a, given):
+    """:func:`refimpl.ovq.vq_attention` on refimpl's checked arguments, computed with ``xp``."""
+    q, k, v, codebook = given
+    on_device = any(is_device_array(x) for x in given)
     dtype = a.codebook.dtype
     checks = Checks(xp, ["q", "k", "v", "overflow"])
     inputs = (q, k, v)
@@ -422,84 +418,8 @@ def vq_attention_xp(xp, q, k, v, codebook, *, chunk_size, beta=None):
     return result(out, on_device)
 
 
-def ovq_attention(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread", count_bias=True,
-                  learning_rate=None, seed=0, state=None, return_state=False):
-    """Online vector-quantized attention, causal, chunk by chunk (:func:`refimpl.ovq.ovq_attention`).
-
-    Parameters
-    ----------
-    q, k : array_like or cupy.ndarray, shape (N, d)
-        Queries and keys (unit-normalised inside).
-    v : array_like or cupy.ndarray, shape (N, d_v)
-        Values (not normalised).
-    max_size : int
-        ``n_max``, the most centroids (>= 1).
-    chunk_size : int
-        ``C`` (>= 1); the last chunk may be shorter.
-    beta : float, optional
-        Scale of the dot products, ``sqrt(d)`` by default.
-    growth : {"plateau", "linear"}, default "plateau"
-        The growth function of :func:`refimpl.ovq.dictionary_size`.
-    init : {"spread", "random"}, default "spread"
-        Which keys seed new centroids once a dictionary exists: the least
-        similar to it, or drawn on the host with refimpl's generator
-        ``np.random.default_rng([seed, t])``.
-    count_bias : bool, default True
-        Add ``log c`` to the centroid logits.
-    learning_rate : float, optional
-        ``None``: the adaptive ``1/c`` running mean; ``eta`` in ``(0, 1]``:
-        the constant-step online k-means, token by token in token order.
-    seed : int, default 0
-        Seed of ``init="random"`` (>= 0).
-    state : refimpl.ovq.OVQState, optional
-        Continue a stream from this state (not modified).
-    return_state : bool, default False
-        Also return the state after the last chunk.
-
-    Returns
-    -------
-    out : numpy.ndarray or cupy.ndarray, shape (N, d_v)
-        A CuPy array when any of ``q, k, v`` is a device array, else NumPy;
-        the dtype of the inputs (a float64 ``state`` makes it float64).
-    state : refimpl.ovq.OVQState
-        Only with ``return_state=True``: host arrays, a new object.
-
-    Raises
-    ------
-    RuntimeError
-        When CuPy has no usable device and the inputs are NumPy arrays.
-    """
-    xp = device_module(q, k, v)
-    return ovq_attention_xp(
-        xp, q, k, v, max_size=max_size, chunk_size=chunk_size, beta=beta, growth=growth, init=init, count_bias=count_bias,
-        learning_rate=learning_rate, seed=seed, state=state, return_state=return_state,
-    )
-
-
-def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
-    """VQ attention with a fixed key codebook (:func:`refimpl.ovq.vq_attention`).
-
-    Parameters
-    ----------
-    q, k : array_like or cupy.ndarray, shape (N, d)
-        Queries and keys (unit-normalised inside).
-    v : array_like or cupy.ndarray, shape (N, d_v)
-    codebook : array_like or cupy.ndarray, shape (S, d)
-        The fixed key dictionary ``D_k`` (used as given, not normalised).
-    chunk_size : int
-        ``C`` (>= 1).
-    beta : float, optional
-        ``sqrt(d)`` by default.
-
-    Returns
-    -------
-    numpy.ndarray or cupy.ndarray, shape (N, d_v)
-        A CuPy array when any input is a device array, else NumPy.
-
-    Raises
-    ------
-    RuntimeError
-        When CuPy has no usable device and the inputs are NumPy arrays.
-    """
-    xp = device_module(q, k, v, codebook)
-    return vq_attention_xp(xp, q, k, v, codebook, chunk_size=chunk_size, beta=beta)
+#: The public functions bound to refimpl's boundary, which writes their signatures, docstrings and checks once.
+KERNELS = {"ovq_attention": _ovq_attention_kernel, "vq_attention": _vq_attention_kernel}
+_public = boundary.bind(backend(KERNELS), module=__name__)
+ovq_attention = _public.ovq_attention
+vq_attention = _public.vq_attention

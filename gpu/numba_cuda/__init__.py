@@ -1,8 +1,10 @@
 """gpu.numba_cuda: CUDA kernels written in Python with Numba, mirroring :mod:`refimpl` function for function.
 
 Every public function has the name, arguments, defaults, results and error
-messages of the :mod:`refimpl` function it mirrors, and is tested against
-it:
+messages of the :mod:`refimpl` function it mirrors: it is bound from
+:mod:`refimpl.boundary`, which writes each one's signature, docstring and
+checks once, to this package's kernels (``_device.backend`` is its record),
+and held to the reference by ``tests/test_conformance.py``:
 
 * :func:`~gpu.numba_cuda.gmm.log_responsibilities` and
   :func:`~gpu.numba_cuda.gmm.responsibilities` mirror :mod:`refimpl.gmm`

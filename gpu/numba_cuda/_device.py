@@ -30,7 +30,7 @@ import math
 import numpy as np
 from numba import config, cuda, float32, float64
 
-from refimpl import validation
+from refimpl import boundary, validation
 
 __all__ = [
     "KERNELS",
@@ -495,3 +495,90 @@ def raise_bad_inputs(checks, arrays) -> None:
     for a, name in arrays:
         if checks.failed(name):
             validation.check_finite(_as_numba(a).copy_to_host(), name)
+
+
+# ---------------------------------------------------------------------------
+# The backend's record: how its public functions read their arguments
+# ---------------------------------------------------------------------------
+
+
+def stand_in(a, kind=None):
+    """What refimpl's checker reads in place of the device array ``a``: its shape and dtype, values that pass.
+
+    Host arrays are returned unchanged.  For a device array, a zero-stride
+    host array of its shape and dtype (no copy): zeros, or with ``kind``
+    ``"positive"`` ones (variances), ``"probability"`` ``1 / K`` along the
+    last axis (weights).  The checker then words every shape and dtype error
+    as for host arrays; the values are checked on the device
+    (:func:`queue_parameter_checks`).
+    """
+    view = host_view(a)
+    if not is_device_array(a) or kind is None or view.dtype.kind != "f" or view.ndim == 0:
+        return view
+    K = view.shape[-1]
+    value = 1.0 if kind == "positive" else (1.0 / K if K else 0.0)
+    return np.broadcast_to(np.asarray(value, dtype=view.dtype), view.shape)
+
+
+def view(a, kind=None):
+    """What refimpl's checkers read for argument ``a`` (:class:`refimpl.boundary.Backend`): a stand-in of a device array."""
+    return stand_in(a, kind if kind in ("positive", "probability") else None)
+
+
+_READY = []
+
+
+def ready(*arrays):
+    """The array module of a call (none: the kernels take Numba device arrays), once it is sure the backend can run.
+
+    A device array among the arguments means a device (or the simulator) is
+    there; otherwise the first call asks :func:`gpu.require`, whose error
+    says how to get the backend: the extra, the driver, the simulator.
+    """
+    if not _READY and not any_device(*arrays):
+        import gpu
+
+        gpu.require("numba-cuda")
+        _READY.append(True)
+
+
+SUMMARY = (
+    "Computed by the Numba-CUDA kernels of :mod:`gpu.numba_cuda` (in the CUDA simulator without a GPU), every reduction "
+    "in a fixed order: two runs give the same bits."
+)
+
+ARRAYS = (
+    "NumPy arrays in give NumPy arrays out; Numba device arrays, or any object with ``__cuda_array_interface__`` (a "
+    "CuPy array), give Numba device arrays out, never copied to the host. The dtype follows the inputs."
+)
+
+
+def backend(kernels, notes=None) -> boundary.Backend:
+    """The Numba-CUDA backend with ``kernels`` (a module's share of them: :func:`refimpl.boundary.bind` binds its names)."""
+    return boundary.Backend(
+        "gpu.numba_cuda", SUMMARY, kernels, ARRAYS, "array_like or device array", "ndarray or device array", view, ready,
+        replace={"GMACache or GMABatchCache": "GMADeviceCache"}, notes=notes or {},
+    )
+
+
+@contextlib.contextmanager
+def swapped_geometry(geometries, g, check, where):
+    """Run with ``geometries`` (a module's tile geometry by dtype) set to ``g``, each checked by ``check``; the simulator only.
+
+    ``g`` is one geometry for both float types, or a dict by dtype.  The
+    simulator builds a kernel for the geometry at launch, so a test can run
+    the GPU's own tiles there; a GPU compiles them into the kernel once, so
+    this refuses to run on one (``where`` names the caller in the error).
+    """
+    if not SIMULATOR:
+        raise RuntimeError(f"{where}: the tile geometry is fixed on a GPU (compile-time constants)")
+    new = {np.dtype(dt): v for dt, v in g.items()} if isinstance(g, dict) else {dt: g for dt in geometries}
+    for v in new.values():
+        check(v)  # refuses a geometry the kernels cannot run
+    old = dict(geometries)
+    geometries.update(new)
+    try:
+        yield
+    finally:
+        geometries.clear()
+        geometries.update(old)

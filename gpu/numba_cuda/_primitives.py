@@ -24,11 +24,12 @@ added.  A NaN score is kept in :math:`m` (it compares false both ways), as
 
 Block reductions
 ----------------
-:func:`block_sum` and :func:`block_max` reduce ``buf[0:n]`` of a shared
-array by a tree: step ``h`` adds (or takes the maximum of) entry ``t`` and
-entry ``t + w / 2^h`` (``w`` the power of two at or above ``n``), always
-in that order, so the result has the same bits on every run (no atomics).
-Every thread of the block must call them (they synchronise the block).
+:func:`block_sum` reduces ``buf[0:n]`` of a shared array by a tree: step
+``h`` adds entry ``t`` and entry ``t + w / 2^h`` (``w`` the power of two at
+or above ``n``), always in that order, so the result has the same bits on
+every run (no atomics).  Every thread of the block must call it (it
+synchronises the block); :func:`row_max` and :func:`row_sum` reduce a row
+of a shared array in one thread, in index order.
 
 Scans, straight-line steps and launch limits
 --------------------------------------------
@@ -54,7 +55,6 @@ __all__ = [
     "softmax_combine",
     "max_keep_nan",
     "block_sum",
-    "block_max",
     "row_max",
     "row_sum",
     "exclusive_scan_columns",
@@ -109,23 +109,6 @@ def block_sum(buf, n, t):
     total = buf[0]
     cuda.syncthreads()
     return total
-
-
-# buf[0] = max_{t < n} buf[t] by the same tree (NaN kept, as np.max keeps it); returns it to every thread.
-@cuda.jit(device=True)
-def block_max(buf, n, t):
-    w = 1
-    while w < n:
-        w *= 2
-    stride = w // 2
-    while stride > 0:
-        if t < stride and t + stride < n:
-            buf[t] = max_keep_nan(buf[t], buf[t + stride])
-        cuda.syncthreads()
-        stride //= 2
-    top = buf[0]
-    cuda.syncthreads()
-    return top
 
 
 # max_{t < n} buf[r, t], in the order t = 0, 1, ..., n - 1 (NaN kept): every thread reading row r gets the same bits.

@@ -94,9 +94,10 @@ import numpy as np
 from numba import boolean, config, cuda, int64
 from numba.np.numpy_support import from_dtype as numba_type
 
-from refimpl.validation import check_batched_softmax_attention, check_score_maxima
+from refimpl import boundary
+from refimpl.validation import check_score_maxima
 
-from ._device import Checks, any_device, blocks, host_view, is_device_array, kernel, raise_bad_inputs, result, to_device
+from ._device import Checks, any_device, backend, blocks, is_device_array, kernel, raise_bad_inputs, result, to_device
 from ._primitives import MAX_GRID_X, MAX_GRID_YZ, MAX_THREADS, exp_shifted, max_keep_nan, row_max, row_sum, sequence_axes
 
 __all__ = ["softmax_attention", "Geometry", "GPU_GEOMETRY", "SIMULATOR_GEOMETRY", "GEOMETRY", "launch_geometry"]
@@ -408,28 +409,11 @@ def attention_device(q, k, v, scale, causal):
     return out, row_max
 
 
-def softmax_attention(q, k, v, *, scale=None, causal: bool = False):
-    """Softmax attention ``softmax(scale q k^T) v`` (:func:`refimpl.attention.softmax_attention`), tiled, on the GPU.
-
-    Parameters
-    ----------
-    q : array_like or device array, shape (..., N_q, d)
-    k : array_like or device array, shape (..., N_k, d)
-    v : array_like or device array, shape (..., N_k, d_v)
-        The same leading (batch, head) dimensions for all three.
-    scale : float, optional
-        Multiplies the scores; ``1 / sqrt(d)`` by default.
-    causal : bool, default False
-        Query ``i`` attends to keys ``j <= i`` only (needs ``N_q == N_k``).
-
-    Returns
-    -------
-    ndarray or device array, shape (..., N_q, d_v)
-        A device array when any input is one.  Rows whose scores overflow are
-        refused with the reference's error.
-    """
+def _softmax_attention_kernel(xp, checked, given):
+    """:func:`refimpl.attention.softmax_attention` on refimpl's checked arguments: the tiled online softmax on the device."""
+    q, k, v = given
     on_device = any_device(q, k, v)
-    qh, kh, vh, scale, causal, batch_shape = check_batched_softmax_attention(host_view(q), host_view(k), host_view(v), scale, causal)
+    qh, kh, vh, scale, causal, batch_shape = checked
     dtype = qh.dtype
     (N_q, d), (N_k, d_v) = qh.shape[-2:], vh.shape[-2:]
     BH = int(np.prod(batch_shape, dtype=np.int64))
@@ -446,3 +430,7 @@ def softmax_attention(q, k, v, *, scale=None, causal: bool = False):
     if checks.failed("row_max"):
         check_score_maxima(row_max.copy_to_host())
     return result(out.reshape(batch_shape + (N_q, d_v)), on_device)
+
+
+#: softmax_attention bound to refimpl's boundary, which writes its signature, docstring and checks once.
+softmax_attention = boundary.bind(backend({"softmax_attention": _softmax_attention_kernel}), module=__name__).softmax_attention

@@ -62,7 +62,7 @@ inputs and of both ``min_quad``, and the denominators when ``eps = 0``) and
 copied once; the backward copies only ``grad_out``'s count, before its
 kernels.  Device GMM parameters add their value checks to the same flag
 (:func:`gpu.numba_cuda.gmm.queue_parameter_checks`; refimpl's checkers read
-stand-ins of their shapes and dtypes, :func:`gpu.numba_cuda.gmm.stand_in`).
+stand-ins of their shapes and dtypes, :func:`gpu.numba_cuda._device.stand_in`).
 Only a failing check copies more (the parameters together,
 :func:`gpu.numba_cuda.gmm.parameters_to_host`), so that refimpl's own checker
 words the error, in refimpl's order.
@@ -78,7 +78,7 @@ import numpy as np
 from numba import boolean, cuda, int64, uint32, uint64
 from scipy.special import expit
 
-from refimpl import numerics, validation
+from refimpl import boundary, numerics, validation
 from refimpl.gma import (
     GMAGrads,
     check_gma_arguments,
@@ -89,7 +89,7 @@ from refimpl.gma import (
 from refimpl.scan import DEFAULT_CHUNK_SIZE
 
 from . import gmm as device_gmm
-from ._device import SIMULATOR, Checks, any_device, blocks, host_view, is_device_array, kernel, raise_bad_inputs, result, to_device, to_host
+from ._device import SIMULATOR, Checks, any_device, backend, blocks, host_view, is_device_array, kernel, raise_bad_inputs, result, to_device, to_host
 from . import _primitives
 from .gmm import MAX_GRID_X, device_function, exp_shifted, max_keep_nan, parameters_to_host, posterior_device, u32, u64
 from . import scan as device_scan
@@ -542,6 +542,18 @@ def _parameter_partials(x, c, means, variances, segment, part_mu, part_var, part
                     part_c[b, s, m] = acc_c[a]
 
 
+# sum_s a[(b n + s) stride + entry] over the n segments of sequence b, in segment order: one entry's partials
+@_inline
+def _segment_sum(a, b, n, stride, entry, zero):
+    total = zero
+    o = u64(b) * u64(n) * stride + entry
+    end = o + u64(n) * stride
+    while o < end:
+        total += a[o]
+        o += stride
+    return total
+
+
 # dmeans = (ctx - csum mc) * prec, dvariances = 0.5 * sq * prec * prec, draw = (dvar_q + dvar_k) * expit(raw),
 # logits = da_q + da_k (refimpl.gma._gma_backward), summed over the sequences of head h (every sequence when shared).
 # One thread per entry (h, m, j) of the (H, K, 2 d_r + 1) sums, over a 1-D grid (striding by the grid when there are
@@ -570,19 +582,7 @@ def _parameter_sums(mu_q, var_q, c_q, mu_k, var_k, c_k, variances, sigmoid_raw, 
         entry = u64(m) if logit else u64(m) * u64(d) + u64(jj)
         acc = zero
         for b in range(h, B, H):
-            tq = zero
-            o = u64(b) * u64(n_q) * stride + entry
-            end = o + u64(n_q) * stride
-            while o < end:
-                tq += a_q[o]
-                o += stride
-            tk = zero
-            o = u64(b) * u64(n_k) * stride + entry
-            end = o + u64(n_k) * stride
-            while o < end:
-                tk += a_k[o]
-                o += stride
-            acc += tq + tk
+            acc += _segment_sum(a_q, b, n_q, stride, entry, zero) + _segment_sum(a_k, b, n_k, stride, entry, zero)
         if logit:
             dlogits[h, m] = acc
         elif variance:
@@ -728,38 +728,10 @@ def _forward(x_q, x_k, v, m, var, lw, causal, eps, chunk_size, leading, checks, 
     return xq, xk, out, scan
 
 
-def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """Gaussian Mixture Attention on the GPU (:func:`refimpl.gma.gma`).
-
-    Parameters
-    ----------
-    x_q : array_like or device array, shape (..., N_q, d_r)
-    x_k : array_like or device array, shape (..., N_k, d_r)
-    v : array_like or device array, shape (..., N_k, d_v)
-        One leading (batch) shape for the three.
-    means : array_like or device array, shape (K, d_r) or (H, K, d_r)
-        Shared, or one GMM per head (``H`` the last leading dimension).
-    variances : array_like or device array, shape of ``means``
-        All > 0.
-    weights : array_like or device array, shape (K,) or (H, K)
-        Nonnegative, summing to one (per head).
-    causal : bool, default False
-    eps : float, default 1e-6
-    chunk_size : int, default 64
-        Tokens per chunk of the causal scan (>= 1).
-
-    Returns
-    -------
-    ndarray or device array, shape (..., N_q, d_v)
-        A device array when any input is one.
-    """
-    on_device = any_device(x_q, x_k, v, means, variances, weights)
-    # device parameters: refimpl's checker reads stand-ins of their shapes and dtypes; their values are checked on
-    # the device, in the call's one flag
-    checked = check_gma_arguments(
-        host_view(x_q), host_view(x_k), host_view(v), device_gmm.stand_in(means), device_gmm.stand_in(variances, "positive"),
-        device_gmm.stand_in(weights, "probability"), causal, eps, chunk_size
-    )
+def _gma_kernel(xp, checked, given):
+    """:func:`refimpl.gma.gma` on refimpl's checked arguments: the responsibilities and the scan on the device."""
+    x_q, x_k, v, means, variances, weights = given
+    on_device = any_device(*given)
     hq, _, _, hm, hv, hw, causal, eps, chunk_size = checked
     leading = hq.shape[:-2]
     dtype = hm.dtype
@@ -785,50 +757,10 @@ def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: fl
     return result(out.reshape(leading + tuple(out.shape)[1:]), on_device)
 
 
-def gma_forward(
-    x_q,
-    x_k,
-    v,
-    means,
-    raw_variances,
-    logits,
-    *,
-    causal: bool = False,
-    eps: float = 1e-6,
-    min_variance: float = 1e-6,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-):
-    """GMA with unconstrained GMM parameters on the GPU, keeping what :func:`gma_backward` needs (:func:`refimpl.gma.gma_forward`).
-
-    Parameters
-    ----------
-    x_q : array_like or device array, shape (..., N_q, d_r)
-    x_k : array_like or device array, shape (..., N_k, d_r)
-    v : array_like or device array, shape (..., N_k, d_v)
-    means : array_like or device array, shape (K, d_r) or (H, K, d_r)
-    raw_variances : array_like or device array, shape of ``means``
-        ``variances = softplus(raw_variances) + min_variance``.
-    logits : array_like or device array, shape (K,) or (H, K)
-        ``weights = softmax(logits)``.
-    causal : bool, default False
-    eps : float, default 1e-6
-    min_variance : float, default 1e-6
-    chunk_size : int, default 64
-
-    Returns
-    -------
-    out : ndarray or device array, shape (..., N_q, d_v)
-    cache : GMADeviceCache
-        Device arrays: the flattened inputs, the GMM, both responsibility
-        matrices and the scan's states.
-    """
-    on_device = any_device(x_q, x_k, v, means, raw_variances, logits)
-    # device parameters: refimpl's checker reads stand-ins of their shapes and dtypes; their values are checked on
-    # the device, in the call's one flag
-    checked = check_gma_forward_arguments(
-        host_view(x_q), host_view(x_k), host_view(v), *(device_gmm.stand_in(a) for a in (means, raw_variances, logits)),
-        causal, eps, min_variance, chunk_size,
-    )
+def _gma_forward_kernel(xp, checked, given):
+    """:func:`refimpl.gma.gma_forward` on refimpl's checked arguments: ``(out, GMADeviceCache)``."""
+    x_q, x_k, v, means, raw_variances, logits = given
+    on_device = any_device(*given)
     hq, _, _, hm, hraw, hlogits, causal, eps, min_variance, chunk_size = checked
     leading = hq.shape[:-2]
     dtype = hm.dtype
@@ -865,25 +797,8 @@ def gma_forward(
     return result(out.reshape(leading + tuple(out.shape)[1:]), on_device), cache
 
 
-def gma_backward(grad_out, cache) -> GMAGrads:
-    """Gradients of :func:`gma_forward` on the GPU (:func:`refimpl.gma.gma_backward`); returns new arrays.
-
-    Parameters
-    ----------
-    grad_out : array_like or device array, shape (..., N_q, d_v)
-        ``dL/d out``.
-    cache : GMADeviceCache
-        From :func:`gma_forward`.
-
-    Returns
-    -------
-    refimpl.gma.GMAGrads
-        ``x_q`` (..., N_q, d_r), ``x_k`` (..., N_k, d_r), ``v`` (..., N_k, d_v),
-        ``means`` and ``raw_variances`` of the GMM's shape, ``logits`` (K,) or
-        (H, K) (per head: sums over that head's sequences; shared: over every
-        sequence).  Device arrays when the forward's inputs or ``grad_out``
-        included one.
-    """
+def _gma_backward_kernel(xp, grad_out, cache) -> GMAGrads:
+    """:func:`refimpl.gma.gma_backward` on the device, from a :class:`GMADeviceCache`; returns new arrays."""
     validation.check_instance(cache, "cache", GMADeviceCache, "the GMADeviceCache from gpu.numba_cuda.gma.gma_forward")
     scan = cache.scan
     dtype = scan.out.dtype
@@ -939,3 +854,11 @@ def gma_backward(grad_out, cache) -> GMAGrads:
         raw_variances=result(draw, on_device),
         logits=result(dlogits, on_device),
     )
+
+
+#: GMA bound to refimpl's boundary, which writes the signatures, docstrings and checks once.
+_public = boundary.bind(backend({"gma": _gma_kernel, "gma_forward": _gma_forward_kernel, "gma_backward": _gma_backward_kernel}),
+                        module=__name__)
+gma = _public.gma
+gma_forward = _public.gma_forward
+gma_backward = _public.gma_backward

@@ -79,10 +79,13 @@ from typing import NamedTuple
 import numpy as np
 from numba import boolean, cuda, float32, float64, int64, uint32, uint64
 
-from refimpl import validation
+from refimpl import boundary, validation
 from refimpl.gmm import LOG_2PI
 
-from ._device import SIMULATOR, Checks, _as_numba, any_device, blocks, host_view, is_device_array, kernel, raise_bad_inputs, result, to_device, to_host
+from ._device import (
+    SIMULATOR, Checks, _as_numba, any_device, backend, blocks, host_view, is_device_array, kernel, raise_bad_inputs, result,
+    swapped_geometry, to_device, to_host,
+)
 from . import _primitives
 from ._primitives import block_sum
 
@@ -190,25 +193,9 @@ exp_shifted, max_keep_nan, softmax_combine = (device_function(getattr(_primitive
 
 @contextmanager
 def geometry(g):
-    """Run :func:`posterior_device` with the tile geometry ``g`` (the CUDA simulator only).
-
-    ``g`` is a :class:`Geometry` for both float types, or a dict by dtype
-    (:data:`GPU_GEOMETRIES`).  The simulator builds the kernel for the
-    geometry at launch, so a test can run the GPU's own tiles there; a GPU
-    compiles them into the kernel once, so this refuses to run on one.
-    """
-    if not SIMULATOR:
-        raise RuntimeError("gpu.numba_cuda.gmm.geometry: the tile geometry is fixed on a GPU (compile-time constants)")
-    new = {np.dtype(dt): v for dt, v in g.items()} if isinstance(g, dict) else {dt: g for dt in GEOMETRIES}
-    for v in new.values():
-        tile_constants(v)  # refuses a geometry the kernel cannot run
-    old = dict(GEOMETRIES)
-    GEOMETRIES.update(new)
-    try:
+    """Run :func:`posterior_device` with the tile geometry ``g`` (a :class:`Geometry`, or a dict by dtype): the simulator only."""
+    with swapped_geometry(GEOMETRIES, g, tile_constants, "gpu.numba_cuda.gmm.geometry"):
         yield
-    finally:
-        GEOMETRIES.clear()
-        GEOMETRIES.update(old)
 
 #: Threads per block of :func:`_component_constants`.
 THREADS = 32 if SIMULATOR else 128
@@ -700,24 +687,6 @@ def _log_weights(w, out):
             out[i] = w.dtype.type(math.nan)
 
 
-def stand_in(a, kind=None):
-    """What refimpl's checker reads in place of the device array ``a``: its shape and dtype, values that pass.
-
-    Host arrays are returned unchanged.  For a device array, a zero-stride
-    host array of its shape and dtype (no copy): zeros, or with ``kind``
-    ``"positive"`` ones (variances), ``"probability"`` ``1 / K`` along the
-    last axis (weights).  The checker then words every shape and dtype error
-    as for host arrays; the values are checked on the device
-    (:func:`queue_parameter_checks`).
-    """
-    view = host_view(a)
-    if not is_device_array(a) or kind is None or view.dtype.kind != "f" or view.ndim == 0:
-        return view
-    K = view.shape[-1]
-    value = 1.0 if kind == "positive" else (1.0 / K if K else 0.0)
-    return np.broadcast_to(np.asarray(value, dtype=view.dtype), view.shape)
-
-
 def queue_parameter_checks(checks, finite=(), positive=(), probability=()):
     """Queue in ``checks`` the value checks refimpl's checkers make of the device arrays among the parameters.
 
@@ -773,17 +742,17 @@ def log_weights_device(weights, dtype):
     return out
 
 
-def _checked_posterior(x, means, variances, weights, log):
-    """Validate as :mod:`refimpl.gmm` does, run :func:`posterior_device` with ``B = H = 1``, check ``min_quad``.
+def _posterior_kernel(xp, checked, given, log):
+    """The responsibilities (or their logs) of refimpl's checked arguments: :func:`posterior_device` with ``B = H = 1``.
 
     Every value check of a device array (``x``'s finiteness, the
     parameters', ``min_quad``) is counted on the device and copied to the
     host once (:class:`~gpu.numba_cuda._device.Checks`); only a failing one
     copies more, to word refimpl's error.
     """
+    _, hm, hv, hw = checked
+    x, means, variances, weights = given
     on_device = any_device(x, means, variances, weights)
-    _, hm, hv, hw = validation.check_gmm(host_view(x), stand_in(means), stand_in(variances, "positive"),
-                                         stand_in(weights, "probability"))
     dtype = hm.dtype
     x_in = x
     x = to_device(x, dtype)
@@ -811,34 +780,7 @@ def _checked_posterior(x, means, variances, weights, log):
     return result(gamma.reshape(N, K), on_device)
 
 
-def log_responsibilities(x, means, variances, weights):
-    """Log posterior ``log p(z = k | x_i)`` under a diagonal GMM (:func:`refimpl.gmm.log_responsibilities`).
-
-    Parameters
-    ----------
-    x : array_like or device array, shape (N, d)
-    means : array_like or device array, shape (K, d)
-    variances : array_like or device array, shape (K, d)
-        All > 0.
-    weights : array_like or device array, shape (K,)
-        Nonnegative, summing to one.
-
-    Returns
-    -------
-    ndarray or device array, shape (N, K)
-        ``l_k(x_i) - logsumexp_m l_m(x_i)``; a device array when any input is one.
-    """
-    return _checked_posterior(x, means, variances, weights, True)
-
-
-def responsibilities(x, means, variances, weights):
-    """Posterior ``gamma_k(x_i) = p(z = k | x_i)`` under a diagonal GMM (:func:`refimpl.gmm.responsibilities`).
-
-    Parameters are those of :func:`log_responsibilities`.
-
-    Returns
-    -------
-    ndarray or device array, shape (N, K)
-        Nonnegative rows that sum to one; a device array when any input is one.
-    """
-    return _checked_posterior(x, means, variances, weights, False)
+#: The responsibilities bound to refimpl's boundary, which writes their signature, docstring and checks once.
+_public = boundary.bind(backend({"posterior": _posterior_kernel}), module=__name__)
+log_responsibilities = _public.log_responsibilities
+responsibilities = _public.responsibilities

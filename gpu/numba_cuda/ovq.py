@@ -101,9 +101,9 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, int32, int64, uint32, uint64
 
-from refimpl import ovq, validation
+from refimpl import boundary, ovq, validation
 
-from ._device import SIMULATOR, Checks, any_device, blocks, host_view, kernel, raise_bad_inputs, to_device
+from ._device import SIMULATOR, Checks, any_device, backend, blocks, kernel, raise_bad_inputs, to_device
 from ._primitives import exp_shifted, max_keep_nan, softmax_combine
 
 __all__ = ["ovq_attention", "vq_attention", "launch_geometry", "Geometry", "block_sizes", "GPU_GEOMETRY", "SIMULATOR_GEOMETRY"]
@@ -1063,58 +1063,10 @@ def _unpack_counts(packed):
 # ---------------------------------------------------------------------------
 
 
-def ovq_attention(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread", count_bias=True,
-                  learning_rate=None, seed=0, state=None, return_state=False):
-    """Online vector-quantized attention, causal, chunk by chunk, on the GPU: :func:`refimpl.ovq.ovq_attention`.
-
-    Parameters
-    ----------
-    q, k : array_like or device array, shape (N, d)
-        Queries and keys (unit-normalised inside).
-    v : array_like or device array, shape (N, d_v)
-        Values (not normalised).
-    max_size : int
-        ``n_max``, the most centroids (>= 1).
-    chunk_size : int
-        ``C`` (>= 1); the last chunk may be shorter.
-    beta : float, optional
-        Scale of the dot products, ``sqrt(d)`` by default.
-    growth : {"plateau", "linear"}, default "plateau"
-        The growth function of :func:`refimpl.ovq.dictionary_size`.
-    init : {"spread", "random"}, default "spread"
-        Which keys seed new centroids once a dictionary exists: the least
-        similar to it, or drawn on the host with refimpl's generator.
-    count_bias : bool, default True
-        Add ``log c`` to the centroid logits.
-    learning_rate : float, optional
-        ``None``: the adaptive ``1/c`` running mean; ``eta`` in ``(0, 1]``:
-        ``D += eta (x - D)`` token by token in token order.
-    seed : int, default 0
-        Seed of ``init="random"`` (>= 0).
-    state : OVQState, optional
-        Continue a stream from this (host) state; it is copied to the device
-        once and not modified.
-    return_state : bool, default False
-        Also return the state after the last chunk.
-
-    Returns
-    -------
-    out : ndarray or device array, shape (N, d_v)
-        A device array when any of ``q, k, v`` is one, else an ndarray; the
-        dtype of the inputs (a float64 ``state`` makes it float64).
-    state : refimpl.ovq.OVQState
-        Only with ``return_state=True``: host arrays, a new object.
-
-    Notes
-    -----
-    Two launches per chunk (module docstring) and one copy to the host per
-    call: the result checks, with the state and a host caller's output.
-    """
+def _ovq_attention_kernel(xp, a, given, return_state):
+    """:func:`refimpl.ovq.ovq_attention` on refimpl's checked arguments: the chunk loop on the device, the state kept there."""
+    q, k, v = given
     on_device = any_device(q, k, v)
-    a = ovq.check_ovq_arguments(
-        host_view(q), host_view(k), host_view(v), max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state
-    )
-    return_state = validation.check_bool(return_state, "return_state")
     inputs = ((q, "q"), (k, "k"), (v, "v"))
     if not on_device:
         q, k, v = a.q, a.k, a.v
@@ -1153,33 +1105,10 @@ def ovq_attention(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau",
     return out, ovq.OVQState(keys, values, _unpack_counts(checks.part("counts")), n, t)
 
 
-def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
-    """VQ attention with a fixed key codebook, on the GPU: :func:`refimpl.ovq.vq_attention`.
-
-    Parameters
-    ----------
-    q, k : array_like or device array, shape (N, d)
-        Queries and keys (unit-normalised inside).
-    v : array_like or device array, shape (N, d_v)
-    codebook : array_like or device array, shape (S, d)
-        The fixed key dictionary ``D_k`` (used as given, not normalised).
-    chunk_size : int
-        ``C`` (>= 1).
-    beta : float, optional
-        ``sqrt(d)`` by default.
-
-    Returns
-    -------
-    ndarray or device array, shape (N, d_v)
-        A device array when any input is one.
-
-    Notes
-    -----
-    Two launches per chunk, after one that finds every key's code; one copy
-    to the host per call.
-    """
+def _vq_attention_kernel(xp, a, given):
+    """:func:`refimpl.ovq.vq_attention` on refimpl's checked arguments, on the device."""
+    q, k, v, codebook = given
     on_device = any_device(q, k, v, codebook)
-    a = ovq.check_vq_arguments(host_view(q), host_view(k), host_view(v), host_view(codebook), chunk_size, beta)
     dtype = a.q.dtype
     inputs = ((q, "q"), (k, "k"), (v, "v"), (codebook, "codebook"))
     if not any_device(q, k, v):
@@ -1200,3 +1129,15 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
     raise_bad_inputs(checks.fetch(), inputs)
     validation.check_overflowed_rows(*_overflow(checks, rowmax), dtype, "beta, codebook", "lower beta or rescale the codebook")
     return out.reshape(N, d_v) if on_device else checks.part("out").reshape(N, d_v).copy()
+
+
+#: The public functions, bound to refimpl's boundary (signatures, docstrings and checks written once there).
+_NOTES = {
+    "ovq_attention": "Two launches per chunk (module docstring) and one copy to the host per call: the result checks, with "
+                     "the state and a host caller's output.",
+    "vq_attention": "Two launches per chunk, after one that finds every key's code; one copy to the host per call.",
+}
+_public = boundary.bind(backend({"ovq_attention": _ovq_attention_kernel, "vq_attention": _vq_attention_kernel}, _NOTES),
+                        module=__name__)
+ovq_attention = _public.ovq_attention
+vq_attention = _public.vq_attention

@@ -124,7 +124,7 @@ import numpy as np
 from numba import boolean, config, cuda, float32, float64, int64, uint32, uint64
 from numba.core.types import UniTuple
 
-from ._device import blocks, kernel
+from ._device import blocks, kernel, swapped_geometry
 from ._primitives import MAX_GRID_X, exclusive_scan_columns, sequence_axes
 
 __all__ = [
@@ -228,25 +228,9 @@ u64 = int if SIMULATOR else uint64
 
 @contextmanager
 def geometry(g):
-    """Run the scan with the tile geometry ``g`` (the CUDA simulator only).
-
-    ``g`` is a :class:`Geometry` for both float types, or a dict by dtype
-    (:data:`GPU_GEOMETRIES`).  The simulator builds the kernels for the
-    geometry at launch, so a test can run the GPU's own tiles there; a GPU
-    compiles them into the kernels once, so this refuses to run on one.
-    """
-    if not SIMULATOR:
-        raise RuntimeError("gpu.numba_cuda.scan.geometry: the tile geometry is fixed on a GPU (compile-time constants)")
-    new = {np.dtype(dt): v for dt, v in g.items()} if isinstance(g, dict) else {dt: g for dt in GEOMETRIES}
-    for v in new.values():
-        tile_constants(v)  # refuses a geometry the kernels cannot run
-    old = dict(GEOMETRIES)
-    GEOMETRIES.update(new)
-    try:
+    """Run the scan with the tile geometry ``g`` (a :class:`Geometry`, or a dict by dtype): the simulator only."""
+    with swapped_geometry(GEOMETRIES, g, tile_constants, "gpu.numba_cuda.scan.geometry"):
         yield
-    finally:
-        GEOMETRIES.clear()
-        GEOMETRIES.update(old)
 
 
 #: Resident blocks per multiprocessor that ptxas must allow for :func:`_chunk_rows` on a GPU (its launch bounds, with

@@ -1,0 +1,308 @@
+"""The public functions of every backend, written once, and the record of kernels that binds them.
+
+Five implementations compute the same functions: the reference
+(:mod:`refimpl.gmm`, :mod:`refimpl.gma`, :mod:`refimpl.attention`,
+:mod:`refimpl.ovq`), :mod:`refimpl.tuned`, :mod:`cpu`, :mod:`gpu.numba_cuda`
+and :mod:`gpu.cupy_kernels`.  What a caller sees of a function is the same
+in all of them: its signature and defaults, its docstring, the checks of its
+arguments (with the reference's exception types and messages, word for
+word) and the rule for the dtype of its result.  That part is written here,
+once per function; a backend supplies only what differs, in a
+:class:`Backend` record:
+
+* ``kernels``: the cores, one per public function, each given the checked
+  arguments (what the reference's checker returned) beside the arguments as
+  the caller passed them (device arrays stay on the device);
+* ``module(*arrays)``: the array module the call computes with, or the error
+  that says this backend cannot run here and how to get it;
+* ``view(a, kind)``: what the reference's checker reads for the argument
+  ``a`` (the array itself on the host; for a device array, a host stand-in of
+  its shape and dtype, or a host copy of a small parameter).
+
+:func:`bind` makes the public functions of a record: ``bind(record)`` gives
+every function the record has kernels for, with the reference's signature
+and its docstring (the parameters, results and errors, with the backend's
+array types).  A backend that computes on host arrays by the reference's
+batch rule needs fewer pieces still: :func:`host_kernels` builds the cores of
+the responsibilities and of GMA from a posterior, a backward through it and
+the two sides of the scan.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import textwrap
+import types
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+import numpy as np
+
+from . import attention, gmm, numerics, ovq, scan, validation
+from . import gma as spec_gma
+
+__all__ = ["Backend", "FUNCTIONS", "bind", "host_kernels", "reference_posterior", "same_array", "numpy_module"]
+
+
+def same_array(a, kind=None):
+    """The view of a host backend: the checkers read the argument itself."""
+    return a
+
+
+def numpy_module(*arrays):
+    """The array module of a host backend: NumPy, which always runs."""
+    return np
+
+
+class Backend(NamedTuple):
+    """A backend: its kernels, and how it moves arrays (the module docstring says what each piece is for)."""
+
+    #: The module its functions are bound into (``"cpu"``, ``"gpu.numba_cuda"``, ...), as the docstrings name it.
+    name: str
+    #: How it computes, one sentence: the start of the docstrings' second paragraph.
+    summary: str
+    #: The cores by public name (:data:`FUNCTIONS` says what each is given); a name without one is a function it has not.
+    kernels: Mapping[str, Callable]
+    #: Which arrays it takes and gives, one sentence for the docstrings.
+    arrays: str = "NumPy arrays in, NumPy arrays out; the dtype follows the inputs."
+    #: What the docstrings call an array argument.
+    array_type: str = "array_like"
+    #: What the docstrings call an array result.
+    result_type: str = "ndarray"
+    #: ``view(a, kind)``: what the reference's checker reads for argument ``a``; ``kind`` is ``None`` for a token
+    #: array, ``"parameter"`` for a small parameter array, ``"positive"`` for the variances, ``"probability"`` for
+    #: the weights.
+    view: Callable = same_array
+    #: ``module(*arrays)``: the array module the call computes with; raises the backend's ``RuntimeError`` when it
+    #: cannot run here.
+    module: Callable = numpy_module
+    #: Words of the reference's docstrings that name its own types (its caches), and what this backend's say instead.
+    replace: Mapping[str, str] = types.MappingProxyType({})
+    #: A Notes section per function name, in place of the reference's (which describes its own computation).
+    notes: Mapping[str, str] = types.MappingProxyType({})
+
+
+# ---------------------------------------------------------------------------
+# The public functions, each once: module, view, checks, kernel (the defaults are the reference's, from its signature)
+# ---------------------------------------------------------------------------
+
+
+def _gmm_arguments(b, x, means, variances, weights):
+    """The checks of :mod:`refimpl.gmm`'s responsibilities: ``(x, means, variances, weights)`` in one dtype."""
+    return validation.check_gmm(b.view(x), b.view(means, "parameter"), b.view(variances, "positive"), b.view(weights, "probability"))
+
+
+def responsibilities(b, x, means, variances, weights):
+    xp = b.module(x, means, variances, weights)
+    return b.kernels["posterior"](xp, _gmm_arguments(b, x, means, variances, weights), (x, means, variances, weights), False)
+
+
+def log_responsibilities(b, x, means, variances, weights):
+    xp = b.module(x, means, variances, weights)
+    return b.kernels["posterior"](xp, _gmm_arguments(b, x, means, variances, weights), (x, means, variances, weights), True)
+
+
+def gma(b, x_q, x_k, v, means, variances, weights, *, causal, eps, chunk_size):
+    given = (x_q, x_k, v, means, variances, weights)
+    xp = b.module(*given)
+    views = (b.view(x_q), b.view(x_k), b.view(v), b.view(means, "parameter"), b.view(variances, "positive"), b.view(weights, "probability"))
+    return b.kernels["gma"](xp, spec_gma.check_gma_arguments(*views, causal, eps, chunk_size), given)
+
+
+def gma_forward(b, x_q, x_k, v, means, raw_variances, logits, *, causal, eps, min_variance, chunk_size):
+    given = (x_q, x_k, v, means, raw_variances, logits)
+    xp = b.module(*given)
+    views = (b.view(x_q), b.view(x_k), b.view(v)) + tuple(b.view(a, "parameter") for a in given[3:])
+    return b.kernels["gma_forward"](xp, spec_gma.check_gma_forward_arguments(*views, causal, eps, min_variance, chunk_size), given)
+
+
+def gma_backward(b, grad_out, cache):
+    return b.kernels["gma_backward"](b.module(grad_out), grad_out, cache)
+
+
+def softmax_attention(b, q, k, v, *, scale, causal):
+    xp = b.module(q, k, v)
+    views = (b.view(q), b.view(k), b.view(v))
+    # the reference's checks: softmax_attention_forward's for 2-D inputs, softmax_attention's batched ones otherwise
+    if all(np.ndim(a) == 2 for a in views):
+        checked = (*validation.check_softmax_attention(*views, scale, causal), ())
+    else:
+        checked = tuple(validation.check_batched_softmax_attention(*views, scale, causal))
+    return b.kernels["softmax_attention"](xp, checked, (q, k, v))
+
+
+def ovq_attention(b, q, k, v, *, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state, return_state):
+    xp = b.module(q, k, v)
+    options = (max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state)
+    a = ovq.check_ovq_arguments(b.view(q), b.view(k), b.view(v), *options)
+    return_state = validation.check_bool(return_state, "return_state")
+    return b.kernels["ovq_attention"](xp, a, (q, k, v), return_state)
+
+
+def vq_attention(b, q, k, v, codebook, *, chunk_size, beta):
+    xp = b.module(q, k, v, codebook)
+    a = ovq.check_vq_arguments(b.view(q), b.view(k), b.view(v), b.view(codebook, "parameter"), chunk_size, beta)
+    return b.kernels["vq_attention"](xp, a, (q, k, v, codebook))
+
+
+#: Each public function: ``(its definition here, the reference function whose signature and docstring it has,
+#: the kernel it calls)``.  The kernels are called ``kernel(xp, checked, given, *rest)``: ``xp`` the array module,
+#: ``checked`` what the reference's checker returned, ``given`` the arrays as the caller passed them; the
+#: responsibilities add ``log``, OVQ adds ``return_state``; ``gma_backward``'s is ``kernel(xp, grad_out, cache)``.
+FUNCTIONS = {
+    "responsibilities": (responsibilities, gmm.responsibilities, "posterior"),
+    "log_responsibilities": (log_responsibilities, gmm.log_responsibilities, "posterior"),
+    "gma": (gma, spec_gma.gma, "gma"),
+    "gma_forward": (gma_forward, spec_gma.gma_forward, "gma_forward"),
+    "gma_backward": (gma_backward, spec_gma.gma_backward, "gma_backward"),
+    "softmax_attention": (softmax_attention, attention.softmax_attention, "softmax_attention"),
+    "ovq_attention": (ovq_attention, ovq.ovq_attention, "ovq_attention"),
+    "vq_attention": (vq_attention, ovq.vq_attention, "vq_attention"),
+}
+
+
+# ---------------------------------------------------------------------------
+# Binding
+# ---------------------------------------------------------------------------
+
+_SECTION = re.compile(r"^(\w[\w ]*)\n-+$", re.MULTILINE)
+
+
+def _sections(doc):
+    """``(head, [(title, body), ...])``: a numpydoc docstring cut at its section headings."""
+    marks = list(_SECTION.finditer(doc))
+    head = doc[: marks[0].start()] if marks else doc
+    parts = [(m.group(1), doc[m.end() : (marks[i + 1].start() if i + 1 < len(marks) else len(doc))]) for i, m in enumerate(marks)]
+    return head.rstrip(), parts
+
+
+def document(reference, backend, name):
+    """The docstring of ``backend``'s ``name``: the reference's, with the backend's words.
+
+    The reference's summary, then a paragraph naming the backend and the
+    reference function, then every section of the reference's docstring
+    (its array types those of the backend) but its Notes, which describe the
+    reference's own computation: the backend's notes stand there instead.
+    """
+    head, parts = _sections(inspect.getdoc(reference))
+    summary, _, rest = head.partition("\n\n")
+    about = (f"{backend.summary} The arguments, defaults, results and errors of "
+             f":func:`{reference.__module__}.{reference.__name__}`, word for word. {backend.arrays}")
+    lines = [summary, "", textwrap.fill(about, 79, break_on_hyphens=False, break_long_words=False)]
+    if rest.strip():
+        lines += ["", rest.strip()]
+    for title, body in parts:
+        if title == "Notes":
+            continue
+        if title in ("Parameters", "Returns"):
+            body = re.sub(r"^(\s*[\w, ]+ : )array_like", rf"\g<1>{backend.array_type}", body, flags=re.MULTILINE)
+            body = re.sub(r"^(\s*(?:[\w]+ : )?)ndarray", rf"\g<1>{backend.result_type}", body, flags=re.MULTILINE)
+        lines += ["", title, "-" * len(title), body.strip("\n")]
+    if name in backend.notes:
+        lines += ["", "Notes", "-----", backend.notes[name]]
+    doc = "\n".join(lines)
+    for old, new in backend.replace.items():
+        doc = doc.replace(old, new)
+    return doc
+
+
+def _bound(backend, name, module):
+    """``name`` of ``backend`` as a function with the reference's own parameters: Python words every call error alike."""
+    definition, reference, _ = FUNCTIONS[name]
+    params = inspect.signature(reference).parameters.values()
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    keywords = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+    header = ", ".join(positional + (["*"] + keywords if keywords else []))
+    call = ", ".join(["backend"] + positional + [f"{k}={k}" for k in keywords])
+    namespace = {"definition": definition, "backend": backend}
+    exec(f"def {name}({header}):\n    return definition({call})\n", namespace)  # noqa: S102 -- source built from a signature
+    public = namespace[name]
+    public.__defaults__, public.__kwdefaults__ = reference.__defaults__, reference.__kwdefaults__
+    public.__annotations__ = dict(reference.__annotations__)
+    public.__qualname__ = name
+    public.__module__ = module
+    public.__doc__ = document(reference, backend, name)
+    public.backend = backend
+    return public
+
+
+def bind(backend, names=None, module=None):
+    """The public functions of ``backend``: ``{name: function}`` for ``names`` (every function it has kernels for).
+
+    Parameters
+    ----------
+    backend : Backend
+    names : iterable of str, optional
+        Which of :data:`FUNCTIONS` to bind; by default those whose kernel
+        ``backend.kernels`` holds.
+    module : str, optional
+        The ``__module__`` of the functions (``backend.name`` by default).
+
+    Returns
+    -------
+    types.SimpleNamespace
+        The functions as attributes, under the reference's names.
+    """
+    names = [n for n, f in FUNCTIONS.items() if f[2] in backend.kernels] if names is None else list(names)
+    missing = [n for n in names if FUNCTIONS[n][2] not in backend.kernels]
+    if missing:
+        raise ValueError(f"backend {backend.name!r} has no kernel for {', '.join(missing)}")
+    return types.SimpleNamespace(**{n: _bound(backend, n, module or backend.name) for n in names})
+
+
+# ---------------------------------------------------------------------------
+# Host backends: the reference's batch rule around a posterior and a scan
+# ---------------------------------------------------------------------------
+
+
+def reference_posterior(x, means, variances, log_weights, *, log=False):
+    """The reference's posterior of checked arrays: ``(gamma or log gamma (N, K), min_quad (N,))``; no raise."""
+    logits, min_quad = gmm.log_joint(x, means, variances, log_weights)
+    return (numerics.log_softmax(logits, axis=1) if log else numerics.softmax(logits, axis=1)), min_quad
+
+
+def host_kernels(posterior, responsibility_backward=None, scan_forward=scan.scan_forward, scan_backward=scan.scan_backward):
+    """The cores of the responsibilities and of GMA for a backend on host arrays.
+
+    Parameters
+    ----------
+    posterior : Callable
+        ``posterior(x, means, variances, log_weights, *, log=False) -> (gamma, min_quad)``
+        on checked 2-D arrays of one dtype; never raises (``min_quad`` not
+        finite marks a row without a posterior).
+    responsibility_backward : Callable, optional
+        ``(x, gamma, dL/dgamma, means, variances) -> (dx, dmeans, dvariances, dlogits)``;
+        without it there is no ``gma_backward``.
+    scan_forward, scan_backward : Callable
+        The mixing and its backward (:func:`refimpl.scan.scan_forward`,
+        :func:`refimpl.scan.scan_backward` by default).
+
+    Returns
+    -------
+    dict
+        Kernels for :class:`Backend`: ``posterior``, ``gma``, ``gma_forward``
+        and, with ``responsibility_backward``, ``gma_backward``; every
+        sequence of a batch computed as on its own, by
+        :func:`refimpl.gma.forward_with` and :func:`refimpl.gma.backward_with`.
+    """
+
+    def posterior_kernel(xp, checked, given, log):
+        x, means, variances, weights = checked
+        gamma, min_quad = posterior(x, means, variances, numerics.log_weights(weights), log=log)
+        validation.check_scaled_distances(min_quad, "x")
+        return gamma
+
+    def gma_kernel(xp, a, given):
+        args = (a.x_q, a.x_k, a.v, a.means, a.variances, numerics.log_weights(a.weights), a.causal, a.eps, a.chunk_size)
+        return spec_gma.forward_with(posterior, *args, keep=False, scan=scan_forward)[0]
+
+    def gma_forward_kernel(xp, a, given):
+        variances, log_weights = spec_gma.mixture_from_raw(a.raw_variances, a.logits, a.min_variance)
+        args = (a.x_q, a.x_k, a.v, a.means, variances, log_weights, a.causal, a.eps, a.chunk_size)
+        return spec_gma.forward_with(posterior, *args, raw_variances=a.raw_variances, scan=scan_forward)
+
+    kernels = {"posterior": posterior_kernel, "gma": gma_kernel, "gma_forward": gma_forward_kernel}
+    if responsibility_backward is not None:
+        kernels["gma_backward"] = lambda xp, grad_out, cache: spec_gma.backward_with(responsibility_backward, grad_out, cache, scan=scan_backward)
+    return kernels
