@@ -400,14 +400,6 @@ def _backward_kernel(q, k, v, g, qt, kt, vt, gt, delta, row_max, row_sum, scale,
                         _dkdv_step(s_b[off:], dp_b[off:], n - off, scale, lo + off, row_max, row_sum, delta, g, q, b, dv[b, jb], dk[b, jb])
 
 
-def _checked(q, k, v, scale, causal):
-    """The checks of refimpl: those of ``softmax_attention_forward`` for 2-D inputs, of ``softmax_attention`` otherwise."""
-    if all(np.ndim(a) == 2 for a in (q, k, v)):
-        q, k, v, scale, causal = validation.check_softmax_attention(q, k, v, scale, causal)
-        return q, k, v, scale, causal, ()
-    return tuple(validation.check_batched_softmax_attention(q, k, v, scale, causal))
-
-
 def _sequences(a):
     """``(..., N, d)`` as a C-contiguous ``(BH, N, d)`` array (no copy when it already is one)."""
     return np.ascontiguousarray(a.reshape((-1,) + a.shape[-2:]))
@@ -466,7 +458,7 @@ def softmax_attention_forward(q, k, v, *, scale=None, causal: bool = False):
         and :func:`refimpl.attention.softmax_attention` (leading
         dimensions), word for word; rows whose scores overflow are refused.
     """
-    q, k, v, scale, causal, batch_shape = _checked(q, k, v, scale, causal)
+    q, k, v, scale, causal, batch_shape = validation.check_softmax_attention_any(q, k, v, scale, causal)
     q, k, v = _sequences(q), _sequences(k), _sequences(v)
     out, row_max, row_sum = _forward(q, k, v, scale, causal)
     validation.check_score_maxima(row_max)

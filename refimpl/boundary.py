@@ -123,12 +123,7 @@ def gma_backward(b, grad_out, cache):
 
 def softmax_attention(b, q, k, v, *, scale, causal):
     xp = b.module(q, k, v)
-    views = (b.view(q), b.view(k), b.view(v))
-    # the reference's checks: softmax_attention_forward's for 2-D inputs, softmax_attention's batched ones otherwise
-    if all(np.ndim(a) == 2 for a in views):
-        checked = (*validation.check_softmax_attention(*views, scale, causal), ())
-    else:
-        checked = tuple(validation.check_batched_softmax_attention(*views, scale, causal))
+    checked = validation.check_softmax_attention_any(b.view(q), b.view(k), b.view(v), scale, causal)
     return b.kernels["softmax_attention"](xp, checked, (q, k, v))
 
 

@@ -87,6 +87,7 @@ __all__ = [
     "check_softmax_attention",
     "BatchedSoftmaxAttentionArguments",
     "check_batched_softmax_attention",
+    "check_softmax_attention_any",
     "check_score_maxima",
     "check_key_value_means",
     "check_kernel_regression",
@@ -777,6 +778,17 @@ def check_batched_softmax_attention(q, k, v, scale, causal) -> BatchedSoftmaxAtt
     check_causal_lengths(q.shape[-2], k.shape[-2], causal, names=("q", "k"))
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else check_positive_float(scale, "scale")
     return BatchedSoftmaxAttentionArguments(q, k, v, scale, causal, batch_shape)
+
+
+def check_softmax_attention_any(q, k, v, scale, causal) -> BatchedSoftmaxAttentionArguments:
+    """The checks :func:`refimpl.attention.softmax_attention` makes: the 2-D ones for 2-D inputs, the batched ones otherwise.
+
+    Returns ``(q, k, v, scale, causal, batch_shape)``, ``batch_shape`` ``()``
+    for 2-D inputs.
+    """
+    if all(np.ndim(a) == 2 for a in (q, k, v)):
+        return BatchedSoftmaxAttentionArguments(*check_softmax_attention(q, k, v, scale, causal), ())
+    return check_batched_softmax_attention(q, k, v, scale, causal)
 
 
 def check_score_maxima(row_max) -> None:
