@@ -87,6 +87,7 @@ __all__ = [
     "BUDGET_S",
     "TIMEOUTS",
     "GPU_TESTS",
+    "CONFORMANCE_BACKENDS",
     "DRY_RUN_TESTS",
     "NO_GPU_ONLY",
     "run_check",
@@ -103,8 +104,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 480
 #: Each stage's timeout in seconds (a stage never runs past what is left of :data:`BUDGET_S`).
 TIMEOUTS = {"environment": 20, "tests": 180, "memcheck": 75, "racecheck": 75, "bench": 130}
-#: The GPU test files, as globs under the project root.
-GPU_TESTS = ("tests/test_gpu_*.py", "tests/test_cupy_*.py")
+#: The GPU test files, as globs under the project root; the conformance suite runs its GPU backends' cases only
+#: (:data:`CONFORMANCE_BACKENDS`: ``make test`` holds the others to the reference).
+GPU_TESTS = ("tests/test_gpu_*.py", "tests/test_cupy_*.py", "tests/test_conformance.py")
+#: The backends of ``tests/test_conformance.py`` that the tests stage runs: the two GPU ones, on the device.
+CONFORMANCE_BACKENDS = "numba_cuda,cupy"
 #: The dry run's tests: the status of both backends, and the CuPy device tests (which skip without a GPU).
 DRY_RUN_TESTS = ("tests/test_gpu_status.py", "tests/test_cupy_device.py")
 #: Skip reasons of tests that exist only for machines without a GPU: on a GPU such a skip is expected, not a failure.
@@ -404,6 +408,11 @@ def _test_files(dry_run):
     return sorted(str(p.relative_to(ROOT)) for pattern in GPU_TESTS for p in ROOT.glob(pattern))
 
 
+def tests_environment(env):
+    """The tests stage's environment: ``env`` with the conformance suite kept to the GPU backends."""
+    return {**env, "CONFORMANCE_BACKENDS": CONFORMANCE_BACKENDS}
+
+
 def _tests(python, env, clock, out, dry_run, xdist):
     junit = out / "pytest-junit.xml"
     if junit.exists():
@@ -412,7 +421,7 @@ def _tests(python, env, clock, out, dry_run, xdist):
     if not dry_run and xdist:
         cmd += ["-n", "4"]  # the compile tests are CPU-bound; four processes share the GPU
     cmd += _test_files(dry_run)
-    code, output, seconds = _run(cmd, env, clock.timeout("tests"), out / "tests.log")
+    code, output, seconds = _run(cmd, tests_environment(env), clock.timeout("tests"), out / "tests.log")
     if code is None:
         return _stage("tests", "fail", f"pytest timed out after {seconds:.0f} s: {_tail(output, 3)}", seconds, ran=False)
     try:

@@ -173,6 +173,21 @@ def _cupy_host():
     return types.SimpleNamespace(**vars(ck.on_host), simulator=False, bits_threads=False)
 
 
+def _cupy():
+    """The CuPy backend on the device: registered only where CuPy can allocate on one (the GPU check runs it there)."""
+    import gpu.cupy_kernels as ck
+
+    names = ("responsibilities", "log_responsibilities", "gma", "gma_forward", "gma_backward", "softmax_attention",
+             "ovq_attention", "vq_attention")
+    return types.SimpleNamespace(**{n: getattr(ck, n) for n in names}, simulator=False, bits_threads=False)
+
+
+def _cupy_device_usable():
+    from gpu.cupy_kernels import _backend
+
+    return _backend.probe()[0]
+
+
 def _toy():
     """The reference's own kernels as a backend: nothing but a record, bound through :mod:`refimpl.boundary`."""
     from refimpl import boundary, gma
@@ -217,8 +232,17 @@ def _importable(modules):
     return True
 
 
+if _importable(("cupy",)) and _cupy_device_usable():
+    NEEDS["cupy"] = ("cupy",)
+    _BUILD["cupy"] = _cupy
+
+#: ``CONFORMANCE_BACKENDS="numba_cuda,cupy"`` (the GPU check's tests stage) keeps only the backends named.
+_ONLY = [n for n in os.environ.get("CONFORMANCE_BACKENDS", "").split(",") if n]
+
 BACKENDS: dict[str, types.SimpleNamespace] = {
-    name: build() if _importable(NEEDS[name]) else _missing(name) for name, build in _BUILD.items()
+    name: build() if _importable(NEEDS[name]) else _missing(name)
+    for name, build in _BUILD.items()
+    if not _ONLY or name in _ONLY
 }
 
 

@@ -276,3 +276,17 @@ def test_a_stage_past_its_timeout_is_ended_with_every_process_it_started(tmp_pat
         time.sleep(0.1)
     else:
         pytest.fail(f"process {pid}, started by the stage, survived its timeout")
+
+
+def test_the_tests_stage_runs_the_conformance_suite_for_the_gpu_backends_only():
+    """On a GPU the tests stage holds both GPU backends to the reference at every size; the host backends stay in make test."""
+    assert "tests/test_conformance.py" in check._test_files(dry_run=False)
+    assert "tests/test_conformance.py" not in check._test_files(dry_run=True)
+    env = check.tests_environment(dict(os.environ))
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    ids = [line for line in out.stdout.splitlines() if "::" in line]
+    backends = {name for name in ("tuned", "toy", "cpu", "numba_cuda", "cupy_host", "cupy") if any(f"[{name}-" in i or f"[{name}]" in i for i in ids)}
+    # cupy joins where CuPy can allocate on a device (a GPU); numba_cuda always
+    assert "numba_cuda" in backends and backends <= {"numba_cuda", "cupy"}, backends
+    assert len(ids) > 100
