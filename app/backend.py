@@ -1,9 +1,11 @@
 """Which kernels the model, training and the experiments call: NumPy, or the Numba CPU backend (:mod:`cpu`).
 
 * ``"numpy"``: :mod:`refimpl.tuned` for GMA, :mod:`refimpl.attention` and
-  :mod:`refimpl.ovq` for the other mixers, one sequence and head at a time;
-* ``"numba"``: the fused kernels of :mod:`cpu` (every sequence and head of a
-  batch in one call where the kernel takes leading dimensions).
+  :mod:`refimpl.ovq` for the other mixers;
+* ``"numba"``: the fused kernels of :mod:`cpu`.
+
+Both take every sequence and head of a batch in one call (leading
+dimensions).
 
 Both give the same results to rounding (``tests/test_backend.py``).  The
 choice, in order: :func:`use`, else the environment variable
@@ -42,7 +44,6 @@ class Kernels(NamedTuple):
     ovq_attention_forward: object
     ovq_attention_backward: object
     vq_attention: object
-    batched: bool  # whether the attention and OVQ functions take leading (batch, head) dimensions
 
 
 def available() -> bool:
@@ -84,12 +85,12 @@ def kernels(name=None) -> Kernels:
         return Kernels(
             name, g.gma, g.gma_forward, g.gma_backward, a.softmax_attention_forward, a.softmax_attention_backward,
             a.linear_attention_forward, a.linear_attention_backward, o.ovq_attention, o.ovq_attention_forward,
-            o.ovq_attention_backward, o.vq_attention, True,
+            o.ovq_attention_backward, o.vq_attention,
         )
     from refimpl import attention as a, ovq as o, tuned as g
 
     return Kernels(
         name, g.gma, g.gma_forward, g.gma_backward, a.softmax_attention_forward, a.softmax_attention_backward,
         a.linear_attention_forward, a.linear_attention_backward, o.ovq_attention, o.ovq_attention_forward,
-        o.ovq_attention_backward, o.vq_attention, False,
+        o.ovq_attention_backward, o.vq_attention,
     )

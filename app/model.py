@@ -81,8 +81,8 @@ With :math:`G = \partial L/\partial(\text{output})` of each piece:
     :func:`refimpl.ovq.ovq_attention_backward`, which holds the discrete choices
     of the forward (seeds, assignments, counts) fixed.
 * **Kernels**: the backend of :mod:`app.backend` (numba's fused kernels of
-  :mod:`cpu` when numba is installed, every sequence and head in one call;
-  NumPy otherwise) computes the mixers; both give the same results to
+  :mod:`cpu` when numba is installed, NumPy otherwise) computes the mixers,
+  every sequence and head in one call; both give the same results to
   rounding.
 * **Final layer norm**: as above.
 * **Heads**: classify, :math:`dW = \bar x^\top G`, :math:`dc = \sum_b G_b`,
@@ -503,14 +503,13 @@ class _MixerCache(NamedTuple):
     x: np.ndarray
     params: dict
     heads: np.ndarray  # (B, N, d) concatenated head outputs (attention mixers); None for gma
-    inner: object  # MultiheadGMACache, or (backward, H, caches, batched): caches[b][h], or one cache of every head when batched
+    inner: object  # MultiheadGMACache, or (backward, H, cache): the cache of every (sequence, head) at once
 
 
 def _single_head(mixer, config, kern):
     """The forward and backward of the attention mixers, from the backend's kernels ``kern`` (:mod:`app.backend`).
 
-    One (sequence, head) at a time, ``(N, d_h)``, or every one at once,
-    ``(B, H, N, d_h)``, when ``kern.batched``.
+    Every (sequence, head) at once, ``(B, H, N, d_h)``.
     """
     if mixer == "softmax":
         return (lambda q, k, v: kern.softmax_attention_forward(q, k, v, causal=config.causal)), kern.softmax_attention_backward
@@ -540,22 +539,10 @@ def mixer_forward(x, params, config):
     q = (x @ params["W_q"]).reshape(B, N, H, dh)
     k = (x @ params["W_k"]).reshape(B, N, H, dh)
     v = (x @ params["W_v"]).reshape(B, N, H, dh)
-    if kern.batched:
-        # every (sequence, head) in one call: (B, H, N, d_h)
-        per_head, caches = forward(*(np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (q, k, v)))
-        heads = per_head.transpose(0, 2, 1, 3).reshape(B, N, d)
-    else:
-        heads = np.empty((B, N, H, dh), dtype=x.dtype)
-        caches = []
-        for b in range(B):
-            row = []
-            for h in range(H):
-                heads[b, :, h], c = forward(q[b, :, h], k[b, :, h], v[b, :, h])
-                row.append(c)
-            caches.append(tuple(row))
-        caches = tuple(caches)
-        heads = heads.reshape(B, N, d)
-    return heads @ params["W_o"], _MixerCache(config.mixer, x, params, heads, (backward, H, caches, kern.batched))
+    # every (sequence, head) in one call: (B, H, N, d_h)
+    per_head, caches = forward(*(np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (q, k, v)))
+    heads = per_head.transpose(0, 2, 1, 3).reshape(B, N, d)
+    return heads @ params["W_o"], _MixerCache(config.mixer, x, params, heads, (backward, H, caches))
 
 
 def mixer_backward(dy, cache):
@@ -564,23 +551,15 @@ def mixer_backward(dy, cache):
         g = layers.multihead_gma_backward(dy, cache.inner)
         return g.x, {f: getattr(g, f) for f in layers.MultiheadGMAParams._fields}
     x, p, heads = cache.x, cache.params, cache.heads
-    backward, H, caches, batched = cache.inner
+    backward, H, caches = cache.inner
     B, N, d = x.shape
     dh = d // H
     # Y = O W_o: dW_o = sum_b O_b^T G_b, dO = G W_o^T
     dW_o = heads.reshape(B * N, d).T @ dy.reshape(B * N, d)
     dheads = (dy @ p["W_o"].T).reshape(B, N, H, dh)
-    if not batched:
-        dq = np.empty((B, N, H, dh), dtype=x.dtype)
-        dk = np.empty_like(dq)
-        dv = np.empty_like(dq)
-        for b in range(B):
-            for h in range(H):
-                g = backward(dheads[b, :, h], caches[b][h])
-                dq[b, :, h], dk[b, :, h], dv[b, :, h] = g.q, g.k, g.v
-    else:  # one cache for every (sequence, head): gradients (B, H, N, d_h)
-        g = backward(np.ascontiguousarray(dheads.transpose(0, 2, 1, 3)), caches)
-        dq, dk, dv = (a.transpose(0, 2, 1, 3) for a in (g.q, g.k, g.v))
+    # one cache for every (sequence, head): gradients (B, H, N, d_h)
+    g = backward(np.ascontiguousarray(dheads.transpose(0, 2, 1, 3)), caches)
+    dq, dk, dv = (a.transpose(0, 2, 1, 3) for a in (g.q, g.k, g.v))
     dq, dk, dv = (a.reshape(B * N, d) for a in (dq, dk, dv))
     xf = x.reshape(B * N, d)
     # Q = X W_q: dW_q = X^T dQ and dX = dQ W_q^T (likewise for k and v)

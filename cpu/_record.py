@@ -12,6 +12,9 @@ SUMMARY = (
 )
 
 
-def backend(kernels) -> boundary.Backend:
-    """The CPU backend with ``kernels`` (a module's share of them: :func:`refimpl.boundary.bind` binds its names)."""
-    return boundary.Backend("cpu", SUMMARY, kernels)
+def backend(kernels, **words) -> boundary.Backend:
+    """The CPU backend with ``kernels`` (a module's share of them: :func:`refimpl.boundary.bind` binds its names).
+
+    ``words`` are the record's docstring fields (``replace``, ``notes``) where the module's functions need them.
+    """
+    return boundary.Backend("cpu", SUMMARY, kernels, **words)

@@ -4,9 +4,10 @@ Softmax attention
 -----------------
 :func:`softmax_attention`, :func:`softmax_attention_forward` and
 :func:`softmax_attention_backward` compute what their namesakes in
-:mod:`refimpl.attention` compute, with the same checks and errors, but
-never form the ``N_q x N_k`` matrix: an online softmax in the manner of
-FlashAttention (Dao et al. 2022), in memory :math:`O(N)` per sequence.
+:mod:`refimpl.attention` compute, bound to the reference's signatures,
+checks and errors (:mod:`refimpl.boundary`), but never form the
+``N_q x N_k`` matrix: an online softmax in the manner of FlashAttention
+(Dao et al. 2022), in memory :math:`O(N)` per sequence.
 
 *Why the running rescaling gives the exact softmax.*  Fix a query row with
 scores :math:`\ell_j = \beta\, q\cdot k_j` and take its keys tile by tile.
@@ -69,9 +70,9 @@ The leading (batch, head) dimensions are flattened to ``BH`` sequences.
 Linear attention
 ----------------
 :func:`linear_attention`, :func:`linear_attention_forward` and
-:func:`linear_attention_backward` are :mod:`refimpl.attention`'s, with the
-causal scan and its sweeps of :mod:`cpu.scan`; they also take ``(..., N, d)``
-inputs, each sequence computed on its own.
+:func:`linear_attention_backward` are :mod:`refimpl.attention`'s, batch rule
+included (:func:`refimpl.attention.linear_forward_with`), with the causal
+scan and its sweeps of :mod:`cpu.scan`.
 """
 
 from __future__ import annotations
@@ -82,26 +83,22 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, prange
 
-from refimpl import attention as ref_attention
 from refimpl import boundary, validation
-from refimpl.attention import LinearAttentionCache, LinearAttentionGrads, SoftmaxAttentionGrads
-from refimpl.scan import DEFAULT_CHUNK_SIZE
+from refimpl.attention import LinearAttentionBatchCache, LinearAttentionCache, LinearAttentionGrads, SoftmaxAttentionGrads
 
 from . import scan as cpu_scan
 from ._record import backend
 
+# the names this module defines; it also holds refimpl.attention's SoftmaxAttentionGrads, LinearAttentionGrads,
+# LinearAttentionCache and LinearAttentionBatchCache, which its functions return (documented there)
 __all__ = [
     "softmax_attention",
     "softmax_attention_forward",
     "softmax_attention_backward",
-    "SoftmaxAttentionGrads",
     "OnlineSoftmaxCache",
     "linear_attention",
     "linear_attention_forward",
     "linear_attention_backward",
-    "LinearAttentionGrads",
-    "LinearAttentionCache",
-    "LinearAttentionBatchCache",
 ]
 
 # ---------------------------------------------------------------------------
@@ -430,35 +427,10 @@ def _forward(q, k, v, scale, causal):
     return out, row_max, row_sum
 
 
-def softmax_attention_forward(q, k, v, *, scale=None, causal: bool = False):
-    """Softmax attention ``softmax(scale q k^T) v``, keeping what the backward needs (no attention matrix).
-
-    Parameters
-    ----------
-    q : array_like, shape (N_q, d) or (..., N_q, d)
-    k : array_like, shape (N_k, d) or (..., N_k, d)
-    v : array_like, shape (N_k, d_v) or (..., N_k, d_v)
-        The leading (batch, head) dimensions ``...`` are the same for all
-        three; each ``(N, d)`` slice is one sequence, attended separately.
-    scale, causal
-        As in :func:`refimpl.attention.softmax_attention_forward`.
-
-    Returns
-    -------
-    out : ndarray, shape (..., N_q, d_v)
-        Dtype of the inputs (float32 only if all are float32).
-    cache : OnlineSoftmaxCache
-        The inputs, the output and the per-row maximum and sum: memory
-        ``O(N (d + d_v))`` per sequence.
-
-    Raises
-    ------
-    TypeError, ValueError
-        As :func:`refimpl.attention.softmax_attention_forward` (2-D inputs)
-        and :func:`refimpl.attention.softmax_attention` (leading
-        dimensions), word for word; rows whose scores overflow are refused.
-    """
-    q, k, v, scale, causal, batch_shape = validation.check_softmax_attention_any(q, k, v, scale, causal)
+def _softmax_attention_forward_kernel(xp, checked, given):
+    """Core of :func:`softmax_attention_forward` on the reference's checked arguments: the online softmax, overflowed rows
+    refused."""
+    q, k, v, scale, causal, batch_shape = checked
     q, k, v = _sequences(q), _sequences(k), _sequences(v)
     out, row_max, row_sum = _forward(q, k, v, scale, causal)
     validation.check_score_maxima(row_max)
@@ -466,34 +438,8 @@ def softmax_attention_forward(q, k, v, *, scale=None, causal: bool = False):
     return out.reshape(batch_shape + out.shape[1:]), cache
 
 
-def _softmax_attention_kernel(xp, checked, given):
-    """Core of :func:`softmax_attention` on the reference's checked arguments: the online softmax, overflowed rows refused."""
-    q, k, v, scale, causal, batch_shape = checked
-    out, row_max, _ = _forward(_sequences(q), _sequences(k), _sequences(v), scale, causal)
-    validation.check_score_maxima(row_max)
-    return out.reshape(batch_shape + out.shape[1:])
-
-
-#: softmax_attention bound to refimpl's boundary: its signature, docstring and checks are written once there.
-softmax_attention = boundary.bind(backend({"softmax_attention": _softmax_attention_kernel}), module=__name__).softmax_attention
-
-
-def softmax_attention_backward(grad_out, cache) -> SoftmaxAttentionGrads:
-    """Gradients of softmax attention, the probabilities recomputed tile by tile; returns new arrays.
-
-    Parameters
-    ----------
-    grad_out : array_like, shape (..., N_q, d_v)
-        ``dL/d out``, the shape of the forward's output.
-    cache : OnlineSoftmaxCache
-        From :func:`softmax_attention_forward` of this module.
-
-    Returns
-    -------
-    SoftmaxAttentionGrads
-        Fields ``q`` (..., N_q, d), ``k`` (..., N_k, d), ``v`` (..., N_k, d_v),
-        the shapes of the forward's inputs.
-    """
+def _softmax_attention_backward_kernel(xp, grad_out, cache) -> SoftmaxAttentionGrads:
+    """Core of :func:`softmax_attention_backward`: the probabilities recomputed tile by tile; new arrays."""
     validation.check_instance(cache, "cache", OnlineSoftmaxCache, "the OnlineSoftmaxCache from cpu.attention.softmax_attention_forward")
     q, k, v, out, row_max, row_sum, scale, causal, batch_shape = cache
     labels = ("...", "N_q", "d_v") if batch_shape else ("N_q", "d_v")
@@ -511,68 +457,38 @@ def softmax_attention_backward(grad_out, cache) -> SoftmaxAttentionGrads:
     )
 
 
-# ---------------------------------------------------------------------------
-# Linear attention: refimpl's, with the causal scan of cpu.scan
-# ---------------------------------------------------------------------------
+_SOFTMAX_NOTES = (
+    "An online softmax (module docstring): the keys are taken tile by tile with a running maximum and sum, so no "
+    "``N_q x N_k`` matrix is formed, in the forward or in the backward, which recomputes the probabilities from the "
+    "per-row maximum and sum.  The cache, an :class:`OnlineSoftmaxCache`, holds the inputs, the output and those two "
+    "numbers per row: memory ``O(N (d + d_v))`` per sequence."
+)
+_LINEAR_NOTES = "The reference's computation, with the causal scan and its two sweeps of :mod:`cpu.scan`."
 
-
-class LinearAttentionBatchCache(NamedTuple):
-    """What :func:`linear_attention_backward` needs from a forward on ``(..., N, d)`` inputs."""
-
-    leading: tuple  # the leading (batch, head) shape
-    caches: tuple  # the LinearAttentionCache of each sequence, leading indices in C order
-
-
-def _linear_one(q, k, v, causal, eps, chunk_size):
-    q, k, v, causal, eps, chunk_size = validation.check_linear_attention(q, k, v, causal, eps, chunk_size)
-    elu = ref_attention._elu_feature_map
-    out, features = cpu_scan.scan_forward(elu(q), elu(k), v, causal, eps, chunk_size)
-    validation.check_denominators(features.den, eps, ("q", "k"))
-    return out, LinearAttentionCache(q, k, features)
-
-
-def linear_attention_forward(q, k, v, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """:func:`refimpl.attention.linear_attention_forward` with the causal scan of :mod:`cpu.scan`.
-
-    Parameters are those of the reference, and ``(..., N, d)`` inputs with
-    one leading shape are taken too (each sequence on its own).
-
-    Returns
-    -------
-    out : ndarray, shape (..., N_q, d_v)
-    cache : LinearAttentionCache, or LinearAttentionBatchCache with leading dimensions
-    """
-    arrays = [np.asarray(a) for a in (q, k, v)]
-    if arrays[0].ndim <= 2:
-        return _linear_one(*arrays, causal, eps, chunk_size)
-    leading = arrays[0].shape[:-2]
-    if any(a.ndim < 2 or a.shape[:-2] != leading for a in arrays):
-        raise ValueError(f"q, k, v: expected one leading shape, got shapes {', '.join(str(a.shape) for a in arrays)}")
-    results = [_linear_one(*(a[idx] for a in arrays), causal, eps, chunk_size) for idx in np.ndindex(leading)]
-    out = np.stack([r[0] for r in results]).reshape(leading + results[0][0].shape)
-    return out, LinearAttentionBatchCache(leading, tuple(r[1] for r in results))
-
-
-def linear_attention_backward(grad_out, cache) -> LinearAttentionGrads:
-    """:func:`refimpl.attention.linear_attention_backward` with the causal sweeps of :mod:`cpu.scan`."""
-    validation.check_instance(
-        cache, "cache", (LinearAttentionCache, LinearAttentionBatchCache), "the LinearAttentionCache from linear_attention_forward"
-    )
-    caches, leading = (cache.caches, cache.leading) if isinstance(cache, LinearAttentionBatchCache) else ((cache,), ())
-    first = caches[0].features.out
-    labels = ("...",) * bool(leading) + ("N_q", "d_v")
-    g = validation.check_grad_out(grad_out, leading + first.shape, labels, first.dtype)
-    grads = []
-    for idx, c in zip(np.ndindex(leading), caches):
-        d = cpu_scan.scan_backward(g[idx], c.features)
-        # chain rule through the elementwise feature map
-        grads.append((d.phi_q * ref_attention._elu_feature_map_derivative(c.q),
-                      d.phi_k * ref_attention._elu_feature_map_derivative(c.k), d.v))
-    if not leading:
-        return LinearAttentionGrads(*grads[0])
-    return LinearAttentionGrads(*(np.stack(z).reshape(leading + z[0].shape) for z in zip(*grads)))
-
-
-def linear_attention(q, k, v, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """:func:`refimpl.attention.linear_attention` with the causal scan of :mod:`cpu.scan`; see :func:`linear_attention_forward`."""
-    return linear_attention_forward(q, k, v, causal=causal, eps=eps, chunk_size=chunk_size)[0]
+#: The public functions that refimpl's boundary writes once, bound to this module's kernels.
+_public = boundary.bind(
+    backend(
+        {
+            "softmax_attention": lambda xp, checked, given: _softmax_attention_forward_kernel(xp, checked, given)[0],
+            "softmax_attention_forward": _softmax_attention_forward_kernel,
+            "softmax_attention_backward": _softmax_attention_backward_kernel,
+            **boundary.linear_attention_kernels(cpu_scan.scan_forward, cpu_scan.scan_backward),
+        },
+        replace={"SoftmaxAttentionCache": "OnlineSoftmaxCache"},
+        notes={
+            "softmax_attention": _SOFTMAX_NOTES,
+            "softmax_attention_forward": _SOFTMAX_NOTES,
+            "softmax_attention_backward": _SOFTMAX_NOTES,
+            "linear_attention": _LINEAR_NOTES,
+            "linear_attention_forward": _LINEAR_NOTES,
+            "linear_attention_backward": _LINEAR_NOTES,
+        },
+    ),
+    module=__name__,
+)
+softmax_attention = _public.softmax_attention
+softmax_attention_forward = _public.softmax_attention_forward
+softmax_attention_backward = _public.softmax_attention_backward
+linear_attention = _public.linear_attention
+linear_attention_forward = _public.linear_attention_forward
+linear_attention_backward = _public.linear_attention_backward

@@ -11,11 +11,9 @@ checkers are :mod:`refimpl.ovq`'s own).  :func:`dictionary_size`,
 
 Leading dimensions
 ------------------
-:func:`ovq_attention_forward` and :func:`ovq_attention_backward` also take
-``(..., N, d)`` arrays: every sequence is independent and starts from an
-empty dictionary, exactly as one :func:`refimpl.ovq.ovq_attention_forward`
-call per sequence.  With leading dimensions ``state`` and ``return_state``
-are refused, and ``cache.state`` is ``None``.
+:func:`ovq_attention_forward` and :func:`ovq_attention_backward` take
+``(..., N, d)`` arrays as the reference's do: every sequence is independent
+and starts from an empty dictionary; here one kernel runs them all.
 
 How the work maps onto loops and threads
 ----------------------------------------
@@ -73,7 +71,6 @@ from refimpl.ovq import (
     OVQGrads,
     OVQState,
     check_overflow,
-    check_ovq_arguments,
     dictionary_size,
     unit_rows,
 )
@@ -833,49 +830,6 @@ class ChunkRecords(Sequence):
                                  self.seeds[0, p.seed_off[j] : p.seed_off[j + 1]], self.counts_mid[0, j], self.added[0, j])
 
 
-def _check_batch(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state):
-    """The checks of refimpl's loop over the sequences of ``(..., N, d)`` arrays: ``(args of sequence 0, q3, k3, v3, lead)``."""
-    arrays = [validation.as_float_array(x, name, finite=False) for x, name in ((q, "q"), (k, "k"), (v, "v"))]
-    lead = arrays[0].shape[:-2]
-    for x, name in zip(arrays[1:], "kv"):
-        if x.ndim != arrays[0].ndim or x.shape[:-2] != lead:
-            raise ValueError(f"{name}: expected shape (..., N, {'d' if name == 'k' else 'd_v'}) with the leading dimensions "
-                             f"{lead} of q, got {x.shape}")
-    if state is not None:
-        raise ValueError(f"state: a stream continues one sequence, q of shape (N, d); got leading dimensions {lead}, "
-                         f"so call once per sequence")
-    B = math.prod(lead)
-    if B == 0:
-        raise ValueError(f"q: expected at least one sequence in the leading dimensions, got shape {arrays[0].shape}")
-    q3, k3, v3 = (x.reshape((B,) + x.shape[-2:]) for x in arrays)
-    args = (max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, None)
-    a = check_ovq_arguments(q3[0], k3[0], v3[0], *args)
-    # the other sequences pass the same checks when the whole arrays are finite and the largest value cannot overflow;
-    # otherwise the first sequence that fails raises refimpl's message
-    ok = all(np.isfinite(x).all() for x in (q3, k3, v3))
-    ok = ok and float(np.max(np.abs(v3))) * q3.shape[1] <= float(np.finfo(a.dtype).max)
-    if not ok:
-        for b in range(1, B):
-            check_ovq_arguments(q3[b], k3[b], v3[b], *args)
-    q3, k3, v3 = (np.ascontiguousarray(x, dtype=a.dtype) for x in (q3, k3, v3))
-    return a, q3, k3, v3, lead
-
-
-def _forward(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state, record,
-             return_state=False):
-    """Core of the public forwards: ``(out, new_state or None, records or None, inputs, params)``."""
-    batched = np.ndim(q) > 2
-    if batched:
-        a, q3, k3, v3, lead = _check_batch(q, k, v, max_size, chunk_size, beta, growth, init, count_bias,
-                                           learning_rate, seed, state)
-    else:
-        a = check_ovq_arguments(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state)
-        q3, k3, v3, lead = (np.ascontiguousarray(a.q)[None], np.ascontiguousarray(a.k)[None],
-                            np.ascontiguousarray(a.v)[None], ())
-    validation.check_bool(return_state, "return_state")
-    return _run(a, q3, k3, v3, lead, batched, record)
-
-
 def _run(a, q3, k3, v3, lead, batched, record):
     """The forward of checked arguments ``a`` on ``(B, N, .)`` arrays: ``(out, new_state or None, records or None, inputs, params)``."""
     state = a.state
@@ -935,58 +889,21 @@ def _ovq_attention_kernel(xp, a, given, return_state):
     return (out, new_state) if return_state else out
 
 
-def ovq_attention_forward(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread", count_bias=True,
-                          learning_rate=None, seed=0, state=None):
-    """:func:`ovq_attention`, keeping what the backward needs; also for a batch of sequences.
-
-    Parameters
-    ----------
-    q, k : array_like, shape (N, d) or (..., N, d)
-        Queries and keys; leading dimensions make a batch of independent
-        sequences, each with its own empty dictionary.
-    v : array_like, shape (N, d_v) or (..., N, d_v)
-        Values, with the leading dimensions of ``q``.
-    max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed
-        As in :func:`ovq_attention`.
-    state : OVQState, optional
-        As in :func:`ovq_attention`; refused with leading dimensions.
-
-    Returns
-    -------
-    out : ndarray, shape (N, d_v) or (..., N, d_v)
-    cache : OVQCache
-        ``q, k, v`` (cast to the common dtype), ``params`` and ``records``
-        (a :class:`ChunkRecords`); ``cache.state`` is the state after the
-        call for a 2-D call, ``None`` with leading dimensions.
-    """
-    out, new_state, records, (qc, kc, vc), p = _forward(q, k, v, max_size, chunk_size, beta, growth, init, count_bias,
-                                                        learning_rate, seed, state, record=True)
+def _ovq_attention_forward_kernel(xp, a, given):
+    """Core of :func:`ovq_attention_forward` on refimpl's checked arguments: every sequence of a batch in one kernel."""
+    lead = a.q.shape[:-2]
+    q3, k3, v3 = (np.ascontiguousarray(x.reshape((-1,) + x.shape[-2:])) for x in (a.q, a.k, a.v))
+    out, new_state, records, (qc, kc, vc), p = _run(a, q3, k3, v3, lead, bool(lead), record=True)
     return out, OVQCache(qc, kc, vc, p, records, new_state)
 
 
-def ovq_attention_backward(grad_out, cache: OVQCache) -> OVQGrads:
-    """Gradients of OVQ attention with the assignments held at their forward values.
-
-    Parameters
-    ----------
-    grad_out : array_like, shape (N, d_v) or (..., N, d_v)
-        ``dL/d out``, the shape of the forward's output.
-    cache : OVQCache
-        From :func:`ovq_attention_forward` (a cache of
-        :func:`refimpl.ovq.ovq_attention_forward` is handed to
-        :func:`refimpl.ovq.ovq_attention_backward`).
-
-    Returns
-    -------
-    OVQGrads
-        Fields ``q`` (..., N, d), ``k`` (..., N, d), ``v`` (..., N, d_v), new
-        arrays in the dtype of the forward.
-    """
+def _ovq_attention_backward_kernel(xp, grad_out, cache: OVQCache) -> OVQGrads:
+    """Core of :func:`ovq_attention_backward`: every sequence of a batch in one kernel (a reference cache to refimpl's)."""
     validation.check_instance(cache, "cache", OVQCache, "the OVQCache from ovq_attention_forward")
     if not isinstance(cache.records, ChunkRecords):
         return _ovq.ovq_attention_backward(grad_out, cache)
     q, k, v, p, rec = cache.q, cache.k, cache.v, cache.params, cache.records
-    lead, N, d, d_v = q.shape[:-2], q.shape[-2], q.shape[-1], v.shape[-1]
+    lead, d, d_v = q.shape[:-2], q.shape[-1], v.shape[-1]
     labels = tuple(f"dim {i}" for i in range(len(lead))) + ("N", "d_v")
     g = validation.check_grad_out(grad_out, v.shape, labels, q.dtype)
     q3, k3, v3 = (x.reshape((-1,) + x.shape[-2:]) for x in (q, k, v))
@@ -1018,7 +935,26 @@ def _vq_attention_kernel(xp, a, given):
     return out
 
 
+_NOTES = (
+    "The chunk loop of every sequence runs in one kernel (module docstring), a batch's sequences in parallel; the "
+    "records the backward needs are kept in arrays (a :class:`ChunkRecords`).  A cache of "
+    ":func:`refimpl.ovq.ovq_attention_forward` is handed to :func:`refimpl.ovq.ovq_attention_backward`."
+)
+
 #: The public functions that refimpl's boundary writes once, bound to this module's kernels.
-_public = boundary.bind(backend({"ovq_attention": _ovq_attention_kernel, "vq_attention": _vq_attention_kernel}), module=__name__)
+_public = boundary.bind(
+    backend(
+        {
+            "ovq_attention": _ovq_attention_kernel,
+            "ovq_attention_forward": _ovq_attention_forward_kernel,
+            "ovq_attention_backward": _ovq_attention_backward_kernel,
+            "vq_attention": _vq_attention_kernel,
+        },
+        notes={"ovq_attention_forward": _NOTES, "ovq_attention_backward": _NOTES},
+    ),
+    module=__name__,
+)
 ovq_attention = _public.ovq_attention
+ovq_attention_forward = _public.ovq_attention_forward
+ovq_attention_backward = _public.ovq_attention_backward
 vq_attention = _public.vq_attention

@@ -19,9 +19,12 @@ to :math:`-\infty` first when causal), :math:`O = P\mathbf V`.  Backward, with
 
 The forward materialises the ``N x N`` matrix: time and memory are
 :math:`O(N^2)`, the point of comparison for the linear-time mechanisms.
-:func:`softmax_attention` also takes leading batch (and head) dimensions,
-``(..., N, d)``, the same for ``q``, ``k`` and ``v``: a loop over the
-sequences, each the 2-D computation bit for bit.
+Every function here also takes leading batch (and head) dimensions,
+``(..., N, d)``, the same for ``q``, ``k`` and ``v``: each sequence is
+computed as on its own.  Softmax attention writes its products on the last
+two dimensions (``@`` acts sequence by sequence), so each sequence's result
+is the 2-D computation's, bit for bit; linear attention loops over the
+sequences.
 
 Linear attention
 ----------------
@@ -53,6 +56,9 @@ __all__ = [
     "linear_attention_backward",
     "LinearAttentionGrads",
     "LinearAttentionCache",
+    "LinearAttentionBatchCache",
+    "linear_forward_with",
+    "linear_backward_with",
     "feature_attention",
     "feature_attention_forward",
     "feature_attention_backward",
@@ -68,23 +74,26 @@ class SoftmaxAttentionGrads(NamedTuple):
 
 
 class SoftmaxAttentionCache(NamedTuple):
-    """What :func:`softmax_attention_backward` needs: a tuple ``(q, k, v, p, scale)``."""
+    """What :func:`softmax_attention_backward` needs: the inputs, the attention matrices ``P`` and the scale.
+
+    ``q, k, v`` as the forward checked them (``(..., N, d)``), ``p`` the
+    ``N_q x N_k`` matrix of every sequence: memory ``O(N_q N_k)`` a sequence.
+    """
 
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
-    p: np.ndarray  # (N_q, N_k) attention matrix
+    p: np.ndarray  # (..., N_q, N_k) attention matrices
     scale: float
 
 
-
-
 def _softmax_scores(q, k, scale, causal):
-    scores = q @ k.T
+    """``scale q k^T`` of every sequence, ``(..., N_q, N_k)``; ``-inf`` above the diagonal when causal."""
+    scores = q @ np.swapaxes(k, -1, -2)
     scores *= q.dtype.type(scale)
     if causal:
         # entries j > i get -inf, so exp gives exactly 0 (the diagonal keeps every row non-empty)
-        scores[np.triu_indices(scores.shape[0], k=1)] = -np.inf
+        scores[..., np.triu(np.ones(scores.shape[-2:], dtype=bool), k=1)] = -np.inf
     return scores
 
 
@@ -93,9 +102,11 @@ def softmax_attention_forward(q, k, v, *, scale=None, causal: bool = False):
 
     Parameters
     ----------
-    q : array_like, shape (N_q, d)
-    k : array_like, shape (N_k, d)
-    v : array_like, shape (N_k, d_v)
+    q : array_like, shape (N_q, d) or (..., N_q, d)
+    k : array_like, shape (N_k, d) or (..., N_k, d)
+    v : array_like, shape (N_k, d_v) or (..., N_k, d_v)
+        The leading (batch, head) dimensions ``...`` are the same for all
+        three; each ``(N, d)`` slice is one sequence, attended separately.
     scale : float, optional
         Multiplies the scores; ``1 / sqrt(d)`` by default.
     causal : bool, default False
@@ -103,14 +114,23 @@ def softmax_attention_forward(q, k, v, *, scale=None, causal: bool = False):
 
     Returns
     -------
-    out : ndarray, shape (N_q, d_v)
+    out : ndarray, shape (..., N_q, d_v)
+        Dtype of the inputs (float32 only if all are float32).
     cache : SoftmaxAttentionCache
-        The tuple ``(q, k, v, P, scale)`` with ``P`` the ``N_q x N_k`` attention matrix.
+        What :func:`softmax_attention_backward` needs.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For inputs of the wrong type, shape or values, and for rows whose
+        scores overflow; with leading dimensions the message counts rows over
+        all sequences in C order (row ``b N_q + i``).
     """
-    q, k, v, scale, causal = validation.check_softmax_attention(q, k, v, scale, causal)
+    q, k, v, scale, causal, _ = validation.check_softmax_attention_any(q, k, v, scale, causal)
     scores = _softmax_scores(q, k, scale, causal)
-    validation.check_softmax_logits(scores, validation.SCORE_NAMES, validation.SCORE_FIX)
-    p = numerics.softmax(scores, axis=1)
+    validation.check_score_maxima(np.max(scores, axis=-1))
+    # P = softmax_row(S), O = P V: sequence by sequence (the products act on the last two dimensions)
+    p = numerics.softmax(scores, axis=-1)
     return p @ v, SoftmaxAttentionCache(q, k, v, p, scale)
 
 
@@ -119,42 +139,27 @@ def softmax_attention_backward(grad_out, cache) -> SoftmaxAttentionGrads:
 
     Parameters
     ----------
-    grad_out : array_like, shape (N_q, d_v)
-        ``dL/d out``.
+    grad_out : array_like, shape (..., N_q, d_v)
+        ``dL/d out``, the shape of the forward's output.
     cache : SoftmaxAttentionCache
         From :func:`softmax_attention_forward`.
 
     Returns
     -------
     SoftmaxAttentionGrads
-        Fields ``q`` (N_q, d), ``k`` (N_k, d), ``v`` (N_k, d_v).
+        Fields ``q`` (..., N_q, d), ``k`` (..., N_k, d), ``v`` (..., N_k, d_v),
+        the shapes of the forward's inputs.
     """
     validation.check_instance(cache, "cache", SoftmaxAttentionCache, "the SoftmaxAttentionCache from softmax_attention_forward")
     q, k, v, p, scale = cache
-    g = validation.check_grad_out(grad_out, (q.shape[0], v.shape[1]), ("N_q", "d_v"), p.dtype)
-    dv = p.T @ g
-    dp = g @ v.T
+    labels = ("...",) * (p.ndim > 2) + ("N_q", "d_v")
+    g = validation.check_grad_out(grad_out, p.shape[:-1] + v.shape[-1:], labels, p.dtype)
+    dv = np.swapaxes(p, -1, -2) @ g
+    dp = g @ np.swapaxes(v, -1, -2)
     # through the row softmax, then the scale: dS = scale P * (dP - rowsum(P * dP))
-    ds = numerics.softmax_backward(p, dp, axis=1)
+    ds = numerics.softmax_backward(p, dp, axis=-1)
     ds *= p.dtype.type(scale)
-    return SoftmaxAttentionGrads(q=ds @ k, k=ds.T @ q, v=dv)
-
-
-def _batched_softmax_attention(q, k, v, scale, causal, batch_shape):
-    """Core: the forward of every ``(N, d)`` slice, and the maximum score of every row (no raise).
-
-    Returns ``out (..., N_q, d_v)`` and ``row_max (..., N_q)``; a slice with a
-    row whose maximum is not finite is left unnormalised (its output is
-    refused by the caller).
-    """
-    out = np.zeros(batch_shape + (q.shape[-2], v.shape[-1]), dtype=q.dtype)
-    row_max = np.empty(batch_shape + (q.shape[-2],), dtype=q.dtype)
-    for idx in np.ndindex(*batch_shape):
-        scores = _softmax_scores(q[idx], k[idx], scale, causal)
-        row_max[idx] = np.max(scores, axis=1)
-        if np.all(np.isfinite(row_max[idx])):
-            out[idx] = numerics.softmax(scores, axis=1) @ v[idx]
-    return out, row_max
+    return SoftmaxAttentionGrads(q=ds @ k, k=np.swapaxes(ds, -1, -2) @ q, v=dv)
 
 
 def softmax_attention(q, k, v, *, scale=None, causal: bool = False):
@@ -173,16 +178,11 @@ def softmax_attention(q, k, v, *, scale=None, causal: bool = False):
     Returns
     -------
     ndarray, shape (..., N_q, d_v)
-        For 2-D inputs, exactly ``softmax_attention_forward(q, k, v)[0]``.
-        A row whose scores overflow is refused; with leading dimensions the
-        error counts rows over all sequences in C order (row ``b N_q + i``).
+        ``softmax_attention_forward(q, k, v)[0]``.  A row whose scores
+        overflow is refused; with leading dimensions the error counts rows
+        over all sequences in C order (row ``b N_q + i``).
     """
-    if all(np.ndim(a) == 2 for a in (q, k, v)):
-        return softmax_attention_forward(q, k, v, scale=scale, causal=causal)[0]
-    q, k, v, scale, causal, batch_shape = validation.check_batched_softmax_attention(q, k, v, scale, causal)
-    out, row_max = _batched_softmax_attention(q, k, v, scale, causal, batch_shape)
-    validation.check_score_maxima(row_max)
-    return out
+    return softmax_attention_forward(q, k, v, scale=scale, causal=causal)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -204,6 +204,13 @@ class LinearAttentionCache(NamedTuple):
     q: np.ndarray
     k: np.ndarray
     features: FeatureAttentionCache
+
+
+class LinearAttentionBatchCache(NamedTuple):
+    """What :func:`linear_attention_backward` needs from a forward on ``(..., N, d)`` inputs."""
+
+    leading: tuple  # the leading (batch, head) shape
+    caches: tuple  # the LinearAttentionCache of each sequence, leading indices in C order
 
 
 def elu_feature_map(x):
@@ -236,6 +243,46 @@ def _elu_feature_map_derivative(x):
     return np.where(x > 0, x.dtype.type(1), np.exp(np.minimum(x, 0)))
 
 
+def linear_forward_with(scan, q, k, v, causal, eps, chunk_size, leading):
+    """Linear attention's forward on checked arguments, sequence by sequence, mixed by ``scan``: ``(out, cache)``.
+
+    The batch rule, written once for this module and the backends:
+    each sequence at leading index ``idx`` is computed as on its own by
+    ``scan`` (:func:`refimpl.scan.scan_forward` here) on the features
+    ``phi(q)``, ``phi(k)``; the denominators of every sequence are checked
+    once, at the end, their rows counted over the sequences in C order.
+    ``cache`` is a :class:`LinearAttentionCache` for 2-D inputs, a
+    :class:`LinearAttentionBatchCache` otherwise.
+    """
+    out = np.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+    caches = []
+    for idx in np.ndindex(leading):
+        # the scan of phi(q), phi(k), v: each sequence on its own
+        out[idx], features = scan(_elu_feature_map(q[idx]), _elu_feature_map(k[idx]), v[idx], causal, eps, chunk_size)
+        caches.append(LinearAttentionCache(q[idx], k[idx], features))
+    validation.check_denominators(np.concatenate([c.features.den for c in caches]), eps, ("q", "k"))
+    return out, (LinearAttentionBatchCache(leading, tuple(caches)) if leading else caches[0])
+
+
+def linear_backward_with(scan, grad_out, cache) -> LinearAttentionGrads:
+    """Linear attention's backward, sequence by sequence, through ``scan`` (the mixing's backward): the batch rule."""
+    validation.check_instance(
+        cache, "cache", (LinearAttentionCache, LinearAttentionBatchCache), "the LinearAttentionCache from linear_attention_forward"
+    )
+    leading, caches = (cache.leading, cache.caches) if isinstance(cache, LinearAttentionBatchCache) else ((), (cache,))
+    first = caches[0]
+    labels = ("...",) * bool(leading) + ("N_q", "d_v")
+    g = validation.check_grad_out(grad_out, leading + first.features.out.shape, labels, first.features.out.dtype)
+    grads = LinearAttentionGrads(*(np.empty(leading + a.shape, dtype=g.dtype) for a in (first.q, first.k, first.features.v)))
+    for idx, c in zip(np.ndindex(leading), caches):
+        d = scan(g[idx], c.features)
+        # chain rule through the elementwise feature map
+        grads.q[idx] = d.phi_q * _elu_feature_map_derivative(c.q)
+        grads.k[idx] = d.phi_k * _elu_feature_map_derivative(c.k)
+        grads.v[idx] = d.v
+    return grads
+
+
 def linear_attention_forward(q, k, v, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
     """Linear attention with the ``elu + 1`` feature map (Katharopoulos et al. 2020).
 
@@ -245,9 +292,12 @@ def linear_attention_forward(q, k, v, *, causal: bool = False, eps: float = 1e-6
 
     Parameters
     ----------
-    q : array_like, shape (N_q, d)
-    k : array_like, shape (N_k, d)
-    v : array_like, shape (N_k, d_v)
+    q : array_like, shape (N_q, d) or (..., N_q, d)
+    k : array_like, shape (N_k, d) or (..., N_k, d)
+    v : array_like, shape (N_k, d_v) or (..., N_k, d_v)
+        The leading (batch, head) dimensions ``...`` are the same for all
+        three (at least one sequence); each ``(N, d)`` slice is one
+        sequence, attended separately.
     causal : bool, default False
         Query ``t`` sees keys ``j <= t`` only (needs ``N_q == N_k``).
     eps : float, default 1e-6
@@ -258,13 +308,21 @@ def linear_attention_forward(q, k, v, *, causal: bool = False, eps: float = 1e-6
 
     Returns
     -------
-    out : ndarray, shape (N_q, d_v)
-    cache : LinearAttentionCache
+    out : ndarray, shape (..., N_q, d_v)
+        Dtype of the inputs (float32 only if all are float32).
+    cache : LinearAttentionCache or LinearAttentionBatchCache
+        What :func:`linear_attention_backward` needs: for 2-D inputs a
+        LinearAttentionCache, with leading dimensions a
+        LinearAttentionBatchCache holding one per sequence.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For inputs of the wrong type, shape or values, and (``eps = 0``) for
+        a denominator of 0; with leading dimensions the message counts rows
+        over all sequences in C order (row ``b N_q + i``).
     """
-    q, k, v, causal, eps, chunk_size = validation.check_linear_attention(q, k, v, causal, eps, chunk_size)
-    out, features = scan_forward(_elu_feature_map(q), _elu_feature_map(k), v, causal, eps, chunk_size)
-    validation.check_denominators(features.den, eps, ("q", "k"))
-    return out, LinearAttentionCache(q, k, features)
+    return linear_forward_with(scan_forward, *validation.check_linear_attention_any(q, k, v, causal, eps, chunk_size))
 
 
 def linear_attention_backward(grad_out, cache) -> LinearAttentionGrads:
@@ -272,33 +330,27 @@ def linear_attention_backward(grad_out, cache) -> LinearAttentionGrads:
 
     Parameters
     ----------
-    grad_out : array_like, shape (N_q, d_v)
+    grad_out : array_like, shape (..., N_q, d_v)
         ``dL/d out``.
-    cache : LinearAttentionCache
-        From :func:`linear_attention_forward`.
+    cache : LinearAttentionCache or LinearAttentionBatchCache
+        What :func:`linear_attention_forward` returned.
 
     Returns
     -------
     LinearAttentionGrads
-        Fields ``q`` (N_q, d), ``k`` (N_k, d), ``v`` (N_k, d_v).
+        ``q``, ``k`` and ``v``: the gradients, each of its input's shape.
     """
-    validation.check_instance(cache, "cache", LinearAttentionCache, "the LinearAttentionCache from linear_attention_forward")
-    g = validation.check_grad_out(grad_out, cache.features.out.shape, ("N_q", "d_v"), cache.features.out.dtype)
-    d = scan_backward(g, cache.features)
-    # chain rule through the elementwise feature map
-    return LinearAttentionGrads(
-        q=d.phi_q * _elu_feature_map_derivative(cache.q),
-        k=d.phi_k * _elu_feature_map_derivative(cache.k),
-        v=d.v,
-    )
+    return linear_backward_with(scan_backward, grad_out, cache)
 
 
 def linear_attention(q, k, v, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
     """Linear attention with the ``elu + 1`` feature map; see :func:`linear_attention_forward`.
 
+    Parameters are those of :func:`linear_attention_forward`.
+
     Returns
     -------
-    ndarray, shape (N_q, d_v)
+    ndarray, shape (..., N_q, d_v)
     """
     return linear_attention_forward(q, k, v, causal=causal, eps=eps, chunk_size=chunk_size)[0]
 

@@ -25,7 +25,8 @@ and its docstring (the parameters, results and errors, with the backend's
 array types).  A backend that computes on host arrays by the reference's
 batch rule needs fewer pieces still: :func:`host_kernels` builds the cores of
 the responsibilities and of GMA from a posterior, a backward through it and
-the two sides of the scan.
+the two sides of the scan, and :func:`linear_attention_kernels` those of
+linear attention from the scan alone.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ import numpy as np
 from . import attention, gmm, numerics, ovq, scan, validation
 from . import gma as spec_gma
 
-__all__ = ["Backend", "FUNCTIONS", "bind", "host_kernels", "reference_posterior", "same_array", "numpy_module"]
+__all__ = ["Backend", "FUNCTIONS", "bind", "host_kernels", "linear_attention_kernels", "reference_posterior", "same_array",
+           "numpy_module"]
 
 
 def same_array(a, kind=None):
@@ -79,7 +81,8 @@ class Backend(NamedTuple):
     module: Callable = numpy_module
     #: Words of the reference's docstrings that name its own types (its caches), and what this backend's say instead.
     replace: Mapping[str, str] = types.MappingProxyType({})
-    #: A Notes section per function name, in place of the reference's (which describes its own computation).
+    #: A Notes section per function name, in place of the reference's (which describes its own computation): plain
+    #: paragraphs, filled to the docstrings' width.
     notes: Mapping[str, str] = types.MappingProxyType({})
 
 
@@ -117,14 +120,29 @@ def gma_forward(b, x_q, x_k, v, means, raw_variances, logits, *, causal, eps, mi
     return b.kernels["gma_forward"](xp, spec_gma.check_gma_forward_arguments(*views, causal, eps, min_variance, chunk_size), given)
 
 
-def gma_backward(b, grad_out, cache):
-    return b.kernels["gma_backward"](b.module(grad_out), grad_out, cache)
+def _softmax_attention(name):
+    def definition(b, q, k, v, *, scale, causal):
+        xp = b.module(q, k, v)
+        checked = validation.check_softmax_attention_any(b.view(q), b.view(k), b.view(v), scale, causal)
+        return b.kernels[name](xp, checked, (q, k, v))
+
+    return definition
 
 
-def softmax_attention(b, q, k, v, *, scale, causal):
-    xp = b.module(q, k, v)
-    checked = validation.check_softmax_attention_any(b.view(q), b.view(k), b.view(v), scale, causal)
-    return b.kernels["softmax_attention"](xp, checked, (q, k, v))
+def _linear_attention(name):
+    def definition(b, q, k, v, *, causal, eps, chunk_size):
+        xp = b.module(q, k, v)
+        checked = validation.check_linear_attention_any(b.view(q), b.view(k), b.view(v), causal, eps, chunk_size)
+        return b.kernels[name](xp, checked, (q, k, v))
+
+    return definition
+
+
+def _backward(name):
+    def definition(b, grad_out, cache):
+        return b.kernels[name](b.module(grad_out), grad_out, cache)
+
+    return definition
 
 
 def ovq_attention(b, q, k, v, *, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state, return_state):
@@ -133,6 +151,13 @@ def ovq_attention(b, q, k, v, *, max_size, chunk_size, beta, growth, init, count
     a = ovq.check_ovq_arguments(b.view(q), b.view(k), b.view(v), *options)
     return_state = validation.check_bool(return_state, "return_state")
     return b.kernels["ovq_attention"](xp, a, (q, k, v), return_state)
+
+
+def ovq_attention_forward(b, q, k, v, *, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state):
+    xp = b.module(q, k, v)
+    options = (max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state)
+    a = ovq.check_ovq_forward_arguments(b.view(q), b.view(k), b.view(v), *options)
+    return b.kernels["ovq_attention_forward"](xp, a, (q, k, v))
 
 
 def vq_attention(b, q, k, v, codebook, *, chunk_size, beta):
@@ -144,15 +169,27 @@ def vq_attention(b, q, k, v, codebook, *, chunk_size, beta):
 #: Each public function: ``(its definition here, the reference function whose signature and docstring it has,
 #: the kernel it calls)``.  The kernels are called ``kernel(xp, checked, given, *rest)``: ``xp`` the array module,
 #: ``checked`` what the reference's checker returned, ``given`` the arrays as the caller passed them; the
-#: responsibilities add ``log``, OVQ adds ``return_state``; ``gma_backward``'s is ``kernel(xp, grad_out, cache)``.
+#: responsibilities add ``log``, OVQ adds ``return_state``; a backward's is ``kernel(xp, grad_out, cache)``, the
+#: cache being what the backend's forward returned (its own type, checked by the kernel).
 FUNCTIONS = {
     "responsibilities": (responsibilities, gmm.responsibilities, "posterior"),
     "log_responsibilities": (log_responsibilities, gmm.log_responsibilities, "posterior"),
     "gma": (gma, spec_gma.gma, "gma"),
     "gma_forward": (gma_forward, spec_gma.gma_forward, "gma_forward"),
-    "gma_backward": (gma_backward, spec_gma.gma_backward, "gma_backward"),
-    "softmax_attention": (softmax_attention, attention.softmax_attention, "softmax_attention"),
+    "gma_backward": (_backward("gma_backward"), spec_gma.gma_backward, "gma_backward"),
+    "softmax_attention": (_softmax_attention("softmax_attention"), attention.softmax_attention, "softmax_attention"),
+    "softmax_attention_forward": (_softmax_attention("softmax_attention_forward"), attention.softmax_attention_forward,
+                                  "softmax_attention_forward"),
+    "softmax_attention_backward": (_backward("softmax_attention_backward"), attention.softmax_attention_backward,
+                                   "softmax_attention_backward"),
+    "linear_attention": (_linear_attention("linear_attention"), attention.linear_attention, "linear_attention"),
+    "linear_attention_forward": (_linear_attention("linear_attention_forward"), attention.linear_attention_forward,
+                                 "linear_attention_forward"),
+    "linear_attention_backward": (_backward("linear_attention_backward"), attention.linear_attention_backward,
+                                  "linear_attention_backward"),
     "ovq_attention": (ovq_attention, ovq.ovq_attention, "ovq_attention"),
+    "ovq_attention_forward": (ovq_attention_forward, ovq.ovq_attention_forward, "ovq_attention_forward"),
+    "ovq_attention_backward": (_backward("ovq_attention_backward"), ovq.ovq_attention_backward, "ovq_attention_backward"),
     "vq_attention": (vq_attention, ovq.vq_attention, "vq_attention"),
 }
 
@@ -195,7 +232,9 @@ def document(reference, backend, name):
             body = re.sub(r"^(\s*(?:[\w]+ : )?)ndarray", rf"\g<1>{backend.result_type}", body, flags=re.MULTILINE)
         lines += ["", title, "-" * len(title), body.strip("\n")]
     if name in backend.notes:
-        lines += ["", "Notes", "-----", backend.notes[name]]
+        paragraphs = backend.notes[name].split("\n\n")
+        notes = "\n\n".join(textwrap.fill(" ".join(p.split()), 79, break_on_hyphens=False, break_long_words=False) for p in paragraphs)
+        lines += ["", "Notes", "-----", notes]
     doc = "\n".join(lines)
     for old, new in backend.replace.items():
         doc = doc.replace(old, new)
@@ -301,3 +340,25 @@ def host_kernels(posterior, responsibility_backward=None, scan_forward=scan.scan
     if responsibility_backward is not None:
         kernels["gma_backward"] = lambda xp, grad_out, cache: spec_gma.backward_with(responsibility_backward, grad_out, cache, scan=scan_backward)
     return kernels
+
+
+def linear_attention_kernels(scan_forward=scan.scan_forward, scan_backward=scan.scan_backward):
+    """The cores of linear attention for a backend on host arrays: the reference's batch rule around two scans.
+
+    Returns
+    -------
+    dict
+        Kernels for :class:`Backend`: ``linear_attention``,
+        ``linear_attention_forward`` and ``linear_attention_backward``, by
+        :func:`refimpl.attention.linear_forward_with` and
+        :func:`refimpl.attention.linear_backward_with`.
+    """
+
+    def forward_kernel(xp, checked, given):
+        return attention.linear_forward_with(scan_forward, *checked)
+
+    return {
+        "linear_attention": lambda xp, checked, given: forward_kernel(xp, checked, given)[0],
+        "linear_attention_forward": forward_kernel,
+        "linear_attention_backward": lambda xp, grad_out, cache: attention.linear_backward_with(scan_backward, grad_out, cache),
+    }

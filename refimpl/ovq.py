@@ -1,7 +1,8 @@
 r"""Online vector-quantized (OVQ) attention and the static-dictionary VQ baseline.
 
 One head, one sequence of :math:`N` tokens: ``q, k`` are ``(N, d)``, ``v`` is
-``(N, d_v)``.  The state is a key dictionary :math:`D_k` ``(n_max, d)``, a
+``(N, d_v)`` (:func:`ovq_attention_forward` and its backward also take a batch
+of independent sequences, ``(..., N, d)``, each from its own empty state).  The state is a key dictionary :math:`D_k` ``(n_max, d)``, a
 value dictionary :math:`D_v` ``(n_max, d_v)``, integer counts :math:`c`
 ``(n_max,)``, the number :math:`n \le n_{\max}` of active rows and the number
 of tokens seen :math:`t`; only rows below :math:`n` are read.  The capacity
@@ -113,6 +114,7 @@ __all__ = [
     "ovq_attention_backward",
     "OVQCache",
     "OVQGrads",
+    "check_ovq_forward_arguments",
     "vq_attention",
 ]
 
@@ -354,6 +356,24 @@ def check_ovq_arguments(q, k, v, max_size, chunk_size, beta, growth, init, count
     tokens = q.shape[0] + (0 if state is None else state.tokens_seen)
     validation.check_value_sums(v, tokens, dtype, None if state is None else state.values)
     return OVQArguments(q.astype(dtype, copy=False), k.astype(dtype, copy=False), v.astype(dtype, copy=False), params, state, dtype)
+
+
+def check_ovq_forward_arguments(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state):
+    """Check the arguments of :func:`ovq_attention_forward`: a 2-D call's, or each sequence's of a batch in order.
+
+    Returns
+    -------
+    OVQArguments
+        As :func:`check_ovq_arguments`; with leading dimensions ``q, k, v``
+        keep them (cast to the common dtype) and ``state`` is ``None``.
+    """
+    options = (max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed)
+    if np.ndim(q) <= 2:
+        return check_ovq_arguments(q, k, v, *options, state)
+    q, k, v, lead = validation.check_ovq_batch(q, k, v, state)
+    # each sequence passes the checks of a 2-D call, the first that fails raising its message
+    first, *_ = [check_ovq_arguments(q[i], k[i], v[i], *options, None) for i in np.ndindex(lead)]
+    return OVQArguments(*(x.astype(first.dtype, copy=False) for x in (q, k, v)), first.params, None, first.dtype)
 
 
 def check_overflow(overflow, state, dtype):
@@ -606,24 +626,51 @@ class OVQGrads(NamedTuple):
 
 def ovq_attention_forward(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread", count_bias=True,
                           learning_rate=None, seed=0, state=None):
-    """:func:`ovq_attention`, keeping what the backward needs.
+    """:func:`ovq_attention`, keeping what the backward needs; also for a batch of sequences.
 
-    Parameters are those of :func:`ovq_attention`, without ``return_state``.
+    Parameters
+    ----------
+    q, k : array_like, shape (N, d) or (..., N, d)
+        Queries and keys; leading dimensions make a batch of independent
+        sequences (at least one), each with its own empty dictionary.
+    v : array_like, shape (N, d_v) or (..., N, d_v)
+        Values, with the leading dimensions of ``q``.
+    max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed
+        As in :func:`ovq_attention`.
+    state : OVQState, optional
+        As in :func:`ovq_attention`; refused with leading dimensions.
 
     Returns
     -------
-    out : ndarray, shape (N, d_v)
+    out : ndarray, shape (N, d_v) or (..., N, d_v)
     cache : OVQCache
-        Inputs, parameters, per-chunk dictionaries read and assignment plans,
-        and ``cache.state``, the state after the call.  ``cache.records[j].rows``
-        is the row each key of chunk ``j`` went to (the assignments that the
-        backward holds fixed) and ``cache.records[j].dict_keys`` the
-        dictionary it was assigned against.
+        Inputs (cast to the common dtype), parameters, per-chunk
+        dictionaries read and assignment plans, and ``cache.state``, the
+        state after a 2-D call (``None`` with leading dimensions).  For a 2-D
+        call ``cache.records[j].rows`` is the row each key of chunk ``j``
+        went to (the assignments that the backward holds fixed) and
+        ``cache.records[j].dict_keys`` the dictionary it was assigned
+        against; with leading dimensions ``cache.records`` holds such a list
+        per sequence, leading indices in C order.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`ovq_attention`; a batch raises what the first of its
+        sequences to fail would raise on its own.
     """
-    a = check_ovq_arguments(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state)
-    out, new_state, records, overflow = _ovq_chunks(a.q, a.k, a.v, a.params, a.state, record=True)
-    check_overflow(overflow, a.state, a.dtype)
-    return out, OVQCache(a.q, a.k, a.v, a.params, records, OVQState(*new_state))
+    a = check_ovq_forward_arguments(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state)
+    lead = a.q.shape[:-2]
+    out = np.empty(a.q.shape[:-1] + a.v.shape[-1:], dtype=a.dtype)
+    records = []
+    for idx in np.ndindex(lead):
+        # each sequence from its own empty dictionary (or, for a 2-D call, from the state given)
+        out[idx], new_state, rec, overflow = _ovq_chunks(a.q[idx], a.k[idx], a.v[idx], a.params, a.state, record=True)
+        check_overflow(overflow, a.state, a.dtype)
+        records.append(rec)
+    if lead:
+        return out, OVQCache(a.q, a.k, a.v, a.params, tuple(records), None)
+    return out, OVQCache(a.q, a.k, a.v, a.params, records[0], OVQState(*new_state))
 
 
 # ---------------------------------------------------------------------------
@@ -685,42 +732,48 @@ def ovq_attention_backward(grad_out, cache: OVQCache) -> OVQGrads:
 
     Parameters
     ----------
-    grad_out : array_like, shape (N, d_v)
-        ``dL/d out``.
+    grad_out : array_like, shape (N, d_v) or (..., N, d_v)
+        ``dL/d out``, the shape of the forward's output.
     cache : OVQCache
         From :func:`ovq_attention_forward`.
 
     Returns
     -------
     OVQGrads
-        Fields ``q`` (N, d), ``k`` (N, d), ``v`` (N, d_v), new arrays in the
-        dtype of the forward.  The module docstring states each phase; the
-        incoming ``state``, if any, is a constant.
+        Fields ``q`` (..., N, d), ``k`` (..., N, d), ``v`` (..., N, d_v), new
+        arrays in the dtype of the forward.  The module docstring states each
+        phase; the incoming ``state``, if any, is a constant.
     """
     validation.check_instance(cache, "cache", OVQCache, "the OVQCache from ovq_attention_forward")
-    g_out = validation.check_grad_out(grad_out, cache.v.shape, ("N", "d_v"), cache.q.dtype)
     q, k, v, p = cache.q, cache.k, cache.v, cache.params
-    gq, gk, gv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
-    # adjoint of the state after the chunk being visited; the loss does not read the final state
-    gDk = np.zeros((p.max_size, q.shape[1]), dtype=q.dtype)
-    gDv = np.zeros((p.max_size, v.shape[1]), dtype=q.dtype)
-    for rec in reversed(cache.records):
-        s, e, n = rec.start, rec.stop, rec.n
-        qhat, q_norms = _unit_rows(q[s:e])
-        khat, k_norms = _unit_rows(k[s:e])
-        # (1) the update, in reverse
-        gDk, gDv, g_khat, g_vc = _update_backward(rec, gDk, gDv, khat, p.eta, e - s, v.shape[1])
-        # (2) the read-out against the dictionary the chunk saw
-        g_qhat, g_keys, g_values = _readout_backward(rec, g_out[s:e], qhat, khat, v[s:e], p.beta)
-        gDk[:n] += g_keys[:n]
-        gDv[:n] += g_values[:n]
-        g_khat += g_keys[n:]
-        g_vc += g_values[n:]
-        # (3) the unit normalisation
-        gq[s:e] = _unit_rows_backward(g_qhat, qhat, q_norms)
-        gk[s:e] = _unit_rows_backward(g_khat, khat, k_norms)
-        gv[s:e] = g_vc
-    return OVQGrads(q=gq, k=gk, v=gv)
+    lead = q.shape[:-2]
+    labels = tuple(f"dim {i}" for i in range(len(lead))) + ("N", "d_v")
+    g_out = validation.check_grad_out(grad_out, v.shape, labels, q.dtype)
+    grads = OVQGrads(np.empty_like(q), np.empty_like(k), np.empty_like(v))
+    for idx, records in zip(np.ndindex(lead), cache.records if lead else (cache.records,)):
+        # one sequence: its inputs and (views written in place) its gradients
+        q1, k1, v1, g1 = q[idx], k[idx], v[idx], g_out[idx]
+        gq, gk, gv = grads.q[idx], grads.k[idx], grads.v[idx]
+        # adjoint of the state after the chunk being visited; the loss does not read the final state
+        gDk = np.zeros((p.max_size, q1.shape[1]), dtype=q.dtype)
+        gDv = np.zeros((p.max_size, v1.shape[1]), dtype=q.dtype)
+        for rec in reversed(records):
+            s, e, n = rec.start, rec.stop, rec.n
+            qhat, q_norms = _unit_rows(q1[s:e])
+            khat, k_norms = _unit_rows(k1[s:e])
+            # (1) the update, in reverse
+            gDk, gDv, g_khat, g_vc = _update_backward(rec, gDk, gDv, khat, p.eta, e - s, v1.shape[1])
+            # (2) the read-out against the dictionary the chunk saw
+            g_qhat, g_keys, g_values = _readout_backward(rec, g1[s:e], qhat, khat, v1[s:e], p.beta)
+            gDk[:n] += g_keys[:n]
+            gDv[:n] += g_values[:n]
+            g_khat += g_keys[n:]
+            g_vc += g_values[n:]
+            # (3) the unit normalisation
+            gq[s:e] = _unit_rows_backward(g_qhat, qhat, q_norms)
+            gk[s:e] = _unit_rows_backward(g_khat, khat, k_norms)
+            gv[s:e] = g_vc
+    return grads
 
 
 # ---------------------------------------------------------------------------

@@ -76,10 +76,13 @@ __all__ = [
     "check_gma_dense",
     "check_gma_state",
     "check_gma_step",
+    "check_one_leading_shape",
     "check_batched_qkv",
     "check_attention_qkv",
     "LinearAttentionArguments",
     "check_linear_attention",
+    "BatchedLinearAttentionArguments",
+    "check_linear_attention_any",
     "FeatureAttentionArguments",
     "check_feature_attention",
     "SCORE_NAMES",
@@ -103,6 +106,7 @@ __all__ = [
     "check_dictionary_size",
     "check_ovq_tokens",
     "check_ovq_qkv",
+    "check_ovq_batch",
     "check_learning_rate",
     "check_ovq_state",
     "check_ovq_stream_state",
@@ -699,6 +703,17 @@ def check_gma_step(args, state, state_type) -> tuple:
 # ---------------------------------------------------------------------------
 
 
+def check_one_leading_shape(q, k, v) -> tuple:
+    """``(q, k, v)`` as float arrays (not cast, not checked finite) of one leading (batch) shape, each at least 2-D."""
+    q, k, v = (as_float_array(a, name, finite=False) for a, name in ((q, "q"), (k, "k"), (v, "v")))
+    if min(q.ndim, k.ndim, v.ndim) < 2 or not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and q.ndim == k.ndim == v.ndim):
+        raise ValueError(
+            f"q, k, v: expected arrays with the same leading (batch) dimensions, each at least a 2-D array "
+            f"(..., N_q, d), (..., N_k, d), (..., N_k, d_v); got shapes {q.shape}, {k.shape} and {v.shape}"
+        )
+    return q, k, v
+
+
 def check_batched_qkv(q, k, v) -> tuple:
     """``q (..., N_q, d)``, ``k (..., N_k, d)``, ``v (..., N_k, d_v)`` with one leading shape; the GPU backends share it.
 
@@ -710,12 +725,7 @@ def check_batched_qkv(q, k, v) -> tuple:
     """
     if all(np.ndim(a) == 2 for a in (q, k, v)):
         return check_qkv(q, k, v) + ((),)
-    q, k, v = (as_float_array(a, name, finite=False) for a, name in ((q, "q"), (k, "k"), (v, "v")))
-    if min(q.ndim, k.ndim, v.ndim) < 2 or not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and q.ndim == k.ndim == v.ndim):
-        raise ValueError(
-            f"q, k, v: expected arrays with the same leading (batch) dimensions, each at least a 2-D array "
-            f"(..., N_q, d), (..., N_k, d), (..., N_k, d_v); got shapes {q.shape}, {k.shape} and {v.shape}"
-        )
+    q, k, v = check_one_leading_shape(q, k, v)
     for a, name in ((q, "q"), (k, "k"), (v, "v")):
         check_finite(a, name)
     # the 2-D checks of one (N, d) slice: zero-stride stand-ins of the last two dimensions (there may be no slice)
@@ -740,6 +750,28 @@ def check_linear_attention(q, k, v, causal, eps, chunk_size) -> LinearAttentionA
     q, k, v, causal = check_attention_qkv(q, k, v, causal)
     causal, eps, chunk_size = check_scan_options(causal, eps, chunk_size)
     return LinearAttentionArguments(q, k, v, causal, eps, chunk_size)
+
+
+BatchedLinearAttentionArguments = namedtuple("BatchedLinearAttentionArguments", "q k v causal eps chunk_size batch_shape")
+
+
+def check_linear_attention_any(q, k, v, causal, eps, chunk_size) -> BatchedLinearAttentionArguments:
+    """The checks of :func:`refimpl.attention.linear_attention_forward`: the 2-D ones, or with leading dimensions.
+
+    Returns ``(q, k, v, causal, eps, chunk_size, batch_shape)``,
+    ``batch_shape`` ``()`` for 2-D inputs.  With leading dimensions the
+    arrays pass :func:`check_batched_qkv` (the 2-D messages for the last two
+    dimensions) and hold at least one sequence.
+    """
+    if all(np.ndim(a) == 2 for a in (q, k, v)):
+        return BatchedLinearAttentionArguments(*check_linear_attention(q, k, v, causal, eps, chunk_size), ())
+    q, k, v, batch_shape = check_batched_qkv(q, k, v)
+    causal = check_bool(causal, "causal")
+    check_causal_lengths(q.shape[-2], k.shape[-2], causal, names=("q", "k"))
+    causal, eps, chunk_size = check_scan_options(causal, eps, chunk_size)
+    if 0 in batch_shape:
+        raise ValueError(f"q, k, v: expected at least one sequence, got leading (batch) dimensions {batch_shape}")
+    return BatchedLinearAttentionArguments(q, k, v, causal, eps, chunk_size, batch_shape)
 
 
 FeatureAttentionArguments = namedtuple("FeatureAttentionArguments", "phi_q phi_k v causal eps chunk_size")
@@ -938,6 +970,22 @@ def check_ovq_qkv(q, k, v) -> tuple:
     if v.shape[1] < 1:
         raise ValueError(f"v: expected shape (N, d_v) with d_v >= 1, got {v.shape}")
     return q, k, v
+
+
+def check_ovq_batch(q, k, v, state) -> tuple:
+    """``(q, k, v, lead)`` of OVQ's forward with leading dimensions: float arrays of one leading shape, no state.
+
+    Only what a batch adds is checked here (not cast, not checked finite):
+    each sequence is then checked as a 2-D call.
+    """
+    q, k, v = check_one_leading_shape(q, k, v)
+    lead = q.shape[:-2]
+    if state is not None:
+        raise ValueError(f"state: a stream continues one sequence, q of shape (N, d); got leading dimensions {lead}, "
+                         f"so call once per sequence")
+    if 0 in lead:
+        raise ValueError(f"q: expected at least one sequence in the leading dimensions, got shape {q.shape}")
+    return q, k, v, lead
 
 
 def check_learning_rate(learning_rate):

@@ -8,8 +8,10 @@ functions they mirror (``responsibilities``, ``log_responsibilities``,
 ``gma``, ``gma_forward``, ``gma_backward``, ``softmax_attention``,
 ``ovq_attention``, ``vq_attention`` and, where the backend has them,
 ``log_likelihood``, ``em_step``, ``softmax_attention_forward``,
-``softmax_attention_backward``, ``ovq_attention_forward``,
-``ovq_attention_backward``), each with the reference's signature.  Two flags
+``softmax_attention_backward``, ``linear_attention``,
+``linear_attention_forward``, ``linear_attention_backward``,
+``ovq_attention_forward``, ``ovq_attention_backward``), each with the
+reference's signature.  Two flags
 ride along:
 
 ``simulator``
@@ -147,7 +149,8 @@ def _cpu():
         responsibilities=gmm.responsibilities, log_responsibilities=gmm.log_responsibilities,
         gma=gma.gma, gma_forward=gma.gma_forward, gma_backward=gma.gma_backward,
         softmax_attention=attention.softmax_attention, softmax_attention_forward=attention.softmax_attention_forward,
-        softmax_attention_backward=attention.softmax_attention_backward,
+        softmax_attention_backward=attention.softmax_attention_backward, linear_attention=attention.linear_attention,
+        linear_attention_forward=attention.linear_attention_forward, linear_attention_backward=attention.linear_attention_backward,
         ovq_attention=ovq.ovq_attention, ovq_attention_forward=ovq.ovq_attention_forward,
         ovq_attention_backward=ovq.ovq_attention_backward, vq_attention=ovq.vq_attention,
         simulator=False, bits_threads=True, threads=_numba_threads,
@@ -194,7 +197,7 @@ def _toy():
 
     record = boundary.Backend(
         "toy", "Computed by the reference's own kernels, bound through a record.",
-        boundary.host_kernels(boundary.reference_posterior, gma._responsibility_backward),
+        {**boundary.host_kernels(boundary.reference_posterior, gma._responsibility_backward), **boundary.linear_attention_kernels()},
     )
     return types.SimpleNamespace(**vars(boundary.bind(record)), simulator=False, bits_threads=False)
 
@@ -204,8 +207,9 @@ NEEDS = {"tuned": (), "toy": (), "cpu": ("numba",), "numba_cuda": ("numba", "num
 _GMM = ("responsibilities", "log_responsibilities")
 _GMA = ("gma", "gma_forward", "gma_backward")
 _OFFERS = {
-    "cpu": _GMM + _GMA + ("softmax_attention", "softmax_attention_forward", "softmax_attention_backward", "ovq_attention",
-                          "ovq_attention_forward", "ovq_attention_backward", "vq_attention"),
+    "cpu": _GMM + _GMA + ("softmax_attention", "softmax_attention_forward", "softmax_attention_backward", "linear_attention",
+                          "linear_attention_forward", "linear_attention_backward", "ovq_attention", "ovq_attention_forward",
+                          "ovq_attention_backward", "vq_attention"),
     "numba_cuda": _GMM + _GMA + ("softmax_attention", "ovq_attention", "vq_attention"),
     "cupy_host": _GMM + _GMA + ("softmax_attention", "ovq_attention", "vq_attention"),
 }

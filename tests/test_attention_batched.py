@@ -78,3 +78,34 @@ def test_overflowed_rows_are_counted_over_the_whole_batch():
     with np.errstate(over="ignore", invalid="ignore"):
         with pytest.raises(ValueError, match=r"^scale, q, k: the logits of 1 row\(s\) \(first: row 8\) overflow float64"):
             attention.softmax_attention(q, k, v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch", [(2,), (2, 3)])
+def test_the_forward_and_backward_of_a_batch_are_the_2d_ones_bit_for_bit(batch, causal):
+    """softmax_attention_forward/backward and linear_attention_forward/backward: each slice as on its own."""
+    q, k, v = qkv(batch, N_q=6, N_k=6 if causal else 4, seed=3)
+    g = np.random.default_rng(4).normal(size=batch + (6, 2))
+    calls = [
+        (lambda q, k, v: attention.softmax_attention_forward(q, k, v, scale=0.7, causal=causal), attention.softmax_attention_backward),
+        (lambda q, k, v: attention.linear_attention_forward(q, k, v, causal=causal, chunk_size=4), attention.linear_attention_backward),
+    ]
+    for forward, backward in calls:
+        out, cache = forward(q, k, v)
+        grads = backward(g, cache)
+        assert out.shape == batch + (6, 2) and [a.shape for a in grads] == [q.shape, k.shape, v.shape]
+        for idx in np.ndindex(*batch):
+            out_1, cache_1 = forward(q[idx], k[idx], v[idx])
+            np.testing.assert_array_equal(out[idx], out_1)
+            for got, want in zip(grads, backward(g[idx], cache_1), strict=True):
+                np.testing.assert_array_equal(got[idx], want)
+
+
+def test_a_linear_attention_batch_counts_zero_denominators_over_all_sequences():
+    """eps = 0 and features that underflow in sequence (1, 0) only: its rows are rows 6.. of the batch, in C order."""
+    q, k, v = qkv((2, 2), N_q=3, N_k=3)
+    q[1, 0], k[1, 0] = -1000.0, -1000.0  # exp(-1000) = 0: every denominator of that sequence is 0
+    with pytest.raises(ValueError, match=r"^eps: with eps = 0 the denominator of query row 6 is 0.0 "):
+        attention.linear_attention(q, k, v, eps=0.0)
+    with pytest.raises(ValueError, match=r"^q, k, v: expected at least one sequence, got leading \(batch\) dimensions \(0, 2\)$"):
+        attention.linear_attention_forward(*qkv((0, 2)))

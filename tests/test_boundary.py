@@ -25,7 +25,7 @@ from refimpl.testing import TOL
 TOY = boundary.Backend(
     "toy",
     "Computed by the reference's own kernels, bound through a record.",
-    boundary.host_kernels(boundary.reference_posterior, gma._responsibility_backward),
+    {**boundary.host_kernels(boundary.reference_posterior, gma._responsibility_backward), **boundary.linear_attention_kernels()},
 )
 
 
@@ -65,10 +65,12 @@ def test_every_bound_function_has_the_reference_signature_and_docstring():
             pointer = re.search(r"Parameters are those of :func:`(\w+)`", doc)
             assert set(inspect.signature(reference).parameters) <= described or (pointer and hasattr(module, pointer.group(1))), (
                 module.__name__, name)
-    # the four backends bind every function they share with the reference
-    assert {n for b, n in seen if b == "refimpl.tuned"} == {"responsibilities", "log_responsibilities", "gma", "gma_forward", "gma_backward"}
-    for b in ("cpu", "gpu.numba_cuda", "gpu.cupy_kernels"):
-        assert {n for b2, n in seen if b2 == b} == set(boundary.FUNCTIONS), b
+    # the four backends bind every function they share with the reference: cpu all of them
+    gmm_gma = {"responsibilities", "log_responsibilities", "gma", "gma_forward", "gma_backward"}
+    assert {n for b, n in seen if b == "refimpl.tuned"} == gmm_gma
+    assert {n for b, n in seen if b == "cpu"} == set(boundary.FUNCTIONS)
+    for b in ("gpu.numba_cuda", "gpu.cupy_kernels"):
+        assert {n for b2, n in seen if b2 == b} == gmm_gma | {"softmax_attention", "ovq_attention", "vq_attention"}, b
 
 
 def test_a_wrong_call_is_worded_as_for_the_reference():
@@ -85,7 +87,8 @@ def test_a_wrong_call_is_worded_as_for_the_reference():
 def test_binding_a_function_without_its_kernel_is_refused():
     with pytest.raises(ValueError, match="backend 'toy' has no kernel for softmax_attention"):
         boundary.bind(TOY, ["gma", "softmax_attention"])
-    assert set(vars(boundary.bind(TOY))) == {"responsibilities", "log_responsibilities", "gma", "gma_forward", "gma_backward"}
+    assert set(vars(boundary.bind(TOY))) == {"responsibilities", "log_responsibilities", "gma", "gma_forward", "gma_backward",
+                                             "linear_attention", "linear_attention_forward", "linear_attention_backward"}
 
 
 def test_the_toy_backend_is_the_reference():

@@ -76,6 +76,12 @@ TOLERANCES = {
                                              "test_cpu_attention.py's 1e-5 of max|out|)"),
     ("softmax_attention_backward", F64): (1e-13, 1e-13, "test_cpu_attention.py's, atol of max|grad|: dS = P (dP - rowsum(P dP)) cancels"),
     ("softmax_attention_backward", F32): (1e-5, 1e-5, "test_cpu_attention.py's float32 gradient tolerance, atol of max|grad|"),
+    ("linear_attention", F64): (TOL[F64]["rtol"], TOL[F64]["atol"],
+                                "refimpl.testing.TOL: as gma, the same scan on the elu + 1 features, its chunk sums reordered"),
+    ("linear_attention", F32): (2e-5, 2e-6, "as gma: the float32 chunk sums reordered"),
+    ("linear_attention_backward", F64): (TOL[F64]["rtol"], TOL[F64]["atol"],
+                                         "as gma_backward, atol of max(1, max|grad|): the scan's two sweeps reordered"),
+    ("linear_attention_backward", F32): (2e-5, 2e-6, "as gma_backward's float32, atol of max(1, max|grad|)"),
     ("ovq_attention", F64): (1e-12, 1e-13, "test_cpu_ovq.py's TOL64 (tighter than test_gpu_ovq.py's 1e-10): the same read-out "
                                            "and running means, sums reordered"),
     ("ovq_attention", F32): (1e-5, 1e-6, "test_cpu_ovq.py's and test_gpu_ovq.py's TOL32, on inputs whose assignments have clear margins"),
@@ -86,7 +92,7 @@ TOLERANCES = {
 }
 
 #: Functions whose ``atol`` is relative: ``atol * max(floor, max |reference|)`` with the floor given here.
-SCALED = {"gma_backward": 1.0, "softmax_attention_backward": 0.0}
+SCALED = {"gma_backward": 1.0, "linear_attention_backward": 1.0, "softmax_attention_backward": 0.0}
 
 
 def close(function, got, want, err_msg=""):
@@ -156,6 +162,21 @@ def assert_unchanged(before, after):
             assert_unchanged(before[key], after[key])
     else:
         assert after == before
+
+
+def refuses_bad_grads_and_caches_alike(backward, ref_backward, cache, ref_cache, shape):
+    """A ``grad_out`` of another shape, 1-D, with a NaN, of integers: the reference's words.  A cache that is none:
+    ``TypeError``, with the reference's words where the backend's cache is the reference's type (else naming its own)."""
+    nan = np.ones(shape)
+    nan[..., 1, 0] = np.nan
+    other_rows, other_width = shape[:-2] + (shape[-2] + 1, shape[-1]), shape[:-1] + (shape[-1] + 1,)
+    for grad in (np.ones(other_rows), np.ones(other_width), np.ones(shape[-1:]), nan, np.ones(shape, dtype=np.int64)):
+        refused_alike(lambda: backward(grad, cache), lambda: ref_backward(grad, ref_cache))
+    same_type = type(cache) is type(ref_cache)
+    for bad in (None, "cache", ref_cache._asdict()) + (() if same_type else (ref_cache,)):
+        got, _ = refused_alike(lambda: backward(np.ones(shape), bad),
+                               lambda: ref_backward(np.ones(shape), None if bad is ref_cache else bad), message=same_type)
+        assert str(got).startswith("cache: expected ") and str(got).endswith(f", got {type(bad).__name__}"), str(got)
 
 
 # ---------------------------------------------------------------------------
@@ -352,23 +373,12 @@ def test_gma_forward_and_gma_refuse_what_the_reference_refuses(backend, case):
 
 @pytest.mark.parametrize("backend", backends_with("gma_forward", "gma_backward"))
 def test_a_bad_grad_out_or_cache_is_refused_alike(backend):
-    """grad_out of another shape, 1-D, with a NaN, of integers: the reference's words; a cache that is none: TypeError,
-    with the reference's words where the backend's cache is the reference's type (else naming its own)."""
     b = BACKENDS[backend]
     for leading in ((), (2,)):
         args = _problem(leading, False, 6, 3, 2, 2, F64)
         out, cache = b.gma_forward(*args, causal=True, chunk_size=4)
         _, ref_cache = ref_gma.gma_forward(*args, causal=True, chunk_size=4)
-        shape = np.shape(out)
-        nan = np.ones(shape)
-        nan[..., 1, 0] = np.nan
-        for grad in (np.ones(shape[:-2] + (5, 2)), np.ones(shape[:-1] + (3,)), np.ones(shape[-1:]), nan, np.ones(shape, int)):
-            refused_alike(lambda: b.gma_backward(grad, cache), lambda: ref_gma.gma_backward(grad, ref_cache))
-        same_type = type(cache) is type(ref_cache)
-        for bad in (None, ref_cache._asdict(), "cache") + (() if same_type else (ref_cache,)):
-            got, _ = refused_alike(lambda: b.gma_backward(np.ones(shape), bad),
-                                   lambda: ref_gma.gma_backward(np.ones(shape), None if bad is ref_cache else bad), message=same_type)
-            assert str(got).startswith("cache: expected ") and str(got).endswith(f", got {type(bad).__name__}"), str(got)
+        refuses_bad_grads_and_caches_alike(b.gma_backward, ref_gma.gma_backward, cache, ref_cache, np.shape(out))
 
 
 # ---------------------------------------------------------------------------
@@ -413,17 +423,6 @@ def test_softmax_attention_matches_the_reference(backend, batch, N_q, N_k, d, d_
     close("softmax_attention", got, ref_attention.softmax_attention(q, k, v, scale=scale, causal=causal))
 
 
-def attention_reference(q, k, v, g, scale, causal):
-    """The reference's output and gradients, one ``(N, d)`` slice at a time (its forward and backward are 2-D)."""
-    out = np.empty(q.shape[:-1] + v.shape[-1:], q.dtype)
-    grads = [np.empty_like(a) for a in (q, k, v)]
-    for idx in np.ndindex(*q.shape[:-2]):
-        out[idx], cache = ref_attention.softmax_attention_forward(q[idx], k[idx], v[idx], scale=scale, causal=causal)
-        for a, got in zip(grads, ref_attention.softmax_attention_backward(g[idx], cache)):
-            a[idx] = got
-    return out, ref_attention.SoftmaxAttentionGrads(*grads)
-
-
 @pytest.mark.parametrize("dtype", [F64, F32], ids=["float64", "float32"])
 @pytest.mark.parametrize("backend, batch, N_q, N_k, d, d_v, causal, scale", cases("softmax_attention_backward", ATTENTION_CASES))
 def test_softmax_attention_gradients_match_the_reference(backend, batch, N_q, N_k, d, d_v, causal, scale, dtype):
@@ -431,7 +430,8 @@ def test_softmax_attention_gradients_match_the_reference(backend, batch, N_q, N_
     q, k, v = qkv(batch, N_q, N_k, d, d_v, seed=N_q + d + 1, dtype=dtype)
     g = np.random.default_rng(1).normal(size=batch + (N_q, d_v)).astype(dtype)
     out, cache = b.softmax_attention_forward(q, k, v, scale=scale, causal=causal)
-    ref_out, ref_grads = attention_reference(q, k, v, g, scale, causal)
+    ref_out, ref_cache = ref_attention.softmax_attention_forward(q, k, v, scale=scale, causal=causal)
+    ref_grads = ref_attention.softmax_attention_backward(g, ref_cache)
     close("softmax_attention", out, ref_out)
     np.testing.assert_array_equal(out, b.softmax_attention(q, k, v, scale=scale, causal=causal))
     grads = b.softmax_attention_backward(g, cache)
@@ -445,6 +445,20 @@ def test_mixed_dtypes_compute_in_float64_like_the_reference(backend):
     q, k, v = qkv((), 5, 6, 3, 2, seed=5)
     got = BACKENDS[backend].softmax_attention(q.astype(F32), k, v)
     close("softmax_attention", got, ref_attention.softmax_attention(q.astype(F32), k, v))
+
+
+def _bad_attention_shapes(q, k, v):
+    """The shape and type refusals of the attention functions, from valid ``(N, d)`` arrays ``q, k, v`` (N >= 4)."""
+    return [
+        ("q 1-D", (q[0], k, v), {}),
+        ("k of another width", (q, k[:, :2].copy(), v), {}),
+        ("v of another length", (q, k, v[:3].copy()), {}),
+        ("integer q", (q.astype(np.int64), k, v), {}),
+        ("causal lengths", (q[:3].copy(), k, v), {"causal": True}),
+        ("batched causal lengths", (q[None, :3].copy(), k[None], v[None]), {"causal": True}),
+        ("leading sizes differ", (q[None], np.stack([k, k]), np.stack([v, v])), {}),
+        ("q batched, k and v not", (q[None], k, v), {}),
+    ]
 
 
 def _bad_attention():
@@ -464,15 +478,7 @@ def _bad_attention():
         ("inf - inf = NaN beside a finite score", np.array([[0.5, 0.5], [1e300, 1e300]]), np.array([[0.0, 0.0], [1e300, -1e300]]), {}),
         ("every score -inf", np.array([[1.0, 0.0], [-1e300, 0.0]]), np.array([[1e300, 0.0], [1e300, 0.0]]), {}),
     ]
-    return [
-        ("q 1-D", (q[0], k, v), {}),
-        ("k of another width", (q, k[:, :2].copy(), v), {}),
-        ("v of another length", (q, k, v[:3].copy()), {}),
-        ("integer q", (q.astype(np.int64), k, v), {}),
-        ("causal lengths", (q[:3].copy(), k, v), {"causal": True}),
-        ("batched causal lengths", (q[None, :3].copy(), k[None], v[None]), {"causal": True}),
-        ("leading sizes differ", (q[None], np.stack([k, k]), np.stack([v, v])), {}),
-        ("q batched, k and v not", (q[None], k, v), {}),
+    return _bad_attention_shapes(q, k, v) + [
         ("k with a NaN", (q, nan_k, v), {}),
         ("batched k with a NaN", (q[None], nan_k[None], v[None]), {}),
         ("no rows", (q[:0], k, v), {}),
@@ -499,17 +505,91 @@ def test_softmax_attention_refuses_what_the_reference_refuses(backend, case):
 @pytest.mark.parametrize("backend", backends_with("softmax_attention_forward", "softmax_attention_backward"))
 def test_softmax_attention_backward_refuses_a_bad_grad_out_or_cache(backend):
     b = BACKENDS[backend]
-    q, k, v = qkv((), 4, 4, 3, 2, seed=12)
-    _, cache = b.softmax_attention_forward(q, k, v)
-    _, ref_cache = ref_attention.softmax_attention_forward(q, k, v)
-    for grad in (np.ones((4, 3)), np.ones(4), np.full((4, 2), np.nan), np.ones((4, 2), dtype=np.int64)):
-        refused_alike(lambda: b.softmax_attention_backward(grad, cache), lambda: ref_attention.softmax_attention_backward(grad, ref_cache))
-    same_type = type(cache) is type(ref_cache)
-    for bad in (None, "cache") + (() if same_type else (ref_cache,)):
-        got, _ = refused_alike(lambda: b.softmax_attention_backward(np.ones((4, 2)), bad),
-                               lambda: ref_attention.softmax_attention_backward(np.ones((4, 2)), None if bad is ref_cache else bad),
-                               message=same_type)
-        assert str(got).startswith("cache: expected ") and str(got).endswith(f", got {type(bad).__name__}"), str(got)
+    for batch in ((), (2,)):
+        q, k, v = qkv(batch, 4, 4, 3, 2, seed=12)
+        _, cache = b.softmax_attention_forward(q, k, v)
+        _, ref_cache = ref_attention.softmax_attention_forward(q, k, v)
+        refuses_bad_grads_and_caches_alike(b.softmax_attention_backward, ref_attention.softmax_attention_backward, cache,
+                                           ref_cache, batch + (4, 2))
+
+
+# ---------------------------------------------------------------------------
+# Linear attention
+# ---------------------------------------------------------------------------
+
+# (id, tiny, batch, N_q, N_k, d, d_v, causal, chunk_size): one token, chunks of 1, a chunk edge at the last row and
+# inside a chunk, chunks longer than N, odd widths, batches and heads
+LINEAR_CASES = [
+    ("2d-N1-d1-dv1-causal-C4", True, (), 1, 1, 1, 1, True, 4),
+    ("2d-Nq3-Nk5-d2-dv3", True, (), 3, 5, 2, 3, False, 4),
+    ("2d-N8-d3-dv2-causal-C4", True, (), 8, 8, 3, 2, True, 4),
+    ("2d-N7-d3-dv2-causal-C1", True, (), 7, 7, 3, 2, True, 1),
+    ("2-N6-d2-dv3-causal-C100", True, (2,), 6, 6, 2, 3, True, 100),
+    ("2x3-N5-d3-dv2-causal-C2", True, (2, 3), 5, 5, 3, 2, True, 2),
+    ("2d-N65-d5-dv7-causal-C16", False, (), 65, 65, 5, 7, True, 16),
+    ("2d-Nq33-Nk130-d17-dv5", False, (), 33, 130, 17, 5, False, 64),
+    ("3-N130-d9-dv4-causal-C64", False, (3,), 130, 130, 9, 4, True, 64),
+]
+
+
+@pytest.mark.parametrize("dtype", [F64, F32], ids=["float64", "float32"])
+@pytest.mark.parametrize("backend, batch, N_q, N_k, d, d_v, causal, chunk", cases("linear_attention_forward", LINEAR_CASES))
+def test_linear_attention_and_its_gradients_match_the_reference(backend, batch, N_q, N_k, d, d_v, causal, chunk, dtype):
+    b = BACKENDS[backend]
+    q, k, v = qkv(batch, N_q, N_k, d, d_v, seed=N_q + d + 2, dtype=dtype)
+    g = np.random.default_rng(3).normal(size=batch + (N_q, d_v)).astype(dtype)
+    out, cache = b.linear_attention_forward(q, k, v, causal=causal, chunk_size=chunk)
+    ref_out, ref_cache = ref_attention.linear_attention_forward(q, k, v, causal=causal, chunk_size=chunk)
+    assert np.asarray(out).dtype == dtype
+    close("linear_attention", out, ref_out)
+    np.testing.assert_array_equal(out, b.linear_attention(q, k, v, causal=causal, chunk_size=chunk))
+    grads = b.linear_attention_backward(g, cache)
+    assert isinstance(grads, ref_attention.LinearAttentionGrads)
+    for name, got, want in zip(grads._fields, grads, ref_attention.linear_attention_backward(g, ref_cache)):
+        assert np.asarray(got).dtype == dtype, name
+        close("linear_attention_backward", got, want, name)
+
+
+def _bad_linear():
+    q, k, v = qkv((), 4, 4, 3, 2, seed=13)
+    nan_v = v.copy()
+    nan_v[2, 1] = np.nan
+    # features of -1000 underflow to exp(-1000) = 0: with eps = 0 the denominator of every row of sequence 1 is 0
+    far = np.stack([q, np.full_like(q, -1000.0)])
+    return _bad_attention_shapes(q, k, v) + [
+        ("v with a NaN", (q, k, nan_v), {}),
+        ("batched v with a NaN", (np.stack([q, q]), np.stack([k, k]), np.stack([v, nan_v])), {}),
+        ("no rows", (q[:0], k, v), {}),
+        ("no sequence", (q[None, :0].reshape(0, 4, 3), k[None, :0].reshape(0, 4, 3), v[None, :0].reshape(0, 4, 2)), {}),
+        ("eps < 0", (q, k, v), {"eps": -1.0}),
+        ("chunk_size 0", (q, k, v), {"causal": True, "chunk_size": 0}),
+        ("causal not bool", (q, k, v), {"causal": "yes"}),
+        ("eps 0, every denominator of sequence 1 is 0", (far, far, np.ones((2, 4, 2))), {"eps": 0.0}),
+        ("eps 0, causal", (far[1], far[1], np.ones((4, 2))), {"eps": 0.0, "causal": True, "chunk_size": 2}),
+    ]
+
+
+BAD_LINEAR = _bad_linear()
+
+
+@pytest.mark.parametrize("case", range(len(BAD_LINEAR)), ids=[c[0] for c in BAD_LINEAR])
+@pytest.mark.parametrize("backend", backends_with("linear_attention_forward"))
+def test_linear_attention_refuses_what_the_reference_refuses(backend, case):
+    b = BACKENDS[backend]
+    _, args, kw = BAD_LINEAR[case]
+    refused_alike(lambda: b.linear_attention_forward(*args, **kw), lambda: ref_attention.linear_attention_forward(*args, **kw))
+    refused_alike(lambda: b.linear_attention(*args, **kw), lambda: ref_attention.linear_attention(*args, **kw))
+
+
+@pytest.mark.parametrize("backend", backends_with("linear_attention_forward", "linear_attention_backward"))
+def test_linear_attention_backward_refuses_a_bad_grad_out_or_cache(backend):
+    b = BACKENDS[backend]
+    for batch in ((), (2,)):
+        q, k, v = qkv(batch, 4, 4, 3, 2, seed=14)
+        _, cache = b.linear_attention_forward(q, k, v, causal=True, chunk_size=3)
+        _, ref_cache = ref_attention.linear_attention_forward(q, k, v, causal=True, chunk_size=3)
+        refuses_bad_grads_and_caches_alike(b.linear_attention_backward, ref_attention.linear_attention_backward, cache,
+                                           ref_cache, batch + (4, 2))
 
 
 # ---------------------------------------------------------------------------
@@ -631,11 +711,13 @@ def test_an_ovq_batch_is_the_reference_per_sequence(backend, kw):
         assert np.shape(out) == lead + (N, d_v) and cache.state is None and np.asarray(out).dtype == dtype
         g = rng.normal(size=np.shape(out)).astype(dtype)
         grads = b.ovq_attention_backward(g, cache)
-        for i in np.ndindex(*lead):
-            ref_out, ref_cache = ref_ovq.ovq_attention_forward(q[i], k[i], v[i], max_size=n_max, chunk_size=C, **kw)
-            close("ovq_attention", out[i], ref_out, str(i))
-            for name, got, want in zip(grads._fields, grads, ref_ovq.ovq_attention_backward(g[i], ref_cache)):
-                close("ovq_attention_backward", got[i], want, f"{name} {i}")
+        ref_out, ref_cache = ref_ovq.ovq_attention_forward(q, k, v, max_size=n_max, chunk_size=C, **kw)
+        close("ovq_attention", out, ref_out)
+        for name, got, want in zip(grads._fields, grads, ref_ovq.ovq_attention_backward(g, ref_cache)):
+            close("ovq_attention_backward", got, want, name)
+        # the backend's backward on the reference's cache
+        for name, got, want in zip(grads._fields, b.ovq_attention_backward(g, ref_cache), grads):
+            close("ovq_attention_backward", got, want, f"{name}, the reference's cache")
 
 
 @pytest.mark.parametrize("kw", [{}, {"init": "random", "seed": 2}, {"growth": "linear", "learning_rate": 0.4}],
@@ -793,22 +875,47 @@ def test_ovq_attention_refuses_what_the_reference_refuses(backend, case):
         refused_alike(lambda: b.ovq_attention_forward(*args, **kw), lambda: ref_ovq.ovq_attention_forward(*args, **kw))
 
 
+def _bad_ovq_batch():
+    qb, kb, vb = ovq_qkv(1, 6, lead=(2,))
+    inf_q = qb.copy()
+    inf_q[1, 4, 0] = np.inf
+    big_v = vb.copy()
+    big_v[0, 3] = 1e308
+    _, state = ref_ovq.ovq_attention(qb[0], kb[0], vb[0], max_size=4, chunk_size=3, return_state=True)
+    return [
+        ("an infinite q in sequence 1", (inf_q, kb, vb), {}),
+        ("sequence 0's read-out overflows", (kb, kb, big_v), {}),
+        ("a state", (qb, kb, vb), {"state": state}),
+        ("k of another leading shape", (qb, kb[:1], vb), {}),
+        ("v without the leading dimensions", (qb, kb, vb[0]), {}),
+        ("no sequence", (qb[:0], kb[:0], vb[:0]), {}),
+        ("integer k", (qb, kb.astype(int), vb), {}),
+        ("max_size 0", (qb, kb, vb), {"max_size": 0}),
+    ]
+
+
+BAD_OVQ_BATCH = _bad_ovq_batch()
+
+
+@pytest.mark.parametrize("case", range(len(BAD_OVQ_BATCH)), ids=[c[0] for c in BAD_OVQ_BATCH])
+@pytest.mark.parametrize("backend", backends_with("ovq_attention_forward"))
+def test_an_ovq_batch_is_refused_like_the_reference(backend, case):
+    """A batch's own refusals, and what the first of its sequences to fail raises on its own."""
+    _, args, kw = BAD_OVQ_BATCH[case]
+    kw = {"max_size": 4, "chunk_size": 3, **kw}
+    refused_alike(lambda: BACKENDS[backend].ovq_attention_forward(*args, **kw), lambda: ref_ovq.ovq_attention_forward(*args, **kw))
+
+
 @pytest.mark.parametrize("backend", backends_with("ovq_attention_forward", "ovq_attention_backward"))
-def test_ovq_refusals_of_a_batch_and_of_the_backward(backend):
-    """A batch raises what the reference's loop over its sequences raises first; a bad grad_out or cache alike."""
+def test_ovq_backward_refuses_a_bad_grad_out_or_cache(backend):
     b = BACKENDS[backend]
     good = dict(max_size=4, chunk_size=3)
-    qb, kb, vb = ovq_qkv(1, 6, lead=(2,))
-    qb[1, 4, 0] = np.inf
-    refused_alike(lambda: b.ovq_attention_forward(qb, kb, vb, **good), lambda: ref_ovq.ovq_attention_forward(qb[1], kb[1], vb[1], **good))
-    vb[0, 3] = 1e308
-    refused_alike(lambda: b.ovq_attention_forward(kb, kb, vb, **good), lambda: ref_ovq.ovq_attention_forward(kb[0], kb[0], vb[0], **good))
-    q, k, v = ovq_qkv(0, 6)
-    _, cache = b.ovq_attention_forward(q, k, v, **good)
-    _, ref_cache = ref_ovq.ovq_attention_forward(q, k, v, **good)
-    for g, c, rc in ((np.ones((5, 2)), cache, ref_cache), (np.ones((6, 2)), "cache", "cache"), (np.full((6, 2), np.nan), cache, ref_cache),
-                     (np.ones((6, 2)), None, None)):
-        refused_alike(lambda: b.ovq_attention_backward(g, c), lambda: ref_ovq.ovq_attention_backward(g, rc))
+    for lead in ((), (2,)):
+        q, k, v = ovq_qkv(0, 6, lead=lead)
+        _, cache = b.ovq_attention_forward(q, k, v, **good)
+        _, ref_cache = ref_ovq.ovq_attention_forward(q, k, v, **good)
+        refuses_bad_grads_and_caches_alike(b.ovq_attention_backward, ref_ovq.ovq_attention_backward, cache, ref_cache,
+                                           lead + (6, 2))
 
 
 def _bad_vq():

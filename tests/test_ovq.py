@@ -624,3 +624,34 @@ def test_plateau_never_reaches_n_max_and_reaches_n_max_minus_1_exactly_at_n_max_
         q, k, v = qkv(29, 40 * n_max * n_max)
         _, st = ovq.ovq_attention(q, k, v, max_size=n_max, chunk_size=4, return_state=True)
         assert st.size == n_max - 1 and st.counts[n_max - 1] == 0 and np.all(st.keys[n_max - 1] == 0)
+
+
+@pytest.mark.parametrize("kw", [{}, {"init": "random", "seed": 5, "learning_rate": 0.3}], ids=["default", "random-lr0.3"])
+def test_a_batch_is_each_sequence_on_its_own_bit_for_bit(kw):
+    """ovq_attention_forward/backward with leading dimensions: every sequence from its own empty dictionary."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.normal(size=(2, 3, 11, n)) for n in (4, 4, 3))
+    g = rng.normal(size=(2, 3, 11, 3))
+    out, cache = ovq.ovq_attention_forward(q, k, v, max_size=5, chunk_size=4, **kw)
+    grads = ovq.ovq_attention_backward(g, cache)
+    assert out.shape == (2, 3, 11, 3) and cache.state is None and len(cache.records) == 6
+    for i, idx in enumerate(np.ndindex(2, 3)):
+        out_1, cache_1 = ovq.ovq_attention_forward(q[idx], k[idx], v[idx], max_size=5, chunk_size=4, **kw)
+        np.testing.assert_array_equal(out[idx], out_1)
+        assert [r.rows.tolist() for r in cache.records[i]] == [r.rows.tolist() for r in cache_1.records]
+        for got, want in zip(grads, ovq.ovq_attention_backward(g[idx], cache_1), strict=True):
+            np.testing.assert_array_equal(got[idx], want)
+
+
+def test_a_batch_refuses_a_state_and_names_the_sequence_that_fails():
+    q, k, v = qkv(0, 6)
+    _, state = ovq.ovq_attention(q, k, v, max_size=4, chunk_size=3, return_state=True)
+    batch = [np.stack([a, a]) for a in (q, k, v)]
+    with pytest.raises(ValueError, match=r"^state: a stream continues one sequence, q of shape \(N, d\); got leading dimensions \(2,\)"):
+        ovq.ovq_attention_forward(*batch, max_size=4, chunk_size=3, state=state)
+    batch[2][1, 2, 0] = np.nan
+    with pytest.raises(ValueError) as want:
+        ovq.ovq_attention_forward(batch[0][1], batch[1][1], batch[2][1], max_size=4, chunk_size=3)
+    with pytest.raises(ValueError) as got:
+        ovq.ovq_attention_forward(*batch, max_size=4, chunk_size=3)
+    assert str(got.value) == str(want.value) and str(got.value).startswith("v: ") and "(2, 0)" in str(got.value)

@@ -652,8 +652,8 @@ def test_every_public_function_has_a_case():
         "train.train",  # a whole run (log, checkpoints, result.json): the end-to-end and resume tests
         "train.save_checkpoint", "train.load_checkpoint",  # files: the checkpoint round-trip and corrupt-file tests
     }
-    # the batch rule of gma, and the checkers the GPU backends share: reached through gma, gma_forward and gma_backward
-    building_blocks = {"gma.forward_with", "gma.backward_with"}
+    # the batch rules of gma and linear attention, and the checkers the GPU backends share: reached through gma, gma_forward and gma_backward
+    building_blocks = {"gma.forward_with", "gma.backward_with", "attention.linear_forward_with", "attention.linear_backward_with"}
     public = set()
     for module in (attention, gma, gmm, gmr, layers, ovq, ovq_oracle, scan, theory, model, optim, tasks, interpret, train):
         for name in module.__all__:
