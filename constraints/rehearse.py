@@ -14,8 +14,9 @@ package index allows, then runs what the check would:
    NVRTC and the runtime of CUDA 13.0; the project is not installed, only put
    on ``PYTHONPATH``;
 2. two sets of tools, each in a folder of its own put first on ``PATH``:
-   ``ptxas`` and ``cuobjdump`` of CUDA 13.0 (``cuobjdump``'s oldest wheel is
-   13.2) and of CUDA 13.5;
+   ``ptxas`` and ``cuobjdump`` (with the ``nvdisasm`` it runs) of CUDA 13.0
+   (the oldest wheels of ``cuobjdump`` and ``nvdisasm`` are 13.2) and of CUDA
+   13.5;
 3. with each set on ``PATH``: ``python -m gpu check --dry-run`` (it must
    exit 0) and the static gates, ``tests/test_gpu_resources.py`` and
    ``tests/test_gpu_ptx.py`` (they must pass);
@@ -47,9 +48,11 @@ VENV = ROOT / os.environ.get("REHEARSAL_VENV", ".venv-rehearsal")
 OUT = ROOT / "results" / "rehearsal"
 #: The tool sets: ``{name: wheels}``, each installed into ``VENV/tools-NAME`` and put first on ``PATH`` in turn.
 TOOLSETS = {
-    "13.0": ("nvidia-cuda-nvcc==13.0.88", "nvidia-cuda-cuobjdump==13.2.51"),
-    "13.5": ("nvidia-cuda-nvcc==13.5.37", "nvidia-cuda-cuobjdump==13.5.37"),
+    "13.0": ("nvidia-cuda-nvcc==13.0.88", "nvidia-cuda-cuobjdump==13.2.51", "nvidia-cuda-nvdisasm==13.2.51"),
+    "13.5": ("nvidia-cuda-nvcc==13.5.37", "nvidia-cuda-cuobjdump==13.5.37", "nvidia-cuda-nvdisasm==13.5.37"),
 }
+#: The tools of the table that come from the tool sets, not from pip into the environment.
+TOOLS = ("ptxas", "cuobjdump", "nvdisasm")
 GATES = ("tests/test_gpu_resources.py", "tests/test_gpu_ptx.py")
 
 
@@ -101,7 +104,7 @@ def build(rows, with_torch):
     if VENV.exists():
         shutil.rmtree(VENV)
     subprocess.run([base, "-m", "venv", str(VENV)], check=True)
-    specs = [spec for name, _, spec in rows if name not in ("python", "ptxas", "cuobjdump") and "REHEARSAL_TORCH" not in spec]
+    specs = [spec for name, _, spec in rows if name not in ("python",) + TOOLS and "REHEARSAL_TORCH" not in spec]
     if with_torch:
         specs.append("torch==2.11.0")
     print(f"rehearsal: installing {len(specs)} packages into {VENV.name} (no project install)", flush=True)
@@ -131,7 +134,7 @@ def tool_version(path):
 
 def versions(python, rows):
     """``{name: version}`` in the rehearsal's Python, for every package of the table."""
-    names = [name for name, _, _ in rows if name not in ("python", "ptxas", "cuobjdump")]
+    names = [name for name, _, _ in rows if name not in ("python",) + TOOLS]
     code = ("import importlib.metadata as m, json, sys\nout = {'python': sys.version.split()[0]}\n"
             "for n in json.loads(sys.argv[1]):\n    try:\n        out[n] = m.version(n)\n"
             "    except m.PackageNotFoundError:\n        out[n] = 'not installed'\nprint(json.dumps(out))")
@@ -152,7 +155,7 @@ def version_table(rows, found):
     for name, machine, spec in rows:
         have = found.get(name, "")
         note = ""
-        if name in ("ptxas", "cuobjdump"):
+        if name in TOOLS:
             have = ", ".join(f"{t}: {found.get(f'{name} {t}', '?')}" for t in TOOLSETS)
         elif machine[:1].isdigit() and have and not have.startswith(machine.split()[0].rsplit(".", 1)[0] if machine.count(".") > 1 else machine.split()[0]):
             note = f"**differs**: {machine.split()[0]} is not on the package index, the nearest is {have}"
@@ -171,6 +174,7 @@ def main():
         folder = tool_folder(name)
         found[f"ptxas {name}"] = tool_version(folder / "ptxas")
         found[f"cuobjdump {name}"] = tool_version(folder / "cuobjdump")
+        found[f"nvdisasm {name}"] = tool_version(folder / "nvdisasm")
     report = ["# GPU check rehearsal", "", version_table(rows, found), ""]
     print("\n" + report[2] + "\n", flush=True)
     failed = []
