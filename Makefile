@@ -25,6 +25,8 @@ STAMP := $(VENV)/.installed-$(CUDA_EXTRA)$(if $(LOCK),-locked,-latest)
 # where install-latest and test-latest put the newest releases, beside the locked .venv
 LATEST_VENV ?= .venv-latest
 GPU_CHECK_OUT ?= results/gpu-check
+# seconds for the whole GPU check (its default, 480, when empty); each stage gets its share, 85% of it in all
+GPU_CHECK_BUDGET ?=
 PYTEST_WORKERS ?= auto
 SPHINXOPTS ?= -j auto
 TUTORIAL_SMALL ?=
@@ -93,7 +95,7 @@ experiments: $(STAMP)
 # The Python given, no venv and no pip (it needs numpy, scipy, threadpoolctl, pytest, hypothesis, numba, numba-cuda
 # and cupy), so it runs where no package registry can be reached: PYTHON=python3 make gpu-check
 gpu-check:
-	PYTHONPATH=. $(PYTHON) -m gpu check --out $(GPU_CHECK_OUT)
+	PYTHONPATH=. $(PYTHON) -m gpu check --out $(GPU_CHECK_OUT) $(if $(GPU_CHECK_BUDGET),--budget $(GPU_CHECK_BUDGET))
 
 # the check's dry run, and the static gates, in .venv-rehearsal: Python 3.12 with the GPU machines' packages at their
 # versions where the package index has them, the project on PYTHONPATH only, ptxas and cuobjdump of CUDA 13.0 and then

@@ -14,17 +14,17 @@ are slow and easy to check by eye; ``python -m gpu check`` runs them as a
 second opinion when a tuned kernel's test fails, and lesson 9 reads them
 before the tuned ones.
 
-=====================  =====================================================  ==========================
-kernel                 one thread computes                                    tuned kernel beside it
-=====================  =====================================================  ==========================
-:func:`log_joint`      the logit ``l_ik`` of row ``i``, component ``k``       ``gmm._posterior_tiles``
-:func:`row_softmax`    ``gamma_ik`` (or its log) from row ``i``'s logits      its fused epilogue
-:func:`write`          entry ``(k, e)`` of the state ``Gamma_K^T [V, 1]``     ``scan._chunk_states``
-:func:`read`           entry ``(i, e)`` of ``Gamma_Q [S, z]``, divided        ``scan._chunk_rows``
-:func:`causal_scan`    entry ``(t, e)`` of the causal output, keys ``j <= t``  the three steps of the scan
-:func:`attention`      entry ``(i, e)`` of ``softmax(scale q k^T) v``         ``attention._flash_forward``
-:func:`ovq_readout`    entry ``(a, e)`` of an OVQ chunk's read-out            ``ovq._predict_kernel``
-=====================  =====================================================  ==========================
+===================  ======================================================  ============================
+kernel               one thread computes                                     tuned kernel beside it
+===================  ======================================================  ============================
+:func:`log_joint`    the logit ``l_ik`` of row ``i``, component ``k``        ``gmm._posterior_tiles``
+:func:`row_softmax`  ``gamma_ik`` (or its log) from row ``i``'s logits       its fused epilogue
+:func:`write`        entry ``(k, e)`` of the state ``Gamma_K^T [V, 1]``      ``scan._chunk_states``
+:func:`read`         entry ``(i, e)`` of ``Gamma_Q [S, z]``, divided         ``scan._chunk_rows``
+:func:`causal_scan`  entry ``(t, e)`` of the causal output, keys ``j <= t``  the three steps of the scan
+:func:`attention`    entry ``(i, e)`` of ``softmax(scale q k^T) v``          ``attention._flash_forward``
+:func:`ovq_readout`  entry ``(a, e)`` of an OVQ chunk's read-out             ``ovq._predict_kernel``
+===================  ======================================================  ============================
 
 The backend they make, bound through :mod:`refimpl.boundary` like the others
 (``tests/test_conformance.py`` holds it to the reference at the simulator's
