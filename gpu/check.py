@@ -34,7 +34,9 @@ or a crashed kernel ends that stage and not the check.  Every stage ends
 3. **tests**: pytest over ``tests/test_gpu_*.py`` and ``tests/test_cupy_*.py``
    with ``NUMBA_ENABLE_CUDASIM=0`` (the suite's ``conftest.py`` would
    otherwise fall back to the simulator where the driver sees no device),
-   but the tests of :data:`NOT_IN_TESTS_STAGE` (they run a check themselves).
+   but the static gates of :data:`STATIC_TESTS` (no GPU needed: ``make test``
+   and ``make gpu-rehearsal`` run them) and the tests of
+   :data:`NOT_IN_TESTS_STAGE` (they run a check themselves).
    pytest's JUnit XML is read back: every failure and error fails the
    stage, and so does every skip, because a skipped GPU test is a test that
    did not run on the GPU.  The one exception is a test that exists only for
@@ -126,6 +128,7 @@ __all__ = [
     "ptx_isa",
     "ptx_route",
     "NOT_IN_TESTS_STAGE",
+    "STATIC_TESTS",
     "run_second_opinion",
     "second_opinion_functions",
     "GPU_TESTS",
@@ -170,6 +173,10 @@ GPU_TESTS = ("tests/test_gpu_*.py", "tests/test_cupy_*.py", "tests/test_conforma
 CONFORMANCE_BACKENDS = "numba_cuda,cupy"
 #: The dry run's tests: the status of both backends, and the CuPy device tests (which skip without a GPU).
 DRY_RUN_TESTS = ("tests/test_gpu_status.py", "tests/test_cupy_device.py")
+#: GPU test files that the tests stage leaves out: they need no GPU and compile every kernel for two capabilities in
+#: processes of their own (the PTX, ptxas and SASS gates), so ``make test`` runs them with ptxas 13.5 and ``make
+#: gpu-rehearsal`` with the GPU machines' ptxas 13.0 and with 13.5.
+STATIC_TESTS = ("tests/test_gpu_ptx.py", "tests/test_gpu_resources.py")
 #: Tests of the GPU test files that the tests stage leaves out: each runs a GPU check of its own (``make test`` runs them).
 NOT_IN_TESTS_STAGE = (
     "tests/test_gpu_check.py::test_the_dry_run_exercises_every_stage_and_writes_both_files",
@@ -476,6 +483,8 @@ def _ptx_report(python, env, clock, out, driver, dry_run):
     ok, route, text = ptx_route(against, report["ptx_isa"], report["nvvm"], report["nvjitlink"])
     if dry_run or driver is None:
         text = f"for the GPU machines' driver (CUDA {against}): {text}"
+    if report.get("numpy_2_5_shim"):
+        text += "; numba-cuda compiles under NumPy 2.5 only with the np.row_stack alias its import needs (put back for it)"
     report.update(ok=ok, route=route, line=text, driver=against)
     return report
 
@@ -602,7 +611,8 @@ def judge_tests(cases):
 def _test_files(dry_run):
     if dry_run:
         return list(DRY_RUN_TESTS)
-    return sorted(str(p.relative_to(ROOT)) for pattern in GPU_TESTS for p in ROOT.glob(pattern))
+    found = sorted(str(p.relative_to(ROOT)) for pattern in GPU_TESTS for p in ROOT.glob(pattern))
+    return [f for f in found if f not in STATIC_TESTS]
 
 
 def tests_environment(env):

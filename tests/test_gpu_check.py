@@ -449,6 +449,9 @@ def test_the_tests_stage_runs_the_conformance_suite_for_the_gpu_backends_only():
     """On a GPU the tests stage holds both GPU backends to the reference at every size; the host backends stay in make test."""
     assert "tests/test_conformance.py" in check._test_files(dry_run=False)
     assert "tests/test_conformance.py" not in check._test_files(dry_run=True)
+    # the static gates need no GPU: make test and make gpu-rehearsal run them, the tests stage does not
+    assert all((ROOT / f).is_file() and f not in check._test_files(dry_run=False) for f in check.STATIC_TESTS)
+    assert "tests/test_gpu_gmm.py" in check._test_files(dry_run=False)
     env = check.tests_environment(dict(os.environ))
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py"],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
