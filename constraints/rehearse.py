@@ -57,12 +57,12 @@ GATES = ("tests/test_gpu_resources.py", "tests/test_gpu_ptx.py")
 
 
 def read_table(path=TABLE):
-    """``[(name, machine version, pip spec)]`` of ``gpu-machine.txt`` (comments and blank lines left out)."""
+    """``[(name, machine version, what pip is asked for)]`` of ``gpu-machine.txt`` (comments and blank lines left out)."""
     rows = []
     for line in path.read_text().splitlines():
         if line.strip() and not line.lstrip().startswith("#"):
-            name, machine, spec = (part.strip() for part in line.split("|"))
-            rows.append((name, machine, spec))
+            name, machine, wanted = (part.strip() for part in line.split("|"))
+            rows.append((name, machine, wanted))
     return rows
 
 
@@ -104,7 +104,7 @@ def build(rows, with_torch):
     if VENV.exists():
         shutil.rmtree(VENV)
     subprocess.run([base, "-m", "venv", str(VENV)], check=True)
-    specs = [spec for name, _, spec in rows if name not in ("python",) + TOOLS and "REHEARSAL_TORCH" not in spec]
+    specs = [wanted for name, _, wanted in rows if name not in ("python",) + TOOLS and "REHEARSAL_TORCH" not in wanted]
     if with_torch:
         specs.append("torch==2.11.0")
     print(f"rehearsal: installing {len(specs)} packages into {VENV.name} (no project install)", flush=True)
@@ -152,7 +152,7 @@ def environment(tools):
 
 def version_table(rows, found):
     lines = ["| package | GPU machine | rehearsal | note |", "| --- | --- | --- | --- |"]
-    for name, machine, spec in rows:
+    for name, machine, wanted in rows:
         have = found.get(name, "")
         note = ""
         if name in TOOLS:
