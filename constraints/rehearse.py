@@ -151,16 +151,20 @@ def environment(tools):
 
 
 def version_table(rows, found):
+    """The table of versions: the GPU machine's against the rehearsal's, with a note wherever they differ."""
     lines = ["| package | GPU machine | rehearsal | note |", "| --- | --- | --- | --- |"]
-    for name, machine, wanted in rows:
-        have = found.get(name, "")
-        note = ""
+    for name, machine, _ in rows:
+        have, note, wants = found.get(name, ""), "", machine.split()[0]
         if name in TOOLS:
-            have = ", ".join(f"{t}: {found.get(f'{name} {t}', '?')}" for t in TOOLSETS)
-        elif machine[:1].isdigit() and have and not have.startswith(machine.split()[0].rsplit(".", 1)[0] if machine.count(".") > 1 else machine.split()[0]):
-            note = f"**differs**: {machine.split()[0]} is not on the package index, the nearest is {have}"
-        if have == "not installed":
+            have = ", ".join(f"tools {t}: {found.get(f'{name} {t}', '?')}" for t in TOOLSETS)
+            older = [t for t in TOOLSETS if not found.get(f"{name} {t}", "").startswith(t)]
+            if older:
+                note = f"**differs**: tools {', '.join(older)} carry {name} " + ", ".join(found.get(f"{name} {t}", "?") for t in older)
+                note += " (the oldest wheel on the package index)"
+        elif have == "not installed":
             note = "not installed (REHEARSAL_TORCH=1 installs it)" if name == "torch" else "**missing**"
+        elif wants[:1].isdigit() and not have.startswith(wants):
+            note = f"**differs**: {have} here, {wants} there (the nearest the package index or this machine has)"
         lines.append(f"| {name} | {machine} | {have} | {note} |")
     return "\n".join(lines)
 
