@@ -332,7 +332,8 @@ _WITHOUT_ROW_STACK = """
 import json
 import numpy as np
 import refimpl  # SciPy first: it copies NumPy's names, row_stack among them, while NumPy still has it
-del np.row_stack  # NumPy 2.5, which removed the alias
+if hasattr(np, "row_stack"):  # a NumPy before 2.5: made like 2.5, which removed the alias
+    del np.row_stack
 from gpu.numba_cuda import _device
 from numba import cuda, float32
 
