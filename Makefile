@@ -8,7 +8,8 @@
 # and the experiments' full sweeps (docs/experiment_*.md): make experiments
 # and, to teach from the lessons: make lab (JupyterLab on tutorials/ with the project's kernel), make student-course
 # (a copy to hand out, without the solutions), make grade LESSON=N SUBMISSIONS='...' (the autograder's gradebook)
-# and, on a machine with an NVIDIA GPU: make gpu-check (both GPU backends validated and measured, gpu/check.py)
+# and, on a machine with an NVIDIA GPU: make gpu-check (both GPU backends validated and measured, gpu/check.py); its
+# rehearsal here, in an environment built like the GPU machines: make gpu-rehearsal (run it when gpu/ or bench_gpu.py change)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -24,6 +25,8 @@ STAMP := $(VENV)/.installed-$(CUDA_EXTRA)$(if $(LOCK),-locked,-latest)
 # where install-latest and test-latest put the newest releases, beside the locked .venv
 LATEST_VENV ?= .venv-latest
 GPU_CHECK_OUT ?= results/gpu-check
+# seconds for the whole GPU check (its default, 480, when empty); each stage gets its share, 85% of it in all
+GPU_CHECK_BUDGET ?=
 PYTEST_WORKERS ?= auto
 SPHINXOPTS ?= -j auto
 TUTORIAL_SMALL ?=
@@ -32,7 +35,7 @@ SPHINX := $(PY) -m sphinx -E -W --keep-going -b html $(SPHINXOPTS)
 
 COURSE_STAMP := $(VENV)/.installed-course
 
-.PHONY: install install-latest verify test test-latest lock bench experiments docs docs-check lab clean gpu-check \
+.PHONY: install install-latest verify test test-latest lock bench experiments docs docs-check lab clean gpu-check gpu-rehearsal \
 	student-course grade
 
 $(STAMP): pyproject.toml $(LOCK)
@@ -92,7 +95,13 @@ experiments: $(STAMP)
 # The Python given, no venv and no pip (it needs numpy, scipy, threadpoolctl, pytest, hypothesis, numba, numba-cuda
 # and cupy), so it runs where no package registry can be reached: PYTHON=python3 make gpu-check
 gpu-check:
-	PYTHONPATH=. $(PYTHON) -m gpu check --out $(GPU_CHECK_OUT)
+	PYTHONPATH=. $(PYTHON) -m gpu check --out $(GPU_CHECK_OUT) $(if $(GPU_CHECK_BUDGET),--budget $(GPU_CHECK_BUDGET))
+
+# the check's dry run, and the static gates, in .venv-rehearsal: Python 3.12 with the GPU machines' packages at their
+# versions where the package index has them, the project on PYTHONPATH only, ptxas and cuobjdump of CUDA 13.0 and then
+# of 13.5 first on PATH (constraints/gpu-machine.txt, constraints/rehearse.py; the first run downloads about 1.5 GB)
+gpu-rehearsal:
+	$(PYTHON) constraints/rehearse.py
 
 bench: $(STAMP)
 	@for f in benchmarks/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
@@ -120,4 +129,4 @@ grade: $(STAMP)
 	$(PY) tutorials/course.py grade $(LESSON) $(SUBMISSIONS) --out $(GRADEBOOK)
 
 clean:
-	rm -rf $(VENV) $(LATEST_VENV) .pytest_cache .hypothesis docs/_build docs/tutorials docs/api/generated
+	rm -rf $(VENV) $(LATEST_VENV) .venv-rehearsal .pytest_cache .hypothesis docs/_build docs/tutorials docs/api/generated

@@ -4,71 +4,105 @@
 Python it is given, with no virtual environment and no pip, so that it works
 on a GPU machine that reaches no package registry: that Python needs numpy,
 scipy, threadpoolctl, pytest, hypothesis, numba, numba-cuda and cupy (the
-``[cuda12]`` or ``[cuda13]`` extra brings the last three).
+``[cuda12]`` or ``[cuda13]`` extra brings the last three).  ``make
+gpu-rehearsal`` runs its dry run in an environment built like those machines
+(``constraints/rehearse.py``).
 
 Stages
 ------
-Each stage runs in its own process, with a timeout, so that a hung driver
-or a crashed kernel ends that stage and not the check:
+Each stage runs in its own process, with a time limit, so that a hung driver
+or a crashed kernel ends that stage and not the check.  Every stage ends
+``passed``, ``failed``, ``timed out`` or ``not run`` (with the reason):
 
 1. **environment**: the GPU's name, SM count and compute capability, the
    driver's version and the CUDA version it supports, the CUDA runtime
    versions numba-cuda and CuPy load, and the versions of numpy, numba,
    numba-cuda, cupy, cuda-bindings, pytest, pytest-xdist, hypothesis and
-   torch ("not installed" for the missing ones).
+   torch ("not installed" for the missing ones).  Then how the kernels will
+   reach the device (:func:`ptx_route`): NVVM writes PTX of one ISA version,
+   and a driver JIT-compiles only the ISA versions of its own CUDA release
+   and older, so where NVVM's is newer than the driver's (NVVM 13.5 writes
+   ISA 9.5, a CUDA 13.0 driver reads up to 9.0) the kernels must be linked
+   into machine code by nvJitLink of a release at least NVVM's, which
+   numba-cuda does whenever it finds one (its link-time optimisation).  The
+   stage names the route; where neither works it fails, in one line naming
+   both versions.  (NVVM cannot be asked for an older ISA; the other way out
+   is an NVVM of the driver's release.)  A dry run checks the route against
+   the GPU machines' driver, CUDA 13.0 (:data:`TARGET_DRIVER`).
 2. **backends**: :func:`gpu.backend_status`; fails unless both backends run
    on a GPU (the CUDA simulator does not count).
 3. **tests**: pytest over ``tests/test_gpu_*.py`` and ``tests/test_cupy_*.py``
    with ``NUMBA_ENABLE_CUDASIM=0`` (the suite's ``conftest.py`` would
-   otherwise fall back to the simulator where the driver sees no device).
+   otherwise fall back to the simulator where the driver sees no device),
+   but the static gates of :data:`STATIC_TESTS` (no GPU needed: ``make test``
+   and ``make gpu-rehearsal`` run them) and the tests of
+   :data:`NOT_IN_TESTS_STAGE` (they run a check themselves).
    pytest's JUnit XML is read back: every failure and error fails the
    stage, and so does every skip, because a skipped GPU test is a test that
    did not run on the GPU.  The one exception is a test that exists only for
    machines without a GPU (it shows the error a missing device gives, or the
    simulator's own rules) and skips where there is one: its reason matches
    :data:`NO_GPU_ONLY`, and it is listed as such.
-4. **sanitizer**: where ``compute-sanitizer`` is on ``PATH``, its
+4. **second opinion**: when a test of the tuned kernels failed, the plain
+   kernels of :mod:`gpu.numba_cuda.plain` (one thread per output element)
+   compute the same functions (:func:`run_second_opinion`, the functions of
+   the failed tests), beside the tuned ones, against the reference: if the
+   plain kernel agrees and the tuned one does not, the tuned kernel is at
+   fault; if neither agrees, the device, its driver or the compiler is.
+   ``not run`` when every test passed.
+5. **sanitizer**: where ``compute-sanitizer`` is on ``PATH``, its
    ``memcheck`` and ``racecheck`` tools over ``python -m gpu workload`` (every
    public function of both backends once, at small sizes); where it is not,
    the stage records ``not run: compute-sanitizer not on PATH`` (not a
    failure).
-5. **bench**: ``benchmarks/bench_gpu.py --check --json FILE --repeats 3``
+6. **bench**: ``benchmarks/bench_gpu.py --check --json FILE --repeats 3``
    at its full sizes (the best of three runs after a warm-up, to fit the
-   budget): its rows (time, effective bandwidth, FLOP rate, fraction of the
-   roofline, target, met per function and size) and its verdict; a target
-   not met, or not judged, fails the stage.
+   budget): its rows (time, effective bandwidth, FLOP rate, the row's bound,
+   compute or memory, and the fraction of its own roofline, target, met per
+   function and size) and its verdict; a target that ran and was missed
+   fails the stage, and so does one that did not run, each named as such.
 
 The results go to ``DIR/gpu-check.json`` and ``DIR/gpu-check.md``, beside
 each stage's log, pytest's ``pytest-junit.xml`` and the benchmark's
-``bench-gpu.json``.  The exit status is 0 when every stage passed, 1 when
-one failed (a backend cannot run, a test failed or skipped, a sanitizer
-found an error, a target was not met), 2 for a bad argument.
+``bench-gpu.json``.  Both files are written before the first stage (every
+stage ``not run``), when each stage starts (its summary says it is running
+and until when) and after each stage, each time to a new file renamed over
+the old one: a check stopped at any point, by an outer time limit say,
+leaves both files whole, with every stage it finished.  The exit status is
+0 when every stage passed, 1 when one failed (a backend cannot run, a test
+failed or skipped, a sanitizer found an error, a target was missed or did not
+run), 2 for a bad argument.
 
-Budget: at most 8 minutes on one H200 (:data:`BUDGET_S`): each stage has a
-timeout (:data:`TIMEOUTS`: environment 20 s, tests 180 s, memcheck and
-racecheck 75 s each, as the workload compiles its kernels under the
-sanitizer, bench 130 s), and none runs past what is left of the whole
-budget.
+Budget: ``--budget S`` seconds for the whole check, 480 (8 minutes on one
+H200) by default (:data:`BUDGET_S`).  Each stage's limit is its share of the
+budget (:data:`STAGE_SHARES`; :func:`stage_limits`), and the shares add up to
+:data:`MAX_SHARE` (85%), so that the start of every process, the writing of
+the files and a stage that ends late fit in what is left; no stage runs past
+what is left of the budget.
 
 The dry run
 -----------
 ``python -m gpu check --dry-run --out DIR`` runs the same stages in the CUDA
 simulator (``NUMBA_ENABLE_CUDASIM=1`` in every stage's environment), at tiny
-sizes: a small subset of the tests (:data:`DRY_RUN_TESTS`), the workload in
-the simulator without a sanitizer, and ``bench_gpu.py --quick``.  The GPU
-verdicts come out as they must without a GPU (the backends stage fails, the
-CuPy device tests skip and are counted as failures) and are reported as
-such.  The dry run's own exit status says whether the machinery works: 0
-when every stage ran to completion within its timeout and its output was
-read back (the environment's report, a JUnit file with at least one test,
-the benchmark's rows), the tests had no failure or error, the workload ran,
-the benchmark exited 0, a JUnit file with one skipped test (written by the
-check itself) is judged a failure, and both result files were written and
-read back; 1 otherwise.  ``make test`` runs it (``tests/test_gpu_check.py``).
+sizes: a small subset of the tests (:data:`DRY_RUN_TESTS`), the second
+opinion (always, at tiny sizes), the workload in the simulator without a
+sanitizer, and ``bench_gpu.py --quick``.  The GPU verdicts come out as they
+must without a GPU (the backends stage fails, the CuPy device tests skip and
+are counted as failures) and are reported as such.  The dry run's own exit
+status says whether the machinery works: 0 when every stage ran to
+completion within its limit and its output was read back (the environment's
+report and a PTX route for the GPU machines' driver, a JUnit file with at
+least one test, the second opinion's verdicts, the benchmark's rows), the
+tests had no failure or error, the plain and the tuned kernels agreed with
+the reference, the workload ran, the benchmark exited 0, a JUnit file with
+one skipped test (written by the check itself) is judged a failure, and both
+result files were written and read back; 1 otherwise.  ``make test`` runs it
+(``tests/test_gpu_check.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -85,7 +119,18 @@ from pathlib import Path
 
 __all__ = [
     "BUDGET_S",
+    "MAX_SHARE",
+    "STAGE_SHARES",
+    "stage_limits",
     "TIMEOUTS",
+    "STATUSES",
+    "TARGET_DRIVER",
+    "ptx_isa",
+    "ptx_route",
+    "NOT_IN_TESTS_STAGE",
+    "STATIC_TESTS",
+    "run_second_opinion",
+    "second_opinion_functions",
     "GPU_TESTS",
     "CONFORMANCE_BACKENDS",
     "DRY_RUN_TESTS",
@@ -100,10 +145,27 @@ __all__ = [
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: The whole check's budget in seconds: 8 minutes on one H200.
+#: The whole check's default budget in seconds (``--budget``): 8 minutes on one H200.
 BUDGET_S = 480
-#: Each stage's timeout in seconds (a stage never runs past what is left of :data:`BUDGET_S`).
-TIMEOUTS = {"environment": 20, "tests": 180, "memcheck": 75, "racecheck": 75, "bench": 130}
+#: The most of the budget the stages' limits may take together: the rest is for starting processes, writing the
+#: files and a stage that ends late.
+MAX_SHARE = 0.85
+#: Each stage's share of the budget (the workload of a dry run runs in memcheck's share); they add up to
+#: :data:`MAX_SHARE`.  The tests, which compile every kernel, take the most; the benchmark next (full sizes, three
+#: runs of each row after a warm-up that compiles).
+STAGE_SHARES = {"environment": 0.04, "tests": 0.32, "second opinion": 0.08, "memcheck": 0.10, "racecheck": 0.10,
+                "bench": 0.21}
+#: How a stage ends.
+STATUSES = ("passed", "failed", "timed out", "not run")
+
+
+def stage_limits(budget=BUDGET_S):
+    """Each stage's time limit in seconds for a check of ``budget`` seconds: its share (:data:`STAGE_SHARES`)."""
+    return {name: share * budget for name, share in STAGE_SHARES.items()}
+
+
+#: Each stage's limit in seconds at the default budget (a stage never runs past what is left of the budget).
+TIMEOUTS = stage_limits(BUDGET_S)
 #: The GPU test files, as globs under the project root; the conformance suite runs its GPU backends' cases only
 #: (:data:`CONFORMANCE_BACKENDS`: ``make test`` holds the others to the reference).
 GPU_TESTS = ("tests/test_gpu_*.py", "tests/test_cupy_*.py", "tests/test_conformance.py")
@@ -111,6 +173,15 @@ GPU_TESTS = ("tests/test_gpu_*.py", "tests/test_cupy_*.py", "tests/test_conforma
 CONFORMANCE_BACKENDS = "numba_cuda,cupy"
 #: The dry run's tests: the status of both backends, and the CuPy device tests (which skip without a GPU).
 DRY_RUN_TESTS = ("tests/test_gpu_status.py", "tests/test_cupy_device.py")
+#: GPU test files that the tests stage leaves out: they need no GPU and compile every kernel for two capabilities in
+#: processes of their own (the PTX, ptxas and SASS gates), so ``make test`` runs them with ptxas 13.5 and ``make
+#: gpu-rehearsal`` with the GPU machines' ptxas 13.0 and with 13.5.
+STATIC_TESTS = ("tests/test_gpu_ptx.py", "tests/test_gpu_resources.py")
+#: Tests of the GPU test files that the tests stage leaves out: each runs a GPU check of its own (``make test`` runs them).
+NOT_IN_TESTS_STAGE = (
+    "tests/test_gpu_check.py::test_the_dry_run_exercises_every_stage_and_writes_both_files",
+    "tests/test_gpu_check.py::test_a_check_stopped_during_a_stage_leaves_valid_files",
+)
 #: Skip reasons of tests that exist only for machines without a GPU: on a GPU such a skip is expected, not a failure.
 NO_GPU_ONLY = (
     r"only without a GPU",
@@ -157,10 +228,14 @@ class _Clock:
     """What is left of the budget."""
 
     def __init__(self, budget):
-        self.start, self.budget = time.monotonic(), budget
+        self.start, self.budget, self.limits = time.monotonic(), budget, stage_limits(budget)
 
     def timeout(self, stage):
-        return max(1.0, min(TIMEOUTS[stage], self.budget - (time.monotonic() - self.start)))
+        return max(1.0, min(self.limits[stage], self.budget - (time.monotonic() - self.start)))
+
+
+#: Called with the process id of every stage's command once it has started (:func:`run_check` records it).
+_STARTED = []
 
 
 def _run(cmd, env, timeout, log):
@@ -178,6 +253,8 @@ def _run(cmd, env, timeout, log):
         output = f"cannot run {cmd[0]}: {err}\n"
         log.write_text(output)
         return 127, output, time.monotonic() - start
+    for started in _STARTED:
+        started(proc.pid)
     try:
         output, _ = proc.communicate(timeout=timeout)
         code = proc.returncode
@@ -193,7 +270,16 @@ def _run(cmd, env, timeout, log):
 
 
 def _stage(name, status, summary, seconds=0.0, **details):
+    if status not in STATUSES:
+        raise ValueError(f"status: expected one of {', '.join(STATUSES)}, got {status!r}")
     return {"name": name, "status": status, "summary": summary, "seconds": round(seconds, 1), **details}
+
+
+def _ended(code, seconds, passed, summary, name, **details):
+    """A stage's record from its command's exit code: ``timed out`` when ``code`` is None, else passed or failed."""
+    if code is None:
+        return _stage(name, "timed out", f"timed out after {seconds:.0f} s; {summary}", seconds, **details)
+    return _stage(name, "passed" if passed else "failed", summary, seconds, **details)
 
 
 def _tail(text, lines=15):
@@ -288,23 +374,143 @@ print("PROBE " + json.dumps(report))
 """
 
 
-def _environment(python, env, clock, out):
+_PTX_PROBE = r"""
+import json, re
+report = {}
+try:
+    from gpu.numba_cuda import _device  # first: it loads numba-cuda's array support where NumPy 2.5 needs help
+    report["numpy_2_5_shim"] = _device.NUMPY_2_5_SHIM
+    from numba import cuda, float32
+    from numba.cuda.cudadrv import driver
+
+    def probe(a):
+        a[0] = 1.0
+
+    ptx, _ = cuda.compile_ptx(probe, (float32[::1],), cc=(9, 0))
+    isa = re.search(r"^\s*\.version\s+(\d+\.\d+)", ptx, re.M)
+    release = re.search(r"release (\d+\.\d+)", ptx)
+    report["ptx_isa"] = isa.group(1) if isa else None
+    report["nvvm"] = release.group(1) if release else None
+    report["nvjitlink"] = None
+    if driver._have_nvjitlink():
+        from cuda.bindings import nvjitlink
+        report["nvjitlink"] = ".".join(map(str, nvjitlink.version()))
+except Exception as e:
+    report["error"] = f"{type(e).__name__}: {e}"
+print("PTX " + json.dumps(report))
+"""
+
+#: The driver of the GPU machines the check runs on (driver 580): a dry run checks the kernels' route against it.
+TARGET_DRIVER = "13.0"
+#: The PTX ISA version of each CUDA 12 release (a CUDA 13.x release reads and writes ISA 9.x).
+_PTX_ISA_12 = {0: (8, 0), 1: (8, 1), 2: (8, 2), 3: (8, 3), 4: (8, 4), 5: (8, 5), 6: (8, 5), 8: (8, 7), 9: (8, 8)}
+
+
+def _pair(text):
+    try:
+        major, minor = str(text).split(".")[:2]
+        return int(major), int(minor)
+    except (TypeError, ValueError):
+        return None
+
+
+def ptx_isa(release):
+    """The PTX ISA version, ``(major, minor)``, that CUDA ``release`` (``"13.0"``) reads and writes; None when unknown."""
+    pair = _pair(release)
+    if pair is None:
+        return None
+    major, minor = pair
+    if major == 13:
+        return (9, minor)
+    return _PTX_ISA_12.get(minor) if major == 12 else None
+
+
+def ptx_route(driver, isa, nvvm, nvjitlink):
+    """How kernels reach a device: ``(ok, route, line)``.
+
+    Parameters
+    ----------
+    driver : str or None
+        The CUDA version of the driver (``"13.0"``); None without one.
+    isa, nvvm : str
+        The PTX ISA version NVVM writes (``"9.5"``) and NVVM's CUDA release.
+    nvjitlink : str or None
+        The release of the nvJitLink that numba-cuda links with (it then
+        links every kernel into machine code: link-time optimisation), or
+        None without one.
+
+    Returns
+    -------
+    tuple
+        ``ok`` (bool), ``route`` (``"nvJitLink"``, ``"driver JIT"``, or
+        None when neither works) and one line that says which and why, or
+        why not, naming both versions.
+    """
+    driver_isa, ptx = ptx_isa(driver), _pair(isa)
+    show = "none" if nvjitlink is None else nvjitlink
+    if driver is None or ptx is None:
+        return False, None, f"no route: the driver's CUDA version ({driver}) or NVVM's PTX ISA ({isa}) is not known"
+    linker = ptx_isa(nvjitlink) if nvjitlink else None
+    if driver_isa is None:
+        return True, "nvJitLink" if nvjitlink else "driver JIT", (
+            f"NVVM {nvvm} writes PTX ISA {isa}; the driver's CUDA {driver} is newer than the releases known here, "
+            f"which read at most ISA 9.x; nvJitLink: {show}")
+    shown_isa = f"{driver_isa[0]}.{driver_isa[1]}"
+    if ptx <= driver_isa:
+        how = f"linked by nvJitLink {nvjitlink}" if nvjitlink else "JIT-compiled by the driver"
+        return True, "nvJitLink" if nvjitlink else "driver JIT", (
+            f"NVVM {nvvm} writes PTX ISA {isa}, which the driver (CUDA {driver}, PTX ISA {shown_isa}) reads: kernels {how}")
+    if linker is not None and linker >= ptx:
+        return True, "nvJitLink", (
+            f"NVVM {nvvm} writes PTX ISA {isa}, newer than the driver's PTX ISA {shown_isa} (CUDA {driver}): the kernels "
+            f"link through nvJitLink {nvjitlink} into machine code the driver loads")
+    return False, None, (
+        f"PTX ISA {isa} (NVVM {nvvm}) is newer than the driver's PTX ISA {shown_isa} (CUDA {driver}), and no nvJitLink "
+        f"of CUDA {nvvm} or later is there to link it (found: {show}): install nvidia-nvjitlink>={nvvm}, or an NVVM of "
+        f"CUDA {driver}")
+
+
+def _ptx_report(python, env, clock, out, driver, dry_run):
+    """The PTX probe (NVVM, its ISA, nvJitLink) and the route for ``driver`` (the GPU machines' in a dry run)."""
+    code, output, _ = _run([python, "-c", _PTX_PROBE], dict(env, NUMBA_ENABLE_CUDASIM="0"), clock.timeout("environment"),
+                           out / "ptx.log")
+    line = next((x for x in output.splitlines() if x.startswith("PTX ")), None)
+    report = json.loads(line[len("PTX "):]) if line else {"error": f"exit {code}: {_tail(output, 2)}"}
+    if "error" in report:
+        report.update(ok=False, route=None, line=f"NVVM could not compile a kernel: {report['error']}")
+        return report
+    against = TARGET_DRIVER if dry_run or driver is None else driver
+    ok, route, text = ptx_route(against, report["ptx_isa"], report["nvvm"], report["nvjitlink"])
+    if dry_run or driver is None:
+        text = f"for the GPU machines' driver (CUDA {against}): {text}"
+    if report.get("numpy_2_5_shim"):
+        text += "; numba-cuda compiles under NumPy 2.5 only with the np.row_stack alias its import needs (put back for it)"
+    report.update(ok=ok, route=route, line=text, driver=against)
+    return report
+
+
+def _environment(python, env, clock, out, dry_run=False):
     code, output, seconds = _run([python, "-c", _PROBE, json.dumps(PACKAGES)], env, clock.timeout("environment"),
                                  out / "environment.log")
     line = next((x for x in output.splitlines() if x.startswith("PROBE ")), None)
     if code != 0 or line is None:
         why = "timed out" if code is None else f"exit {code}"
-        return _stage("environment", "fail", f"the probe failed ({why}): {_tail(output, 3)}", seconds), None
+        status = "timed out" if code is None else "failed"
+        return _stage("environment", status, f"the probe failed ({why}): {_tail(output, 3)}", seconds), None
     report = json.loads(line[len("PROBE "):])
     g = report["gpu"]
+    start = time.monotonic()
+    report["ptx"] = _ptx_report(python, env, clock, out, g.get("cuda_driver_api"), dry_run)
+    seconds += time.monotonic() - start
     summary = (f"{g['name']}, {g['sm_count']} SMs, driver {g.get('driver_version', 'unknown')} (CUDA {g['cuda_driver_api']})"
                if "name" in g else g.get("driver", "no CUDA device"))
-    return _stage("environment", "pass", summary, seconds), report
+    summary += f"; kernels: {report['ptx']['line']}"
+    return _stage("environment", "passed" if report["ptx"]["ok"] else "failed", summary, seconds), report
 
 
 def _backends(report, dry_run):
     if report is None:
-        return _stage("backends", "fail", "not probed: the environment stage failed")
+        return _stage("backends", "not run", "not probed: the environment stage failed")
     problems = []
     for backend, (usable, why) in report["backends"].items():
         if not usable:
@@ -313,8 +519,8 @@ def _backends(report, dry_run):
             problems.append(f"{backend} runs only in the CUDA simulator: {why}")
     if problems:
         expected = " (expected in a dry run: there is no GPU)" if dry_run else ""
-        return _stage("backends", "fail", "a backend cannot run on a GPU" + expected + ": " + "; ".join(problems))
-    return _stage("backends", "pass", "; ".join(why for _, why in report["backends"].values()))
+        return _stage("backends", "failed", "a backend cannot run on a GPU" + expected + ": " + "; ".join(problems))
+    return _stage("backends", "passed", "; ".join(why for _, why in report["backends"].values()))
 
 
 # ---------------------------------------------------------------------------
@@ -405,7 +611,8 @@ def judge_tests(cases):
 def _test_files(dry_run):
     if dry_run:
         return list(DRY_RUN_TESTS)
-    return sorted(str(p.relative_to(ROOT)) for pattern in GPU_TESTS for p in ROOT.glob(pattern))
+    found = sorted(str(p.relative_to(ROOT)) for pattern in GPU_TESTS for p in ROOT.glob(pattern))
+    return [f for f in found if f not in STATIC_TESTS]
 
 
 def tests_environment(env):
@@ -419,17 +626,18 @@ def _tests(python, env, clock, out, dry_run, xdist):
         junit.unlink()
     cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", f"--junitxml={junit}"]
     if not dry_run and xdist:
-        cmd += ["-n", "4"]  # the compile tests are CPU-bound; four processes share the GPU
-    cmd += _test_files(dry_run)
+        # the compiles are CPU-bound (NVVM, ptxas): half the cores, 2 to 8 processes, share the GPU
+        cmd += ["-n", str(min(8, max(2, (os.cpu_count() or 4) // 2)))]
+    cmd += [f"--deselect={test}" for test in NOT_IN_TESTS_STAGE] + _test_files(dry_run)
     code, output, seconds = _run(cmd, tests_environment(env), clock.timeout("tests"), out / "tests.log")
     if code is None:
-        return _stage("tests", "fail", f"pytest timed out after {seconds:.0f} s: {_tail(output, 3)}", seconds, ran=False)
+        return _stage("tests", "timed out", f"pytest timed out after {seconds:.0f} s: {_tail(output, 3)}", seconds, ran=False)
     try:
         verdict = judge_tests(read_junit(junit))
     except ValueError as err:
-        return _stage("tests", "fail", f"pytest wrote no readable JUnit XML (exit {code}): {err}; {_tail(output, 3)}",
+        return _stage("tests", "failed", f"pytest wrote no readable JUnit XML (exit {code}): {err}; {_tail(output, 3)}",
                       seconds, ran=False)
-    status = "pass" if verdict["passed"] and code == 0 else "fail"
+    status = "passed" if verdict["passed"] and code == 0 else "failed"
     return _stage("tests", status, verdict["summary"], seconds, ran=True, pytest_exit=code, files=_test_files(dry_run),
                   **{k: verdict[k] for k in ("counts", "skips", "failures", "no_gpu_only")})
 
@@ -510,35 +718,161 @@ def run_workload(backends=("numba-cuda", "cupy"), tiny=False):
     return done
 
 
-_SUMMARY = re.compile(r"(ERROR SUMMARY: .*|RACECHECK SUMMARY: .*)")
+# ---------------------------------------------------------------------------
+# 4. The second opinion: the plain kernels where a tuned one failed
+# ---------------------------------------------------------------------------
+
+#: The functions the second opinion computes, and the words of a failed test's id that name each (first match wins).
+SECOND_OPINION = {"ovq_attention": r"ovq|vq_", "softmax_attention": r"attention", "gma": r"gma|scan",
+                  "responsibilities": r"gmm|responsibilit"}
 
 
-def _sanitizer(python, env, clock, out, dry_run):
-    stages = []
-    tool = shutil.which("compute-sanitizer", path=env.get("PATH"))
-    if dry_run:
-        # the simulator runs no device code: run the workload itself, so that its script is checked
-        cmd = [python, "-m", "gpu", "workload", "--tiny", "--backend", "numba-cuda"]
-        code, output, seconds = _run(cmd, env, clock.timeout("memcheck"), out / "workload.log")
-        stages.append(_stage("workload", "pass" if code == 0 else "fail",
-                             f"the sanitizer's workload in the simulator: exit {code}; {_tail(output, 1)}", seconds))
-    if tool is None or dry_run:
-        why = "compute-sanitizer not on PATH" if tool is None else "a dry run (the simulator runs no device code)"
-        return stages + [_stage(name, "not run", f"not run: {why}") for name in ("memcheck", "racecheck")]
-    for name in ("memcheck", "racecheck"):
-        cmd = [tool, "--tool", name, "--error-exitcode", "3", "--target-processes", "all", python, "-m", "gpu", "workload"]
-        code, output, seconds = _run(cmd, env, clock.timeout(name), out / f"{name}.log")
-        found = _SUMMARY.findall(output)
-        summary = found[-1] if found else "no summary line"
-        if code is None:
-            stages.append(_stage(name, "fail", f"timed out after {seconds:.0f} s; {summary}", seconds))
-        else:
-            stages.append(_stage(name, "pass" if code == 0 else "fail", f"exit {code}; {summary}", seconds))
-    return stages
+def second_opinion_functions(failures):
+    """The functions of :data:`SECOND_OPINION` that the failed tests (``{"id": ...}`` cases) are about; all of them when
+    a failure names none."""
+    found = []
+    for case in failures:
+        name = next((f for f, words in SECOND_OPINION.items() if re.search(words, case["id"], re.I)), None)
+        if name is None:
+            return list(SECOND_OPINION)
+        if name not in found:
+            found.append(name)
+    return found
+
+
+def _opinion_problems(rng, tiny):
+    """``{function: (call(module), reference result)}`` on float64 problems of awkward sizes (tiny for the simulator)."""
+    import numpy as np
+
+    from refimpl import attention, gma, gmm, ovq
+
+    N, K, d, T, C = (7, 3, 2, 9, 4) if tiny else (301, 19, 17, 333, 64)
+    x, xk = rng.standard_normal((N, d)), rng.standard_normal((N, d))
+    v = rng.standard_normal((N, d + 1))
+    mu, var, w = rng.standard_normal((K, d)), rng.uniform(0.5, 2.0, (K, d)), rng.dirichlet(np.ones(K))
+    q, k, vt = (rng.standard_normal((2, T, d)) for _ in range(3))
+    options = dict(max_size=5 if tiny else 48, chunk_size=C)
+    return {
+        "responsibilities": (lambda m: m.responsibilities(x, mu, var, w), gmm.responsibilities(x, mu, var, w)),
+        "gma": (lambda m: [m.gma(x, xk, v, mu, var, w, causal=c, chunk_size=C) for c in (False, True)],
+                [gma.gma(x, xk, v, mu, var, w, causal=c, chunk_size=C) for c in (False, True)]),
+        "softmax_attention": (lambda m: [m.softmax_attention(q, k, vt, causal=c) for c in (False, True)],
+                              [attention.softmax_attention(q, k, vt, causal=c) for c in (False, True)]),
+        "ovq_attention": (lambda m: m.ovq_attention(q[0], k[0], vt[0], **options), ovq.ovq_attention(q[0], k[0], vt[0], **options)),
+    }
+
+
+def run_second_opinion(functions=tuple(SECOND_OPINION), tiny=False, tolerance=1e-9):
+    """The plain and the tuned Numba-CUDA kernels of ``functions``, each against the reference, in float64.
+
+    Parameters
+    ----------
+    functions : sequence of str
+        Keys of :data:`SECOND_OPINION`.
+    tiny : bool, default False
+        Sizes for the CUDA simulator.
+    tolerance : float, default 1e-9
+        The largest difference to the reference, relative to its largest entry (at least 1), that agrees.
+
+    Returns
+    -------
+    list of dict
+        Per function: ``function``, ``plain`` and ``tuned`` (the relative
+        difference, or the error raised, as text), ``plain_agrees``,
+        ``tuned_agrees`` and ``verdict``, one sentence.
+
+    Raises
+    ------
+    RuntimeError
+        Numba-CUDA cannot run here (from :func:`gpu.require`).
+    """
+    import numpy as np
+
+    import gpu
+
+    gpu.require("numba-cuda")
+    import gpu.numba_cuda as tuned
+    from gpu.numba_cuda import plain
+
+    unknown = [f for f in functions if f not in SECOND_OPINION]
+    if unknown:
+        raise ValueError(f"functions: expected some of {', '.join(SECOND_OPINION)}, got {', '.join(unknown)}")
+    problems = _opinion_problems(np.random.default_rng(40), tiny)
+    results = []
+    for function in functions:
+        call, want = problems[function]
+        row = {"function": function}
+        for name, module in (("plain", plain), ("tuned", tuned)):
+            try:
+                got = call(module)
+                err = max(float(np.max(np.abs(np.asarray(a) - b), initial=0.0)) / max(1.0, float(np.max(np.abs(b), initial=0.0)))
+                          for a, b in zip(got if isinstance(got, list) else [got], want if isinstance(want, list) else [want]))
+                row[name], row[f"{name}_agrees"] = f"{err:.1e}", bool(err <= tolerance)
+            except Exception as err:  # a kernel that cannot launch or raises is a disagreement, with its words
+                row[name], row[f"{name}_agrees"] = f"{type(err).__name__}: {str(err)[:200]}", False
+        row["verdict"] = {
+            (True, True): "both agree with the reference",
+            (True, False): "the tuned kernel is at fault: the plain one agrees with the reference on this device",
+            (False, True): "the plain kernel disagrees, the tuned one agrees",
+            (False, False): "neither agrees: suspect the device, its driver or the compiler before the tuned kernel",
+        }[(row["plain_agrees"], row["tuned_agrees"])]
+        results.append(row)
+    return results
+
+
+def _second_opinion(python, env, clock, out, dry_run, tests):
+    """Stage 4: the plain kernels beside the tuned ones, for the functions of the failed tests (always in a dry run)."""
+    if not dry_run:
+        if tests.get("status") == "passed":
+            return _stage("second opinion", "not run", "not run: every test of the tuned kernels passed")
+        failures = tests.get("failures", []) + tests.get("skips", [])
+        functions = second_opinion_functions(failures) if tests.get("ran") else list(SECOND_OPINION)
+    else:
+        functions = list(SECOND_OPINION)
+    cmd = [python, "-m", "gpu", "second-opinion"] + (["--tiny"] if dry_run else [])
+    for f in functions:
+        cmd += ["--function", f]
+    code, output, seconds = _run(cmd, env, clock.timeout("second opinion"), out / "second-opinion.log")
+    line = next((x for x in output.splitlines() if x.startswith("OPINION ")), None)
+    if code is None or line is None:
+        summary = f"no verdict (exit {code}): {_tail(output, 2)}"
+        return _ended(code, seconds, False, summary, "second opinion", opinions=[])
+    opinions = json.loads(line[len("OPINION "):])
+    summary = "; ".join(f"{o['function']}: {o['verdict']} (plain {o['plain']}, tuned {o['tuned']})" for o in opinions)
+    return _ended(code, seconds, all(o["plain_agrees"] and o["tuned_agrees"] for o in opinions), summary, "second opinion",
+                  opinions=opinions)
 
 
 # ---------------------------------------------------------------------------
-# 5. The benchmark
+# 5. compute-sanitizer over a small workload
+# ---------------------------------------------------------------------------
+
+_SUMMARY = re.compile(r"(ERROR SUMMARY: .*|RACECHECK SUMMARY: .*)")
+
+
+def _workload(python, env, clock, out):
+    """A dry run's stand-in for the sanitizer: the workload itself in the simulator, so that its script is checked."""
+    cmd = [python, "-m", "gpu", "workload", "--tiny", "--backend", "numba-cuda"]
+    code, output, seconds = _run(cmd, env, clock.timeout("memcheck"), out / "workload.log")
+    return _ended(code, seconds, code == 0, f"the sanitizer's workload in the simulator: exit {code}; {_tail(output, 1)}",
+                  "workload")
+
+
+def _sanitizer(name, python, env, clock, out, dry_run):
+    """``compute-sanitizer --tool name`` over the workload, or ``not run`` and why."""
+    tool = shutil.which("compute-sanitizer", path=env.get("PATH"))
+    if tool is None or dry_run:
+        why = "compute-sanitizer not on PATH" if tool is None else "a dry run (the simulator runs no device code)"
+        return _stage(name, "not run", f"not run: {why}")
+    cmd = [tool, "--tool", name, "--error-exitcode", "3", "--target-processes", "all", python, "-m", "gpu", "workload"]
+    code, output, seconds = _run(cmd, env, clock.timeout(name), out / f"{name}.log")
+    found = _SUMMARY.findall(output)
+    summary = found[-1] if found else "no summary line"
+    return _ended(code, seconds, code == 0, f"exit {code}; {summary}" if code is not None else summary, name)
+
+
+# ---------------------------------------------------------------------------
+# 6. The benchmark
 # ---------------------------------------------------------------------------
 
 
@@ -555,15 +889,18 @@ def _bench(python, env, clock, out, dry_run):
         report, rows = None, []
     checks = [line for line in output.splitlines() if line.startswith("check: ")]
     if code is None:
-        return _stage("bench", "fail", f"timed out after {seconds:.0f} s", seconds, rows=rows, checks=checks), report
+        return _stage("bench", "timed out", f"timed out after {seconds:.0f} s", seconds, rows=rows, checks=checks), report
     if report is None or not rows:
-        return _stage("bench", "fail", f"no rows written (exit {code}): {_tail(output, 3)}", seconds, rows=[], checks=checks), None
-    if code == 1:
-        failed = [c for c in checks if "NOT" in c]
-        return _stage("bench", "fail", f"{len(failed)} target(s) not met or not judged", seconds, rows=rows, checks=checks), report
+        return _stage("bench", "failed", f"no rows written (exit {code}): {_tail(output, 3)}", seconds, rows=[], checks=checks), None
+    if code in (1, 3):
+        verdicts = report.get("verdicts", {})
+        missed = sorted(t for t, v in verdicts.items() if v["status"] == "missed")
+        not_run = sorted(t for t, v in verdicts.items() if v["status"] == "not run")
+        summary = f"{len(missed)} target(s) ran and missed ({', '.join(missed) or 'none'}); {len(not_run)} did not run ({', '.join(not_run) or 'none'})"
+        return _stage("bench", "failed", summary, seconds, rows=rows, checks=checks), report
     if code != 0:
-        return _stage("bench", "fail", f"exit {code}: {_tail(output, 3)}", seconds, rows=rows, checks=checks), report
-    return _stage("bench", "pass", f"{len(rows)} rows; " + (checks[-1] if dry_run and checks else "every target met"),
+        return _stage("bench", "failed", f"exit {code}: {_tail(output, 3)}", seconds, rows=rows, checks=checks), report
+    return _stage("bench", "passed", f"{len(rows)} rows; " + (checks[-1] if dry_run and checks else "every target met"),
                   seconds, rows=rows, checks=checks), report
 
 
@@ -577,7 +914,7 @@ def _num(value, scale, digits, suffix=""):
 
 
 def bench_table(rows):
-    """The benchmark's rows as a Markdown table: per function and size, time, bandwidth, FLOP rate, roofline, target, met.
+    """The benchmark's rows as a Markdown table: per function and size, time, bandwidth, FLOP rate, bound, roofline, target, met.
 
     Parameters
     ----------
@@ -589,8 +926,8 @@ def bench_table(rows):
     str
     """
     lines = [
-        "| backend | function | variant | size | time (ms) | bandwidth (GB/s) | FLOP rate (TFLOP/s) | roofline | target | measured | met | launches per call |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: |",
+        "| backend | function | variant | size | time (ms) | bandwidth (GB/s) | FLOP rate (TFLOP/s) | bound | roofline | target | measured | met | launches per call |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | --- | ---: | --- | ---: | --- | ---: |",
     ]
     for r in rows:
         if r.get("target"):
@@ -600,7 +937,8 @@ def bench_table(rows):
         launches = "" if r.get("launches_per_call") is None else str(r["launches_per_call"])
         lines.append(
             f"| {r['backend']} | {r['function']} | {r['variant']} | {r['size']} | {_num(r['time_s'], 1e-3, 3)} "
-            f"| {_num(r['bandwidth_Bps'], 1e9, 1)} | {_num(r['flop_rate'], 1e12, 3)} | {_num(r['roofline_fraction'], 0.01, 1, '%')} "
+            f"| {_num(r['bandwidth_Bps'], 1e9, 1)} | {_num(r['flop_rate'], 1e12, 3)} | {r.get('bound') or 'n/a'} "
+            f"| {_num(r['roofline_fraction'], 0.01, 1, '%')} "
             f"| {r.get('target', '')} | {'' if not r.get('target') else _num(r.get('measured'), 1, 2)} | {met} | {launches} |"
         )
     return "\n".join(lines)
@@ -619,11 +957,17 @@ def markdown_report(result):
     str
     """
     lines = ["# GPU check", ""]
+    if not result.get("complete", True):
+        lines += ["**INCOMPLETE**: the check has not finished, or was stopped; the stages below that say so did not run "
+                  "to their end.", ""]
     if result["dry_run"]:
         lines += ["**DRY RUN in the CUDA simulator**: no GPU was used; every time below is the simulator's, not GPU speed, "
                   "and must not be reported as a measurement.", ""]
-        lines += [f"- machinery: {'works' if result['machinery_ok'] else '**broken**'} ({result['machinery_summary']})"]
+        if "machinery_ok" in result:
+            lines += [f"- machinery: {'works' if result['machinery_ok'] else '**broken**'} ({result['machinery_summary']})"]
     verdict = "**pass**" if result["passed"] else ("**fail** (no GPU in a dry run)" if result["dry_run"] else "**fail**")
+    if not result.get("complete", True):
+        verdict = "none yet"
     lines += [f"- GPU verdict: {verdict}",
               f"- date: {result['date']}", f"- command: `{result['command']}`", ""]
     env = result.get("environment") or {}
@@ -634,6 +978,10 @@ def markdown_report(result):
              ("memory (GiB)", gpu_info.get("memory_GiB", "n/a")),
              ("driver", gpu_info.get("driver_version", "n/a")), ("CUDA (driver)", gpu_info.get("cuda_driver_api", "n/a"))]
     items += [(f"CUDA runtime ({k})", v) for k, v in runtime.items()]
+    ptx = env.get("ptx") or {}
+    if ptx:
+        items += [("NVVM (PTX ISA)", f"{ptx.get('nvvm')} ({ptx.get('ptx_isa')})"), ("nvJitLink", ptx.get("nvjitlink") or "none"),
+                  ("kernels reach the device", ptx.get("line", "n/a"))]
     items += [("Python", f"{env.get('python', 'n/a')} ({env.get('executable', '')})")]
     items += list(packages.items())
     lines += [f"| {k} | {v} |" for k, v in items]
@@ -676,8 +1024,14 @@ def _environment_for(dry_run):
     return env
 
 
+def _stage_names(dry_run):
+    """The stages of a check, in order."""
+    sanitizer = ["workload", "memcheck", "racecheck"] if dry_run else ["memcheck", "racecheck"]
+    return ["environment", "backends", "tests", "second opinion", *sanitizer, "bench"]
+
+
 def run_check(out, dry_run=False, python=None, budget=BUDGET_S, echo=print):
-    """Run every stage, write ``gpu-check.json`` and ``gpu-check.md`` in ``out``, and return the exit status.
+    """Run every stage, write ``gpu-check.json`` and ``gpu-check.md`` in ``out`` after each, and return the exit status.
 
     Parameters
     ----------
@@ -689,7 +1043,8 @@ def run_check(out, dry_run=False, python=None, budget=BUDGET_S, echo=print):
     python : str, optional
         The Python of every stage; this one by default.
     budget : float, default BUDGET_S
-        Seconds for the whole check.
+        Seconds for the whole check; each stage's limit is its share
+        (:func:`stage_limits`).
     echo : callable, default print
         Where the progress lines go.
 
@@ -701,22 +1056,92 @@ def run_check(out, dry_run=False, python=None, budget=BUDGET_S, echo=print):
     Raises
     ------
     ValueError
-        ``out`` is not a folder that can be written.
+        ``out`` is not a folder that can be written, or ``budget`` is not a
+        positive number of seconds.
     """
     out = _check_out_folder(out)
+    budget = _check_budget(budget)
     out.mkdir(parents=True, exist_ok=True)
     python = python or sys.executable
     env = _environment_for(dry_run)
     clock = _Clock(budget)
     mode = "dry run in the CUDA simulator" if dry_run else "on the GPU"
     echo(f"gpu check ({mode}), budget {budget:.0f} s, results in {out}")
-    stages = []
+    names = _stage_names(dry_run)
+    stages = {n: _stage(n, "not run", "not reached: the check stopped before this stage") for n in names}
+    result = {
+        "dry_run": dry_run,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join([Path(python).name, "-m", "gpu", "check", "--out", str(out), "--budget", f"{budget:g}"]
+                            + (["--dry-run"] if dry_run else [])),
+        "budget_s": budget,
+        "stage_limits_s": {n: round(v, 1) for n, v in clock.limits.items()},
+        "complete": False,
+        "environment": None,
+        "bench_device": None,
+        "stages": [],
+        "passed": False,
+    }
+
+    def save():
+        result["stages"] = [stages[n] for n in names]
+        _save(result, out)
+
+    def begin(name):
+        limit = clock.timeout(name if name in clock.limits else "memcheck")  # the workload runs in memcheck's share
+        stages[name] = _stage(name, "not run", f"started at {datetime.datetime.now():%H:%M:%S} with {limit:.0f} s and not "
+                                               "finished: if the check is no longer running, it stopped during this stage")
+        save()
 
     def record(stage):
-        stages.append(stage)
-        echo(f"  {stage['name']:12s} {stage['status']:8s} {stage['seconds']:6.1f} s  {stage['summary']}")
+        stages[stage["name"]] = stage
+        save()
+        echo(f"  {stage['name']:14s} {stage['status']:9s} {stage['seconds']:6.1f} s  {stage['summary']}")
 
-    stage, env_report = _environment(python, env, clock, out)
+    def started(pid):
+        # the running stage's process group: a check killed meanwhile leaves it running; its id is in the files
+        running = next((n for n in names if stages[n]["summary"].startswith("started at")), None)
+        if running is None:
+            return
+        stages[running]["process_group"] = pid
+        save()
+
+    def stopped(signum, frame):
+        # an outer time limit: end the running stage's process group, say so, keep what was measured
+        for name in names:
+            group = stages[name].get("process_group")
+            if stages[name]["summary"].startswith("started at") and group:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(group, signal.SIGKILL)
+                stages[name] = _stage(name, "not run", f"stopped by signal {signum} during this stage")
+        save()
+        raise SystemExit(128 + signum)
+
+    _STARTED.append(started)
+    previous = _on_signal(signal.SIGTERM, stopped)
+    try:
+        return _stages(result, stages, names, begin, record, save, python, env, clock, out, dry_run, echo)
+    finally:
+        _STARTED.remove(started)
+        _on_signal(signal.SIGTERM, previous)
+
+
+def _on_signal(signum, handler):
+    """Install ``handler`` for ``signum`` where this thread can (the main one); the previous handler, or None."""
+    if handler is None:
+        return None
+    try:
+        return signal.signal(signum, handler)
+    except ValueError:  # not the main thread: signals stay as they are
+        return None
+
+
+def _stages(result, stages, names, begin, record, save, python, env, clock, out, dry_run, echo):
+    """The stages of :func:`run_check`, in order, each begun and recorded (so written) as it goes; the exit status."""
+    save()
+    begin("environment")
+    stage, env_report = _environment(python, env, clock, out, dry_run)
+    result["environment"] = env_report
     record(stage)
     if env_report:
         g, rt = env_report["gpu"], env_report["cuda_runtime"]
@@ -726,28 +1151,30 @@ def run_check(out, dry_run=False, python=None, budget=BUDGET_S, echo=print):
         echo("  packages: " + ", ".join(f"{k} {v}" for k, v in env_report["packages"].items()))
     record(_backends(env_report, dry_run))
     xdist = bool(env_report) and env_report["packages"].get("pytest-xdist") != "not installed"
+    begin("tests")
     record(_tests(python, env, clock, out, dry_run, xdist))
-    for stage in _sanitizer(python, env, clock, out, dry_run):
-        record(stage)
+    begin("second opinion")
+    record(_second_opinion(python, env, clock, out, dry_run, stages["tests"]))
+    if dry_run:
+        begin("workload")
+        record(_workload(python, env, clock, out))
+    for name in ("memcheck", "racecheck"):
+        begin(name)
+        record(_sanitizer(name, python, env, clock, out, dry_run))
+    begin("bench")
     stage, bench_report = _bench(python, env, clock, out, dry_run)
+    result["bench_device"] = (bench_report or {}).get("device")
     record(stage)
 
-    passed = all(s["status"] in ("pass", "not run") for s in stages) and not dry_run
-    result = {
-        "dry_run": dry_run,
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": " ".join([Path(python).name, "-m", "gpu", "check", "--out", str(out)] + (["--dry-run"] if dry_run else [])),
-        "budget_s": budget,
-        "environment": env_report,
-        "bench_device": (bench_report or {}).get("device"),
-        "stages": stages,
-        "passed": passed,
-    }
+    done = [stages[n] for n in names]
+    result["passed"] = all(s["status"] in ("passed", "not run") for s in done) and not dry_run
+    result["complete"] = True
     if dry_run:
-        problems = _dry_run_problems(stages, env_report, out)
+        problems = _dry_run_problems(done, env_report, out)
         result["machinery_ok"] = not problems
         result["machinery_summary"] = "; ".join(problems) or "every stage ran and was read back; a skip counts as a failure"
-    problems = _write(result, out)
+    save()
+    problems = _read_back(result, out)
     if dry_run and problems:
         result["machinery_ok"] = False
         echo("  machinery: " + "; ".join(problems))
@@ -756,10 +1183,20 @@ def run_check(out, dry_run=False, python=None, budget=BUDGET_S, echo=print):
              f"({result['machinery_summary']}); GPU verdict: fail (no GPU in a dry run)")
         code = 0 if result["machinery_ok"] else 1
     else:
-        echo(f"GPU check: {'pass' if passed else 'FAIL'}")
-        code = 0 if passed else 1
+        echo(f"GPU check: {'pass' if result['passed'] else 'FAIL'}")
+        code = 0 if result["passed"] else 1
     echo(f"results: {out / 'gpu-check.md'} and {out / 'gpu-check.json'}")
     return code
+
+
+def _check_budget(budget):
+    try:
+        value = float(budget)
+    except (TypeError, ValueError):
+        raise ValueError(f"--budget: expected a number of seconds > 0, got {budget!r}") from None
+    if not (value > 0 and value < float("inf")):
+        raise ValueError(f"--budget: expected a number of seconds > 0, got {budget!r}")
+    return value
 
 
 def _dry_run_problems(stages, env_report, out):
@@ -768,25 +1205,41 @@ def _dry_run_problems(stages, env_report, out):
     problems = []
     if env_report is None:
         problems.append("the environment probe failed")
+    elif by["environment"]["status"] != "passed":
+        problems.append(f"the environment stage failed: {by['environment']['summary']}")
     tests = by["tests"]
     if not tests.get("ran"):
         problems.append("the tests did not run or their JUnit XML was not read")
     elif tests["failures"] or tests["pytest_exit"] not in (0,) or not sum(tests["counts"].values()):
         problems.append(f"the tests did not pass in the simulator: {tests['summary']}")
-    if by["workload"]["status"] != "pass":
+    if by["second opinion"]["status"] != "passed":
+        problems.append(f"the second opinion failed in the simulator: {by['second opinion']['summary']}")
+    if by["workload"]["status"] != "passed":
         problems.append("the sanitizer's workload failed in the simulator")
-    if by["bench"]["status"] != "pass":
+    if by["bench"]["status"] != "passed":
         problems.append(f"the benchmark failed: {by['bench']['summary']}")
     if not _self_test_skip_counting(out):
         problems.append("a JUnit file with a skipped test was not judged a failure")
     return problems
 
 
-def _write(result, out):
-    """Write both files and read them back; the problems found (empty when both are right)."""
+def _replace(path, text):
+    """Write ``text`` to ``path`` through a new file renamed over it: a reader, or a check stopped meanwhile, sees the
+    old file whole or the new one whole."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _save(result, out):
+    """Write ``gpu-check.json`` and ``gpu-check.md`` as they stand (each through :func:`_replace`)."""
+    _replace(out / "gpu-check.json", json.dumps(result, indent=1) + "\n")
+    _replace(out / "gpu-check.md", markdown_report(result))
+
+
+def _read_back(result, out):
+    """Read both files back; the problems found (empty when both are right)."""
     json_path, md_path = out / "gpu-check.json", out / "gpu-check.md"
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
-    md_path.write_text(markdown_report(result))
     problems = []
     try:
         back = json.loads(json_path.read_text())

@@ -41,6 +41,7 @@ from pathlib import Path
 __all__ = [
     "SM90",
     "find_tool",
+    "tool_version",
     "parse_ptxas_info",
     "occupancy",
     "parse_sass",
@@ -105,6 +106,20 @@ def find_tool(name: str):
                 return path
     found = shutil.which(exe)
     return Path(found) if found else None
+
+
+def tool_version(name: str):
+    """The CUDA release of the tool ``name`` that :func:`find_tool` finds (``"13.0"``), from its ``--version``; None
+    without the tool or a release in its output."""
+    path = find_tool(name)
+    if path is None:
+        return None
+    try:
+        out = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+\.\d+)", out)
+    return found.group(1) if found else None
 
 
 #: The roles whose kernels carry the roofline targets, and the module of :mod:`gpu.numba_cuda` that holds each
@@ -529,6 +544,10 @@ def assemble(ptx: str, arch: str = "sm_90", sass: bool = True, ptxas=None, cuobj
         proc = subprocess.run([str(ptxas), f"-arch={arch}", "-v", "-o", str(cubin), str(src)],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
+            isa = re.search(r"^\s*\.version\s+(\S+)", ptx, re.MULTILINE)
+            if isa and "Unsupported .version" in proc.stderr:  # NVVM newer than ptxas: say both, in one line
+                raise RuntimeError(f"ptxas {Path(ptxas)} cannot assemble PTX ISA {isa.group(1)}, written by a newer NVVM: "
+                                   f"use a ptxas of NVVM's CUDA release or later ({proc.stderr.strip().splitlines()[-1]})")
             raise RuntimeError(f"ptxas failed: {proc.stderr[-2000:]}")
         out = {"resources": parse_ptxas_info(proc.stderr + proc.stdout), "sass": None}
         if sass:

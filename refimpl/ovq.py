@@ -503,8 +503,13 @@ def _count_overflow(overflow, logits, start):
 # ---------------------------------------------------------------------------
 
 
-def _ovq_chunks(q, k, v, p, state, record):
-    """Core: ``(out, (D_k, D_v, c, n, t), records, overflow)``; the caller checks ``overflow = (rows, first row)``."""
+def _ovq_chunks(q, k, v, p, state, record, predict=None):
+    """Core: ``(out, (D_k, D_v, c, n, t), records, overflow)``; the caller checks ``overflow = (rows, first row)``.
+
+    ``predict(qhat, khat, dict_keys, dict_values, v_chunk, log_c, beta, mask)``, when given, computes each chunk's
+    read-out in place of the lines below (``gpu.numba_cuda.plain`` passes a kernel's): the rows of the output, and
+    the logits or any array whose rows have the logits' maxima.
+    """
     N, d = q.shape
     d_v, dtype = v.shape[1], q.dtype
     n_max, C = p.max_size, p.chunk_size
@@ -528,11 +533,14 @@ def _ovq_chunks(q, k, v, p, state, record):
         vc = v[s:e]
         log_c = np.log(counts[:n].astype(dtype)) if p.count_bias else None
         # predict, before the chunk touches the state
-        logits, _ = _chunk_logits(qhat, khat, Dk[:n], log_c, p.beta, masks[L])
+        if predict is None:
+            logits, _ = _chunk_logits(qhat, khat, Dk[:n], log_c, p.beta, masks[L])
+            values = np.concatenate([Dv[:n], vc]) if n else vc
+            with np.errstate(invalid="ignore"):  # an overflowed row (refused by the caller) gives NaN, not a warning
+                out[s:e] = numerics.softmax(logits, axis=1) @ values
+        else:
+            out[s:e], logits = predict(qhat, khat, Dk[:n], Dv[:n], vc, log_c, p.beta, masks[L])
         overflow = _count_overflow(overflow, logits, s)
-        values = np.concatenate([Dv[:n], vc]) if n else vc
-        with np.errstate(invalid="ignore"):  # an overflowed row (refused by the caller) gives NaN, not a warning
-            out[s:e] = numerics.softmax(logits, axis=1) @ values
         # grow: n' = max(n, growth(t + L, n_max))
         t_next = t + L
         n_next = max(n, _growth(t_next, n_max, p.growth))

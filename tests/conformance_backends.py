@@ -170,6 +170,14 @@ def _numba_cuda():
     )
 
 
+def _numba_cuda_plain():
+    """gpu.numba_cuda.plain: one thread per output element, the GPU check's second opinion (tiny cases in the simulator)."""
+    plain = importlib.import_module("gpu.numba_cuda.plain")
+    names = ("responsibilities", "log_responsibilities", "gma", "softmax_attention", "ovq_attention")
+    return types.SimpleNamespace(**{n: getattr(plain, n) for n in names}, simulator=os.environ.get("NUMBA_ENABLE_CUDASIM") == "1",
+                                 bits_threads=False)
+
+
 def _cupy_host():
     import gpu.cupy_kernels as ck
 
@@ -203,7 +211,8 @@ def _toy():
 
 
 #: The packages each backend needs, and the functions it offers (named before it is imported).
-NEEDS = {"tuned": (), "toy": (), "cpu": ("numba",), "numba_cuda": ("numba", "numba.cuda"), "cupy_host": ("cupy",)}
+NEEDS = {"tuned": (), "toy": (), "cpu": ("numba",), "numba_cuda": ("numba", "numba.cuda"), "cupy_host": ("cupy",),
+         "numba_cuda_plain": ("numba", "numba.cuda")}
 _GMM = ("responsibilities", "log_responsibilities")
 _GMA = ("gma", "gma_forward", "gma_backward")
 _OFFERS = {
@@ -212,8 +221,10 @@ _OFFERS = {
                           "ovq_attention_backward", "vq_attention"),
     "numba_cuda": _GMM + _GMA + ("softmax_attention", "ovq_attention", "vq_attention"),
     "cupy_host": _GMM + _GMA + ("softmax_attention", "ovq_attention", "vq_attention"),
+    "numba_cuda_plain": _GMM + ("gma", "softmax_attention", "ovq_attention"),
 }
-_BUILD = {"tuned": _tuned, "toy": _toy, "cpu": _cpu, "numba_cuda": _numba_cuda, "cupy_host": _cupy_host}
+_BUILD = {"tuned": _tuned, "toy": _toy, "cpu": _cpu, "numba_cuda": _numba_cuda, "cupy_host": _cupy_host,
+          "numba_cuda_plain": _numba_cuda_plain}
 
 
 def _missing(name):

@@ -126,24 +126,68 @@ def _rows(bg, met):
     return [bg.make_row("numba-cuda", "f", "causal", "N=1", 1.0, 1, 1, target=t, measured=1.0, met=met) for t in bg.TARGETS]
 
 
-def test_bench_gpu_check_fails_on_a_target_not_met_or_not_judged():
+def test_bench_gpu_check_tells_a_target_missed_from_one_that_did_not_run():
     bg = _bench_gpu()
     assert bg.judge(_rows(bg, True), simulated=False, full=True)[0] == 0
     rows = _rows(bg, True)
     rows[3]["met"] = False
-    code, lines = bg.judge(rows, simulated=False, full=True)
+    code, lines, verdicts = bg.judge(rows, simulated=False, full=True)
     assert code == 1 and lines[3].startswith("check: NOT met: forward / GEMMs <= 1.3")
-    code, lines = bg.judge(_rows(bg, True)[1:], simulated=False, full=True)
-    assert code == 1 and lines[0] == "check: NOT judged: bandwidth >= 50% of peak (not measured)"
+    assert verdicts["cupy-gma-gemm"]["status"] == "missed" and verdicts["numba-gma-gemm"]["status"] == "met"
+    code, lines, verdicts = bg.judge(_rows(bg, True)[1:], simulated=False, full=True)
+    assert code == 3 and lines[0] == "check: did not run: time within 2.5x of its own roofline (>= 40% of it) (not measured)"
+    assert verdicts["numba-resp-roofline"] == {"status": "not run", "why": "not measured"}
+    # a target missed and another not run: missed wins (1), both are named
+    code, lines, verdicts = bg.judge(rows[1:], simulated=False, full=True)
+    assert code == 1 and [v["status"] for v in verdicts.values()].count("not run") == 1
     assert bg.judge(_rows(bg, True)[1:], simulated=False, full=False)[0] == 0  # --quick sizes
-    assert bg.judge(_rows(bg, False), simulated=True, full=False)[0] == 0  # the simulator judges nothing
+    code, _, verdicts = bg.judge(_rows(bg, False), simulated=True, full=False)  # the simulator judges nothing
+    assert code == 0 and {v["status"] for v in verdicts.values()} == {"not run"}
+
+
+def test_each_row_states_its_bound_from_its_own_flops_and_bytes():
+    bg = _bench_gpu()
+    peaks = bg.device_peaks("NVIDIA H200")
+    # the responsibilities at full size: 4 N K d FLOPs take 1.03 ms at 67 TFLOP/s, 4 N (d + K) bytes 0.28 ms at 4.8 TB/s
+    row = bg.make_row("numba-cuda", "responsibilities", "", "full", 2e-3, *bg.responsibilities_counts(1 << 20, 256, 64), peaks=peaks)
+    assert row["bound"] == "compute" and abs(row["roofline_s"] - 1.0257e-3) < 1e-6
+    assert abs(row["roofline_fraction"] - row["roofline_s"] / 2e-3) < 1e-12
+    # a copy-like row (few FLOPs a byte) is memory-bound
+    row = bg.make_row("numba-cuda", "f", "", "n", 1.0, 4.8e12, 1e12, peaks=peaks)
+    assert row["bound"] == "memory" and row["roofline_s"] == 1.0
+    assert bg.make_row("numba-cuda", "f", "", "n", 1.0, 1, 1)["bound"] is None  # no peaks: no bound stated
+
+
+@pytest.mark.parametrize("device", sorted(_load("bench_gpu").PEAKS))
+def test_no_target_exceeds_the_ceiling_of_its_own_row(device):
+    """Each target's ceiling computed from its row's FLOPs and bytes at the full sizes: a target above it cannot be met."""
+    bg = _bench_gpu()
+    ceilings = bg.target_ceilings(bg.PEAKS[device])
+    assert set(ceilings) == set(bg.TARGETS) == set(bg.TARGET_SPECS)
+    for tid, (value, ceiling, bound) in ceilings.items():
+        kind = bg.TARGET_SPECS[tid][0]
+        assert bg.reachable(kind, value, ceiling), f"{device}: {tid} asks {value} ({kind}), its ceiling is {ceiling:.3f} ({bound}-bound)"
+
+
+def test_a_bandwidth_target_for_the_compute_bound_responsibilities_is_caught():
+    """The target the bench once had: 50% of the H200's peak bandwidth, where the FLOPs cap the row at 27%."""
+    bg = _bench_gpu()
+    specs = dict(bg.TARGET_SPECS, **{"numba-resp-roofline": ("bandwidth", 0.5, "responsibilities", None)})
+    original, bg.TARGET_SPECS = bg.TARGET_SPECS, specs
+    try:
+        value, ceiling, bound = bg.target_ceilings(bg.PEAKS["H200"])["numba-resp-roofline"]
+    finally:
+        bg.TARGET_SPECS = original
+    assert bound == "compute" and 0.26 < ceiling < 0.28 and not bg.reachable("bandwidth", value, ceiling)
+    assert bg.reachable("ratio_max", 2.0, 1.005) and not bg.reachable("ratio_max", 1.0, 1.005)
+    assert bg.reachable("ratio_min", 10.0, 21.0) and not bg.reachable("ratio_min", 30.0, 21.0)
 
 
 def test_bench_gpu_causal_and_bidirectional_gma_are_both_judged():
     bg = _bench_gpu()
     rows = [bg.make_row("numba-cuda", "gma_forward", v, "N=1", 1.0, 1, 1, target="numba-gma-gemm", measured=r, met=r <= 2)
             for v, r in (("bidirectional", 1.5), ("causal", 2.5))]
-    code, lines = bg.judge(rows, simulated=False, full=False)
+    code, lines, _ = bg.judge(rows, simulated=False, full=False)
     assert code == 1 and "numba-cuda gma_forward causal N=1" in lines[2]
 
 

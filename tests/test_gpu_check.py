@@ -10,13 +10,16 @@ the refusal of a bad ``--out``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gpu import check
@@ -38,36 +41,56 @@ def _dry_run(out):
                           text=True, cwd=ROOT, env=env, timeout=300)
 
 
+def _cupy_on_a_device():
+    """Whether CuPy can allocate on a GPU here (then the CuPy device tests run in the dry run too, and pass)."""
+    from gpu.cupy_kernels import _backend
+
+    return _backend.probe()[0]
+
+
 def test_the_dry_run_exercises_every_stage_and_writes_both_files(tmp_path):
-    """One dry run (about 20 s), checked stage by stage: one test, so that pytest-xdist runs it once."""
+    """One dry run (about 30 s), checked stage by stage: one test, so that pytest-xdist runs it once."""
     out = tmp_path / "out"
     proc = _dry_run(out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "dry run: the machinery works" in proc.stdout
     result = json.loads((out / "gpu-check.json").read_text())
-    assert result["dry_run"] is True and result["machinery_ok"] is True
+    assert result["dry_run"] is True and result["machinery_ok"] is True and result["complete"] is True
     assert result["passed"] is False, "a dry run never passes the GPU check"
+    assert sum(result["stage_limits_s"].values()) <= check.MAX_SHARE * result["budget_s"] + 0.5
 
     # what a machine without a GPU gives
     stages = {s["name"]: s for s in result["stages"]}
-    assert [s["name"] for s in result["stages"]] == ["environment", "backends", "tests", "workload", "memcheck", "racecheck", "bench"]
-    assert stages["environment"]["status"] == "pass"
+    assert [s["name"] for s in result["stages"]] == ["environment", "backends", "tests", "second opinion", "workload", "memcheck",
+                                                     "racecheck", "bench"]
+    assert all(s["status"] in check.STATUSES for s in result["stages"])
+    assert stages["environment"]["status"] == "passed"
     assert set(result["environment"]["packages"]) >= {"numpy", "numba", "numba-cuda", "cupy"}
-    assert stages["backends"]["status"] == "fail" and "simulator" in stages["backends"]["summary"]
-    # the CuPy device tests skip without a GPU: the skip is counted, and fails the tests stage
+    ptx = result["environment"]["ptx"]
+    assert ptx["ok"] and ptx["driver"] == check.TARGET_DRIVER and ptx["route"] in ("nvJitLink", "driver JIT"), ptx
+    assert "for the GPU machines' driver (CUDA 13.0)" in stages["environment"]["summary"]
+    assert stages["backends"]["status"] == "failed" and "simulator" in stages["backends"]["summary"]
     tests = stages["tests"]
-    assert tests["status"] == "fail" and tests["counts"]["skipped"] >= 1 and tests["counts"]["passed"] >= 1
-    assert tests["counts"]["failed"] == tests["counts"]["error"] == 0
-    assert any(s["id"] == "tests.test_cupy_device" for s in tests["skips"])
+    assert tests["counts"]["failed"] == tests["counts"]["error"] == 0 and tests["counts"]["passed"] >= 1
+    if _cupy_on_a_device():  # a GPU host: the CuPy device tests run, and must pass
+        assert not any(s["id"] == "tests.test_cupy_device" for s in tests["skips"])
+    else:  # the CuPy device tests skip without a GPU: the skip is counted, and fails the tests stage
+        assert tests["status"] == "failed" and tests["counts"]["skipped"] >= 1
+        assert any(s["id"] == "tests.test_cupy_device" for s in tests["skips"])
+        assert "| `tests.test_cupy_device` | skipped (a failure) |" in (out / "gpu-check.md").read_text()
+    # the second opinion runs in every dry run: the plain and the tuned kernels agree with the reference
+    opinions = {o["function"]: o for o in stages["second opinion"]["opinions"]}
+    assert stages["second opinion"]["status"] == "passed" and set(opinions) == set(check.SECOND_OPINION)
+    assert all(o["plain_agrees"] and o["tuned_agrees"] for o in opinions.values())
     for name in ("memcheck", "racecheck"):
         assert stages[name]["status"] == "not run"
         assert stages[name]["summary"] == "not run: compute-sanitizer not on PATH"
-    assert stages["workload"]["status"] == "pass"
+    assert stages["workload"]["status"] == "passed"
     assert (out / "pytest-junit.xml").exists() and (out / "workload.log").exists()
 
     # the benchmark's rows, in the simulator: measured, none judged
     bench = stages["bench"]
-    assert bench["status"] == "pass"
+    assert bench["status"] == "passed"
     functions = {(r["backend"], r["function"], r["variant"]) for r in bench["rows"]}
     for variant in ("bidirectional", "causal"):
         assert ("numba-cuda", "gma_forward", variant) in functions
@@ -75,21 +98,179 @@ def test_the_dry_run_exercises_every_stage_and_writes_both_files(tmp_path):
     assert ("numba-cuda", "responsibilities", "") in functions
     assert ("numba-cuda", "ovq_attention", "causal") in functions
     judged = [r for r in bench["rows"] if r["target"]]
-    assert {r["target_id"] for r in judged} == {"numba-resp-bandwidth", "numba-gma-gemm", "numba-ovq-speedup"}
+    assert {r["target_id"] for r in judged} == {"numba-resp-roofline", "numba-gma-gemm", "numba-ovq-speedup"}
     assert all(r["met"] is None and r["note"] == "not judged in the simulator" for r in judged)
-    assert json.loads((out / "bench-gpu.json").read_text())["rows"] == bench["rows"]
+    report = json.loads((out / "bench-gpu.json").read_text())
+    assert report["rows"] == bench["rows"] and {v["status"] for v in report["verdicts"].values()} == {"not run"}
 
     # the Markdown report
     text = (out / "gpu-check.md").read_text()
-    assert "**DRY RUN in the CUDA simulator**" in text
+    assert "**DRY RUN in the CUDA simulator**" in text and "INCOMPLETE" not in text
     assert "| stage | status | seconds | summary |" in text
     assert "| memcheck | not run | 0.0 | not run: compute-sanitizer not on PATH |" in text
+    assert "| kernels reach the device |" in text
     header = next(line for line in text.splitlines() if line.startswith("| backend |"))
-    for column in ("time (ms)", "bandwidth (GB/s)", "FLOP rate (TFLOP/s)", "roofline", "target", "met"):
+    for column in ("time (ms)", "bandwidth (GB/s)", "FLOP rate (TFLOP/s)", "bound", "roofline", "target", "met"):
         assert f"| {column} |" in header
     rows = [line for line in text.splitlines() if line.startswith("| numba-cuda | gma_forward |")]
     assert len(rows) == 2 and all("not judged in the simulator" in row for row in rows)
-    assert "| `tests.test_cupy_device` | skipped (a failure) |" in text
+
+
+def _start_check(out):
+    """A dry run of the check in a process group of its own, the sanitizer off PATH."""
+    env = dict(os.environ, PATH=_path_without_sanitizer())
+    return subprocess.Popen([sys.executable, "-m", "gpu", "check", "--dry-run", "--out", str(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _wait_for_stage(out, name, proc, seconds=120):
+    """The check's JSON once stage ``name`` has started and its command's process group is recorded."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the check ended before it was stopped"
+        try:
+            result = json.loads((out / "gpu-check.json").read_text())  # every read must parse: the files are replaced whole
+        except FileNotFoundError:
+            result = None
+        if result is not None:
+            stage = next(s for s in result["stages"] if s["name"] == name)
+            if stage.get("process_group"):
+                return result, stage["process_group"]
+        time.sleep(0.05)
+    pytest.fail(f"stage {name} did not start within {seconds} s")
+
+
+def _group_ends(group, seconds=30):
+    """Whether process group ``group`` is gone within ``seconds`` (its killed processes are reaped by init)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _end_group(group):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "terminated"])
+def test_a_check_stopped_during_a_stage_leaves_valid_files(tmp_path, how):
+    """Stopped during its tests stage (SIGKILL: nothing of it runs on; SIGTERM: an outer time limit), the check leaves
+    both files whole, with the stage it finished and the ones it did not."""
+    out = tmp_path / "out"
+    proc = _start_check(out)
+    group = None
+    try:
+        _, group = _wait_for_stage(out, "tests", proc)
+        os.killpg(proc.pid, how)
+        assert proc.wait(timeout=60) == (-how if how == signal.SIGKILL else 128 + how)
+    finally:
+        if proc.poll() is None:
+            _end_group(proc.pid)
+        if group and how == signal.SIGKILL:
+            _end_group(group)  # the stage's pytest, in its own group, outlives a check killed outright
+    result = json.loads((out / "gpu-check.json").read_text())
+    stages = {s["name"]: s for s in result["stages"]}
+    assert result["complete"] is False and list(stages) == check._stage_names(dry_run=True)
+    assert stages["environment"]["status"] == "passed" and stages["environment"]["seconds"] > 0
+    assert stages["backends"]["status"] == "failed"  # finished: no GPU
+    assert stages["tests"]["status"] == "not run"
+    if how == signal.SIGKILL:
+        assert stages["tests"]["summary"].startswith("started at") and stages["tests"]["process_group"] == group
+    else:
+        assert stages["tests"]["summary"] == f"stopped by signal {int(how)} during this stage"
+        assert _group_ends(group), f"the stage's process group {group} outlived the check stopped by SIGTERM"
+        assert not (out / "pytest-junit.xml").exists(), "the stage's pytest ran on to its end"
+    later = [stages[n] for n in ("second opinion", "workload", "memcheck", "racecheck", "bench")]
+    assert all(s["status"] == "not run" and s["summary"].startswith("not reached") for s in later)
+    text = (out / "gpu-check.md").read_text()
+    assert text.startswith("# GPU check\n\n**INCOMPLETE**") and "| environment | passed |" in text
+    assert not list(out.glob(".*.tmp")), "a half-written file was left behind"
+
+
+def test_the_stage_limits_are_shares_of_the_budget_that_leave_15_percent():
+    for budget in (60, check.BUDGET_S, 900, 3600):
+        limits = check.stage_limits(budget)
+        assert set(limits) == {"environment", "tests", "second opinion", "memcheck", "racecheck", "bench"}
+        assert sum(limits.values()) <= 0.85 * budget + 1e-9 and all(v > 0 for v in limits.values())
+    assert check.TIMEOUTS == check.stage_limits(check.BUDGET_S)
+    assert abs(sum(check.STAGE_SHARES.values()) - check.MAX_SHARE) < 1e-12 and check.MAX_SHARE <= 0.85
+
+
+@pytest.mark.parametrize("budget", ["0", "-5", "soon", "inf"])
+def test_a_bad_budget_is_refused_in_one_line_with_exit_status_2(tmp_path, capsys, budget):
+    with pytest.raises(SystemExit) as exc:
+        main(["check", "--out", str(tmp_path / "o"), "--dry-run", "--budget", budget])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--budget: expected a number of seconds > 0" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_tests_stage_leaves_out_the_tests_that_run_a_check_themselves():
+    ids = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/test_gpu_check.py"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120).stdout.splitlines()
+    for test in check.NOT_IN_TESTS_STAGE:  # each still exists (a renamed one would run inside the tests stage)
+        assert any(i == test or i.startswith(test + "[") for i in ids), test
+
+
+# --- the kernels' route to the device -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("driver, isa, nvvm, nvjitlink, ok, route, words", [
+    ("13.0", "9.0", "13.0", "13.0", True, "nvJitLink", "which the driver (CUDA 13.0, PTX ISA 9.0) reads: kernels linked by nvJitLink 13.0"),
+    ("13.0", "9.0", "13.0", None, True, "driver JIT", "JIT-compiled by the driver"),
+    ("13.0", "9.5", "13.5", "13.5", True, "nvJitLink", "newer than the driver's PTX ISA 9.0 (CUDA 13.0): the kernels link through nvJitLink 13.5"),
+    ("12.8", "8.8", "12.9", "12.9", True, "nvJitLink", "newer than the driver's PTX ISA 8.7"),
+])
+def test_the_route_of_the_kernels_to_the_device_is_named(driver, isa, nvvm, nvjitlink, ok, route, words):
+    got = check.ptx_route(driver, isa, nvvm, nvjitlink)
+    assert got[:2] == (ok, route) and words in got[2], got
+
+
+@pytest.mark.parametrize("nvjitlink, found", [(None, "none"), ("13.0", "13.0")])
+def test_a_ptx_isa_newer_than_the_driver_without_a_linker_fails_in_one_line_naming_both(nvjitlink, found):
+    ok, route, line = check.ptx_route("13.0", "9.5", "13.5", nvjitlink)
+    assert not ok and route is None and "\n" not in line
+    assert line == ("PTX ISA 9.5 (NVVM 13.5) is newer than the driver's PTX ISA 9.0 (CUDA 13.0), and no nvJitLink of CUDA "
+                    f"13.5 or later is there to link it (found: {found}): install nvidia-nvjitlink>=13.5, or an NVVM of CUDA 13.0")
+
+
+def test_the_ptx_isa_of_each_cuda_release():
+    assert check.ptx_isa("13.0") == (9, 0) and check.ptx_isa("13.5") == (9, 5) and check.ptx_isa("12.4") == (8, 4)
+    assert check.ptx_isa("12.9") == (8, 8) and check.ptx_isa("11.8") is None and check.ptx_isa(None) is None
+
+
+# --- the second opinion ---------------------------------------------------------------------------------------
+
+
+def test_the_second_opinion_takes_the_functions_of_the_failed_tests():
+    failed = [{"id": "tests.test_conformance.test_ovq_attention_and_its_state_match_the_reference[numba_cuda-N9]"},
+              {"id": "tests.test_gpu_scan.test_tiles"}, {"id": "tests.test_gpu_attention.test_flash_geometry"},
+              {"id": "tests.test_gpu_gmm.test_responsibilities_tiles"}, {"id": "tests.test_gpu_scan.test_other"}]
+    assert check.second_opinion_functions(failed) == ["ovq_attention", "gma", "softmax_attention", "responsibilities"]
+    assert check.second_opinion_functions(failed[:1] + [{"id": "tests.test_gpu_launch.test_grid"}]) == list(check.SECOND_OPINION)
+    assert check.second_opinion_functions([]) == []
+
+
+def test_the_second_opinion_finds_the_tuned_kernel_at_fault(monkeypatch):
+    """A tuned kernel broken on purpose: the plain one still agrees, and the verdict blames the tuned one."""
+    import gpu.numba_cuda as tuned
+
+    monkeypatch.setattr(tuned, "responsibilities", lambda x, *a, **kw: np.full((x.shape[0], a[0].shape[0]), 0.5))
+    (row,) = check.run_second_opinion(["responsibilities"], tiny=True)
+    assert row["plain_agrees"] and not row["tuned_agrees"]
+    assert row["verdict"] == "the tuned kernel is at fault: the plain one agrees with the reference on this device"
+    with pytest.raises(ValueError, match="functions: expected some of"):
+        check.run_second_opinion(["nope"], tiny=True)
 
 
 # --- the JUnit XML and the skip counting ------------------------------------------------------------------------
@@ -171,7 +352,7 @@ def test_a_file_that_is_not_junit_is_refused(tmp_path):
 ROW = {"backend": "numba-cuda", "function": "gma_forward", "variant": "causal", "size": "N=1048576 K=256 d_r=d_v=64",
        "time_s": 1.5e-3, "bytes": 3e9, "flops": 3e10, "bandwidth_Bps": 2e12, "flop_rate": 2e13, "roofline_fraction": 0.5,
        "target_id": "numba-gma-gemm", "target": "forward / GEMMs <= 2", "measured": 2.5, "met": False, "note": "",
-       "launches_per_call": None}
+       "launches_per_call": None, "bound": "compute", "roofline_s": 7.5e-4}
 
 
 def test_the_benchmark_table_has_one_line_per_row_with_every_column():
@@ -179,11 +360,11 @@ def test_the_benchmark_table_has_one_line_per_row_with_every_column():
     table = check.bench_table([ROW, dict(ROW, met=True, measured=1.5), dict(ROW, met=None, note="n/a below T = 65536"), plain])
     lines = table.splitlines()
     assert len(lines) == 6
-    assert lines[2] == ("| numba-cuda | gma_forward | causal | N=1048576 K=256 d_r=d_v=64 | 1.500 | 2000.0 | 20.000 | 50.0% "
+    assert lines[2] == ("| numba-cuda | gma_forward | causal | N=1048576 K=256 d_r=d_v=64 | 1.500 | 2000.0 | 20.000 | compute | 50.0% "
                         "| forward / GEMMs <= 2 | 2.50 | **no** |  |")
     assert lines[3].endswith("| forward / GEMMs <= 2 | 1.50 | yes |  |")
     assert lines[4].endswith("| n/a below T = 65536 |  |")
-    assert lines[5].endswith("| 50.0% |  |  |  | 7 |")
+    assert lines[5].endswith("| compute | 50.0% |  |  |  | 7 |")
 
 
 def test_the_markdown_report_lists_the_stages_and_the_tests_that_did_not_pass():
@@ -192,15 +373,15 @@ def test_the_markdown_report_lists_the_stages_and_the_tests_that_did_not_pass():
         "dry_run": False, "passed": False, "date": "2026-01-01", "command": "python3 -m gpu check --out r",
         "environment": {"gpu": {"name": "NVIDIA H200", "sm_count": 132, "driver_version": "570.1"}, "packages": {"cupy": "not installed"},
                         "cuda_runtime": {}},
-        "stages": [{"name": "tests", "status": "fail", "seconds": 1.0, "summary": "1 skipped", "ran": True, "skips": [skip],
+        "stages": [{"name": "tests", "status": "failed", "seconds": 1.0, "summary": "1 skipped", "ran": True, "skips": [skip],
                     "failures": [], "no_gpu_only": []},
-                   {"name": "bench", "status": "fail", "seconds": 2.0, "summary": "1 target", "rows": [ROW],
+                   {"name": "bench", "status": "failed", "seconds": 2.0, "summary": "1 target", "rows": [ROW],
                     "checks": ["check: NOT met: forward / GEMMs <= 2"]}],
     }
     text = check.markdown_report(result)
     assert "- GPU verdict: **fail**" in text and "DRY RUN" not in text
     assert "| GPU | NVIDIA H200 |" in text and "| SM count | 132 |" in text and "| cupy | not installed |" in text
-    assert "| tests | fail | 1.0 | 1 skipped |" in text
+    assert "| tests | failed | 1.0 | 1 skipped |" in text
     assert "| `tests.test_a.test_needs_gpu` | skipped (a failure) | no CUDA device / here |" in text
     assert "## Benchmarks" in text and "- check: NOT met: forward / GEMMs <= 2" in text
 
@@ -282,6 +463,9 @@ def test_the_tests_stage_runs_the_conformance_suite_for_the_gpu_backends_only():
     """On a GPU the tests stage holds both GPU backends to the reference at every size; the host backends stay in make test."""
     assert "tests/test_conformance.py" in check._test_files(dry_run=False)
     assert "tests/test_conformance.py" not in check._test_files(dry_run=True)
+    # the static gates need no GPU: make test and make gpu-rehearsal run them, the tests stage does not
+    assert all((ROOT / f).is_file() and f not in check._test_files(dry_run=False) for f in check.STATIC_TESTS)
+    assert "tests/test_gpu_gmm.py" in check._test_files(dry_run=False)
     env = check.tests_environment(dict(os.environ))
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py"],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)

@@ -326,3 +326,27 @@ def test_the_rule_scans_see_what_they_look_for(tmp_path):
         "@cuda.jit(device=True)\ndef c(x): return x\n"
     )
     assert _kernel_functions(probe) == (["a"], ["b"])
+
+
+_WITHOUT_ROW_STACK = """
+import json
+import numpy as np
+import refimpl  # SciPy first: it copies NumPy's names, row_stack among them, while NumPy still has it
+if hasattr(np, "row_stack"):  # a NumPy before 2.5: made like 2.5, which removed the alias
+    del np.row_stack
+from gpu.numba_cuda import _device
+from numba import cuda, float32
+
+def probe(a):
+    a[0] = 1.0
+
+ptx, _ = cuda.compile_ptx(probe, (float32[::1],), cc=(9, 0))
+print(json.dumps([_device.NUMPY_2_5_SHIM, hasattr(np, "row_stack"), ptx.count(".entry")]))
+"""
+
+
+def test_kernels_compile_under_a_numpy_without_row_stack(tmp_path):
+    """NumPy 2.5 removed ``np.row_stack``, whose overload Numba-CUDA 0.30.4 registers at its first compile: without
+    ``_device``'s help no kernel compiles there (the GPU machines have NumPy 2.5); with it, NumPy is left without it."""
+    shim, alias_left, entries = _fresh_json(_WITHOUT_ROW_STACK, tmp_path)
+    assert shim is True and alias_left is False and entries == 1

@@ -55,15 +55,17 @@
 # 2. Shared-memory tiling cuts the reads from global memory of a matrix
 #    product by the tile width, without changing a single addition; a
 #    register tile of $r\times c$ quadratic forms needs $(r+c)\,d$ loads for
-#    $r c\,d$ multiply-adds, which is what lets the arithmetic, not shared
-#    memory, set the speed.
+#    $r c\,d$ multiply-adds. At three instructions a term (the quadratic
+#    form) a $4\times 4$ tile lets the arithmetic, not shared memory, set the
+#    speed; a plain product (one FMA a term) with 4-byte shared loads stays
+#    bound by shared memory at about half the FMA peak until $8\times 8$.
 # 3. The online softmax (a running maximum, sum and accumulator, rescaled at
 #    each tile) gives the exact softmax, provided an entirely masked tile is
 #    guarded: we prove it, then check it, and build flash attention from it.
 # 4. Causal GMA's chunked scan becomes parallel steps on a GPU: all chunk
 #    states at once, a prefix over the $n$ chunks, the masked product inside
 #    each chunk. The prefix walked chunk by chunk takes $n - 1$ dependent
-#    steps; Blelloch's scan takes $2\log_2 n$ steps and $O(n)$ work, in a
+#    steps; Blelloch's scan takes $2\lceil\log_2 n\rceil$ steps and $O(n)$ work, in a
 #    combination order fixed by $n$ alone. It never holds an
 #    $N\times K\times d_v$ array.
 # 5. Float atomics would make results depend on the order in which threads
@@ -123,9 +125,20 @@ for backend, (usable, why) in gpu.backend_status().items():
 # ## 1. Threads, blocks and the responsibilities kernel
 #
 # A kernel is a function that every thread of a *grid* runs. Threads come in
-# *blocks* (up to 1024 threads) that can share fast on-chip memory and wait
-# for each other (`cuda.syncthreads()`); blocks cannot. `cuda.threadIdx.x`
-# and `cuda.blockIdx.x` say which thread is running.
+# *blocks* (up to 1024 threads) that share fast on-chip memory and wait for
+# each other (`cuda.syncthreads()`). `cuda.threadIdx.x` and `cuda.blockIdx.x`
+# say which thread is running. Blocks are scheduled independently, in no
+# order a program can rely on, so a kernel that asks no more of them is right
+# on any GPU; every kernel of this lesson is written so. It is not all a GPU
+# allows: on compute capability 9.0 (H100, H200) the blocks of a
+# *thread-block cluster* (up to 8, or 16 where a kernel opts in) read and
+# write each other's shared memory (*distributed shared memory*) and wait at
+# a cluster barrier (CUDA C++ Programming Guide, "Thread Block Clusters" and
+# "Distributed Shared Memory"); and the blocks of one grid can signal each
+# other through global memory, with a fence and an atomic, as
+# `gpu.numba_cuda.ovq` does: the last block of a head to finish its share of
+# a chunk takes a ticket and merges the partial results of all of them (the
+# second cell below finds it in the source).
 #
 # The responsibilities $\gamma_{ik} = \exp(l_{ik} - \operatorname{lse}_m l_{im})$
 # need, per row $i$, a reduction over the $K$ components. The natural mapping:
@@ -191,17 +204,56 @@ err = np.max(np.abs(out - logsumexp(a, axis=1)))
 print(f"block-per-row log-sum-exp against scipy: max abs error {err:.1e}")
 assert err < 1e-12
 
+# %%
+import inspect  # noqa: E402
+
+# blocks of one grid that signal each other: a fence, then an atomic ticket (the last block merges)
+ovq_source = inspect.getsource(importlib.import_module("gpu.numba_cuda.ovq"))
+assert "cuda.threadfence()" in ovq_source and "cuda.atomic.add(ticket" in ovq_source
+print(next(line.strip() for line in ovq_source.splitlines() if "cuda.atomic.add(ticket" in line))
+
 # %% [markdown]
-# `gpu.numba_cuda.responsibilities` computes the logits
-# $l_k = \log\pi_k - \tfrac12\sum_j (x_j-\mu_{kj})^2/\sigma^2_{kj} - \tfrac12\sum_j\log 2\pi\sigma^2_{kj}$
-# from the differences themselves (a GPU has arithmetic to spare; lesson 1's
-# cancellation never happens), writes them to the output, combines the
-# pairs $(m, s)$ of each row, then rescales the row's entries: one pass, no
-# $N\times K\times d$ array. One block per row is the plainest mapping of
-# that work; section 2 shows the one that keeps a GPU's arithmetic busy (a
-# block per tile of rows and components, a register tile per thread). It
-# must agree with `refimpl` where lesson 1 showed the naive formula failing:
-# $|x| \sim 10^4$ and variances near $10^{-8}$.
+# ### The plain kernel first
+#
+# Before the tuned kernel, the plainest one: `gpu.numba_cuda.plain` gives
+# every output element a thread of its own, in the style of Numba-CUDA's
+# documentation examples (`cuda.grid`, a bounds test, a loop). Thread
+# $(i, k)$ of `log_joint` computes the logit
+# $l_{ik} = \log\pi_k - \tfrac12\sum_j \log 2\pi\sigma^2_{kj} - \tfrac12\sum_j (x_{ij}-\mu_{kj})^2/\sigma^2_{kj}$
+# from the differences themselves (every term $\ge 0$: lesson 1's
+# cancellation never happens); thread $(i, k)$ of `row_softmax` then reads
+# its whole row of logits for the maximum and the sum. Nothing is shared
+# between threads, so nothing can go wrong between them; when a tuned kernel
+# fails on a GPU, `python -m gpu check` asks these for a second opinion.
+# Here they are, checked against `refimpl`:
+
+# %%
+from gpu.numba_cuda import plain  # noqa: E402
+
+for kern in (plain.log_joint, plain.row_softmax):
+    print(inspect.getsource(getattr(kern, "py_func", None) or kern.fn).split("\n", 1)[1])
+rng_p = np.random.default_rng(90)  # a generator of its own: the draws of the cells below stay as they were
+x_p = rng_p.standard_normal((7, 3))
+mu_p, var_p, w_p = rng_p.standard_normal((4, 3)), 0.5 + rng_p.random((4, 3)), np.full(4, 0.25)
+err = np.max(np.abs(plain.responsibilities(x_p, mu_p, var_p, w_p) - gmm.responsibilities(x_p, mu_p, var_p, w_p)))
+print(f"plain kernels, a thread per (row, component): max abs difference to refimpl {err:.1e}")
+assert err < 1e-14
+
+# %% [markdown]
+# ### What the tuned kernel changes
+#
+# `gpu.numba_cuda.responsibilities` computes the same logits from the same
+# differences, but no thread rereads a row: it writes the logits to the
+# output, combines the pairs $(m, s)$ of each row by the tree above, then
+# rescales the row's entries: one pass, no $N\times K\times d$ array. Section
+# 2 shows its mapping (a block per tile of rows and components, a register
+# tile per thread, the coordinates staged in shared memory). The differences
+# cost three instructions a term (a subtraction, a product, a fused
+# multiply-add) where lesson 1's expanded form costs one FMA, and on a GPU
+# that is not free: the tuned kernel is *issue-bound*, its instructions take
+# several times its memory time (the end of section 2 counts it), a price it
+# pays for exactness. It must agree with `refimpl` where lesson 1 showed the
+# naive formula failing: $|x| \sim 10^4$ and variances near $10^{-8}$.
 #
 # Every check in this lesson compares two computations of one quantity that
 # add in different orders, and allows a small multiple of the rounding that
@@ -421,17 +473,54 @@ FP32_LANES, SHARED_WORDS = 128, 32
 INSTRUCTIONS_PER_TERM = 3  # x - mu, times h, then one FMA into the accumulator
 
 
-def shared_memory_ceiling(r, c):
-    """The fraction of the SM's float32 rate that shared memory can feed, for r x c register tiles (float32)."""
-    words_per_term = (r + 2 * c) / (r * c)  # r numbers x_ij and c pairs (mu_kj, h_kj) per r c terms
-    return min(1.0, SHARED_WORDS / words_per_term * INSTRUCTIONS_PER_TERM / FP32_LANES)
+def shared_memory_ceiling(r, c, words_per_term=None, instructions_per_term=INSTRUCTIONS_PER_TERM):
+    """The fraction of the SM's float32 instruction rate that shared memory can feed, for r x c register tiles.
+
+    By default the quadratic form's (float32): r numbers x_ij and c pairs (mu_kj, h_kj) per r c terms of 3
+    instructions; a plain product passes words_per_term = (r + c) / (r c) and 1 instruction a term (one FMA).
+    """
+    words = (r + 2 * c) / (r * c) if words_per_term is None else words_per_term
+    return min(1.0, SHARED_WORDS / words * instructions_per_term / FP32_LANES)
 
 
-print("tile   FMAs/load  words/term  float32 rate that shared memory allows")
+def product_ceiling(r, c):
+    """The same for a plain product's r x c tile: r + c four-byte loads for r c FMAs, one instruction a term."""
+    return shared_memory_ceiling(r, c, words_per_term=(r + c) / (r * c), instructions_per_term=1)
+
+
+print("tile   FMAs/load  quadratic form (3 instr./term)  plain product (1 FMA/term)")
 for r, c in ((1, 1), (2, 2), (4, 4), (8, 4), (8, 8)):
-    print(f"{r} x {c}  {r * c / (r + c):9.2f}  {(r + 2 * c) / (r * c):10.3f}  {shared_memory_ceiling(r, c):6.0%}")
+    print(f"{r} x {c}  {r * c / (r + c):9.2f}  {shared_memory_ceiling(r, c):30.0%}  {product_ceiling(r, c):25.0%}")
 assert shared_memory_ceiling(1, 1) == 0.25  # one quadratic form per thread: shared memory caps it at a quarter
-assert shared_memory_ceiling(4, 4) == 1.0  # from 4 x 4 on, the arithmetic sets the speed
+assert shared_memory_ceiling(4, 4) == 1.0  # from 4 x 4 on, the quadratic form's arithmetic sets the speed
+assert product_ceiling(4, 4) == 0.5  # a plain product at 4 x 4: shared memory holds it to half the FMA peak
+assert product_ceiling(8, 8) == 1.0  # 8 x 8 tiles (or fewer, wider loads per term) lift it
+
+# %% [markdown]
+# So "from $4\times 4$ on, the arithmetic sets the speed" holds for the
+# quadratic form only because each term costs three instructions. A product
+# whose terms are single FMAs (GMA's write and read, the scores of
+# attention) needs twice the operands per instruction: with 4-byte shared
+# loads and $4\times 4$ tiles it is bound by shared memory at about half the
+# FMA peak, and needs $8\times 8$ tiles, or fewer loads per term, to leave it.
+#
+# And the quadratic form's three instructions a term are what the tuned
+# responsibilities kernel spends its time on. At $N = 2^{20}$, $K = 256$,
+# $d = 64$ (the size `benchmarks/bench_gpu.py` measures) its $4NKd$ useful
+# FLOPs take 1.03 ms at the H200's float32 peak, its $4N(d + K)$ bytes 0.28
+# ms at its peak bandwidth; its work loop issues about 0.85 instructions per
+# useful FLOP (`tests/test_gpu_resources.py` reads it from the compiled
+# code), and a multiprocessor issues at most four warp instructions a cycle.
+# The kernel is issue-bound, far from memory-bound:
+
+# %%
+N_b, K_b, d_b = 1 << 20, 256, 64
+flops_b, bytes_b = 4 * N_b * K_b * d_b, 4 * N_b * (d_b + K_b)
+issue_s = flops_b * 0.85 / 32 / (132 * 4 * 1.7e9)  # warp instructions over 132 SMs x 4 schedulers at 1.7 GHz
+memory_s = bytes_b / 4.8e12
+print(f"issue time {issue_s * 1e3:.2f} ms, memory time {memory_s * 1e3:.2f} ms: {issue_s / memory_s:.1f}x "
+      f"(FLOPs at the float32 peak alone: {flops_b / 67e12 * 1e3:.2f} ms)")
+assert issue_s > 5 * memory_s and flops_b / 67e12 > 3 * memory_s  # no arithmetic to spare: it sets the time
 
 # %% [markdown]
 # ## 3. The online softmax
@@ -599,19 +688,25 @@ print(f"first key tile masked: guarded max abs difference to the dense softmax {
 assert err < 1e-13 and np.isnan(unguarded).all()
 
 # %% [markdown]
-# `gpu.numba_cuda.softmax_attention` runs this design: a block owns a tile
-# of query rows, stages each tile of keys and values in shared memory, and
-# keeps $(m, \ell, y)$ per row. When causal, it skips the key tiles that lie
+# The plain kernel first: `gpu.numba_cuda.plain.attention` gives output
+# entry $(i, e)$ a thread that walks the row's keys three times (the
+# maximum, then the two sums), recomputing every score, with nothing shared.
+# What the tuned `gpu.numba_cuda.softmax_attention` changes is this design:
+# a block owns a tile of query rows, stages each tile of keys and values in
+# shared memory once for all its threads, and keeps $(m, \ell, y)$ per row,
+# one pass over the keys. When causal, it skips the key tiles that lie
 # entirely above the diagonal and masks the diagonal tile.
 
 # %%
 Nq, dh = (12, 5)
 q, k, v = (rng.standard_normal((2, Nq, dh)) for _ in range(3))  # a batch of two sequences
 for causal in (False, True):
-    got = nc.softmax_attention(q, k, v, causal=causal)
     ref = attention.softmax_attention(q, k, v, causal=causal)
+    err_plain = np.max(np.abs(plain.softmax_attention(q, k, v, causal=causal) - ref))
+    got = nc.softmax_attention(q, k, v, causal=causal)
     err = np.max(np.abs(got - ref))
-    print(f"online-softmax kernel, causal={causal}: max abs difference to refimpl {err:.1e}")
+    print(f"causal={causal}: plain kernel {err_plain:.1e}, online-softmax kernel {err:.1e} (max abs difference to refimpl)")
+    assert err_plain < 1e-12
     assert err < 1e-12
 
 # %% [markdown]
@@ -633,7 +728,13 @@ for causal in (False, True):
 # obvious way: one thread per entry of the $K\times(d_v+1)$ state walking
 # the chunks in order (exercise 9.3) makes $n - 1$ additions, each waiting
 # for the one before: a chain of depth $n - 1$, with only $K(d_v+1)$ threads
-# at work. It becomes a log-depth parallel scan, below.
+# at work. What bounds it is not the additions (about 4 cycles each) but
+# memory: every step reads its chunk's state from global memory, several
+# hundred cycles away (Luo et al., "Benchmarking and Dissecting the Nvidia
+# Hopper GPU Architecture", 2024, measure global-memory latencies of that
+# order), and $K(d_v+1)$ threads keep far too few loads in flight to hide
+# that latency or to use the bandwidth (the last cell of the log-depth scan
+# below estimates both). It becomes a log-depth parallel scan, below.
 #
 # The states take $n\cdot K\cdot(d_v+1)$ numbers, against the
 # $N\times K\times d_v$ prefix sums of lesson 3: when $C$ divides $N$, a ratio of
@@ -712,7 +813,7 @@ for shape in ((16, K, d_v, C), (65536, 64, 64, 64)):
 #
 # The pairs of one step are disjoint, so they run in parallel (one thread
 # per pair and state entry); only the steps wait for each other. **Depth**
-# $2\log_2 n'$ steps instead of $n - 1$; **work** $2(n' - 1)$ state
+# $2\log_2 n' = 2\lceil\log_2 n\rceil$ steps instead of $n - 1$; **work** $2(n' - 1)$ state
 # additions instead of $n - 1$, still $O(n)$. And the tree is fixed by $n$
 # alone: which partial sums are added to which does not depend on the data
 # or on how the threads are scheduled, so the bits are those of one fixed
@@ -777,7 +878,7 @@ assert err < 1e-13 and err_out < 1e-13
 # 37 float32 states (padded to 64): depth, work, and one combination order whatever the thread schedule
 P32 = (rng.standard_normal((37, K, d_v + 1)) * 100.0).astype(np.float32)
 S32, steps, additions = blelloch_scan(P32)
-assert steps == 2 * 6 and additions == 2 * (64 - 1)  # 2 log2(n') steps, 2 (n' - 1) additions
+assert steps == 2 * math.ceil(math.log2(37)) == 12 and additions == 2 * (64 - 1)  # 2 ceil(log2 n) steps, 2 (n' - 1) additions
 schedules = [blelloch_scan(P32, thread_order=np.random.default_rng(seed))[0] for seed in range(5)]
 same_bits = all(np.array_equal(S, S32) for S in schedules)
 walk = sequential_scan(P32)
@@ -787,17 +888,37 @@ print(f"{n} float32 states: {steps} steps and {additions} additions (the walk: {
       f"by at most {np.max(np.abs(S32 - walk) / np.maximum(np.abs(walk), 1)):.1e} relative")
 assert same_bits
 
-for n in (1024, 16384):  # N = 65,536 and 1,048,576 tokens in chunks of 64
+for n in (37, 1024, 16384):  # 37 chunks, then N = 65,536 and 1,048,576 tokens in chunks of 64
     size, up, down = blelloch_schedule(n)
     print(f"{n:5d} chunks: the walk {n - 1:5d} dependent steps; Blelloch {len(up) + len(down)} steps, "
           f"{2 * (size - 1)} additions")
-    assert len(up) + len(down) == 2 * int(math.log2(n))
+    assert len(up) + len(down) == 2 * math.ceil(math.log2(n))  # 2 ceil(log2 n): 12 for 37 states, not 2 log2 37 = 10.4
+
+# What bounds the walk on an H200 (an estimate, not a measurement): K (d_v + 1) = 64 x 65 threads, each adding one
+# state entry per step. The adds take about 4 cycles each; the state of every step comes from global memory.
+CLOCK, ADD_CYCLES, LATENCY_CYCLES = 1.7e9, 4, 500  # global-memory latency: the order microbenchmarks measure
+walk_threads = 64 * 65
+for n in (1024, 16384):
+    add_chain = (n - 1) * ADD_CYCLES / CLOCK
+    waiting = (n - 1) * LATENCY_CYCLES / CLOCK  # each step's load waited for in turn
+    # loads issued ahead instead: HBM needs bandwidth x latency bytes in flight, one 4-byte load a thread gives far fewer
+    in_flight = min(1.0, walk_threads * 4 / (4.8e12 * LATENCY_CYCLES / CLOCK))
+    streaming = n * walk_threads * 4 / (4.8e12 * in_flight)
+    print(f"{n:5d} chunks: additions alone {add_chain * 1e6:7.1f} us; each load waited for {waiting * 1e6:7.1f} us; "
+          f"loads in flight cover {in_flight:.1%} of the bandwidth: {streaming * 1e6:7.1f} us")
+    assert min(waiting, streaming) > 50 * add_chain  # memory latency and too little parallelism, not the add chain
 
 # %% [markdown]
-# `gpu.numba_cuda.gma` runs the three steps as kernels on the device, and
-# must agree with the same reference:
+# The plain kernel, `gpu.numba_cuda.plain.causal_scan`, has none of the
+# three steps: thread $(t, e)$ walks the keys $j \le t$ and sums
+# $(\gamma^Q_t\cdot\gamma^K_j)\,[v_j, 1]_e$, the token recurrence read at every
+# $t$ at once ($O(N^2 K)$ work, no chunk). `gpu.numba_cuda.gma` runs the three
+# steps as kernels on the device. Both must agree with the same reference:
 
 # %%
+err_plain = np.max(np.abs(plain.gma(x_q, x_k, vals, mu, var, w, causal=True, chunk_size=C) - ref))
+print(f"gpu.numba_cuda.plain.gma (causal) against refimpl: max abs difference {err_plain:.1e}")
+assert err_plain < 1e-12
 got = nc.gma(x_q, x_k, vals, mu, var, w, causal=True, chunk_size=C)
 err_gpu = np.max(np.abs(got - ref))
 print(f"gpu.numba_cuda.gma (causal) against refimpl: max abs difference {err_gpu:.1e}")
@@ -1136,8 +1257,18 @@ else:
 #   log-sum-exp pairs $(m, s)$ combine exactly.
 # * Tiling reads each number from global memory once per tile instead of
 #   once per thread; a register tile of $r\times c$ results makes each
-#   load from shared memory serve $rc/(r+c)$ FMAs on average, enough from
-#   $4\times 4$ on for the arithmetic, not shared memory, to set the speed.
+#   load from shared memory serve $rc/(r+c)$ FMAs on average: from
+#   $4\times 4$ on enough for a quadratic form's three instructions a term,
+#   but a plain product (one FMA a term) stays bound by shared memory at about
+#   half the FMA peak until $8\times 8$.
+# * A GPU has no arithmetic to spare: computing the quadratic form from the
+#   differences makes the responsibilities kernel issue-bound, several times
+#   its memory time; exactness has that price.
+# * Blocks are independent unless a kernel asks for more: thread-block
+#   clusters share memory on sm_90, and blocks of one grid can signal
+#   through global memory (a fence and an atomic).
+# * Read the plain kernel (one thread per output element) first: it is the
+#   second opinion when a tuned one fails.
 # * The online softmax is exact up to rounding: the rescaling by
 #   $e^{m-m'}$ keeps every partial sum relative to the current maximum, and
 #   a tile entirely masked so far must be skipped, not rescaled by
@@ -1145,7 +1276,9 @@ else:
 #   streams the key tiles through that update.
 # * A sequential scan becomes chunk states, a prefix over chunks, and a
 #   masked product per chunk; the prefix is a log-depth scan (Blelloch:
-#   $2\log_2 n$ steps, $O(n)$ work) in a combination order fixed by $n$.
+#   $2\lceil\log_2 n\rceil$ steps, $O(n)$ work) in a combination order fixed
+#   by $n$. Walked chunk by chunk, the prefix is bound by memory latency and
+#   the few threads that walk it, not by its additions.
 #   The states are $C\,d_v/(d_v+1)$ times smaller than the prefix sums.
 # * Fix the order of every floating-point reduction, and a GPU gives the
 #   same bits on every run with the same launch configuration, device,

@@ -26,7 +26,11 @@ and held to the reference by ``tests/test_conformance.py``:
 
 The device functions several kernels share (the online softmax's running
 pair, ordered block reductions, the tree scan) are written once, in
-``gpu.numba_cuda._primitives``.
+``gpu.numba_cuda._primitives``.  Beside each tuned kernel,
+:mod:`gpu.numba_cuda.plain` has a plain one (one thread per output element,
+no shared memory), bound as a backend of its own: the second opinion of
+``python -m gpu check`` when a tuned kernel's test fails, and what lesson 9
+reads first.
 
 ``gma``, ``gma_forward``/``gma_backward`` and ``softmax_attention`` take
 leading batch and head dimensions ``(..., N, d)``, with one GMM per head

@@ -115,6 +115,36 @@ def _serialise_simulated_shared_arrays() -> None:
 if SIMULATOR:
     _serialise_simulated_shared_arrays()
 
+
+def _load_array_support_under_numpy_2_5() -> bool:
+    """Load Numba-CUDA's NumPy array support where NumPy no longer has ``np.row_stack``; True when it had to help.
+
+    Numba-CUDA (0.30.4 and earlier) registers an overload of
+    ``np.row_stack`` when its typing registries load, at the first kernel
+    compiled; NumPy 2.5 removed that alias of ``np.vstack``, so under NumPy
+    2.5 no kernel compiles (``AttributeError: module 'numpy' has no attribute
+    'row_stack'``; NVIDIA/numba-cuda#907, which Numba-CUDA will not fix).  The
+    module that registers it is imported here once with the alias in place,
+    and the alias removed again: NumPy is left as it was, and the overload
+    (of ``np.vstack``, the same function) is harmless.  Nothing is done in the
+    simulator, under an older NumPy, or where Numba-CUDA no longer asks.
+    """
+    if SIMULATOR or hasattr(np, "row_stack"):
+        return False
+    np.row_stack = np.vstack
+    try:
+        import numba.cuda.np.arrayobj  # noqa: F401  (registers its overloads, np.row_stack's among them)
+    except ImportError:
+        return False
+    finally:
+        del np.row_stack
+    return True
+
+
+#: True when NumPy lacks ``np.row_stack`` and Numba-CUDA's array support was loaded with it in place (the GPU check's
+#: environment stage reports it).
+NUMPY_2_5_SHIM = _load_array_support_under_numpy_2_5()
+
 #: ``{qualified name: (python function, signature builder)}``; the builder maps a float type to the argument types.
 KERNELS: dict = {}
 
