@@ -17,7 +17,7 @@ numba = pytest.importorskip("numba")
 from conformance_backends import DTYPES, mixture  # noqa: E402
 from cpu import gmm as cpu_gmm  # noqa: E402
 from cpu import scan as cpu_scan  # noqa: E402
-from refimpl import scan  # noqa: E402
+from refimpl import gmm, scan  # noqa: E402
 from refimpl.testing import TOL, exact_responsibilities, row_relative_error, spread_means_example  # noqa: E402
 
 
@@ -39,9 +39,12 @@ def test_the_spread_means_are_exact():
     assert row_relative_error(cpu_gmm.responsibilities(x, means, variances, weights), exact) <= 1e-14
 
 
+@pytest.mark.parametrize("path", ["token by token", "chunks and products"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, F, d_v", [(1, 1, 1), (2, 3, 1), (7, 3, 5), (130, 17, 9), (300, 64, 20)])
-def test_the_causal_scan_agrees(n, F, d_v, dtype):
+def test_the_causal_scan_agrees(n, F, d_v, dtype, path, monkeypatch):
+    """Both forms of cpu.scan, whichever the size would pick: one chunk, part of one, and several with a short last one."""
+    monkeypatch.setattr(cpu_scan, "CHUNK_WORK", 1 << 60 if path == "token by token" else -1)
     rng = np.random.default_rng(n)
     phi_q, phi_k = rng.uniform(0, 1, size=(2, n, F)).astype(dtype)
     v = rng.normal(size=(n, d_v)).astype(dtype)
@@ -68,3 +71,25 @@ def test_prefix_contract_is_its_definition():
             js = range(t, 9) if reverse else range(t + 1)
             state = sum(np.outer(b[j], a[j]) for j in js)
             np.testing.assert_allclose(got[t], state @ w[t], rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, K, d", [(1, 1, 1), (5, 3, 2), (257, 16, 9), (600, 7, 33)])
+def test_the_backward_through_the_responsibilities_agrees_both_ways(n, K, d, dtype, monkeypatch):
+    """The loop from the differences and the matrix products around fused kernels, against the reference."""
+    from cpu import gma as cpu_gma
+    from refimpl import gma as ref_gma
+
+    means, variances, weights = (a.astype(dtype) for a in mixture(K, d, seed=n))
+    rng = np.random.default_rng(n)
+    x = rng.normal(size=(n, d)).astype(dtype)
+    gamma = gmm.responsibilities(x, means, variances, weights)
+    grad = rng.normal(size=(n, K)).astype(dtype)
+    want = ref_gma._responsibility_backward(x, gamma, grad, means, variances)
+    for work in (1 << 60, -1):
+        monkeypatch.setattr(cpu_gma, "GEMM_WORK", work)
+        got = cpu_gma.responsibility_backward(x, gamma, grad, means, variances)
+        for g, w in zip(got, want):
+            assert g.dtype == dtype and g.shape == w.shape
+            scale = max(1.0, float(np.max(np.abs(w)))) if w.size else 1.0
+            np.testing.assert_allclose(g, w, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"] * scale)
