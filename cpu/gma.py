@@ -21,8 +21,12 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from refimpl import boundary
+from scipy.special import expit
+
+from refimpl import boundary, numerics
+from refimpl import gma as spec_gma
 from refimpl.gma import GMABatchCache, GMACache, GMAGrads
+from refimpl.scan import FeatureAttentionCache
 
 from . import gmm as cpu_gmm
 from . import scan as cpu_scan
@@ -176,8 +180,148 @@ def responsibility_backward(x, gamma, grad_gamma, means, variances):
     return dx, dmeans, dvariances.astype(x.dtype, copy=False), csum
 
 
-#: GMA with this package's kernels, bound to refimpl's boundary: refimpl's batch rule around them.
-KERNELS = boundary.host_kernels(cpu_gmm.posterior, responsibility_backward, cpu_scan.scan_forward, cpu_scan.scan_backward)
+# ---------------------------------------------------------------------------
+# Batches: every sequence of a head in one kernel call
+# ---------------------------------------------------------------------------
+
+
+def _heads(leading, means):
+    """``[(GMM index, the flat indices of its sequences)]``: head ``h`` owns the sequences whose last leading index
+    is ``h`` (every sequence shares the one GMM when ``means`` is 2-D)."""
+    count = int(np.prod(leading))
+    if means.ndim == 2:
+        return [((), slice(None))]
+    H = leading[-1]
+    return [((h,), slice(h, count, H)) for h in range(H)]
+
+
+def _batched_posteriors(x, means, variances, log_weights, leading):
+    """The responsibilities of every sequence of ``x (S, N, d)``: one kernel call per head (its sequences' rows
+    stacked), ``(gamma (S, N, K), min_quad (S, N))``."""
+    S, N, d = x.shape
+    K = means.shape[-2]
+    gamma = np.empty((S, N, K), dtype=x.dtype)
+    min_quad = np.empty((S, N), dtype=x.dtype)
+    for h, seqs in _heads(leading, means):
+        rows = x[seqs].reshape(-1, d)
+        g, m = cpu_gmm.posterior(rows, means[h], variances[h], log_weights[h])
+        gamma[seqs] = g.reshape(-1, N, K)
+        min_quad[seqs] = m.reshape(-1, N)
+    return gamma, min_quad
+
+
+def _forward_batched(x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size, raw_variances=None, keep=True):
+    """:func:`refimpl.gma.forward_with`'s batch rule with one call per head for the responsibilities and, when
+    bidirectional, batched matrix products for the mixing (``[V, 1]``: the denominators as one more column)."""
+    leading = x_q.shape[:-2]
+    (Nq, d), (Nk, dv) = x_q.shape[-2:], v.shape[-2:]
+    xq, xk, vv = x_q.reshape(-1, Nq, d), x_k.reshape(-1, Nk, d), v.reshape(-1, Nk, dv)
+    S = xq.shape[0]
+    gq, mq = _batched_posteriors(xq, means, variances, log_weights, leading)
+    gk, mk = _batched_posteriors(xk, means, variances, log_weights, leading)
+    if causal:
+        mixed = [cpu_scan.scan_forward(gq[s], gk[s], vv[s], True, eps, chunk_size) for s in range(S)]
+        out = np.stack([m[0] for m in mixed]) if S else np.empty((0, Nq, dv), x_q.dtype)
+        den = np.stack([m[1].den for m in mixed]) if S else np.empty((0, Nq), x_q.dtype)
+    else:
+        v1 = np.ones((S, Nk, dv + 1), dtype=v.dtype)
+        v1[..., :dv] = vv
+        # [num, den - eps] = Gamma_Q (Gamma_K^T [V, 1]), sequence by sequence
+        num = np.matmul(gq, np.matmul(gk.transpose(0, 2, 1), v1))
+        den = num[..., dv] + x_q.dtype.type(eps)
+        with np.errstate(divide="ignore", invalid="ignore"):  # den = 0 only with eps = 0: refused below
+            out = num[..., :dv] / den[..., None]
+    spec_gma.check_gma_results(mq.reshape(-1), mk.reshape(-1), den.reshape(-1), eps)
+    out_shaped = out.reshape(leading + (Nq, dv))
+    if not keep:
+        return out_shaped, None
+    chunk = max(1, min(chunk_size, Nq))
+    caches = []
+    for s, idx in enumerate(np.ndindex(leading)):
+        h = idx[-1:] if means.ndim == 3 else ()
+        mixing = mixed[s][1] if causal else FeatureAttentionCache(gq[s], gk[s], vv[s], out[s], den[s], False, eps, chunk)
+        raw = None if raw_variances is None else raw_variances[h]
+        caches.append(GMACache(xq[s], xk[s], means[h], raw, variances[h], gq[s], gk[s], mixing))
+    return out_shaped, GMABatchCache(leading, means.ndim == 3, tuple(caches))
+
+
+def _backward_batched(grad_out, cache):
+    """:func:`refimpl.gma.backward_with` for a :class:`GMABatchCache`: the mixing's backward batched when
+    bidirectional, the backward through the responsibilities one call per head (its sequences' rows stacked;
+    the GMM gradients of a head summed over all its rows at once)."""
+    leading, caches = cache.leading, cache.caches
+    first = caches[0]
+    g = spec_gma.check_gma_grad_out(grad_out, leading + first.mixing.out.shape, first.gamma_q.dtype)
+    S = len(caches)
+    (Nq, dv), d = first.mixing.out.shape, first.x_q.shape[-1]
+    g = g.reshape(S, Nq, dv)
+    stack = lambda field: np.stack([getattr(c, field) for c in caches])  # noqa: E731
+    gq, gk, xq, xk = stack("gamma_q"), stack("gamma_k"), stack("x_q"), stack("x_k")
+    if first.mixing.causal:
+        grads = [cpu_scan.scan_backward(g[s], c.mixing) for s, c in enumerate(caches)]
+        dgq, dgk, dv_ = (np.stack([getattr(r, f) for r in grads]) for f in ("phi_q", "phi_k", "v"))
+    else:
+        vv = np.stack([c.mixing.v for c in caches])
+        den = np.stack([c.mixing.den for c in caches])
+        out = np.stack([c.mixing.out for c in caches])
+        # out = num / den: gn = g / den, delta = -(g . out) / den; [gn, delta] against [V, 1]
+        g1 = np.empty((S, Nq, dv + 1), dtype=g.dtype)
+        g1[..., :dv] = g / den[..., None]
+        g1[..., dv] = -np.sum(g * out, axis=-1) / den
+        v1 = np.ones((S, vv.shape[1], dv + 1), dtype=vv.dtype)
+        v1[..., :dv] = vv
+        state = np.matmul(gk.transpose(0, 2, 1), v1)  # [S, z] = Gamma_K^T [V, 1]
+        dstate = np.matmul(gq.transpose(0, 2, 1), g1)  # [dS, dz] = Gamma_Q^T [gn, delta]
+        dgq = np.matmul(g1, state.transpose(0, 2, 1))
+        dgk = np.matmul(v1, dstate.transpose(0, 2, 1))
+        dv_ = np.matmul(gk, dstate[..., :dv])
+    per_head = cache.per_head
+    heads = leading[-1:] if per_head else ()
+    dxq, dxk = np.empty_like(xq), np.empty_like(xk)
+    dmeans = np.zeros(heads + first.means.shape, dtype=g.dtype)
+    draw = np.zeros(heads + first.means.shape, dtype=g.dtype)
+    dlogits = np.zeros(heads + first.means.shape[:1], dtype=g.dtype)
+    for h, seqs in _heads(leading, first.means[None] if per_head else first.means):
+        c = caches[seqs][0] if per_head else first
+        rq = responsibility_backward(xq[seqs].reshape(-1, d), gq[seqs].reshape(-1, gq.shape[-1]),
+                                     dgq[seqs].reshape(-1, gq.shape[-1]), c.means, c.variances)
+        rk = responsibility_backward(xk[seqs].reshape(-1, d), gk[seqs].reshape(-1, gk.shape[-1]),
+                                     dgk[seqs].reshape(-1, gk.shape[-1]), c.means, c.variances)
+        dxq[seqs] = rq[0].reshape(-1, Nq, d)
+        dxk[seqs] = rk[0].reshape(-1, xk.shape[1], d)
+        dmeans[h] += rq[1] + rk[1]
+        # sigma2 = softplus(s) + sigma2_min: dsigma2/ds = sigmoid(s)
+        draw[h] += (rq[2] + rk[2]) * expit(c.raw_variances)
+        dlogits[h] += rq[3] + rk[3]
+    return GMAGrads(x_q=dxq.reshape(leading + xq.shape[1:]), x_k=dxk.reshape(leading + xk.shape[1:]),
+                    v=dv_.reshape(leading + dv_.shape[1:]), means=dmeans, raw_variances=draw, logits=dlogits)
+
+
+def _gma_kernel(xp, a, given):
+    args = (a.x_q, a.x_k, a.v, a.means, a.variances, numerics.log_weights(a.weights), a.causal, a.eps, a.chunk_size)
+    if a.x_q.ndim == 2:
+        return _SINGLE["gma"](xp, a, given)
+    return _forward_batched(*args, keep=False)[0]
+
+
+def _gma_forward_kernel(xp, a, given):
+    if a.x_q.ndim == 2:
+        return _SINGLE["gma_forward"](xp, a, given)
+    variances, log_weights = spec_gma.mixture_from_raw(a.raw_variances, a.logits, a.min_variance)
+    args = (a.x_q, a.x_k, a.v, a.means, variances, log_weights, a.causal, a.eps, a.chunk_size)
+    return _forward_batched(*args, raw_variances=a.raw_variances)
+
+
+def _gma_backward_kernel(xp, grad_out, cache):
+    if isinstance(cache, GMABatchCache) and cache.caches:
+        return _backward_batched(grad_out, cache)
+    return _SINGLE["gma_backward"](xp, grad_out, cache)
+
+
+#: The kernels of one sequence: refimpl's batch rule around this package's cores.
+_SINGLE = boundary.host_kernels(cpu_gmm.posterior, responsibility_backward, cpu_scan.scan_forward, cpu_scan.scan_backward)
+#: GMA with this package's kernels, bound to refimpl's boundary; a batch in one call per head (``_forward_batched``).
+KERNELS = {**_SINGLE, "gma": _gma_kernel, "gma_forward": _gma_forward_kernel, "gma_backward": _gma_backward_kernel}
 _public = boundary.bind(backend(KERNELS), ["gma", "gma_forward", "gma_backward"], module=__name__)
 gma = _public.gma
 gma_forward = _public.gma_forward

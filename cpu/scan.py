@@ -47,7 +47,7 @@ from numba import njit, prange
 from refimpl import scan as ref_scan
 from refimpl.scan import FeatureAttentionCache, FeatureAttentionGrads
 
-from ._jit import SERIAL_WORK, pick, single_threaded_blas, threaded_and_serial
+from ._jit import pick, single_threaded_blas, threaded_and_serial
 
 __all__ = ["prefix_contract", "chunked_forward", "chunked_backward", "scan_forward", "scan_backward"]
 
