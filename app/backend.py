@@ -2,8 +2,9 @@
 
 * ``"numpy"``: :mod:`refimpl.tuned` for GMA, :mod:`refimpl.attention` and
   :mod:`refimpl.ovq` for the other mixers, one sequence and head at a time;
-* ``"numba"``: the fused kernels of :mod:`cpu` (every sequence and head of a
-  batch in one call where the kernel takes leading dimensions).
+* ``"numba"``: for each mixer the faster of :mod:`cpu`'s kernels and
+  NumPy's at the sizes the application runs (:data:`FASTEST`), every
+  sequence and head of a batch in one call.
 
 Both give the same results to rounding (``tests/test_backend.py``).  The
 choice, in order: :func:`use`, else the environment variable
@@ -19,12 +20,21 @@ import importlib.util
 import os
 from typing import NamedTuple
 
+import numpy as np
+
 __all__ = ["BACKENDS", "ENV", "Kernels", "available", "current", "check_backend", "kernels", "use"]
 
 BACKENDS = ("numpy", "numba")
 ENV = "REFIMPL_BACKEND"
 
 _chosen: list[str | None] = [None]
+
+#: The implementation the ``"numba"`` backend takes for each mixer's functions, ``"cpu"`` (:mod:`cpu`) or ``"numpy"``:
+#: the faster in one ListOps training step at the defaults (batch 32, 41 tokens, d_model 32, 2 heads), each variant
+#: in its own process (``python benchmarks/bench_cpu.py --sections training``; ``docs/training.md``).  At these sizes
+#: cpu's softmax and linear attention lose to NumPy's (an online softmax and a token-by-token scan over 41 tokens
+#: cost more than the dense 41 x 41 products); GMA and OVQ win.
+FASTEST = {"gma": "cpu", "softmax": "numpy", "linear": "numpy", "ovq": "cpu"}
 
 
 class Kernels(NamedTuple):
@@ -75,21 +85,51 @@ def current() -> str:
     return "numba" if available() else "numpy"
 
 
+class PerSequenceCache(NamedTuple):
+    """The caches of a 2-D function called once per sequence of a batch (:func:`per_sequence`)."""
+
+    leading: tuple
+    caches: tuple
+
+
+def per_sequence(forward, backward):
+    """A 2-D ``forward(q, k, v, **options) -> (out, cache)`` and its ``backward(grad, cache) -> grads`` as
+    functions of ``(..., N, d)`` batches, one sequence at a time (what the model would loop over otherwise)."""
+
+    def batched_forward(q, k, v, **options):
+        leading = q.shape[:-2]
+        results = [forward(q[i], k[i], v[i], **options) for i in np.ndindex(leading)]
+        out = np.stack([r[0] for r in results]).reshape(leading + results[0][0].shape)
+        return out, PerSequenceCache(leading, tuple(r[1] for r in results))
+
+    def batched_backward(grad_out, cache):
+        grads = [backward(grad_out[i], c) for i, c in zip(np.ndindex(cache.leading), cache.caches)]
+        first = grads[0]
+        return type(first)(*(np.stack([g[f] for g in grads]).reshape(cache.leading + first[f].shape) for f in range(len(first))))
+
+    return batched_forward, batched_backward
+
+
 def kernels(name=None) -> Kernels:
     """The functions of backend ``name`` (:func:`current` by default)."""
     name = current() if name is None else check_backend(name)
+    from refimpl import attention as ra, ovq as ro, tuned
+
     if name == "numba":
-        from cpu import attention as a, gma as g, ovq as o
+        from cpu import attention as ca, gma as cg, ovq as co
 
-        return Kernels(
-            name, g.gma, g.gma_forward, g.gma_backward, a.softmax_attention_forward, a.softmax_attention_backward,
-            a.linear_attention_forward, a.linear_attention_backward, o.ovq_attention, o.ovq_attention_forward,
-            o.ovq_attention_backward, o.vq_attention, True,
-        )
-    from refimpl import attention as a, ovq as o, tuned as g
-
+        fast = {m: FASTEST[m] == "cpu" for m in FASTEST}
+        g = cg if fast["gma"] else tuned
+        softmax = (ca.softmax_attention_forward, ca.softmax_attention_backward) if fast["softmax"] else per_sequence(
+            ra.softmax_attention_forward, ra.softmax_attention_backward)
+        linear = (ca.linear_attention_forward, ca.linear_attention_backward) if fast["linear"] else per_sequence(
+            ra.linear_attention_forward, ra.linear_attention_backward)
+        ovq = (co.ovq_attention, co.ovq_attention_forward, co.ovq_attention_backward, co.vq_attention)
+        if not fast["ovq"]:
+            ovq = (ro.ovq_attention, *per_sequence(ro.ovq_attention_forward, ro.ovq_attention_backward), ro.vq_attention)
+        return Kernels(name, g.gma, g.gma_forward, g.gma_backward, *softmax, *linear, *ovq, True)
     return Kernels(
-        name, g.gma, g.gma_forward, g.gma_backward, a.softmax_attention_forward, a.softmax_attention_backward,
-        a.linear_attention_forward, a.linear_attention_backward, o.ovq_attention, o.ovq_attention_forward,
-        o.ovq_attention_backward, o.vq_attention, False,
+        name, tuned.gma, tuned.gma_forward, tuned.gma_backward, ra.softmax_attention_forward, ra.softmax_attention_backward,
+        ra.linear_attention_forward, ra.linear_attention_backward, ro.ovq_attention, ro.ovq_attention_forward,
+        ro.ovq_attention_backward, ro.vq_attention, False,
     )

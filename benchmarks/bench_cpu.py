@@ -559,24 +559,37 @@ def bench_ovq(args):
 
 
 def training_variants(quick):
+    """Per mixer: NumPy, the ``numba`` backend (per function the faster, :data:`app.backend.FASTEST`), and, where that
+    takes NumPy's functions, cpu's kernels all the same (the measurement behind the choice)."""
     from app import backend, model, train
 
     out = {}
     for mixer in model.MIXERS:
-        for name in backend.BACKENDS if numba is not None else ("numpy",):
-            def make(mixer=mixer, name=name):
+        names = [("numpy", "numpy", None)]
+        if numba is not None:
+            names.append(("numba", "numba", None))
+            if backend.FASTEST[mixer] != "cpu":
+                names.append(("numba, cpu kernels", "numba", "cpu"))
+        for label, name, force in names:
+            def make(mixer=mixer, name=name, force=force):
                 config = train.quick_config() if quick else train.TrainConfig(n_train=256, n_val=16, n_test=16)
                 splits = train.load_data(config)
                 tokens, targets = (a[: config.batch_size] for a in splits["train"])
                 mcfg = train.model_config(config._replace(mixer=mixer))
                 params = model.init_params(mcfg, 0)
+                fastest = dict(backend.FASTEST, **({mixer: force} if force else {}))
 
                 def step():
                     backend.use(name)
-                    model.loss_and_grads(params, tokens, targets, mcfg)
+                    saved = dict(backend.FASTEST)
+                    backend.FASTEST.update(fastest)
+                    try:
+                        model.loss_and_grads(params, tokens, targets, mcfg)
+                    finally:
+                        backend.FASTEST.update(saved)
                 return step
 
-            out[f"{mixer} {name}"] = make
+            out[f"{mixer} {label}"] = make
     return out
 
 
@@ -591,6 +604,9 @@ def bench_training(args):
         for mixer, target in zip(model.MIXERS, (2.0, None, None, 3.0)):
             shown = f"(target >= {target})" if target else ""
             ratio_line(f"{mixer} numpy / numba:", t.ratio(mixer + " numpy", mixer + " numba"), shown)
+            if f"{mixer} numba, cpu kernels" in t.best:
+                ratio_line(f"{mixer} numpy / cpu kernels:", t.ratio(mixer + " numpy", mixer + " numba, cpu kernels"),
+                           "(below 1: the numba backend takes NumPy's)")
     return t
 
 

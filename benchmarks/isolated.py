@@ -42,29 +42,27 @@ import resource
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 __all__ = ["Command", "Timings", "child_main", "machine", "run_variants", "time_calls"]
 
 
-@dataclass
-class Command:
+class Command(NamedTuple):
     """A variant run by its own command line (another interpreter, a peer's environment); it prints :func:`time_calls`'s JSON line."""
 
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
+    argv: list
+    env: dict = {}
 
 
-@dataclass
-class Timings:
-    """Per variant: each process's best call (s), and all the calls."""
+class Timings(NamedTuple):
+    """Per variant: each process's best call (s), all its calls, and the (user, system) CPU seconds of its timed calls."""
 
-    best: dict[str, list[float]]
-    calls: dict[str, list[list[float]]]
-    cpu: dict[str, list[tuple[float, float]]]  # (user, system) seconds of each process's timed calls
+    best: dict
+    calls: dict
+    cpu: dict
 
     def time(self, name):
         """The median over the processes of their best call."""
