@@ -123,14 +123,28 @@ def _lower(block):
 
 @njit(inline="always")
 def _running_sums(states, reverse):
-    """Replace ``states[c]`` by the sum of the states before it (after it when ``reverse``), added in chunk order."""
-    m = states.shape[0]
-    run = np.zeros_like(states[0])
+    """Replace ``states[c]`` by the sum of the states before it (after it when ``reverse``), added in chunk order.
+
+    Written as loops: in a ``parallel=True`` kernel an array expression outside ``prange`` becomes a parallel
+    region of its own, one per chunk here.
+    """
+    m, F, w = states.shape
+    run = np.zeros((F, w), states.dtype)
     for step in range(m):
         c = m - 1 - step if reverse else step
-        here = states[c].copy()
-        states[c] = run
-        run += here
+        for i in range(F):
+            for j in range(w):
+                here = states[c, i, j]
+                states[c, i, j] = run[i, j]
+                run[i, j] += here
+
+
+@njit(inline="always")
+def _sum_into(out, a, b):
+    """``out = a + b`` by loops (no array expression: see :func:`_running_sums`)."""
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            out[i, j] = a[i, j] + b[i, j]
 
 
 def _chunked_forward(Q, K, V1, num):
@@ -147,7 +161,7 @@ def _chunked_forward(Q, K, V1, num):
         # [num, den - eps]_c = Phi_Q,c [S, z]_before + tril(Phi_Q,c Phi_K,c^T) [V_c, 1]
         block = np.dot(Q[a:b], K[a:b].T)
         _lower(block)
-        num[a:b] = np.dot(Q[a:b], S[c]) + np.dot(block, V1[a:b])
+        _sum_into(num[a:b], np.dot(Q[a:b], S[c]), np.dot(block, V1[a:b]))
 
 
 def _chunked_backward(Q, K, V, V1, Gn, G1, dq, dk, dv):
@@ -171,9 +185,9 @@ def _chunked_backward(Q, K, V, V1, Gn, G1, dq, dk, dv):
         _lower(B)
         R = np.ascontiguousarray(after[c][:, : w - 1])
         # dphi_q_t = [S, z]_t g1_t (prefix sums), dphi_k_t = [R, r]_t [v_t, 1], dv_t = R_t^T phi_k_t (suffix sums)
-        dq[a:b] = np.dot(G1[a:b], before[c].T) + np.dot(M, K[a:b])
-        dk[a:b] = np.dot(V1[a:b], after[c].T) + np.dot(M.T, Q[a:b])
-        dv[a:b] = np.dot(K[a:b], R) + np.dot(B.T, Gn[a:b])
+        _sum_into(dq[a:b], np.dot(G1[a:b], before[c].T), np.dot(M, K[a:b]))
+        _sum_into(dk[a:b], np.dot(V1[a:b], after[c].T), np.dot(M.T, Q[a:b]))
+        _sum_into(dv[a:b], np.dot(K[a:b], R), np.dot(B.T, Gn[a:b]))
 
 
 _CHUNKED_FORWARD = threaded_and_serial(_chunked_forward, **FAST)
