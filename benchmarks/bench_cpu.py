@@ -11,9 +11,9 @@ How it measures (:mod:`isolated`): every variant (a backend's function at
 one dtype, a GEMM floor, a peer) runs in its own fresh Python process, which
 makes one untimed call and then times ``--calls`` calls; each variant gets
 ``--processes`` processes, started in turns with the other variants of its
-section (the order reversed every other round).  A time is the median over
-the processes of each one's best call, with the range of those bests; a
-ratio is of medians; nothing is asserted.  ``--same-process`` runs a section
+section (the order reversed every other round).  A time is the best call
+over all its processes, printed with the range of the processes' bests; a
+ratio is of best times; nothing is asserted.  ``--same-process`` runs a section
 the old way, every variant in this process, one call of each per round, to
 show what sharing a process does (``docs/performance_gmm.md``).
 
@@ -638,7 +638,7 @@ def main(argv=None):
         return child_main(SECTIONS[section][0](args.quick), name, args.calls)
     args.same_process = args.same_process or args.quick
     how = ("every variant in this one process, one call of each per round (not a measurement)" if args.same_process else
-           f"every variant in its own process: {args.processes} processes x {args.calls} timed calls, median of the bests")
+           f"every variant in its own process: {args.processes} processes x {args.calls} timed calls, the best of all")
     print(f"machine: {machine()}")
     print(time.strftime("date: %Y-%m-%d %H:%M"))
     print(f"how: {how}")

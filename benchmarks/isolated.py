@@ -20,9 +20,11 @@ so that no variant always follows the same one), a fresh Python process that
 builds the variant's inputs, makes one untimed call (first-touch page faults,
 compilation or loading of cached kernels, thread-pool start-up), then times
 ``calls`` calls and prints their wall-clock times, and its user and system
-CPU times, as one JSON line.  A variant's time is the median over its
-processes of each process's best call; the spread is the range of those
-bests.  Ratios are of medians.
+CPU times, as one JSON line.  A variant's time is its best call over all its
+processes (on a shared machine other work only ever adds time, so the best
+is the least disturbed estimate); the spread printed beside it is the range
+of the processes' bests, and says how far the processes agree.  Ratios are
+of best times.
 
 A variant is a name and a zero-argument function returning the callable to
 time, in a module the child imports by path (``--child``); the peer in
@@ -65,8 +67,8 @@ class Timings(NamedTuple):
     cpu: dict
 
     def time(self, name):
-        """The median over the processes of their best call."""
-        return float(np.median(self.best[name]))
+        """The best call over all the processes."""
+        return float(min(self.best[name]))
 
     def spread(self, name):
         return min(self.best[name]), max(self.best[name])

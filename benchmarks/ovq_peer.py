@@ -58,10 +58,10 @@ def load(clone):
     stand_in("model.rwkv7_backbone", StatesDictCache=object, apply_rotary_embeddings=None)
     stand_in("model.value_residual_mixin", ValueResidualMixin=_Mixin)
     path = Path(clone) / "model" / "ovq_mixer.py"
-    spec = importlib.util.spec_from_file_location("model.ovq_mixer", path)
-    module = importlib.util.module_from_spec(spec)
+    found = importlib.util.spec_from_file_location("model.ovq_mixer", path)
+    module = importlib.util.module_from_spec(found)
     sys.modules["model.ovq_mixer"] = module
-    spec.loader.exec_module(module)
+    found.loader.exec_module(module)
     return module
 
 

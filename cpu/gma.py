@@ -2,18 +2,26 @@
 
 The same arguments, results (:class:`refimpl.gma.GMACache`,
 :class:`~refimpl.gma.GMABatchCache`, :class:`~refimpl.gma.GMAGrads`) and
-errors as :mod:`refimpl.gma`, whose batch rule (:func:`refimpl.gma.forward_with`,
-:func:`~refimpl.gma.backward_with`) runs here with three kernels in place of
-NumPy's passes:
+errors as :mod:`refimpl.gma`, computed by kernels where a fused loop wins and
+by matrix products called from the driver where BLAS wins:
 
 * the responsibilities, one fused pass over ``N x K`` (:mod:`cpu.gmm`);
-* the causal scan and its two sweeps (:mod:`cpu.scan`; the bidirectional
-  form is two matrix products, as in the reference);
+* the mixing: bidirectional, two matrix products (write, then read) with
+  ``[V, 1]`` carrying the denominators; causal, :mod:`cpu.scan` (chunks and
+  products for long sequences, token by token for short ones);
 * the backward through the responsibilities (:func:`responsibility_backward`):
-  ``prange`` over blocks of :data:`BLOCK` rows, each thread writing the
-  ``dx`` of its rows and its block's partial sums of the parameter
-  gradients; the partials are then added in block order, so the result does
-  not depend on the number of threads.
+  one kernel from the differences for small work, the sums as two matrix
+  products on centred data for large work, with the softmax backward and
+  ``dx`` fused in kernels around them; partial sums over fixed blocks of
+  :data:`BLOCK` rows, added in block order, so the result does not depend on
+  the number of threads.
+
+A batch (leading dimensions, what the model's multi-head layer passes)
+runs as :func:`refimpl.gma.forward_with`'s batch rule says, but with one
+kernel call per head for the responsibilities (the rows of all the head's
+sequences stacked), the bidirectional mixing as batched matrix products, and
+the backward through the responsibilities one call per head: the per-sequence
+Python calls were most of a training step's time.
 """
 
 from __future__ import annotations
