@@ -134,10 +134,13 @@ def _pow2(kf):
 
 
 @njit(inline="always")
-def _reduce(x):
-    """``(k, r)`` with ``x = k ln 2 + r``, ``k`` an integer-valued float64 and ``|r| <= ln(2) / 2`` (Cody-Waite)."""
-    kf = (x * LOG2E + SHIFT) - SHIFT
-    r = _fma(-kf, LN2_HI, x)
+def _reduce(x, low, high):
+    """``(k, r)`` with ``x``, clamped to ``[low, high]``, equal to ``k ln 2 + r``: ``k`` an integer-valued float64
+    and ``|r| <= ln(2) / 2`` (Cody-Waite)."""
+    xc = x if x > low else low
+    xc = xc if xc < high else high
+    kf = (xc * LOG2E + SHIFT) - SHIFT
+    r = _fma(-kf, LN2_HI, xc)
     r = _fma(-kf, LN2_LO, r)
     return kf, r
 
@@ -145,9 +148,7 @@ def _reduce(x):
 @njit
 def _exp64(x):
     # exp(x) = inf above ~709.78, 0 below ~-745.13: the clamp changes nothing but keeps k within [-1077, 1025]
-    xc = x if x > CLAMP_LOW else CLAMP_LOW
-    xc = xc if xc < CLAMP_HIGH else CLAMP_HIGH
-    kf, r = _reduce(xc)
+    kf, r = _reduce(x, CLAMP_LOW, CLAMP_HIGH)
     # e^r = sum_n r^n / n!, Horner's rule
     p = COEFFICIENTS[0]
     for c in COEFFICIENTS[1:]:
@@ -155,17 +156,14 @@ def _exp64(x):
     # e^x = e^r 2^k, 2^k = 2^k1 2^k2 (k1 = k / 2 rounded): both factors normal, one rounding in the last product
     k1 = (kf * 0.5 + SHIFT) - SHIFT
     y = (p * _pow2(k1)) * _pow2(kf - k1)
-    # NaN in, NaN out (the clamp above turned it into a number)
+    # NaN in, NaN out (the clamp turned it into a number)
     return y if x == x else x
 
 
 @njit
 def _exp32(x):
     # computed in float64 and rounded once: the correctly rounded float32 exp but within 2e-10 of a boundary
-    xd = np.float64(x)
-    xc = xd if xd > CLAMP_LOW_32 else CLAMP_LOW_32
-    xc = xc if xc < CLAMP_HIGH_32 else CLAMP_HIGH_32
-    kf, r = _reduce(xc)
+    kf, r = _reduce(np.float64(x), CLAMP_LOW_32, CLAMP_HIGH_32)
     p = COEFFICIENTS_32[0]
     for c in COEFFICIENTS_32[1:]:
         p = _fma(p, r, c)
