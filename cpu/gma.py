@@ -118,24 +118,35 @@ _DX = threaded_and_serial(_dx_kernel, **FAST)
 
 
 def _backward_by_products(x, gamma, grad_gamma, means, variances):
-    """The sums of :func:`responsibility_backward` as two matrix products on centred data, the rest fused."""
+    """The sums of :func:`responsibility_backward` as two matrix products on centred data, the rest fused.
+
+    In blocks of rows whose work arrays fit the cache (:func:`refimpl.numerics.block_rows`, reused from block
+    to block): on whole arrays the fresh ``N x 2 d_r`` temporaries cost more in page faults and cache misses
+    than the products themselves.
+    """
     n, d = x.shape
+    K = means.shape[0]
     dtype = x.dtype
-    blocks = (n + BLOCK - 1) // BLOCK
     # x - mu is invariant under the common shift by the centre of the means
     centre = means.mean(axis=0)
     mc = means - centre
     prec = 1.0 / variances
-    c = np.empty_like(gamma)
-    xx = np.empty((n, 2 * d), dtype=dtype)
-    part_c = np.zeros((blocks, means.shape[0]), dtype=dtype)
-    work = gamma.size * d
-    pick(_SOFTMAX_BACKWARD, work)(x, centre, gamma, grad_gamma, c, xx, part_c)
-    # the products: [c^T xc, c^T xc^2] (K, 2 d_r) and [c (mc p), c p] (N, 2 d_r)
-    sums = c.T @ xx
-    prod = c @ np.concatenate([mc * prec, prec], axis=1)
+    weights = np.concatenate([mc * prec, prec], axis=1)  # [mc p, p] (K, 2 d_r)
+    rows = max(BLOCK, numerics.block_rows((2 * K + 6 * d) * dtype.itemsize) // BLOCK * BLOCK)
+    c = np.empty((rows, K), dtype=dtype)
+    xx = np.empty((rows, 2 * d), dtype=dtype)
+    prod = np.empty((rows, 2 * d), dtype=dtype)
+    part_c = np.zeros(((n + BLOCK - 1) // BLOCK, K), dtype=dtype)
+    sums = np.zeros((K, 2 * d), dtype=dtype)
     dx = np.empty_like(x)
-    pick(_DX, work)(xx, prod, dx)
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        m = b - a
+        pick(_SOFTMAX_BACKWARD, m * K * d)(x[a:b], centre, gamma[a:b], grad_gamma[a:b], c[:m], xx[:m], part_c[a // BLOCK :])
+        # the products: [c^T xc, c^T xc^2] (K, 2 d_r), summed block by block, and [c (mc p), c p] (rows, 2 d_r)
+        sums += c[:m].T @ xx[:m]
+        np.matmul(c[:m], weights, out=prod[:m])
+        pick(_DX, m * K * d)(xx[:m], prod[:m], dx[a:b])
     csum = part_c.sum(axis=0)  # the partial sums added in block order
     ctx, ctx2 = sums[:, :d], sums[:, d:]
     # dL/dmu_m = sum_i c_im (x_i - mu_m) / sigma_m^2

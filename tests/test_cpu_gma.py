@@ -74,7 +74,7 @@ def test_prefix_contract_is_its_definition():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n, K, d", [(1, 1, 1), (5, 3, 2), (257, 16, 9), (600, 7, 33)])
+@pytest.mark.parametrize("n, K, d", [(1, 1, 1), (5, 3, 2), (257, 16, 9), (600, 7, 33), (6000, 16, 9)])
 def test_the_backward_through_the_responsibilities_agrees_both_ways(n, K, d, dtype, monkeypatch):
     """The loop from the differences and the matrix products around fused kernels, against the reference."""
     from cpu import gma as cpu_gma
