@@ -31,10 +31,10 @@ _chosen: list[str | None] = [None]
 
 #: The implementation the ``"numba"`` backend takes for each mixer's functions, ``"cpu"`` (:mod:`cpu`) or ``"numpy"``:
 #: the faster in one ListOps training step at the defaults (batch 32, 41 tokens, d_model 32, 2 heads), each variant
-#: in its own process (``python benchmarks/bench_cpu.py --sections training``; ``docs/training.md``).  At these sizes
-#: cpu's softmax and linear attention lose to NumPy's (an online softmax and a token-by-token scan over 41 tokens
-#: cost more than the dense 41 x 41 products); GMA and OVQ win.
-FASTEST = {"gma": "cpu", "softmax": "numpy", "linear": "numpy", "ovq": "cpu"}
+#: in its own process (``python benchmarks/bench_cpu.py --sections training``, which also times cpu's kernels for a
+#: mixer set to ``"numpy"`` here).  On 2026-12-05, 2 cores: GMA 9.4 ms with cpu against 25.9 ms with NumPy, softmax
+#: 11.7 against 15.5, linear 15.1 against 16.5, OVQ 13.4 against 58.3: cpu for every mixer.
+FASTEST = {"gma": "cpu", "softmax": "cpu", "linear": "cpu", "ovq": "cpu"}
 
 
 class Kernels(NamedTuple):
