@@ -142,11 +142,12 @@ def _backward_by_products(x, gamma, grad_gamma, means, variances):
     for a in range(0, n, rows):
         b = min(n, a + rows)
         m = b - a
-        pick(_SOFTMAX_BACKWARD, m * K * d)(x[a:b], centre, gamma[a:b], grad_gamma[a:b], c[:m], xx[:m], part_c[a // BLOCK :])
+        # the fused kernels in this thread: Numba's pool woken between BLAS calls fights BLAS's spinning threads
+        _SOFTMAX_BACKWARD[1](x[a:b], centre, gamma[a:b], grad_gamma[a:b], c[:m], xx[:m], part_c[a // BLOCK :])
         # the products: [c^T xc, c^T xc^2] (K, 2 d_r), summed block by block, and [c (mc p), c p] (rows, 2 d_r)
         sums += c[:m].T @ xx[:m]
         np.matmul(c[:m], weights, out=prod[:m])
-        pick(_DX, m * K * d)(xx[:m], prod[:m], dx[a:b])
+        _DX[1](xx[:m], prod[:m], dx[a:b])
     csum = part_c.sum(axis=0)  # the partial sums added in block order
     ctx, ctx2 = sums[:, :d], sums[:, d:]
     # dL/dmu_m = sum_i c_im (x_i - mu_m) / sigma_m^2
