@@ -2,7 +2,8 @@
 
 * ``"numpy"``: :mod:`refimpl.tuned` for GMA, :mod:`refimpl.attention` and
   :mod:`refimpl.ovq` for the other mixers;
-* ``"numba"``: the fused kernels of :mod:`cpu`.
+* ``"numba"``: for each mixer the faster of :mod:`cpu`'s kernels and
+  NumPy's at the sizes the application runs (:data:`FASTEST`).
 
 Both take every sequence and head of a batch in one call (leading
 dimensions).
@@ -27,6 +28,13 @@ BACKENDS = ("numpy", "numba")
 ENV = "REFIMPL_BACKEND"
 
 _chosen: list[str | None] = [None]
+
+#: The implementation the ``"numba"`` backend takes for each mixer's functions, ``"cpu"`` (:mod:`cpu`) or ``"numpy"``:
+#: the faster in one ListOps training step at the defaults (batch 32, 41 tokens, d_model 32, 2 heads), each variant
+#: in its own process (``python benchmarks/bench_cpu.py --sections training``, which also times cpu's kernels for a
+#: mixer set to ``"numpy"`` here).  On 2026-12-05, 2 cores: GMA 9.4 ms with cpu against 25.9 ms with NumPy, softmax
+#: 11.7 against 15.5, linear 15.1 against 16.5, OVQ 13.4 against 58.3: cpu for every mixer.
+FASTEST = {"gma": "cpu", "softmax": "cpu", "linear": "cpu", "ovq": "cpu"}
 
 
 class Kernels(NamedTuple):
@@ -76,21 +84,25 @@ def current() -> str:
     return "numba" if available() else "numpy"
 
 
+def _mixers(gma, attention, ovq) -> dict:
+    """The functions of each mixer, from a GMA module and an attention and an OVQ module of one implementation."""
+    return {
+        "gma": (gma.gma, gma.gma_forward, gma.gma_backward),
+        "softmax": (attention.softmax_attention_forward, attention.softmax_attention_backward),
+        "linear": (attention.linear_attention_forward, attention.linear_attention_backward),
+        "ovq": (ovq.ovq_attention, ovq.ovq_attention_forward, ovq.ovq_attention_backward, ovq.vq_attention),
+    }
+
+
 def kernels(name=None) -> Kernels:
     """The functions of backend ``name`` (:func:`current` by default)."""
     name = current() if name is None else check_backend(name)
+    from refimpl import attention, ovq, tuned
+
+    chosen = _mixers(tuned, attention, ovq)
     if name == "numba":
-        from cpu import attention as a, gma as g, ovq as o
+        from cpu import attention as cpu_attention, gma as cpu_gma, ovq as cpu_ovq
 
-        return Kernels(
-            name, g.gma, g.gma_forward, g.gma_backward, a.softmax_attention_forward, a.softmax_attention_backward,
-            a.linear_attention_forward, a.linear_attention_backward, o.ovq_attention, o.ovq_attention_forward,
-            o.ovq_attention_backward, o.vq_attention,
-        )
-    from refimpl import attention as a, ovq as o, tuned as g
-
-    return Kernels(
-        name, g.gma, g.gma_forward, g.gma_backward, a.softmax_attention_forward, a.softmax_attention_backward,
-        a.linear_attention_forward, a.linear_attention_backward, o.ovq_attention, o.ovq_attention_forward,
-        o.ovq_attention_backward, o.vq_attention,
-    )
+        fast = _mixers(cpu_gma, cpu_attention, cpu_ovq)
+        chosen = {mixer: fast[mixer] if FASTEST[mixer] == "cpu" else functions for mixer, functions in chosen.items()}
+    return Kernels(name, *chosen["gma"], *chosen["softmax"], *chosen["linear"], *chosen["ovq"])

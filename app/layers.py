@@ -54,6 +54,7 @@ from typing import NamedTuple
 import numpy as np
 
 from refimpl import gmm, validation
+from refimpl.gma import GMABatchCache
 from . import backend
 from refimpl.scan import DEFAULT_CHUNK_SIZE
 
@@ -248,26 +249,20 @@ def multihead_gma_forward(
     xq = (x @ params.W_q).reshape(B, N, H, d_r)
     xk = (x @ params.W_k).reshape(B, N, H, d_r)
     vv = (x @ params.W_v).reshape(B, N, H, d_v)
-    heads = np.empty((B, N, H, d_v), dtype=dtype)
-    caches = []
     gma_forward = backend.kernels().gma_forward  # refimpl.tuned or cpu.gma (app.backend)
-    for b in range(B):
-        row = []
-        for h in range(H):
-            heads[b, :, h], c = gma_forward(
-                xq[b, :, h],
-                xk[b, :, h],
-                vv[b, :, h],
-                params.means[h],
-                params.raw_variances[h],
-                params.logits[h],
-                causal=causal,
-                eps=eps,
-                min_variance=min_variance,
-                chunk_size=chunk_size,
-            )
-            row.append(c)
-        caches.append(tuple(row))
+    # every (sequence, head) in one call, (B, H, N, d), head h with its own GMM: the batch rule of refimpl.gma
+    out, batch = gma_forward(
+        *(np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (xq, xk, vv)),
+        params.means,
+        params.raw_variances,
+        params.logits,
+        causal=causal,
+        eps=eps,
+        min_variance=min_variance,
+        chunk_size=chunk_size,
+    )
+    heads = out.transpose(0, 2, 1, 3)
+    caches = [batch.caches[b * H : (b + 1) * H] for b in range(B)]
     heads = heads.reshape(B, N, H * d_v)
     return heads @ params.W_o, MultiheadGMACache(x, params, heads, tuple(caches))
 
@@ -299,24 +294,13 @@ def multihead_gma_backward(grad_out, cache) -> MultiheadGMAGrads:
     # Y = O W_o: dW_o = sum_b O_b^T G_b, dO = G W_o^T
     dW_o = heads.reshape(B * N, H * d_v).T @ g.reshape(B * N, d_model)
     dheads = (g @ p.W_o.T).reshape(B, N, H, d_v)
-    dxq = np.empty((B, N, H, d_r), dtype=x.dtype)
-    dxk = np.empty((B, N, H, d_r), dtype=x.dtype)
-    dvv = np.empty((B, N, H, d_v), dtype=x.dtype)
-    dmeans = np.zeros_like(p.means)
-    draw = np.zeros_like(p.raw_variances)
-    dlogits = np.zeros_like(p.logits)
     gma_backward = backend.kernels().gma_backward
-    for b in range(B):
-        for h in range(H):
-            gr = gma_backward(dheads[b, :, h], cache.gma[b][h])
-            dxq[b, :, h], dxk[b, :, h], dvv[b, :, h] = gr.x_q, gr.x_k, gr.v
-            # the GMM of head h is shared by every sequence of the batch: sum over b
-            dmeans[h] += gr.means
-            draw[h] += gr.raw_variances
-            dlogits[h] += gr.logits
-    dxq = dxq.reshape(B * N, H * d_r)
-    dxk = dxk.reshape(B * N, H * d_r)
-    dvv = dvv.reshape(B * N, H * d_v)
+    # one call for every (sequence, head); the GMM gradients of head h are summed over the sequences in order
+    batch = GMABatchCache((B, H), True, tuple(c for row in cache.gma for c in row))
+    gr = gma_backward(np.ascontiguousarray(dheads.transpose(0, 2, 1, 3)), batch)
+    dxq, dxk, dvv = (a.transpose(0, 2, 1, 3) for a in (gr.x_q, gr.x_k, gr.v))
+    dmeans, draw, dlogits = gr.means, gr.raw_variances, gr.logits
+    dxq, dxk, dvv = (a.reshape(B * N, -1) for a in (dxq, dxk, dvv))
     xf = x.reshape(B * N, d_model)
     # X_Q = X W_q: dW_q = X^T dX_Q and dX = dX_Q W_q^T (likewise for k and v)
     dx = dxq @ p.W_q.T + dxk @ p.W_k.T + dvv @ p.W_v.T

@@ -1,56 +1,61 @@
-"""CPU speed against the floor of each operation's own matrix products, in one run.
+"""CPU speed against the floor of each operation's own matrix products, every variant in its own process.
 
 Usage::
 
-    python benchmarks/bench_cpu.py            # the sizes of docs/performance_gma.md (about a minute)
-    python benchmarks/bench_cpu.py --quick    # small sizes, a few seconds
+    python benchmarks/bench_cpu.py            # the sizes of docs/performance_gma.md (about 15 minutes)
+    python benchmarks/bench_cpu.py --quick    # small sizes, all in one process: a smoke test, not a measurement
+    python benchmarks/bench_cpu.py --sections responsibilities gma
+    python benchmarks/bench_cpu.py --sections ovq --ovq-peer DIR --peer-python PY   # with the PyTorch peer
 
-What is measured (wall clock over ``--repeats`` rounds, one call of every
-variant of a section per round, so that the load of a shared machine falls
-on all alike; a time is the best of the rounds, a ratio is of best times,
-except the price of the exactness screen, a few percent of one call, which is
-the median over the rounds of the ratio of two calls made back to back):
+How it measures (:mod:`isolated`): every variant (a backend's function at
+one dtype, a GEMM floor, a peer) runs in its own fresh Python process, which
+makes one untimed call and then times ``--calls`` calls; each variant gets
+``--processes`` processes, started in turns with the other variants of its
+section (the order reversed every other round).  A time is the best call
+over all its processes, printed with the range of the processes' bests; a
+ratio is of best times; nothing is asserted.  ``--same-process`` runs a section
+the old way, every variant in this process, one call of each per round, to
+show what sharing a process does (``docs/performance_gmm.md``).
+
+What is measured:
 
 * the responsibilities at N = 200000, K = 64, d = 32: ``tuned.responsibilities``
-  (the fast path: the expansion of the square, screened), its GEMM floor (the
-  two products ``xc**2 @ p.T`` and ``xc @ (mc * p).T`` on whole arrays,
-  operands prepared beforehand), the ratio, scikit-learn's
+  (the expansion of the square, screened), its GEMM floor (the two products
+  ``xc**2 @ p.T`` and ``xc @ (mc * p).T`` on whole arrays, operands prepared
+  beforehand), the core with and without the exactness screen,
+  ``gmm.responsibilities`` (the plain reference), the Numba kernel
+  ``cpu.gmm.responsibilities`` and scikit-learn's
   ``GaussianMixture(covariance_type="diag").predict_proba`` with the same
-  parameters, ``gmm.responsibilities`` (the plain reference: the definition,
-  from the differences), the price of the exactness screen (the core with and
-  without the refinement), float32 against float64, and the peak memory
-  against the unblocked formula;
+  parameters; float32 against float64; peak memory against the unblocked
+  formula (measured here, not timed);
 * GMA at N = 16384, K = 64, d_r = d_v = 64: ``tuned.gma`` bidirectional and
-  causal, ``tuned.gma_backward`` after ``tuned.gma_forward``, each against the
-  floor of its matrix products (forward: the four of the two
-  responsibilities and the two of the mixing, ``Gamma_K^T V`` and
-  ``Gamma_Q S``; backward: the four of the mixing's backward and four per
-  responsibility matrix), the plain reference ``gma`` against it, float32
-  against float64, peak memory;
-* where the rest of the time goes: the rate of one element-wise pass and of
-  ``exp`` over ``N x K`` entries in cache-sized blocks, against the GEMM rate;
-* with numba installed, the Numba CPU backend (:mod:`cpu`) in every section:
-  its time against the GEMM floor, scikit-learn, the plain reference and the
-  tuned path, its float32/float64 ratio, and the threads it used;
+  causal, ``tuned.gma_backward`` after ``tuned.gma_forward``, the plain
+  reference, and ``cpu.gma``'s, each against the floor of its matrix products
+  (forward: the four of the two responsibilities and the two of the mixing,
+  ``Gamma_K^T V`` and ``Gamma_Q S``; backward: the four of the mixing's
+  backward and four per responsibility matrix);
+* where the time goes: one element-wise pass and ``exp`` over ``N x K``
+  entries in cache-sized blocks, against the GEMM rate;
 * softmax attention at N = 16384: numba's online softmax against NumPy's
-  dense form (time, and peak memory: no N x N matrix);
-* OVQ at T = 16384 and 65536 (n_max = 1024, C = 256, d = 64): numba against
-  the NumPy reference;
+  dense form;
+* OVQ at T = 16384 and 65536 (n_max = 1024, C = 256, d = 64), float64 and
+  float32: ``cpu.ovq`` against the NumPy reference and, with ``--ovq-peer``,
+  against the OVQ mixer of the KVM paper's public PyTorch code
+  (``model/ovq_mixer.py`` of a clone you give; see ``ovq_peer.py``), run by
+  ``--peer-python`` (an interpreter with torch);
 * one training step of every mixer on ListOps at the defaults, on both
   backends (:mod:`app.backend`);
 * accuracy on the spread-means example (two means near +1e4, one at -1e4,
   variances 1e-8) against the definition in extended precision.
 
 Peak memory is what ``tracemalloc`` reports during one call (NumPy reports its
-array buffers to it), inputs excluded.  Nothing here is asserted; the ratios
-are the point, because the machines are shared and absolute times drift.
+array buffers to it), inputs excluded.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -58,56 +63,19 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gma import make_inputs, peak_bytes as traced_peak  # noqa: E402  (this directory is sys.path[0])
+from bench_gma import make_inputs, peak_bytes as traced_peak  # noqa: E402  (this directory is on sys.path)
+from isolated import Command, machine, run_variants, child_main  # noqa: E402
 from refimpl import gma, gmm, numerics, tuned  # noqa: E402
 
-try:  # the Numba CPU backend (cpu/): its columns are printed when numba is installed
+try:  # the Numba CPU backend (cpu/): its variants exist when numba is installed
     import numba
-    from cpu import gma as cpu_gma, gmm as cpu_gmm
 except ImportError:
     numba = None
 from refimpl.testing import exact_responsibilities, row_relative_error, sklearn_gmm, spread_means_example  # noqa: E402
 
-
-def interleaved(fns, repeats):
-    """Wall-clock times of each function over ``repeats`` rounds, one call of each per round.
-
-    Returns ``{name: array of times}``; the interleaving makes the load of a
-    shared machine fall on every function alike.
-    """
-    times = {name: [] for name in fns}
-    for fn in fns.values():  # warm-up: first-touch page faults and BLAS thread start-up
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: np.array(t) for name, t in times.items()}
-
-
-def timed_rounds(fns, repeats):
-    """:func:`interleaved`, then each function's best time printed."""
-    t = interleaved(fns, repeats)
-    for name, value in t.items():
-        print(f"    {name:36s} {ms(value.min())}")
-    return t
-
-
-def ratio(times, a, b):
-    """``best time of a / best time of b``: the best of many calls is the least disturbed estimate of each."""
-    return float(times[a].min() / times[b].min())
-
-
-def paired_ratio(times, a, b):
-    """Median over the rounds of ``time of a / time of b``, for two variants called back to back in every round.
-
-    For a small difference between two long calls (a few percent of each)
-    this is steadier than a ratio of best times: both calls of a round see
-    the same load.
-    """
-    return float(np.median(times[a] / times[b]))
+SCRIPT = Path(__file__).resolve()
 
 
 def ms(t):
@@ -116,6 +84,36 @@ def ms(t):
 
 def mib(b):
     return f"{b / 2**20:8.1f} MiB"
+
+
+class Section:
+    """The variants of one section (name -> factory) and how to run them: in their own processes, or here."""
+
+    def __init__(self, key, variants, args, calls=None):
+        self.key, self.variants, self.args = key, variants, args
+        self.calls = calls or args.calls
+
+    def run(self, peers=None):
+        peers = peers or {}
+        names = list(self.variants) + list(peers)
+        a = self.args
+
+        def argv(name, calls):
+            if name in peers:
+                return peers[name]
+            return [sys.executable, str(SCRIPT), "--child", self.key, name, "--calls", str(calls)] + (["--quick"] if a.quick else [])
+
+        same = self.variants if a.same_process else None
+        t = run_variants(names, argv, processes=a.processes, calls=self.calls, same_process=same)
+        for n in names:
+            lo, hi = t.spread(n)
+            spread = f"  ({lo * 1e3:.1f}-{hi * 1e3:.1f})" if len(t.best[n]) > 1 else ""
+            print(f"    {n:44s} {ms(t.time(n))}{spread}   system {t.system_share(n):4.0%}")
+        return t
+
+
+def ratio_line(label, value, note=""):
+    print(f"    {label:44s}{value:8.2f}x{('   ' + note) if note else ''}")
 
 
 # ---------------------------------------------------------------------------
@@ -154,46 +152,88 @@ def unblocked_responsibilities(x, means, variances, weights):
     return e / e.sum(axis=1, keepdims=True)
 
 
-def bench_responsibilities(n, K, d, repeats):
-    print(f"\n== responsibilities, N = {n}, K = {K}, d = {d} (best of {repeats} interleaved rounds)")
-    fns, same = {}, {}
+def gmm_size(quick):
+    return (20_000, 16, 16) if quick else (200_000, 64, 32)
+
+
+def responsibility_variants(quick):
+    n, K, d = gmm_size(quick)
+    out = {}
     for dtype in (np.float64, np.float32):
-        x, means, variances, weights = gmm_inputs(n, K, d, dtype)
-        log_w = np.log(weights)
         name = np.dtype(dtype).name
-        fns[f"{name} tuned"] = lambda x=x, m=means, v=variances, w=weights: tuned.responsibilities(x, m, v, w)
-        fns[f"{name} GEMM floor"] = responsibility_floor(x, means, variances)
-        fns[f"{name} core, refined"] = lambda x=x, m=means, v=variances, lw=log_w: tuned.posterior(x, m, v, lw)
-        fns[f"{name} core, expansion alone"] = lambda x=x, m=means, v=variances, lw=log_w: tuned.posterior(x, m, v, lw, refine=False)
-        fns[f"{name} plain reference"] = lambda x=x, m=means, v=variances, w=weights: gmm.responsibilities(x, m, v, w)
+
+        def inputs(dtype=dtype):
+            return gmm_inputs(n, K, d, dtype)
+
+        def tuned_r(inputs=inputs):
+            x, m, v, w = inputs()
+            return lambda: tuned.responsibilities(x, m, v, w)
+
+        def floor(inputs=inputs):
+            x, m, v, _ = inputs()
+            return responsibility_floor(x, m, v)
+
+        def core(refine, inputs=inputs):
+            x, m, v, w = inputs()
+            lw = np.log(w)
+            return lambda: tuned.posterior(x, m, v, lw, refine=refine)
+
+        def plain(inputs=inputs):
+            x, m, v, w = inputs()
+            return lambda: gmm.responsibilities(x, m, v, w)
+
+        def numba_r(inputs=inputs):
+            from cpu import gmm as cpu_gmm
+
+            x, m, v, w = inputs()
+            return lambda: cpu_gmm.responsibilities(x, m, v, w)
+
+        out[f"{name} tuned"] = tuned_r
+        out[f"{name} GEMM floor"] = floor
+        out[f"{name} core, refined"] = lambda core=core: core(True)
+        out[f"{name} core, expansion alone"] = lambda core=core: core(False)
+        out[f"{name} plain reference"] = plain
         if numba is not None:
-            fns[f"{name} numba"] = lambda x=x, m=means, v=variances, w=weights: cpu_gmm.responsibilities(x, m, v, w)
+            out[f"{name} numba"] = numba_r
         if dtype == np.float64:
-            model = sklearn_gmm(means, variances, weights)
-            fns["float64 scikit-learn predict_proba"] = lambda x=x: model.predict_proba(x)
-        same[name] = np.array_equal(tuned.posterior(x, means, variances, log_w)[0], tuned.posterior(x, means, variances, log_w, refine=False)[0])
-    t = timed_rounds(fns, repeats)
+            def sklearn(inputs=inputs):
+                x, m, v, w = inputs()
+                model = sklearn_gmm(m, v, w)
+                return lambda: model.predict_proba(x)
+
+            out["float64 scikit-learn predict_proba"] = sklearn
+    return out
+
+
+def bench_responsibilities(args):
+    n, K, d = gmm_size(args.quick)
+    print(f"\n== responsibilities, N = {n}, K = {K}, d = {d}")
+    t = Section("responsibilities", responsibility_variants(args.quick), args).run()
     for name in ("float64", "float32"):
         print(f"  {name}:")
-        print(f"    tuned / GEMM floor:            {ratio(t, name + ' tuned', name + ' GEMM floor'):9.2f}x   (target <= 1.5)")
+        ratio_line("tuned / GEMM floor:", t.ratio(name + " tuned", name + " GEMM floor"), "(target <= 1.5)")
         if name == "float64":
-            print(f"    scikit-learn / tuned:          {ratio(t, 'float64 scikit-learn predict_proba', 'float64 tuned'):9.2f}x   (target >= 3)")
-            print(f"    scikit-learn / plain:          {ratio(t, 'float64 scikit-learn predict_proba', 'float64 plain reference'):9.2f}x")
-        print(f"    plain reference / tuned:       {ratio(t, name + ' plain reference', name + ' tuned'):9.2f}x   (the price of reading like the definition)")
-        screen = paired_ratio(t, name + " core, refined", name + " core, expansion alone") - 1
-        print(f"    cost of the exactness screen:  {screen:+9.1%}   (target <= 10%; median over the rounds)")
-        print(f"    refined == expansion bit for bit:  {same[name]} (no entry needed recomputing)")
+            ratio_line("scikit-learn / tuned:", t.ratio("float64 scikit-learn predict_proba", "float64 tuned"), "(target >= 3)")
+            ratio_line("scikit-learn / plain:", t.ratio("float64 scikit-learn predict_proba", "float64 plain reference"))
+        ratio_line("plain reference / tuned:", t.ratio(name + " plain reference", name + " tuned"), "(the price of reading like the definition)")
+        screen = t.ratio(name + " core, refined", name + " core, expansion alone") - 1
+        print(f"    {'cost of the exactness screen:':44s}{screen:+8.1%}    (target <= 10%; a few ms: at the edge of what processes resolve)")
+    x, means, variances, weights = gmm_inputs(n, K, d, np.float64)
+    for dtype in (np.float64, np.float32):
+        xs, ms_, vs, ws = (a.astype(dtype) for a in (x, means, variances, weights))
+        lw = np.log(ws)
+        same = np.array_equal(tuned.posterior(xs, ms_, vs, lw)[0], tuned.posterior(xs, ms_, vs, lw, refine=False)[0])
+        print(f"    {np.dtype(dtype).name} refined == expansion bit for bit:  {same} (no entry needed recomputing)")
     if numba is not None:
         print(f"  numba ({numba.get_num_threads()} threads):")
         for name in ("float64", "float32"):
-            print(f"    {name} numba / GEMM floor:    {ratio(t, name + ' numba', name + ' GEMM floor'):9.2f}x   (target <= 1.0)")
-            print(f"    {name} plain reference / numba:{ratio(t, name + ' plain reference', name + ' numba'):8.2f}x")
-            print(f"    {name} tuned / numba:         {ratio(t, name + ' tuned', name + ' numba'):9.2f}x")
-        print(f"    scikit-learn / numba:          {ratio(t, 'float64 scikit-learn predict_proba', 'float64 numba'):9.2f}x   (target >= 10)")
-        print(f"    float64 / float32 time, numba: {ratio(t, 'float64 numba', 'float32 numba'):9.2f}x   (target >= 1.7)")
-    print(f"  float64 / float32 time, tuned:   {ratio(t, 'float64 tuned', 'float32 tuned'):9.2f}x   (target >= 1.7)")
-    print(f"  float64 / float32 time, plain:   {ratio(t, 'float64 plain reference', 'float32 plain reference'):9.2f}x")
-    x, means, variances, weights = gmm_inputs(n, K, d, np.float64)
+            ratio_line(f"{name} numba / GEMM floor:", t.ratio(name + " numba", name + " GEMM floor"), "(target <= 1.0 in float64)")
+            ratio_line(f"{name} plain reference / numba:", t.ratio(name + " plain reference", name + " numba"))
+            ratio_line(f"{name} tuned / numba:", t.ratio(name + " tuned", name + " numba"))
+        ratio_line("scikit-learn / numba:", t.ratio("float64 scikit-learn predict_proba", "float64 numba"))
+        ratio_line("float64 / float32 time, numba:", t.ratio("float64 numba", "float32 numba"), "(target >= 1.8)")
+    ratio_line("float64 / float32 time, tuned:", t.ratio("float64 tuned", "float32 tuned"), "(target >= 1.7)")
+    ratio_line("float64 / float32 time, plain:", t.ratio("float64 plain reference", "float32 plain reference"))
     blocked = traced_peak(lambda: tuned.responsibilities(x, means, variances, weights))
     definition = traced_peak(lambda: gmm.responsibilities(x, means, variances, weights))
     plain = traced_peak(lambda: unblocked_responsibilities(x, means, variances, weights))
@@ -243,56 +283,85 @@ def gma_floors(n, K, d_r, d_v, dtype, seed=1):
     return forward, backward
 
 
-def bench_gma(n, K, d, repeats):
-    print(f"\n== GMA, N = {n}, K = {K}, d_r = d_v = {d} (best of {repeats} interleaved rounds)")
-    fns = {}
+def gma_size(quick):
+    return (2_048, 16, 16) if quick else (16_384, 64, 64)
+
+
+GMA_OPS = ("bidirectional forward", "causal forward", "bidirectional backward", "causal backward")
+
+
+def gma_variants(quick):
+    n, K, d = gma_size(quick)
+    out = {}
     for dtype in (np.float64, np.float32):
-        inp = gma_inputs(n, K, d, d, dtype)
-        variances = (np.logaddexp(0, inp["raw_variances"]) + 1e-6).astype(dtype)
-        weights = np.exp(inp["logits"] - inp["logits"].max())
-        weights = (weights / weights.sum()).astype(dtype)
-        out_b, cache_b = tuned.gma_forward(**inp)
-        out_c, cache_c = tuned.gma_forward(**inp, causal=True)
-        floor_f, floor_b = gma_floors(n, K, d, d, dtype)
-        args = (inp["x_q"], inp["x_k"], inp["v"], inp["means"], variances, weights)
         name = np.dtype(dtype).name
-        fns[f"{name} bidirectional forward"] = lambda a=args: tuned.gma(*a)
-        fns[f"{name} causal forward"] = lambda a=args: tuned.gma(*a, causal=True)
-        fns[f"{name} forward GEMM floor"] = floor_f
-        fns[f"{name} bidirectional backward"] = lambda o=out_b, c=cache_b: tuned.gma_backward(o, c)
-        fns[f"{name} causal backward"] = lambda o=out_c, c=cache_c: tuned.gma_backward(o, c)
-        fns[f"{name} backward GEMM floor"] = floor_b
-        fns[f"{name} plain bidirectional forward"] = lambda a=args: gma.gma(*a)
-        fns[f"{name} plain causal forward"] = lambda a=args: gma.gma(*a, causal=True)
-        fns[f"{name} plain bidirectional backward"] = lambda o=out_b, c=cache_b: gma.gma_backward(o, c)
-        if numba is not None:
-            nb_out_b, nb_cache_b = cpu_gma.gma_forward(**inp)
-            nb_out_c, nb_cache_c = cpu_gma.gma_forward(**inp, causal=True)
-            fns[f"{name} numba bidirectional forward"] = lambda a=args: cpu_gma.gma(*a)
-            fns[f"{name} numba causal forward"] = lambda a=args: cpu_gma.gma(*a, causal=True)
-            fns[f"{name} numba bidirectional backward"] = lambda o=nb_out_b, c=nb_cache_b: cpu_gma.gma_backward(o, c)
-            fns[f"{name} numba causal backward"] = lambda o=nb_out_c, c=nb_cache_c: cpu_gma.gma_backward(o, c)
-    t = timed_rounds(fns, repeats)
+
+        def module(which):
+            if which == "tuned":
+                return tuned
+            if which == "plain":
+                return gma
+            from cpu import gma as cpu_gma
+
+            return cpu_gma
+
+        def forward(which, causal, dtype=dtype):
+            mod = module(which)
+            inp = gma_inputs(n, K, d, d, dtype)
+            variances = (np.logaddexp(0, inp["raw_variances"]) + 1e-6).astype(dtype)
+            weights = np.exp(inp["logits"] - inp["logits"].max())
+            weights = (weights / weights.sum()).astype(dtype)
+            args = (inp["x_q"], inp["x_k"], inp["v"], inp["means"], variances, weights)
+            return lambda: mod.gma(*args, causal=causal)
+
+        def backward(which, causal, dtype=dtype):
+            mod = module(which)
+            out_, cache = mod.gma_forward(**gma_inputs(n, K, d, d, dtype), causal=causal)
+            return lambda: mod.gma_backward(out_, cache)
+
+        def floor(which, dtype=dtype):
+            f, b = gma_floors(n, K, d, d, dtype)
+            return f if which == "forward" else b
+
+        whiches = ["tuned", "plain"] + (["numba"] if numba is not None else [])
+        for which in whiches:
+            label = "" if which == "tuned" else which + " "
+            out[f"{name} {label}bidirectional forward"] = lambda w=which, f=forward: f(w, False)
+            out[f"{name} {label}causal forward"] = lambda w=which, f=forward: f(w, True)
+            out[f"{name} {label}bidirectional backward"] = lambda w=which, b=backward: b(w, False)
+            if which != "plain":
+                out[f"{name} {label}causal backward"] = lambda w=which, b=backward: b(w, True)
+        out[f"{name} forward GEMM floor"] = lambda fl=floor: fl("forward")
+        out[f"{name} backward GEMM floor"] = lambda fl=floor: fl("backward")
+    return out
+
+
+def bench_gma(args):
+    n, K, d = gma_size(args.quick)
+    print(f"\n== GMA, N = {n}, K = {K}, d_r = d_v = {d}")
+    t = Section("gma", gma_variants(args.quick), args).run()
+    floors = {"bidirectional forward": "forward", "causal forward": "forward", "bidirectional backward": "backward",
+              "causal backward": "backward"}
     for name in ("float64", "float32"):
         print(f"  {name}:")
-        print(f"    bidirectional / floor:         {ratio(t, name + ' bidirectional forward', name + ' forward GEMM floor'):9.2f}x   (target <= 2)")
-        print(f"    causal / floor:                {ratio(t, name + ' causal forward', name + ' forward GEMM floor'):9.2f}x   (target <= 3)")
-        print(f"    backward / floor:              {ratio(t, name + ' bidirectional backward', name + ' backward GEMM floor'):9.2f}x   (target <= 3)")
-        print(f"    causal backward / floor:       {ratio(t, name + ' causal backward', name + ' backward GEMM floor'):9.2f}x")
+        ratio_line("bidirectional / floor:", t.ratio(name + " bidirectional forward", name + " forward GEMM floor"), "(target <= 2)")
+        ratio_line("causal / floor:", t.ratio(name + " causal forward", name + " forward GEMM floor"), "(target <= 3)")
+        ratio_line("backward / floor:", t.ratio(name + " bidirectional backward", name + " backward GEMM floor"), "(target <= 3)")
+        ratio_line("causal backward / floor:", t.ratio(name + " causal backward", name + " backward GEMM floor"))
         for op in ("bidirectional forward", "causal forward", "bidirectional backward"):
-            print(f"    plain / tuned, {op + ':':23s}{ratio(t, name + ' plain ' + op, name + ' ' + op):7.2f}x")
-    for op in ("bidirectional forward", "causal forward", "bidirectional backward", "causal backward"):
-        print(f"  float64 / float32, {op + ':':24s} {ratio(t, 'float64 ' + op, 'float32 ' + op):6.2f}x   (target >= 1.7)")
+            ratio_line(f"plain / tuned, {op}:", t.ratio(f"{name} plain {op}", f"{name} {op}"))
+    for op in GMA_OPS:
+        ratio_line(f"float64 / float32, {op}:", t.ratio("float64 " + op, "float32 " + op), "(target >= 1.7)")
     if numba is not None:
         print(f"  numba ({numba.get_num_threads()} threads):")
-        targets = {"bidirectional forward": ("forward", 1.5), "causal forward": ("forward", 2.0),
-                   "bidirectional backward": ("backward", 2.0), "causal backward": ("backward", 2.0)}
+        targets = {"bidirectional forward": 1.5, "causal forward": 2.0, "bidirectional backward": 2.0, "causal backward": 2.0}
         for name in ("float64", "float32"):
-            for op, (floor, target) in targets.items():
-                r = ratio(t, f"{name} numba {op}", f"{name} {floor} GEMM floor")
-                print(f"    {name} {op + ' / floor:':32s}{r:6.2f}x   (target <= {target})   tuned / numba {ratio(t, f'{name} {op}', f'{name} numba {op}'):5.2f}x")
-        for op in targets:
-            print(f"    float64 / float32, {op + ':':24s} {ratio(t, 'float64 numba ' + op, 'float32 numba ' + op):6.2f}x")
+            for op, target in targets.items():
+                r = t.ratio(f"{name} numba {op}", f"{name} {floors[op]} GEMM floor")
+                faster = t.ratio(f"{name} {op}", f"{name} numba {op}")
+                print(f"    {name} {op + ' / floor:':32s}{r:6.2f}x   (target <= {target})   tuned / numba {faster:5.2f}x   (target >= 1)")
+        for op in GMA_OPS:
+            ratio_line(f"float64 / float32, numba {op}:", t.ratio("float64 numba " + op, "float32 numba " + op), "(target >= 1.8)")
     inp = gma_inputs(n, K, d, d, np.float64)
     nk = n * K * 8
     for causal in (False, True):
@@ -310,39 +379,47 @@ def bench_gma(n, K, d, repeats):
 # ---------------------------------------------------------------------------
 
 
-def bench_rates(n, K, d, repeats):
-    """The rate of the three kinds of work in the responsibilities, measured on the same machine now."""
+def rate_variants(quick):
+    n, K, d = gmm_size(quick)
     rows = numerics.block_rows((4 * K + 2 * d) * 8)  # the blocks of refimpl.tuned: 4K + 2d numbers a row
-    print(f"\n== where the time goes: N x K = {n} x {K} entries, float64, blocks of {rows} rows")
-    rng = np.random.default_rng(0)
-    a = rng.normal(size=(rows, K))
-    b = np.empty_like(a)
-    x = rng.normal(size=(rows, d))
-    w = rng.normal(size=(d, K))
     blocks = -(-n // rows)
 
-    def passes(op):
-        def run():
-            for _ in range(blocks):
-                op()
-        return run
+    def passes(op_of):
+        def make():
+            rng = np.random.default_rng(0)
+            a = rng.normal(size=(rows, K))
+            b = np.empty_like(a)
+            x = rng.normal(size=(rows, d))
+            w = rng.normal(size=(d, K))
+            op = op_of(a, b, x, w)
 
-    t = interleaved(
-        {
-            "one element-wise pass (add)": passes(lambda: np.add(a, a, out=b)),
-            "exp": passes(lambda: np.exp(a, out=b)),
-            "the two GEMMs": passes(lambda: (np.matmul(x, w, out=b), np.matmul(x, w, out=b))),
-        },
-        repeats,
-    )
+            def run():
+                for _ in range(blocks):
+                    op()
+            return run
+        return make
+
+    return {
+        "one element-wise pass (add)": passes(lambda a, b, x, w: lambda: np.add(a, a, out=b)),
+        "exp": passes(lambda a, b, x, w: lambda: np.exp(a, out=b)),
+        "the two GEMMs": passes(lambda a, b, x, w: lambda: (np.matmul(x, w, out=b), np.matmul(x, w, out=b))),
+    }
+
+
+def bench_rates(args):
+    """The rate of the three kinds of work in the responsibilities, measured on the same machine now."""
+    n, K, d = gmm_size(args.quick)
+    rows = numerics.block_rows((4 * K + 2 * d) * 8)
+    print(f"\n== where the time goes: N x K = {n} x {K} entries, float64, blocks of {rows} rows")
+    t = Section("rates", rate_variants(args.quick), args).run()
     flops = 2 * 2 * n * d * K
     entries = n * K
-    for name, value in t.items():
-        print(f"    {name:30s} {ms(value.min())}   {value.min() / entries * 1e9:6.2f} ns per entry")
-    print(f"    GEMM rate: {flops / t['the two GEMMs'].min() / 1e9:.0f} GFLOP/s on {os.cpu_count()} cores; "
+    for name in t.best:
+        print(f"    {name:30s} {t.time(name) / entries * 1e9:6.2f} ns per entry")
+    print(f"    GEMM rate: {flops / t.time('the two GEMMs') / 1e9:.0f} GFLOP/s on {os.cpu_count()} cores; "
           f"NumPy's element-wise loops run on one core")
-    print(f"    exp / the two GEMMs:           {ratio(t, 'exp', 'the two GEMMs'):9.2f}")
-    print(f"    one pass / the two GEMMs:      {ratio(t, 'one element-wise pass (add)', 'the two GEMMs'):9.2f}")
+    ratio_line("exp / the two GEMMs:", t.ratio("exp", "the two GEMMs"))
+    ratio_line("one pass / the two GEMMs:", t.ratio("one element-wise pass (add)", "the two GEMMs"))
     return t
 
 
@@ -362,33 +439,59 @@ def accuracy():
             "scikit-learn predict_proba": row_relative_error(sklearn_gmm(ms_, vs, ws).predict_proba(xs), exact),
         }
         if numba is not None:
+            from cpu import gmm as cpu_gmm
+
             errors["cpu.gmm.responsibilities (numba)"] = row_relative_error(cpu_gmm.responsibilities(xs, ms_, vs, ws), exact)
     print("\n== spread means (two near +1e4, one at -1e4, variances 1e-8): largest relative error per row")
     for name, e in errors.items():
         print(f"    {name:34s} {e:9.2e}")
 
 
-def bench_attention(n, d, repeats):
+# ---------------------------------------------------------------------------
+# Softmax attention, OVQ, training
+# ---------------------------------------------------------------------------
+
+
+def attention_variants(quick):
+    from refimpl import attention
+
+    n, d = (1_024 if quick else 16_384), 64
+    out = {}
+    for dtype in (np.float64, np.float32):
+        name = np.dtype(dtype).name
+        for causal in (False, True):
+            label = f"{name} {'causal' if causal else 'bidirectional'}"
+
+            def dense(dtype=dtype, causal=causal):
+                q, k, v = np.random.default_rng(3).normal(size=(3, n, d)).astype(dtype)
+                return lambda: attention.softmax_attention(q, k, v, causal=causal)
+
+            def online(dtype=dtype, causal=causal):
+                from cpu import attention as cpu_attention
+
+                q, k, v = np.random.default_rng(3).normal(size=(3, n, d)).astype(dtype)
+                return lambda: cpu_attention.softmax_attention(q, k, v, causal=causal)
+
+            out[f"{label} dense numpy"] = dense
+            out[f"{label} numba online"] = online
+    return out
+
+
+def bench_attention(args):
     """Softmax attention: numba's online softmax (no N x N matrix) against NumPy's dense form, time and peak memory."""
     from refimpl import attention
 
-    print(f"\n== softmax attention, N = {n}, d = d_v = {d} (best of {repeats} interleaved rounds)")
+    n, d = (1_024 if args.quick else 16_384), 64
+    print(f"\n== softmax attention, N = {n}, d = d_v = {d}")
     if numba is None:
         print("    numba is not installed: nothing to compare")
         return None
     from cpu import attention as cpu_attention
 
-    fns = {}
-    for dtype in (np.float64, np.float32):
-        q, k, v = np.random.default_rng(3).normal(size=(3, n, d)).astype(dtype)
-        name = np.dtype(dtype).name
-        for causal in (False, True):
-            label = f"{name} {'causal' if causal else 'bidirectional'}"
-            fns[f"{label} dense numpy"] = lambda q=q, k=k, v=v, c=causal: attention.softmax_attention(q, k, v, causal=c)
-            fns[f"{label} numba online"] = lambda q=q, k=k, v=v, c=causal: cpu_attention.softmax_attention(q, k, v, causal=c)
-    t = timed_rounds(fns, repeats)
-    for label in [k[: -len(" dense numpy")] for k in fns if k.endswith("dense numpy")]:
-        print(f"    {label + ' numba / dense:':36s}{ratio(t, label + ' numba online', label + ' dense numpy'):6.2f}x   (target <= 1.5)")
+    variants = attention_variants(args.quick)
+    t = Section("attention", variants, args, calls=min(args.calls, 3)).run()
+    for label in [k[: -len(" dense numpy")] for k in variants if k.endswith("dense numpy")]:
+        ratio_line(f"{label} numba / dense:", t.ratio(label + " numba online", label + " dense numpy"), "(target <= 1.5)")
     q, k, v = np.random.default_rng(3).normal(size=(3, n, d))
     online = traced_peak(lambda: cpu_attention.softmax_attention(q, k, v))
     dense = traced_peak(lambda: attention.softmax_attention(q, k, v))
@@ -397,74 +500,154 @@ def bench_attention(n, d, repeats):
     return t
 
 
-def bench_ovq(sizes, repeats):
-    """OVQ attention (n_max = 1024, C = 256, d = 64): numba's kernels against the NumPy reference."""
+def ovq_sizes(quick):
+    return (2_048,) if quick else (16_384, 65_536)
+
+
+def ovq_inputs(T, dtype):
+    return tuple(np.random.default_rng(4).normal(size=(3, T, 64)).astype(dtype))
+
+
+def ovq_variants(quick):
     from refimpl import ovq
 
-    print(f"\n== OVQ attention, n_max = 1024, C = 256, d = 64, float64 (best of {repeats} interleaved rounds)")
+    out = {}
+    for dtype in (np.float64, np.float32):
+        name = np.dtype(dtype).name
+        for T in ovq_sizes(quick):
+            def reference(T=T, dtype=dtype):
+                q, k, v = ovq_inputs(T, dtype)
+                return lambda: ovq.ovq_attention(q, k, v, max_size=1024, chunk_size=256)
+
+            def kernels(T=T, dtype=dtype):
+                from cpu import ovq as cpu_ovq
+
+                q, k, v = ovq_inputs(T, dtype)
+                return lambda: cpu_ovq.ovq_attention(q, k, v, max_size=1024, chunk_size=256)
+
+            if dtype == np.float64:
+                out[f"T = {T} {name} numpy"] = reference
+            if numba is not None:
+                out[f"T = {T} {name} numba"] = kernels
+    return out
+
+
+def bench_ovq(args):
+    """OVQ attention (n_max = 1024, C = 256, d = 64): numba's kernels against the NumPy reference and the PyTorch peer."""
+    print("\n== OVQ attention, n_max = 1024, C = 256, d = 64")
     if numba is None:
         print("    numba is not installed: nothing to compare")
         return None
-    from cpu import ovq as cpu_ovq
-
-    fns = {}
-    for T in sizes:
-        q, k, v = np.random.default_rng(4).normal(size=(3, T, 64))
-        fns[f"T = {T} numpy"] = lambda q=q, k=k, v=v: ovq.ovq_attention(q, k, v, max_size=1024, chunk_size=256)
-        fns[f"T = {T} numba"] = lambda q=q, k=k, v=v: cpu_ovq.ovq_attention(q, k, v, max_size=1024, chunk_size=256)
-    t = timed_rounds(fns, repeats)
-    # the targets: half the time of an eager PyTorch implementation that took 0.62x (T = 16384) and 0.80x (T = 65536)
-    # of the NumPy reference's time on this machine
-    for T, target in zip(sizes, (0.31, 0.40)):
-        print(f"    T = {T}: numba / numpy {ratio(t, f'T = {T} numba', f'T = {T} numpy'):6.2f}x   (target <= {target})")
+    peers = {}
+    if args.ovq_peer:
+        for dtype in ("float64", "float32"):
+            for T in ovq_sizes(args.quick):
+                peers[f"T = {T} {dtype} torch peer"] = lambda calls, T=T, dtype=dtype: Command(
+                    [args.peer_python, str(SCRIPT.parent / "ovq_peer.py"), args.ovq_peer, "--T", str(T), "--dtype", dtype,
+                     "--calls", str(calls)])
+    calls = min(args.calls, 3)
+    t = Section("ovq", ovq_variants(args.quick), args, calls=calls).run({n: f(calls) for n, f in peers.items()})
+    for T in ovq_sizes(args.quick):
+        ratio_line(f"T = {T}: numpy / numba, float64:", t.ratio(f"T = {T} float64 numpy", f"T = {T} float64 numba"))
+        for dtype in ("float64", "float32"):
+            key = f"T = {T} {dtype} torch peer"
+            if key in t.best:
+                ratio_line(f"T = {T}: torch peer / numba, {dtype}:", t.ratio(key, f"T = {T} {dtype} numba"), "(target >= 2)")
+    if not peers:
+        print("    the PyTorch peer was not run: pass --ovq-peer DIR (a clone of the KVM paper's code) and --peer-python PY")
     return t
 
 
-def bench_training(repeats, quick):
-    """One training step (forward, backward) of every mixer on ListOps at the defaults, on both backends."""
+def training_variants(quick):
+    """Per mixer: NumPy, the ``numba`` backend (per function the faster, :data:`app.backend.FASTEST`), and, where that
+    takes NumPy's functions, cpu's kernels all the same (the measurement behind the choice)."""
     from app import backend, model, train
 
-    config = train.quick_config() if quick else train.TrainConfig(n_train=256, n_val=16, n_test=16)
-    splits = train.load_data(config)
-    tokens, targets = (a[: config.batch_size] for a in splits["train"])
-    print(f"\n== one training step on ListOps, batch {config.batch_size}, length {tokens.shape[1]}, d_model {config.d_model}, "
-          f"{config.heads} heads (best of {repeats} interleaved rounds)")
-    fns = {}
+    out = {}
     for mixer in model.MIXERS:
-        mcfg = train.model_config(config._replace(mixer=mixer))
-        params = model.init_params(mcfg, 0)
-        for name in backend.BACKENDS if numba is not None else ("numpy",):
-            def step(p=params, m=mcfg, name=name):
-                backend.use(name)
-                model.loss_and_grads(p, tokens, targets, m)
-            fns[f"{mixer} {name}"] = step
-    t = timed_rounds(fns, repeats)
-    backend.use(None)
+        names = [("numpy", "numpy", None)]
+        if numba is not None:
+            names.append(("numba", "numba", None))
+            if backend.FASTEST[mixer] != "cpu":
+                names.append(("numba, cpu kernels", "numba", "cpu"))
+        for label, name, force in names:
+            def make(mixer=mixer, name=name, force=force):
+                config = train.quick_config() if quick else train.TrainConfig(n_train=256, n_val=16, n_test=16)
+                splits = train.load_data(config)
+                tokens, targets = (a[: config.batch_size] for a in splits["train"])
+                mcfg = train.model_config(config._replace(mixer=mixer))
+                params = model.init_params(mcfg, 0)
+                fastest = dict(backend.FASTEST, **({mixer: force} if force else {}))
+
+                def step():
+                    backend.use(name)
+                    saved = dict(backend.FASTEST)
+                    backend.FASTEST.update(fastest)
+                    try:
+                        model.loss_and_grads(params, tokens, targets, mcfg)
+                    finally:
+                        backend.FASTEST.update(saved)
+                return step
+
+            out[f"{mixer} {label}"] = make
+    return out
+
+
+def bench_training(args):
+    """One training step (forward, backward) of every mixer on ListOps at the defaults, on both backends."""
+    from app import model, train
+
+    config = train.quick_config() if args.quick else train.TrainConfig(n_train=256, n_val=16, n_test=16)
+    print(f"\n== one training step on ListOps, batch {config.batch_size}, d_model {config.d_model}, {config.heads} heads")
+    t = Section("training", training_variants(args.quick), args, calls=max(args.calls, 10)).run()
     if numba is not None:
         for mixer, target in zip(model.MIXERS, (2.0, None, None, 3.0)):
-            shown = f"   (target >= {target})" if target else ""
-            print(f"    {mixer:8s} numpy / numba:   {ratio(t, mixer + ' numpy', mixer + ' numba'):6.2f}x{shown}")
+            shown = f"(target >= {target})" if target else ""
+            ratio_line(f"{mixer} numpy / numba:", t.ratio(mixer + " numpy", mixer + " numba"), shown)
+            if f"{mixer} numba, cpu kernels" in t.best:
+                ratio_line(f"{mixer} numpy / cpu kernels:", t.ratio(mixer + " numpy", mixer + " numba, cpu kernels"),
+                           "(below 1: the numba backend takes NumPy's)")
     return t
+
+
+SECTIONS = {
+    "responsibilities": (responsibility_variants, bench_responsibilities),
+    "gma": (gma_variants, bench_gma),
+    "rates": (rate_variants, bench_rates),
+    "attention": (attention_variants, bench_attention),
+    "ovq": (ovq_variants, bench_ovq),
+    "training": (training_variants, bench_training),
+}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
-    parser.add_argument("--repeats", type=int, default=None, help="timed calls per variant (the best is kept)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, every variant in this process: a smoke test")
+    parser.add_argument("--processes", type=int, default=None, help="fresh processes per variant (default 3; 1 with --quick)")
+    parser.add_argument("--calls", type=int, default=None, help="timed calls per process (default 5; 1 with --quick)")
+    parser.add_argument("--same-process", action="store_true", help="every variant in this process, the old way")
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    parser.add_argument("--ovq-peer", metavar="DIR", help="a clone of the KVM paper's code: time its model/ovq_mixer.py")
+    parser.add_argument("--peer-python", metavar="PY", default=sys.executable, help="the interpreter (with torch) for the peer")
+    parser.add_argument("--child", nargs=2, metavar=("SECTION", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    repeats = args.repeats or (3 if args.quick else 15)
-    gmm_size = (20_000, 16, 16) if args.quick else (200_000, 64, 32)
-    gma_size = (2_048, 16, 16) if args.quick else (16_384, 64, 64)
-
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, NumPy {np.__version__}")
+    args.processes = args.processes or (1 if args.quick else 3)
+    args.calls = args.calls or (1 if args.quick else 5)
+    if args.child:
+        section, name = args.child
+        return child_main(SECTIONS[section][0](args.quick), name, args.calls)
+    args.same_process = args.same_process or args.quick
+    how = ("every variant in this one process, one call of each per round (not a measurement)" if args.same_process else
+           f"every variant in its own process: {args.processes} processes x {args.calls} timed calls, the best of all")
+    print(f"machine: {machine()}")
     print(time.strftime("date: %Y-%m-%d %H:%M"))
-    bench_responsibilities(*gmm_size, repeats)
-    bench_gma(*gma_size, repeats)
-    bench_rates(*gmm_size, repeats)
-    bench_attention(1_024 if args.quick else 16_384, 64, repeats)
-    bench_ovq((2_048,) if args.quick else (16_384, 65_536), min(repeats, 5))
-    bench_training(repeats, args.quick)
-    accuracy()
+    print(f"how: {how}")
+    if numba is not None:
+        print(f"numba {numba.__version__}, {numba.get_num_threads()} threads, threading layer {numba.config.THREADING_LAYER}")
+    for key in args.sections:
+        SECTIONS[key][1](args)
+    if "responsibilities" in args.sections:
+        accuracy()
     return 0
 
 

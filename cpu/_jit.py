@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import types
 
+import threadpoolctl
 from numba import njit
 
-__all__ = ["SERIAL_WORK", "threaded_and_serial", "pick"]
+__all__ = ["SERIAL_WORK", "threaded_and_serial", "pick", "single_threaded_blas"]
 
 SERIAL_WORK = 1 << 18
 """Below this many inner-loop steps a kernel runs in the calling thread.
@@ -18,13 +20,28 @@ run the same loops in the same order, so they give the same bits.
 """
 
 
-def threaded_and_serial(fn):
-    """``(threaded, serial)``: ``fn`` compiled with ``parallel=True`` and without (``prange`` then runs as ``range``)."""
+def threaded_and_serial(fn, **options):
+    """``(threaded, serial)``: ``fn`` compiled with ``parallel=True`` and without (``prange`` then runs as ``range``).
+
+    ``options`` go to both compilations (``fastmath``, ``error_model``).
+    """
     serial = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__)
     serial.__qualname__ = fn.__qualname__ + "_serial"  # its own entry in the on-disk cache
-    return njit(cache=True, parallel=True)(fn), njit(cache=True)(serial)
+    return njit(cache=True, parallel=True, **options)(fn), njit(cache=True, **options)(serial)
 
 
 def pick(kernels, work):
     """The threaded kernel of a :func:`threaded_and_serial` pair for ``work`` >= :data:`SERIAL_WORK` steps, else the serial one."""
     return kernels[0] if work >= SERIAL_WORK else kernels[1]
+
+
+_BLAS = []  # the thread-pool controller, made on first use (it reads the loaded libraries once)
+
+
+@contextlib.contextmanager
+def single_threaded_blas():
+    """One BLAS thread while a kernel that calls BLAS from its own threads runs (the two pools would share the cores)."""
+    if not _BLAS:
+        _BLAS.append(threadpoolctl.ThreadpoolController())
+    with _BLAS[0].limit(limits=1, user_api="blas"):
+        yield

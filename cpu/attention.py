@@ -77,7 +77,6 @@ scan and its sweeps of :mod:`cpu.scan`.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -87,7 +86,9 @@ from refimpl import boundary, validation
 from refimpl.attention import LinearAttentionBatchCache, LinearAttentionCache, LinearAttentionGrads, SoftmaxAttentionGrads
 
 from . import scan as cpu_scan
+from ._lanes import sum8
 from ._record import backend
+from .vexp import exp
 
 # the names this module defines; it also holds refimpl.attention's SoftmaxAttentionGrads, LinearAttentionGrads,
 # LinearAttentionCache and LinearAttentionBatchCache, which its functions return (documented there)
@@ -223,12 +224,10 @@ def _online_step(s, n, scale, v, b, j0, r, m, l, nan_seen, acc):
     if m_new == neg_inf:
         return  # every score so far is -inf (overflowed): no weight yet, and the row is refused
     # online softmax: m' = max(m, max_j l_j), s' = s e^(m - m') + sum_j e^(l_j - m'), acc' = acc e^(m - m') + sum_j e^(l_j - m') v_j
-    alpha = math.exp(m_old - m_new)
-    tile_sum = l.dtype.type(0)
+    alpha = exp(m_old - m_new)
     for jj in range(n):
-        p = math.exp(s[jj] - m_new)
-        s[jj] = p
-        tile_sum += p
+        s[jj] = exp(s[jj] - m_new)
+    tile_sum = sum8(s, n)
     l[r] = l[r] * alpha + tile_sum
     row = acc[r]
     if alpha != 1:
@@ -300,7 +299,7 @@ def _forward_kernel(q, kt, v, scale, causal, out, row_max, row_sum):
 def _dq_step(s, dp, n, scale, m_i, s_i, d_i, k, b, j0, out):
     """``out += scale sum_jj dl_jj k[b, j0 + jj]`` for one query row, from its scores' dot products ``s`` and ``dp`` (overwritten)."""
     for jj in range(n):
-        p = math.exp(s[jj] * scale - m_i) / s_i  # P_ij = exp(l_ij - m_i) / s_i, the forward's scores bit for bit
+        p = exp(s[jj] * scale - m_i) / s_i  # P_ij = exp(l_ij - m_i) / s_i, the forward's scores bit for bit
         # dl_ij = scale P_ij (dP_ij - D_i)
         s[jj] = p * (dp[jj] - d_i) * scale
     _add_rows(s, n, k, b, j0, out)
@@ -311,7 +310,7 @@ def _dkdv_step(s, dp, n, scale, lo, row_max, row_sum, delta, g, q, b, dv_row, dk
     """``dv_row += sum_ii P_i g_i`` and ``dk_row += scale sum_ii dl_i q_i`` over query rows ``i = lo + ii`` for one key row."""
     for ii in range(n):
         i = lo + ii
-        p = math.exp(s[ii] * scale - row_max[b, i]) / row_sum[b, i]
+        p = exp(s[ii] * scale - row_max[b, i]) / row_sum[b, i]
         s[ii] = p
         dp[ii] = p * (dp[ii] - delta[b, i]) * scale
     # dV = P^T G, dK = scale dl^T Q

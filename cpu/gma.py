@@ -2,18 +2,26 @@
 
 The same arguments, results (:class:`refimpl.gma.GMACache`,
 :class:`~refimpl.gma.GMABatchCache`, :class:`~refimpl.gma.GMAGrads`) and
-errors as :mod:`refimpl.gma`, whose batch rule (:func:`refimpl.gma.forward_with`,
-:func:`~refimpl.gma.backward_with`) runs here with three kernels in place of
-NumPy's passes:
+errors as :mod:`refimpl.gma`, computed by kernels where a fused loop wins and
+by matrix products called from the driver where BLAS wins:
 
 * the responsibilities, one fused pass over ``N x K`` (:mod:`cpu.gmm`);
-* the causal scan and its two sweeps (:mod:`cpu.scan`; the bidirectional
-  form is two matrix products, as in the reference);
+* the mixing: bidirectional, two matrix products (write, then read) with
+  ``[V, 1]`` carrying the denominators; causal, :mod:`cpu.scan` (chunks and
+  products for long sequences, token by token for short ones);
 * the backward through the responsibilities (:func:`responsibility_backward`):
-  ``prange`` over blocks of :data:`BLOCK` rows, each thread writing the
-  ``dx`` of its rows and its block's partial sums of the parameter
-  gradients; the partials are then added in block order, so the result does
-  not depend on the number of threads.
+  one kernel from the differences for small work, the sums as two matrix
+  products on centred data for large work, with the softmax backward and
+  ``dx`` fused in kernels around them; partial sums over fixed blocks of
+  :data:`BLOCK` rows, added in block order, so the result does not depend on
+  the number of threads.
+
+A batch (leading dimensions, what the model's multi-head layer passes)
+runs as :func:`refimpl.gma.forward_with`'s batch rule says, but with one
+kernel call per head for the responsibilities (the rows of all the head's
+sequences stacked), the bidirectional mixing as batched matrix products, and
+the backward through the responsibilities one call per head: the per-sequence
+Python calls were most of a training step's time.
 """
 
 from __future__ import annotations
@@ -21,12 +29,17 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from refimpl import boundary
+from scipy.special import expit
+
+from refimpl import boundary, numerics
+from refimpl import gma as spec_gma
 from refimpl.gma import GMABatchCache, GMACache, GMAGrads
+from refimpl.scan import FeatureAttentionCache
 
 from . import gmm as cpu_gmm
 from . import scan as cpu_scan
 from ._jit import pick, threaded_and_serial
+from ._lanes import sum8
 from ._record import backend
 
 __all__ = ["gma", "gma_forward", "gma_backward", "responsibility_backward", "GMACache", "GMABatchCache", "GMAGrads"]
@@ -66,13 +79,110 @@ def _responsibility_backward_kernel(x, gamma, grad, means, precisions, dx, part_
 _RESPONSIBILITY_BACKWARD = threaded_and_serial(_responsibility_backward_kernel)
 
 
+GEMM_WORK = 1 << 20
+"""``N K d`` from which the backward's sums over rows and components are matrix products (below: one fused loop)."""
+
+FAST = {"fastmath": {"contract"}, "error_model": "numpy"}
+
+
+def _softmax_backward_kernel(x, centre, gamma, grad, c, xx, part_c):
+    n, d = x.shape
+    K = gamma.shape[1]
+    for blk in prange(part_c.shape[0]):
+        for i in range(blk * BLOCK, min(n, (blk + 1) * BLOCK)):
+            gam, g, ci = gamma[i], grad[i], c[i]
+            for k in range(K):
+                ci[k] = gam[k] * g[k]
+            gbar = sum8(ci, K)
+            for k in range(K):
+                # c_im = gamma_im (g_im - sum_m gamma_im g_im): the softmax backward
+                ci[k] = gam[k] * (g[k] - gbar)
+                part_c[blk, k] += ci[k]
+            for j in range(d):
+                # [xc, xc^2], xc = x - centre: the operands of the two products
+                t = x[i, j] - centre[j]
+                xx[i, j] = t
+                xx[i, d + j] = t * t
+
+
+def _dx_kernel(xx, prod, dx):
+    n, d = dx.shape
+    for i in prange(n):
+        for j in range(d):
+            # dL/dx_i = sum_m c_im (mu_m - x_i) / sigma_m^2 = (c (mc p))_i - xc_i (c p)_i
+            dx[i, j] = prod[i, j] - xx[i, j] * prod[i, d + j]
+
+
+_SOFTMAX_BACKWARD = threaded_and_serial(_softmax_backward_kernel, **FAST)
+_DX = threaded_and_serial(_dx_kernel, **FAST)
+
+
+def _backward_by_products(x, gamma, grad_gamma, means, variances):
+    """The sums of :func:`responsibility_backward` as two matrix products on centred data, the rest fused.
+
+    In blocks of rows whose work arrays fit the cache (:func:`refimpl.numerics.block_rows`, reused from block
+    to block): on whole arrays the fresh ``N x 2 d_r`` temporaries cost more in page faults and cache misses
+    than the products themselves.
+    """
+    n, d = x.shape
+    K = means.shape[0]
+    dtype = x.dtype
+    # x - mu is invariant under the common shift by the centre of the means
+    centre = means.mean(axis=0)
+    mc = means - centre
+    prec = 1.0 / variances
+    weights = np.concatenate([mc * prec, prec], axis=1)  # [mc p, p] (K, 2 d_r)
+    rows = max(BLOCK, numerics.block_rows((2 * K + 6 * d) * dtype.itemsize) // BLOCK * BLOCK)
+    c = np.empty((rows, K), dtype=dtype)
+    xx = np.empty((rows, 2 * d), dtype=dtype)
+    prod = np.empty((rows, 2 * d), dtype=dtype)
+    part_c = np.zeros(((n + BLOCK - 1) // BLOCK, K), dtype=dtype)
+    sums = np.zeros((K, 2 * d), dtype=dtype)
+    dx = np.empty_like(x)
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        m = b - a
+        # the fused kernels in this thread: Numba's pool woken between BLAS calls fights BLAS's spinning threads
+        _SOFTMAX_BACKWARD[1](x[a:b], centre, gamma[a:b], grad_gamma[a:b], c[:m], xx[:m], part_c[a // BLOCK :])
+        # the products: [c^T xc, c^T xc^2] (K, 2 d_r), summed block by block, and [c (mc p), c p] (rows, 2 d_r)
+        sums += c[:m].T @ xx[:m]
+        np.matmul(c[:m], weights, out=prod[:m])
+        _DX[1](xx[:m], prod[:m], dx[a:b])
+    csum = part_c.sum(axis=0)  # the partial sums added in block order
+    ctx, ctx2 = sums[:, :d], sums[:, d:]
+    # dL/dmu_m = sum_i c_im (x_i - mu_m) / sigma_m^2
+    dmeans = (ctx - csum[:, None] * mc) * prec
+    # dL/dsigma2_mj = sum_i c_im ((x_ij - mu_mj)^2 - sigma2_mj) / (2 sigma2_mj^2), (x - mu)^2 expanded
+    sq = ctx2 - 2.0 * mc * ctx + (mc * mc - variances) * csum[:, None]
+    dvariances = 0.5 * sq * prec * prec
+    return dx, dmeans.astype(dtype, copy=False), dvariances.astype(dtype, copy=False), csum
+
+
 def responsibility_backward(x, gamma, grad_gamma, means, variances):
     """Core: :func:`refimpl.gma`'s backward through ``gamma = softmax(l(x))``: ``(dx, dmeans, dvariances, dlogits)``.
 
-    From the differences ``x_i - mu_m`` (``gma.md#backward-through-the-responsibilities``),
-    in one kernel; arrays checked, of one dtype.
+    Arrays checked, of one dtype.  Two ways, by size:
+
+    * up to :data:`GEMM_WORK` (``N K d``): from the differences ``x_i - mu_m``
+      (``gma.md#backward-through-the-responsibilities``) in one kernel, in the
+      calling thread below :data:`cpu._jit.SERIAL_WORK`: a training step's calls;
+    * above: as :mod:`refimpl.tuned` does, the sums over rows and components
+      as matrix products on ``x`` and the means centred on the mean of the
+      means (``gma.md#parameter-gradients-as-matrix-products``), with the
+      softmax backward, the centring and ``dx`` fused in kernels around the
+      two products.  The loop from the differences is bound by its three
+      accumulations per entry and took 2.5 to 3 times as long as the products
+      at ``N = 16384, K = d = 64``.
+
+    Float32 is accumulated in float32 in both (the sums over ``K`` in
+    :func:`cpu._lanes.sum8`'s eight partial sums, the sums over rows in blocks
+    of :data:`BLOCK` and in BLAS): each sum has terms of both signs, and its
+    error, ``n u`` times the sum of the magnitudes for ``n`` terms, is what the
+    float32 tolerances of ``tests/test_conformance.py`` allow.
     """
     x, gamma, grad_gamma = (np.ascontiguousarray(a) for a in (x, gamma, grad_gamma))
+    if gamma.size * x.shape[1] > GEMM_WORK:
+        return _backward_by_products(x, gamma, grad_gamma, means, variances)
     n = x.shape[0]
     blocks = (n + BLOCK - 1) // BLOCK
     dx = np.empty_like(x)
@@ -90,8 +200,148 @@ def responsibility_backward(x, gamma, grad_gamma, means, variances):
     return dx, dmeans, dvariances.astype(x.dtype, copy=False), csum
 
 
-#: GMA with this package's kernels, bound to refimpl's boundary: refimpl's batch rule around them.
-KERNELS = boundary.host_kernels(cpu_gmm.posterior, responsibility_backward, cpu_scan.scan_forward, cpu_scan.scan_backward)
+# ---------------------------------------------------------------------------
+# Batches: every sequence of a head in one kernel call
+# ---------------------------------------------------------------------------
+
+
+def _heads(leading, means):
+    """``[(GMM index, the flat indices of its sequences)]``: head ``h`` owns the sequences whose last leading index
+    is ``h`` (every sequence shares the one GMM when ``means`` is 2-D)."""
+    count = int(np.prod(leading))
+    if means.ndim == 2:
+        return [((), slice(None))]
+    H = leading[-1]
+    return [((h,), slice(h, count, H)) for h in range(H)]
+
+
+def _batched_posteriors(x, means, variances, log_weights, leading):
+    """The responsibilities of every sequence of ``x (S, N, d)``: one kernel call per head (its sequences' rows
+    stacked), ``(gamma (S, N, K), min_quad (S, N))``."""
+    S, N, d = x.shape
+    K = means.shape[-2]
+    gamma = np.empty((S, N, K), dtype=x.dtype)
+    min_quad = np.empty((S, N), dtype=x.dtype)
+    for h, seqs in _heads(leading, means):
+        rows = x[seqs].reshape(-1, d)
+        g, m = cpu_gmm.posterior(rows, means[h], variances[h], log_weights[h])
+        gamma[seqs] = g.reshape(-1, N, K)
+        min_quad[seqs] = m.reshape(-1, N)
+    return gamma, min_quad
+
+
+def _forward_batched(x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size, raw_variances=None, keep=True):
+    """:func:`refimpl.gma.forward_with`'s batch rule with one call per head for the responsibilities and, when
+    bidirectional, batched matrix products for the mixing (``[V, 1]``: the denominators as one more column)."""
+    leading = x_q.shape[:-2]
+    (Nq, d), (Nk, dv) = x_q.shape[-2:], v.shape[-2:]
+    xq, xk, vv = x_q.reshape(-1, Nq, d), x_k.reshape(-1, Nk, d), v.reshape(-1, Nk, dv)
+    S = xq.shape[0]
+    gq, mq = _batched_posteriors(xq, means, variances, log_weights, leading)
+    gk, mk = _batched_posteriors(xk, means, variances, log_weights, leading)
+    if causal:
+        mixed = [cpu_scan.scan_forward(gq[s], gk[s], vv[s], True, eps, chunk_size) for s in range(S)]
+        out = np.stack([m[0] for m in mixed]) if S else np.empty((0, Nq, dv), x_q.dtype)
+        den = np.stack([m[1].den for m in mixed]) if S else np.empty((0, Nq), x_q.dtype)
+    else:
+        v1 = np.ones((S, Nk, dv + 1), dtype=v.dtype)
+        v1[..., :dv] = vv
+        # [num, den - eps] = Gamma_Q (Gamma_K^T [V, 1]), sequence by sequence
+        num = np.matmul(gq, np.matmul(gk.transpose(0, 2, 1), v1))
+        den = num[..., dv] + x_q.dtype.type(eps)
+        with np.errstate(divide="ignore", invalid="ignore"):  # den = 0 only with eps = 0: refused below
+            out = num[..., :dv] / den[..., None]
+    spec_gma.check_gma_results(mq.reshape(-1), mk.reshape(-1), den.reshape(-1), eps)
+    out_shaped = out.reshape(leading + (Nq, dv))
+    if not keep:
+        return out_shaped, None
+    chunk = max(1, min(chunk_size, Nq))
+    caches = []
+    for s, idx in enumerate(np.ndindex(leading)):
+        h = idx[-1:] if means.ndim == 3 else ()
+        mixing = mixed[s][1] if causal else FeatureAttentionCache(gq[s], gk[s], vv[s], out[s], den[s], False, eps, chunk)
+        raw = None if raw_variances is None else raw_variances[h]
+        caches.append(GMACache(xq[s], xk[s], means[h], raw, variances[h], gq[s], gk[s], mixing))
+    return out_shaped, GMABatchCache(leading, means.ndim == 3, tuple(caches))
+
+
+def _backward_batched(grad_out, cache):
+    """:func:`refimpl.gma.backward_with` for a :class:`GMABatchCache`: the mixing's backward batched when
+    bidirectional, the backward through the responsibilities one call per head (its sequences' rows stacked;
+    the GMM gradients of a head summed over all its rows at once)."""
+    leading, caches = cache.leading, cache.caches
+    first = caches[0]
+    g = spec_gma.check_gma_grad_out(grad_out, leading + first.mixing.out.shape, first.gamma_q.dtype)
+    S = len(caches)
+    (Nq, dv), d = first.mixing.out.shape, first.x_q.shape[-1]
+    g = g.reshape(S, Nq, dv)
+    stack = lambda field: np.stack([getattr(c, field) for c in caches])  # noqa: E731
+    gq, gk, xq, xk = stack("gamma_q"), stack("gamma_k"), stack("x_q"), stack("x_k")
+    if first.mixing.causal:
+        grads = [cpu_scan.scan_backward(g[s], c.mixing) for s, c in enumerate(caches)]
+        dgq, dgk, dv_ = (np.stack([getattr(r, f) for r in grads]) for f in ("phi_q", "phi_k", "v"))
+    else:
+        vv = np.stack([c.mixing.v for c in caches])
+        den = np.stack([c.mixing.den for c in caches])
+        out = np.stack([c.mixing.out for c in caches])
+        # out = num / den: gn = g / den, delta = -(g . out) / den; [gn, delta] against [V, 1]
+        g1 = np.empty((S, Nq, dv + 1), dtype=g.dtype)
+        g1[..., :dv] = g / den[..., None]
+        g1[..., dv] = -np.sum(g * out, axis=-1) / den
+        v1 = np.ones((S, vv.shape[1], dv + 1), dtype=vv.dtype)
+        v1[..., :dv] = vv
+        state = np.matmul(gk.transpose(0, 2, 1), v1)  # [S, z] = Gamma_K^T [V, 1]
+        dstate = np.matmul(gq.transpose(0, 2, 1), g1)  # [dS, dz] = Gamma_Q^T [gn, delta]
+        dgq = np.matmul(g1, state.transpose(0, 2, 1))
+        dgk = np.matmul(v1, dstate.transpose(0, 2, 1))
+        dv_ = np.matmul(gk, dstate[..., :dv])
+    per_head = cache.per_head
+    heads = leading[-1:] if per_head else ()
+    dxq, dxk = np.empty_like(xq), np.empty_like(xk)
+    dmeans = np.zeros(heads + first.means.shape, dtype=g.dtype)
+    draw = np.zeros(heads + first.means.shape, dtype=g.dtype)
+    dlogits = np.zeros(heads + first.means.shape[:1], dtype=g.dtype)
+    for h, seqs in _heads(leading, first.means[None] if per_head else first.means):
+        c = caches[seqs][0] if per_head else first
+        rq = responsibility_backward(xq[seqs].reshape(-1, d), gq[seqs].reshape(-1, gq.shape[-1]),
+                                     dgq[seqs].reshape(-1, gq.shape[-1]), c.means, c.variances)
+        rk = responsibility_backward(xk[seqs].reshape(-1, d), gk[seqs].reshape(-1, gk.shape[-1]),
+                                     dgk[seqs].reshape(-1, gk.shape[-1]), c.means, c.variances)
+        dxq[seqs] = rq[0].reshape(-1, Nq, d)
+        dxk[seqs] = rk[0].reshape(-1, xk.shape[1], d)
+        dmeans[h] += rq[1] + rk[1]
+        # sigma2 = softplus(s) + sigma2_min: dsigma2/ds = sigmoid(s)
+        draw[h] += (rq[2] + rk[2]) * expit(c.raw_variances)
+        dlogits[h] += rq[3] + rk[3]
+    return GMAGrads(x_q=dxq.reshape(leading + xq.shape[1:]), x_k=dxk.reshape(leading + xk.shape[1:]),
+                    v=dv_.reshape(leading + dv_.shape[1:]), means=dmeans, raw_variances=draw, logits=dlogits)
+
+
+def _gma_kernel(xp, a, given):
+    args = (a.x_q, a.x_k, a.v, a.means, a.variances, numerics.log_weights(a.weights), a.causal, a.eps, a.chunk_size)
+    if a.x_q.ndim == 2:
+        return _SINGLE["gma"](xp, a, given)
+    return _forward_batched(*args, keep=False)[0]
+
+
+def _gma_forward_kernel(xp, a, given):
+    if a.x_q.ndim == 2:
+        return _SINGLE["gma_forward"](xp, a, given)
+    variances, log_weights = spec_gma.mixture_from_raw(a.raw_variances, a.logits, a.min_variance)
+    args = (a.x_q, a.x_k, a.v, a.means, variances, log_weights, a.causal, a.eps, a.chunk_size)
+    return _forward_batched(*args, raw_variances=a.raw_variances)
+
+
+def _gma_backward_kernel(xp, grad_out, cache):
+    if isinstance(cache, GMABatchCache) and cache.caches:
+        return _backward_batched(grad_out, cache)
+    return _SINGLE["gma_backward"](xp, grad_out, cache)
+
+
+#: The kernels of one sequence: refimpl's batch rule around this package's cores.
+_SINGLE = boundary.host_kernels(cpu_gmm.posterior, responsibility_backward, cpu_scan.scan_forward, cpu_scan.scan_backward)
+#: GMA with this package's kernels, bound to refimpl's boundary; a batch in one call per head (``_forward_batched``).
+KERNELS = {**_SINGLE, "gma": _gma_kernel, "gma_forward": _gma_forward_kernel, "gma_backward": _gma_backward_kernel}
 _public = boundary.bind(backend(KERNELS), ["gma", "gma_forward", "gma_backward"], module=__name__)
 gma = _public.gma
 gma_forward = _public.gma_forward

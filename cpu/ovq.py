@@ -75,7 +75,9 @@ from refimpl.ovq import (
     unit_rows,
 )
 
+from ._lanes import sum8
 from ._record import backend
+from .vexp import exp
 
 # the names this module defines; it also holds refimpl.ovq's OVQState, OVQCache, OVQGrads, NORM_EPS, GROWTHS, INITS,
 # dictionary_size and unit_rows, which its functions take and return (documented there)
@@ -210,11 +212,9 @@ def _softmax_row(row, n, a, beta, log_c, count_bias):
     width = _chunk_logits_row(row, n, a, beta, log_c, count_bias)
     m, ok = _row_max(row, width)
     # softmax(l) = softmax(l - max): the largest term is exp(0) = 1
-    tot = beta - beta
     for u in range(width):
-        e = math.exp(row[u] - m)
-        row[u] = e
-        tot += e
+        row[u] = exp(row[u] - m)
+    tot = sum8(row, width)
     for u in range(width, row.shape[0]):
         row[u] = 0
     return tot, ok
@@ -701,11 +701,9 @@ def _vq_kernel(q, k, v, codebook, C, beta, eps, out, bad):
             width = S + a + 1
             m, ok = _row_max(row, width)
             bad[s + a] = not ok
-            tot = beta - beta
             for u in range(width):
-                e = math.exp(row[u] - m)
-                row[u] = e
-                tot += e
+                row[u] = exp(row[u] - m)
+            tot = sum8(row, width)
             for c in range(dv):
                 out[s + a, c] = 0
             for u in range(S):

@@ -1,4 +1,4 @@
-r"""The causal scan as one Numba kernel: :func:`refimpl.scan.scan_forward` and :func:`~refimpl.scan.scan_backward` on the CPU.
+r"""The causal scan as Numba kernels: :func:`refimpl.scan.scan_forward` and :func:`~refimpl.scan.scan_backward` on the CPU.
 
 Every sum of the causal form and of its backward (``docs/derivations/scan.md``)
 is one contraction with a running state:
@@ -8,9 +8,7 @@ is one contraction with a running state:
     \mathrm{out}_t[i] = \sum_m \Big(\sum_{j \le t} b_j[i]\, a_j[m]\Big)\, w_t[m]
     \qquad (\text{or } j \ge t \text{ for the reverse sweep}),
 
-which :func:`prefix_contract` computes token by token, keeping the state
-``sum_j a_j b_j^T`` (``M x I``).  With ``v1 = [v, 1]`` and
-``g1 = [g / den, -(g . out) / den]``:
+with ``v1 = [v, 1]`` and ``g1 = [g / den, -(g . out) / den]``:
 
 * forward numerators: ``b = v1``, ``a = phi_k``, ``w = phi_q`` (the last
   column is the denominator);
@@ -19,25 +17,39 @@ which :func:`prefix_contract` computes token by token, keeping the state
 * ``dv``: ``b = g1[:, :d_v]`` (``g / den``), ``a = phi_q``, ``w = phi_k``,
   reverse.
 
-How the work maps onto the loops: ``prange`` over blocks of :data:`COLS`
-output columns ``i``; each thread keeps the state of its columns and runs
-over the tokens, the inner loops contiguous in ``i`` (they vectorise).  Every
-output entry is computed by one thread in the same order whatever the
-number of threads.  The bidirectional form is two matrix products (write,
-then read) and stays with :mod:`refimpl.scan`.
+Two ways to compute it, chosen by size (both exact to rounding, each in an
+order fixed by the data):
+
+* **Long sequences: chunks of** :data:`CHUNK` **tokens and matrix products**
+  (``scan.md#the-chunked-causal-scan``).  Each chunk's state
+  ``A_c^T B_c`` is one product, the states before (or after) each chunk are
+  their running sum in chunk order, and each chunk's output is two products,
+  the carried state and the masked ``C x C`` block,
+  ``W_c (sum_{c' < c} A_c'^T B_c') + tril(W_c A_c^T) B_c``.  The products
+  are BLAS calls made from a kernel that runs ``prange`` over the chunks
+  (BLAS held at one thread meanwhile): the fused loop of the token-by-token
+  form is bound by loads and stores, where a product runs at the machine's
+  floating-point rate, so only the masking and the running sums are loops.
+* **Short sequences** (:data:`CHUNK_WORK` multiply-adds and fewer, what
+  training has): :func:`prefix_contract`, token by token, keeping the state
+  ``sum_j a_j b_j^T`` (``M x I``) in a thread's block of :data:`COLS` output
+  columns; one kernel call with no BLAS call, run in the calling thread.
+
+The bidirectional form is two matrix products (write, then read) and stays
+with :mod:`refimpl.scan`.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
 from refimpl import scan as ref_scan
 from refimpl.scan import FeatureAttentionCache, FeatureAttentionGrads
 
-from ._jit import pick, threaded_and_serial
+from ._jit import pick, single_threaded_blas, threaded_and_serial
 
-__all__ = ["prefix_contract", "scan_forward", "scan_backward"]
+__all__ = ["prefix_contract", "chunked_forward", "chunked_backward", "scan_forward", "scan_backward"]
 
 COLS = 8
 """Output columns per thread's block: two AVX2 vectors of float64."""
@@ -91,6 +103,127 @@ def prefix_contract(b, a, w, *, reverse=False):
     return out[:, :I]
 
 
+CHUNK = 64
+"""Tokens per chunk of the chunked form: ``64 x 64`` blocks, products that BLAS runs near its peak."""
+
+CHUNK_WORK = 1 << 20
+"""Multiply-adds (``N F (d_v + 1)``) up to which the causal scan runs token by token (:func:`prefix_contract`)."""
+
+FAST = {"fastmath": {"contract"}, "error_model": "numpy"}
+
+
+@njit(inline="always")
+def _lower(block):
+    """Zero the entries above the diagonal of a square block: key ``j > t`` is after query ``t``."""
+    C = block.shape[0]
+    for t in range(C):
+        for j in range(t + 1, C):
+            block[t, j] = 0
+
+
+@njit(inline="always")
+def _running_sums(states, reverse):
+    """Replace ``states[c]`` by the sum of the states before it (after it when ``reverse``), added in chunk order.
+
+    Written as loops: in a ``parallel=True`` kernel an array expression outside ``prange`` becomes a parallel
+    region of its own, one per chunk here.
+    """
+    m, F, w = states.shape
+    run = np.zeros((F, w), states.dtype)
+    for step in range(m):
+        c = m - 1 - step if reverse else step
+        for i in range(F):
+            for j in range(w):
+                here = states[c, i, j]
+                states[c, i, j] = run[i, j]
+                run[i, j] += here
+
+
+@njit(inline="always")
+def _sum_into(out, a, b):
+    """``out = a + b`` by loops (no array expression: see :func:`_running_sums`)."""
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            out[i, j] = a[i, j] + b[i, j]
+
+
+def _chunked_forward(Q, K, V1, num):
+    n = Q.shape[0]
+    m = (n + CHUNK - 1) // CHUNK
+    S = np.empty((m, K.shape[1], V1.shape[1]), Q.dtype)
+    for c in prange(m):
+        a, b = c * CHUNK, min(n, (c + 1) * CHUNK)
+        # the chunk's state: Phi_K,c^T [V_c, 1]
+        S[c] = np.dot(K[a:b].T, V1[a:b])
+    _running_sums(S, False)
+    for c in prange(m):
+        a, b = c * CHUNK, min(n, (c + 1) * CHUNK)
+        # [num, den - eps]_c = Phi_Q,c [S, z]_before + tril(Phi_Q,c Phi_K,c^T) [V_c, 1]
+        block = np.dot(Q[a:b], K[a:b].T)
+        _lower(block)
+        _sum_into(num[a:b], np.dot(Q[a:b], S[c]), np.dot(block, V1[a:b]))
+
+
+def _chunked_backward(Q, K, V, V1, Gn, G1, dq, dk, dv):
+    n = Q.shape[0]
+    m = (n + CHUNK - 1) // CHUNK
+    F, w = K.shape[1], V1.shape[1]
+    before = np.empty((m, F, w), Q.dtype)  # [S, z] of the chunks before c
+    after = np.empty((m, F, w), Q.dtype)  # [R, r] of the chunks after c
+    for c in prange(m):
+        a, b = c * CHUNK, min(n, (c + 1) * CHUNK)
+        before[c] = np.dot(K[a:b].T, V1[a:b])
+        after[c] = np.dot(Q[a:b].T, G1[a:b])
+    _running_sums(before, False)
+    _running_sums(after, True)
+    for c in prange(m):
+        a, b = c * CHUNK, min(n, (c + 1) * CHUNK)
+        # M_tj = g1_t . [v_j, 1] and B_tj = phi_q_t . phi_k_j for j <= t
+        M = np.dot(G1[a:b], V1[a:b].T)
+        _lower(M)
+        B = np.dot(Q[a:b], K[a:b].T)
+        _lower(B)
+        R = np.ascontiguousarray(after[c][:, : w - 1])
+        # dphi_q_t = [S, z]_t g1_t (prefix sums), dphi_k_t = [R, r]_t [v_t, 1], dv_t = R_t^T phi_k_t (suffix sums)
+        _sum_into(dq[a:b], np.dot(G1[a:b], before[c].T), np.dot(M, K[a:b]))
+        _sum_into(dk[a:b], np.dot(V1[a:b], after[c].T), np.dot(M.T, Q[a:b]))
+        _sum_into(dv[a:b], np.dot(K[a:b], R), np.dot(B.T, Gn[a:b]))
+
+
+_CHUNKED_FORWARD = threaded_and_serial(_chunked_forward, **FAST)
+_CHUNKED_BACKWARD = threaded_and_serial(_chunked_backward, **FAST)
+
+
+def chunked_forward(phi_q, phi_k, v1):
+    """Core: ``num_t = (sum_{j <= t} v1_j phi_k_j^T) phi_q_t`` for every token, by chunks and matrix products.
+
+    Parameters
+    ----------
+    phi_q, phi_k : ndarray, shape (N, F)
+    v1 : ndarray, shape (N, W)
+        One float dtype for the three.
+
+    Returns
+    -------
+    ndarray, shape (N, W)
+    """
+    phi_q, phi_k, v1 = (np.ascontiguousarray(a) for a in (phi_q, phi_k, v1))
+    num = np.empty_like(v1)
+    with single_threaded_blas():
+        pick(_CHUNKED_FORWARD, phi_q.size * v1.shape[1])(phi_q, phi_k, v1, num)
+    return num
+
+
+def chunked_backward(phi_q, phi_k, v, g1):
+    """Core: ``(dphi_q, dphi_k, dv)`` of the causal scan by chunks, ``g1 = [g / den, -(g . out) / den]`` (N, d_v + 1)."""
+    phi_q, phi_k, v = (np.ascontiguousarray(a) for a in (phi_q, phi_k, v))
+    gn = np.ascontiguousarray(g1[:, :-1])
+    dq, dk, dv = np.empty_like(phi_q), np.empty_like(phi_k), np.empty_like(v)
+    with single_threaded_blas():
+        pick(_CHUNKED_BACKWARD, phi_q.size * g1.shape[1])(phi_q, phi_k, v, _ones_column(v), gn, g1, dq, dk, dv)
+    return dq, dk, dv
+
+
 def _ones_column(v):
     """``[v, 1]`` (N, d_v + 1): the last column carries the normaliser through every contraction."""
     v1 = np.ones((v.shape[0], v.shape[1] + 1), dtype=v.dtype)
@@ -106,7 +239,10 @@ def scan_forward(phi_q, phi_k, v, causal, eps, chunk_size):
     if not causal:
         return ref_scan.scan_forward(phi_q, phi_k, v, causal, eps, chunk_size)
     # [num, den - eps]_t = (sum_{j <= t} [v_j, 1] phi_k_j^T) phi_q_t
-    num = prefix_contract(_ones_column(v), phi_k, phi_q)
+    if phi_q.shape[0] * phi_q.shape[1] * (v.shape[1] + 1) > CHUNK_WORK:
+        num = chunked_forward(phi_q, phi_k, _ones_column(v))
+    else:
+        num = prefix_contract(_ones_column(v), phi_k, phi_q)
     den = num[:, -1] + phi_q.dtype.type(eps)
     with np.errstate(divide="ignore", invalid="ignore"):  # den = 0 only with eps = 0: the caller refuses it
         out = num[:, :-1] / den[:, None]
@@ -122,6 +258,9 @@ def scan_backward(g, cache):
     g1 = np.empty((g.shape[0], g.shape[1] + 1), dtype=g.dtype)
     g1[:, :-1] = g / cache.den[:, None]
     g1[:, -1] = -np.sum(g * cache.out, axis=1) / cache.den
+    if g.shape[0] * cache.phi_q.shape[1] * g1.shape[1] > CHUNK_WORK:
+        dphi_q, dphi_k, dv = chunked_backward(cache.phi_q, cache.phi_k, cache.v, g1)
+        return FeatureAttentionGrads(phi_q=dphi_q, phi_k=dphi_k, v=dv)
     v1 = _ones_column(cache.v)
     # dphi_q_t = [S, z]_t g1_t, the prefix sums of phi_k_j [v_j, 1]^T
     dphi_q = prefix_contract(cache.phi_k, v1, g1)

@@ -123,3 +123,29 @@ def test_a_bad_backend_option_is_refused_in_one_line(tmp_path, monkeypatch):
     assert exit_.value.code == 2
     assert main(["train", "--task", "listops", "--mixer", "gma", "--quick", "--backend", "numba", "--out", str(tmp_path / "b")]) == 2
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("mixer", ["softmax", "linear", "ovq", "gma"])
+def test_a_mixer_the_numba_backend_gives_to_numpy_runs_numpys_functions(mixer, monkeypatch):
+    """app.backend.FASTEST set to "numpy" for a mixer: the numba backend calls NumPy's functions (on the whole batch,
+    as the reference takes it), and a training step's loss and gradients equal the cpu kernels' to rounding."""
+    from refimpl import attention as ra
+    from refimpl import ovq as ro
+    from refimpl import tuned
+
+    config = train.quick_config(mixer=mixer)
+    mcfg = train.model_config(config)
+    params = model.init_params(mcfg, 0)
+    tokens, targets = (a[: config.batch_size] for a in train.load_data(config)["train"])
+    backend.use("numba")
+    want = model.loss_and_grads(params, tokens, targets, mcfg)
+    monkeypatch.setitem(backend.FASTEST, mixer, "numpy")
+    kern = backend.kernels("numba")
+    numpy_forward = {"softmax": ra.softmax_attention_forward, "linear": ra.linear_attention_forward,
+                     "ovq": ro.ovq_attention_forward, "gma": tuned.gma_forward}[mixer]
+    assert getattr(kern, f"{'gma' if mixer == 'gma' else mixer + '_attention'}_forward") is numpy_forward
+    got = model.loss_and_grads(params, tokens, targets, mcfg)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-10)
+    assert got[1:3] == want[1:3]
+    for name in want[3]:
+        np.testing.assert_allclose(got[3][name], want[3][name], rtol=1e-7, atol=1e-10, err_msg=name)

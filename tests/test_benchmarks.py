@@ -330,3 +330,24 @@ def test_gpu_model_json_covers_every_public_function_and_measures_nothing(tmp_pa
     slow = gm.model_rows(static, device=dict(gm.H200, copy_bandwidth_Bps=1e9))
     resp = next(r for r in slow if r["function"] == "responsibilities")
     assert resp["predicted_s"] == nbytes / 1e9 and resp["predicted_bound"] == "memory"
+
+
+def test_every_variant_is_timed_in_its_own_process_in_alternating_order():
+    """isolated.run_variants: one fresh process per variant and round, the order reversed every other round."""
+    iso = _load("isolated")
+    code = ("import json, os, sys, time; time.sleep(0.01); "
+            "print('RESULT ' + json.dumps({'times': [float(os.getpid()), 1.0], 'user': 0.0, 'system': 0.0}))")
+    seen = []
+
+    def argv(name, calls):
+        seen.append(name)
+        return [sys.executable, "-c", code]
+
+    t = iso.run_variants(["a", "b", "c"], argv, processes=2, calls=2, progress=False)
+    assert seen == ["a", "b", "c", "c", "b", "a"]
+    # each process reports its own pid as a time: six processes, six different pids (the best of each is 1.0 here)
+    pids = [calls[0] for n in "abc" for calls in t.calls[n]]
+    assert len(set(pids)) == 6 and all(b == [1.0, 1.0] for b in t.best.values())
+    with pytest.raises(RuntimeError, match="without a result"):
+        iso.run_variants(["x"], lambda name, calls: [sys.executable, "-c", "print('no result')"], processes=1, calls=1,
+                         progress=False)

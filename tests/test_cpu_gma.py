@@ -17,7 +17,7 @@ numba = pytest.importorskip("numba")
 from conformance_backends import DTYPES, mixture  # noqa: E402
 from cpu import gmm as cpu_gmm  # noqa: E402
 from cpu import scan as cpu_scan  # noqa: E402
-from refimpl import scan  # noqa: E402
+from refimpl import gmm, scan  # noqa: E402
 from refimpl.testing import TOL, exact_responsibilities, row_relative_error, spread_means_example  # noqa: E402
 
 
@@ -39,9 +39,12 @@ def test_the_spread_means_are_exact():
     assert row_relative_error(cpu_gmm.responsibilities(x, means, variances, weights), exact) <= 1e-14
 
 
+@pytest.mark.parametrize("path", ["token by token", "chunks and products"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, F, d_v", [(1, 1, 1), (2, 3, 1), (7, 3, 5), (130, 17, 9), (300, 64, 20)])
-def test_the_causal_scan_agrees(n, F, d_v, dtype):
+def test_the_causal_scan_agrees(n, F, d_v, dtype, path, monkeypatch):
+    """Both forms of cpu.scan, whichever the size would pick: one chunk, part of one, and several with a short last one."""
+    monkeypatch.setattr(cpu_scan, "CHUNK_WORK", 1 << 60 if path == "token by token" else -1)
     rng = np.random.default_rng(n)
     phi_q, phi_k = rng.uniform(0, 1, size=(2, n, F)).astype(dtype)
     v = rng.normal(size=(n, d_v)).astype(dtype)
@@ -68,3 +71,67 @@ def test_prefix_contract_is_its_definition():
             js = range(t, 9) if reverse else range(t + 1)
             state = sum(np.outer(b[j], a[j]) for j in js)
             np.testing.assert_allclose(got[t], state @ w[t], rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, K, d", [(1, 1, 1), (5, 3, 2), (257, 16, 9), (600, 7, 33), (6000, 16, 9)])
+def test_the_backward_through_the_responsibilities_agrees_both_ways(n, K, d, dtype, monkeypatch):
+    """The loop from the differences and the matrix products around fused kernels, against the reference."""
+    from cpu import gma as cpu_gma
+    from refimpl import gma as ref_gma
+
+    means, variances, weights = (a.astype(dtype) for a in mixture(K, d, seed=n))
+    rng = np.random.default_rng(n)
+    x = rng.normal(size=(n, d)).astype(dtype)
+    gamma = gmm.responsibilities(x, means, variances, weights)
+    grad = rng.normal(size=(n, K)).astype(dtype)
+    want = ref_gma._responsibility_backward(x, gamma, grad, means, variances)
+    for work in (1 << 60, -1):
+        monkeypatch.setattr(cpu_gma, "GEMM_WORK", work)
+        got = cpu_gma.responsibility_backward(x, gamma, grad, means, variances)
+        for g, w in zip(got, want):
+            assert g.dtype == dtype and g.shape == w.shape
+            scale = max(1.0, float(np.max(np.abs(w)))) if w.size else 1.0
+            np.testing.assert_allclose(g, w, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"] * scale)
+
+
+def test_the_large_paths_give_the_same_bits_with_one_thread_or_two(monkeypatch):
+    """The chunked scan and the backward by matrix products (forced at a small size): one thread, two, serial builds."""
+    from conformance_backends import _numba_threads, _problem
+    from cpu import gma as cpu_gma
+
+    monkeypatch.setattr(cpu_scan, "CHUNK_WORK", -1)
+    monkeypatch.setattr(cpu_gma, "GEMM_WORK", -1)
+    args = _problem((2,), True, 300, 5, 3, 4, np.float64, seed=9)
+    runs = []
+    for n in (1, 2, None):
+        with _numba_threads(n):
+            results = []
+            for causal in (False, True):
+                out, cache = cpu_gma.gma_forward(*args, causal=causal)
+                results += [out, *cpu_gma.gma_backward(np.ones_like(out), cache)]
+            runs.append(results)
+    for one, two, serial in zip(*runs, strict=True):
+        assert np.array_equal(one, two) and np.array_equal(one, serial)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_batch_equals_its_sequences_one_by_one(causal):
+    """One call per head for a batch (cpu.gma's batched driver) against one call per sequence, to rounding."""
+    from conformance_backends import _problem
+    from cpu import gma as cpu_gma
+
+    x_q, x_k, v, means, raw, logits = _problem((3, 2), True, 37, 6, 5, 4, np.float64, seed=11)
+    out, cache = cpu_gma.gma_forward(x_q, x_k, v, means, raw, logits, causal=causal)
+    g = np.random.default_rng(12).normal(size=out.shape)
+    grads = cpu_gma.gma_backward(g, cache)
+    dmeans = np.zeros_like(means)
+    for b in range(3):
+        for h in range(2):
+            o, c = cpu_gma.gma_forward(x_q[b, h], x_k[b, h], v[b, h], means[h], raw[h], logits[h], causal=causal)
+            np.testing.assert_allclose(out[b, h], o, rtol=1e-13, atol=1e-15)
+            one = cpu_gma.gma_backward(g[b, h], c)
+            for f in ("x_q", "x_k", "v"):
+                np.testing.assert_allclose(getattr(grads, f)[b, h], getattr(one, f), rtol=1e-12, atol=1e-14)
+            dmeans[h] += one.means
+    np.testing.assert_allclose(grads.means, dmeans, rtol=1e-12, atol=1e-13)

@@ -283,15 +283,17 @@ assert log_err < 1e-13
 #
 # On a CPU the work divides the other way round. A core has few threads but
 # wide vector registers, so `cpu.gmm` (Numba's `@njit` with `prange`) gives
-# each thread whole rows, in groups of four that share every load of
+# each thread whole rows, in groups of eight that share every load of
 # $\mu_{kj}$ and $1/\sigma^2_{kj}$, and runs the components in the innermost
 # loop, contiguous in memory, where the compiler turns four (float64) or
 # eight (float32) of them into one vector instruction. The formula is the
 # same: a sum of squares of differences, which never cancels. Where the GPU
 # kernel needs a tree of pairs to combine its threads' maxima, the CPU
-# thread owns its row and keeps one running maximum: one fixed order either
-# way, so each gives the same bits on every run of the same build (section
-# 5 says what may change them).
+# thread owns its row and keeps eight running maxima, one per vector lane,
+# combined pairwise at the end (`cpu._lanes`; the exponentials are
+# `cpu.vexp.exp`, written so that the loop vectorises too): one fixed order
+# either way, so each gives the same bits on every run of the same build
+# (section 5 says what may change them).
 
 # %%
 import inspect
