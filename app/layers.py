@@ -243,7 +243,6 @@ def multihead_gma_forward(
     """
     x, params, H, d_r, d_v, causal, eps, min_variance, chunk_size = _check_forward(x, params, causal, eps, min_variance, chunk_size)
     B, N, _ = x.shape
-    dtype = x.dtype
 
     # the projections of all B N tokens at once: (B, N, d_model) @ (d_model, H d)
     xq = (x @ params.W_q).reshape(B, N, H, d_r)
