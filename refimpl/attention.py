@@ -140,15 +140,15 @@ def softmax_attention_backward(grad_out, cache) -> SoftmaxAttentionGrads:
     Parameters
     ----------
     grad_out : array_like, shape (..., N_q, d_v)
-        ``dL/d out``, the shape of the forward's output.
+        ``dL/d out``, of the output's shape.
     cache : SoftmaxAttentionCache
-        From :func:`softmax_attention_forward`.
+        The one :func:`softmax_attention_forward` returned with that output.
 
     Returns
     -------
     SoftmaxAttentionGrads
-        Fields ``q`` (..., N_q, d), ``k`` (..., N_k, d), ``v`` (..., N_k, d_v),
-        the shapes of the forward's inputs.
+        The gradients ``q``, ``k`` and ``v``, in the shapes of the forward's
+        inputs.
     """
     validation.check_instance(cache, "cache", SoftmaxAttentionCache, "the SoftmaxAttentionCache from softmax_attention_forward")
     q, k, v, p, scale = cache
@@ -292,19 +292,15 @@ def linear_attention_forward(q, k, v, *, causal: bool = False, eps: float = 1e-6
 
     Parameters
     ----------
-    q : array_like, shape (N_q, d) or (..., N_q, d)
-    k : array_like, shape (N_k, d) or (..., N_k, d)
-    v : array_like, shape (N_k, d_v) or (..., N_k, d_v)
-        The leading (batch, head) dimensions ``...`` are the same for all
-        three (at least one sequence); each ``(N, d)`` slice is one
-        sequence, attended separately.
-    causal : bool, default False
-        Query ``t`` sees keys ``j <= t`` only (needs ``N_q == N_k``).
-    eps : float, default 1e-6
-        Added to every denominator (>= 0).  With 0, a query whose denominator
-        is 0 (no overlap with the keys it reads) is refused: its output is 0/0.
-    chunk_size : int, default 64
-        Tokens per chunk of the causal scan (>= 1).
+    q, k, v : array_like
+        Queries ``(..., N_q, d)``, keys ``(..., N_k, d)`` and values
+        ``(..., N_k, d_v)``: one leading (batch, head) shape ``...`` for the
+        three, or none; each ``(N, d)`` slice is one sequence (at least one),
+        attended separately.
+    causal, eps, chunk_size : bool, float, int
+        As in :func:`refimpl.attention.feature_attention_forward` (default
+        ``False``, ``1e-6`` and 64): causal needs ``N_q == N_k``, and with
+        ``eps = 0`` a zero denominator is refused.
 
     Returns
     -------
