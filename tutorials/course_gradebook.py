@@ -15,11 +15,11 @@ into, in the gradebook's folder:
 * ``lesson_NN_moodle.csv``: for Moodle's "Import grades from a CSV file":
   ``ID number``, ``Email address``, ``Full name``, the total and the percent;
 * ``lesson_NN.json``: every result with every case and message in full;
-* ``reports/STUDENT.md``: what the student receives, each exercise's result,
+* ``reports/SUBMISSION.md``: what the student receives, each exercise's result,
   points, the public check's message and hint, and of a hidden case only
   that it failed and what the mistake looks like (no hidden input, no
   expected value);
-* ``instructor/STUDENT.md``: the same with every message in full.
+* ``instructor/SUBMISSION.md``: the same with every message in full.
 
 ``docs/course.md`` describes the roster and written-score files and how to
 import the two LMS files.
@@ -226,7 +226,7 @@ def report(lesson: int, sub, people: dict, written, instructor: bool = False) ->
             text = "Not done yet: the answer is still the stub of the lesson."
         if not text and r.status == "pass":
             continue
-        cases = f" ({r.passed} of {len(r.details)} cases passed)" if r.details and r.status not in ("not done",) else ""
+        cases = f" ({r.passed} of {r.total} cases passed)" if r.total and r.status in ("pass", "partial", "fail") else ""
         lines += ["", f"## {r.id} {titles.get(r.id, '')}: {r.status}{cases}", "", "```text", text.strip(), "```"]
         if instructor:
             for case in r.details:

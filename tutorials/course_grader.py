@@ -219,6 +219,7 @@ class Result:
     points: float = 0.0
     max_points: float = 0.0
     passed: int = 0
+    total: int = 0  # the cases in all: the public check and the hidden ones
     feedback: str = ""
     details: list = field(default_factory=list)  # every case, as Case's fields
 
@@ -293,8 +294,8 @@ def _scored(ex, cases: list[Case], total: int) -> Result:
         status = "timeout" if "timeout" in statuses else ("partial" if points > 0 else "fail")
     first = next((c for c in cases if c.status != "pass"), None)
     message = "" if first is None else (f"{first.label}: {first.message}" if first.hidden else first.message)
-    return Result(ex.id, status, message, len(cases), round(points, 6), ex.points, passed, _feedback(cases, total),
-                  [asdict(c) for c in cases])
+    return Result(ex.id, status, message, len(cases), round(points, 6), ex.points, passed, total,
+                  _feedback(cases, total), [asdict(c) for c in cases])
 
 
 def grade_exercise(course, ex, answer, hidden, time_limit: float | None = 60.0) -> Result:
@@ -314,7 +315,8 @@ def grade_exercise(course, ex, answer, hidden, time_limit: float | None = 60.0) 
             cases.append(Case(label, "pass", "", is_hidden))
         except course.NotAttempted as err:
             if n == 1:
-                return Result(ex.id, "not done", "", 1, 0.0, ex.points, 0, "", [asdict(Case(label, "not done"))])
+                return Result(ex.id, "not done", "", 1, 0.0, ex.points, 0, len(checks), "",
+                              [asdict(Case(label, "not done"))])
             cases.append(Case(label, "fail", f"the answer raised NotImplementedError: {err}", is_hidden))
         except course.Refused as err:
             cases.append(Case(label, "refused", str(err), is_hidden))
