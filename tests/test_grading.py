@@ -795,3 +795,36 @@ def test_kernel_answers_run_in_the_sandbox_with_the_simulators_threads(tmp_path)
     path = grader.grade(9, paths, tmp_path / "gradebook", cell_timeout=120, time_limit=60, jobs=1)
     row = next(csv.DictReader(open(path, newline="", encoding="utf-8")))
     assert {i: row[f"status {i}"] for i in grader.answer_names(9)} == {i: "pass" for i in grader.answer_names(9)}, row
+
+
+def test_a_swapped_function_refuses_under_every_binding_and_records_its_name():
+    """The answer's process gives every function of refused code a __code__ that raises: aliases, defaults, closures."""
+    import course_sandbox as sandbox
+
+    def outer():
+        cell = 3
+
+        def reference(x, y=1):
+            return x + y + cell
+
+        return reference
+
+    reference = outer()
+    alias, holder = reference, {"f": reference}
+
+    def answer(x, f=reference):
+        return f(x)
+
+    assert answer(1) == 5
+    latch: list = []
+    reference.__code__ = sandbox._refuser(reference.__code__, "module.reference", latch, sandbox.Refused, {})
+    for call in (lambda: reference(1), lambda: alias(1), lambda: holder["f"](1), lambda: answer(1)):
+        with pytest.raises(sandbox.Refused, match="module.reference"):
+            call()
+    assert latch == ["module.reference"] * 4 and reference.__qualname__.endswith("reference")
+    rules = (frozenset(), frozenset({(__file__, "test_a_swapped_function_refuses_under_every_binding_and_records_its_name")}),
+             frozenset({__file__}), frozenset())
+    assert sandbox._matches(outer.__code__, *rules) is True  # nested in the refused function
+    assert sandbox._matches(test_points_are_declared_beside_every_exercise.__code__, *rules) is False
+    allowed = rules[:3] + (frozenset({(__file__, outer.__code__.co_qualname)}),)
+    assert sandbox._matches(outer.__code__, *allowed) is False and sandbox._matches(sys._getframe().f_code, *allowed)
