@@ -798,11 +798,17 @@ def test_inputs_cross_with_their_functions_left_behind():
 
 @pytest.mark.notebook
 def test_kernel_answers_run_in_the_sandbox_with_the_simulators_threads(tmp_path):
-    """Lesson 9's right answers: the CUDA simulator's threads (started by threading) run, watched, and pass."""
-    paths = [p for p in grader.make_sample_class(9, tmp_path / "class", quick=True) if p.stem == "right"]
-    path = grader.grade(9, paths, tmp_path / "gradebook", cell_timeout=120, time_limit=60, jobs=1)
-    row = next(csv.DictReader(open(path, newline="", encoding="utf-8")))
-    assert {i: row[f"status {i}"] for i in grader.answer_names(9)} == {i: "pass" for i in grader.answer_names(9)}, row
+    """Lesson 9's right answers: the CUDA simulator's threads (started by threading) run, watched, and pass; the
+    oracle's answers are refused there, 9.3's for launching no kernel of its own."""
+    paths = [p for p in grader.make_sample_class(9, tmp_path / "class", quick=True) if p.stem in ("right", "oracle")]
+    path = grader.grade(9, paths, tmp_path / "gradebook", cell_timeout=120, time_limit=60, jobs=2)
+    rows = {row["submission"]: row for row in csv.DictReader(open(path, newline="", encoding="utf-8"))}
+    hidden = grader.load_hidden(9)
+    for kind in ("right", "oracle"):
+        got = {i: rows[kind][f"status {i}"] for i in grader.answer_names(9)}
+        assert got == {i: grader.expected_status(kind, i, hidden) for i in got}, rows[kind]
+    detail = {s["student"]: s for s in json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))}
+    assert "launched no kernel of its own" in {r["id"]: r for r in detail["oracle"]["results"]}["9.3"]["message"]
 
 
 def test_a_swapped_function_refuses_under_every_binding_and_records_its_name():
