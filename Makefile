@@ -7,7 +7,8 @@
 #   make docs     execute every tutorial (full size; TUTORIAL_SMALL=1 for small) and build docs/_build/html
 # and the experiments' full sweeps (docs/experiment_*.md): make experiments
 # and, to teach from the lessons: make lab (JupyterLab on tutorials/ with the project's kernel), make student-course
-# (a copy to hand out, without the solutions), make grade LESSON=N SUBMISSIONS='...' (the autograder's gradebook)
+# (a copy to hand out, without the solutions), make grade LESSON=N SUBMISSIONS='...' (the autograder's gradebook);
+# the variables that redirect these two are in docs/course.md
 # and, on a machine with an NVIDIA GPU: make gpu-check (both GPU backends validated and measured, gpu/check.py); its
 # rehearsal here, in an environment built like the GPU machines: make gpu-rehearsal (run it when gpu/ or bench_gpu.py change)
 PYTHON ?= python3
@@ -115,18 +116,26 @@ $(COURSE_STAMP): $(STAMP)
 lab: $(COURSE_STAMP)
 	JUPYTER_PREFER_ENV_PATH=1 $(VENV)/bin/jupyter lab --notebook-dir=tutorials
 
-# a copy of the course to hand out (tutorials/course.py build-student): the lessons, refimpl, cpu, gpu, app and what
-# installs them, without tutorials/solutions/ (worked solutions, near misses, the grader's hidden cases, answer keys)
+# a copy of the course to hand out (tutorials/course.py build-student): the lessons, the pages they cite, refimpl, cpu,
+# gpu, app and what installs them, without tutorials/solutions/ (worked solutions, near misses, the grader's hidden
+# cases, answer keys), into $(STUDENT_COURSE); FORCE=1 replaces a build made there before.  docs/course.md lists the
+# variables of this target and of `grade`
 STUDENT_COURSE ?= dist/student-course
+FORCE ?=
 student-course: $(STAMP)
-	$(PY) tutorials/course.py build-student $(STUDENT_COURSE)
+	$(PY) tutorials/course.py build-student $(STUDENT_COURSE) $(if $(FORCE),--force)
 
-# the autograder (tutorials/course_grader.py) on one lesson's submitted notebooks, into $(GRADEBOOK)/lesson_NN.csv:
-#   make grade LESSON=4 SUBMISSIONS='hand-in/*/04_gma_gradients.ipynb'
+# the autograder (tutorials/course_grader.py) on one lesson's submitted notebooks, into $(GRADEBOOK)/lesson_NN.csv
+# (with the Canvas and Moodle files and a report per student):
+#   make grade LESSON=4 SUBMISSIONS='hand-in/*/04_gma_gradients.ipynb' [ROSTER=roster.csv] [WRITTEN=written.csv] [JOBS=2]
 GRADEBOOK ?= gradebook
+ROSTER ?=
+WRITTEN ?=
+JOBS ?=
 grade: $(STAMP)
 	@test -n "$(LESSON)" -a -n "$(SUBMISSIONS)" || { echo "make grade LESSON=N SUBMISSIONS='notebooks...'"; exit 2; }
-	$(PY) tutorials/course.py grade $(LESSON) $(SUBMISSIONS) --out $(GRADEBOOK)
+	$(PY) tutorials/course.py grade $(LESSON) $(SUBMISSIONS) --out $(GRADEBOOK) $(if $(ROSTER),--roster $(ROSTER)) \
+		$(if $(WRITTEN),--written $(WRITTEN)) $(if $(JOBS),--jobs $(JOBS))
 
 clean:
 	rm -rf $(VENV) $(LATEST_VENV) .venv-rehearsal .pytest_cache .hypothesis docs/_build docs/tutorials docs/api/generated

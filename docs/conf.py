@@ -244,13 +244,12 @@ def _always_reread_index(app, env, added, changed, removed):
 
 
 COURSE_MARKER = "% course tables: conf.py puts them here"
-FP_MARKER = "% floating-point fragments: conf.py includes docs/_fp/*.md here"
+FP_MARKER = course.FP_MARKER
 
 
 def _fp_fragments() -> list[str]:
-    """The appendix's fragments in course order: the lessons' (NN.md), then the derivation pages'."""
-    frags = sorted(p.name for p in (DOCS / "_fp").glob("*.md"))
-    return [f for f in frags if f[:2].isdigit()] + [f for f in frags if not f[:2].isdigit()]
+    """The appendix's fragments in course order (the student build writes them in the same order)."""
+    return course.fp_fragments(DOCS)
 
 
 def _course_page() -> str:

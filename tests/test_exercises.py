@@ -168,7 +168,7 @@ def test_the_keyword_rule_is_not_vacuous():
 
 
 def test_the_framework_tells_a_stub_from_a_wrong_answer():
-    @_course.exercise("99.1", "square", 1)
+    @_course.exercise("99.1", "square", 1, points=1)
     def _square(f):
         assert f(3.0) == 9.0, f"f(3) = {f(3.0)}, expected 9"
 

@@ -89,3 +89,15 @@ def test_the_course_plan_bounds_the_plateau_by_n_max():
     text = (TUTORIALS / "README.md").read_text(encoding="utf-8")
     assert "plateau (at most n_max − 1 rows)" in text
     assert not re.search(r"at most N\s*[−-]\s*1", text)
+
+
+def test_lesson_10_says_what_med_of_an_even_count_is_as_app_tasks_computes_it():
+    """The floor of the mean of the two middle values (LRA's ``int(np.median(...))``), not the lower middle value."""
+    from app import tasks
+
+    section = _between(LESSON_10, "## 3. ListOps-mini", "## 4.")
+    assert "lower middle value as an integer" not in section and "floor of the mean of the two middle values" in section
+    assert "`[MED 1 4 ]` is 2" in section and tasks.listops_value(tasks.listops_encode("[MED 1 4 ]")) == 2
+    # and the lesson asserts it against app.tasks when it runs
+    code = (TUTORIALS / "10_training_gma.py").read_text(encoding="utf-8")
+    assert "tasks.listops_value(tasks.listops_encode(text)) == value" in code

@@ -734,6 +734,8 @@ plt.show()
 # `AssertionError` that says what is wrong. Each exercise runs on its own
 # after the first code cell of the lesson (the imports). Worked solutions are
 # in `tutorials/solutions/lesson_02.py`: try first.
+# In a course, the copy you are given leaves `tutorials/solutions/` out: your
+# instructor says when the solutions are handed out.
 
 # %%
 from _course import check  # noqa: E402  (the exercises come after the lesson)

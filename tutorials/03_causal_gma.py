@@ -560,6 +560,8 @@ assert np.all(den <= np.arange(1, N + 1) * (1 + 4 * N * U))  # sum of t probabil
 # prints that the exercise is not done yet and the lesson runs on, and a wrong
 # answer stops with a message that says what is wrong. Worked solutions are in
 # `tutorials/solutions/lesson_03.py`: try first.
+# In a course, the copy you are given leaves `tutorials/solutions/` out: your
+# instructor says when the solutions are handed out.
 
 # %%
 from _course import check  # noqa: E402  (the exercises come after the lesson)

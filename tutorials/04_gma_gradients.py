@@ -602,6 +602,8 @@ assert max(worst_ratio.values()) <= 1 + 16 * U
 # prints that the exercise is not done yet and the lesson runs on, and a wrong
 # answer stops with a message that says what is wrong. Worked solutions are in
 # `tutorials/solutions/lesson_04.py`: try first.
+# In a course, the copy you are given leaves `tutorials/solutions/` out: your
+# instructor says when the solutions are handed out.
 
 # %%
 from _course import check  # noqa: E402  (the exercises come after the lesson)

@@ -738,6 +738,8 @@ plt.show()
 # prints that the exercise is not done yet, and a wrong answer stops with a
 # message that says what is off. Worked solutions are in
 # `tutorials/solutions/lesson_06.py`: try first.
+# In a course, the copy you are given leaves `tutorials/solutions/` out: your
+# instructor says when the solutions are handed out.
 
 # %%
 from _course import check  # noqa: E402  (the exercises come after the lesson)

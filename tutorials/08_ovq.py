@@ -1226,6 +1226,8 @@ for kw in ({}, {"learning_rate": 0.2}):
 # prints that the exercise is not done yet, and a wrong answer stops with a
 # message that says what is wrong. Worked solutions are in
 # `tutorials/solutions/lesson_08.py`: try first.
+# In a course, the copy you are given leaves `tutorials/solutions/` out: your
+# instructor says when the solutions are handed out.
 
 # %%
 from _course import check  # noqa: E402

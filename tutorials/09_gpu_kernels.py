@@ -1306,6 +1306,8 @@ else:
 # the checks use tiny sizes; its rules are a GPU's, plus two of its own: one
 # `cuda.shared.array` per source line, and no warp shuffles. Worked
 # solutions are in `tutorials/solutions/lesson_09.py`; try first.
+# In a course, the copy you are given leaves `tutorials/solutions/` out: your
+# instructor says when the solutions are handed out.
 
 # %%
 from _course import check  # noqa: E402  (the exercises need it only here)

@@ -252,12 +252,16 @@ for mixer in model.MIXERS:
 # ## 3. ListOps-mini
 #
 # Expressions nest the operators MIN, MAX, MED (the median; of an even
-# count, the lower middle value as an integer, like the original ListOps)
-# and SUM_MOD (the sum modulo 10) over the digits 0 to 9, at most 3 deep and
-# at most 128 tokens long; the label is the value, 0 to 9. The splits are
-# drawn from one seed and share no expression.
+# count, the floor of the mean of the two middle values, `int(np.median(...))`
+# as the original ListOps computes it, so `[MED 1 4 ]` is 2, not the lower
+# middle value 1) and SUM_MOD (the sum modulo 10) over the digits 0 to 9, at
+# most 3 deep and at most 128 tokens long; the label is the value, 0 to 9. The
+# splits are drawn from one seed and share no expression.
 
 # %%
+# MED of an even count, as app.tasks evaluates it: the floor of the mean of the two middle values
+for text, value in (("[MED 1 4 ]", 2), ("[MED 9 0 3 8 ]", 5), ("[MED 7 8 ]", 7)):
+    assert tasks.listops_value(tasks.listops_encode(text)) == value == int(np.median([int(c) for c in text.split()[1:-1]]))
 splits = tasks.listops_splits(2000, 200, 200, seed=0)
 x_train, y_train = splits["train"]
 for i in range(3):
@@ -554,6 +558,8 @@ for layer, (queries, keys) in enumerate(result.bounds):
 # backwards of `app.model` or `refimpl.gradcheck`: those are what the
 # checks compare with. Worked solutions
 # are in `tutorials/solutions/lesson_10.py`; try first.
+# In a course, the copy you are given leaves `tutorials/solutions/` out: your
+# instructor says when the solutions are handed out.
 
 # %%
 from _course import check  # noqa: E402  (the exercises need it only here)

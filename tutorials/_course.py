@@ -5,7 +5,8 @@ registered with :func:`exercise`.  It receives the student's answer (a
 function, or a value) and ``assert``s on it: it builds its own inputs, calls
 the answer and compares with an independent result (``refimpl``, a dense
 formula, finite differences), and raises ``AssertionError`` with a message
-that says what is wrong.
+that says what is wrong.  Beside it, the exercise declares its ``points``, and
+whether its independent cases earn a share of them each (``partial``).
 
 In a lesson, the exercise is two cells::
 
@@ -18,12 +19,25 @@ Until the stub is filled in (it still raises ``NotImplementedError``, or a
 value answer is still ``...``), the check cell prints that the exercise is not
 done yet and the lesson runs on; a wrong answer raises ``AssertionError``.
 
-Where ``refimpl`` (or SciPy) already has the function an exercise asks for,
-the exercise names it in ``refuse``: while the check calls the answer, those
-functions, and every module attribute bound to them, raise, so an answer that
-calls the reference it is compared with fails with :class:`Refused`.  A kernel
-exercise (``kernel=True``) also counts the launches of the answer's own
+Where ``refimpl`` (or SciPy, or another implementation in the project)
+already computes what an exercise asks for, the exercise names that code in
+``refuse``: whole modules or packages (every function in them, public or
+private) or single functions.  While the check calls the answer, every call
+into that code is refused by what runs, not by name: a profile function
+(:func:`sys.setprofile`, and :func:`threading.setprofile` for the threads
+the answer starts) sees each Python function the answer runs, however it
+was bound (an alias, a default argument, a closure, ``getattr`` on a module,
+a wrapper), and the first one whose code lies in the refused code fails the
+answer with :class:`Refused`, naming it.  ``allow`` names the functions of
+refused code that the answer may call all the same.  A kernel exercise
+(``kernel=True``) also counts the launches of the answer's own
 ``numba.cuda`` kernels and fails an answer that launched none.
+
+The autograder (``course_grader.py``) does not run the answer here: it runs
+the checks in its own process and calls the answer in the submission's
+process (``course_sandbox.py``), which refuses the same code there and
+sends back only the answer's results; :func:`run` takes such a remote
+answer (``answer.remote`` is true) as it is.
 
 Worked solutions are in ``tutorials/solutions/lesson_NN.py``, out of sight of
 the notebook.  ``tests/test_exercises.py`` runs every check against its
@@ -34,11 +48,16 @@ against the wrong answers listed beside each solution (each must fail with an
 
 from __future__ import annotations
 
+import _thread
 import functools
 import importlib
+import importlib.util
+import os
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 LEVELS = {1: "warm-up", 2: "core", 3: "stretch"}
@@ -48,8 +67,13 @@ LEVELS = {1: "warm-up", 2: "core", 3: "stretch"}
 class Exercise:
     """One exercise: its id ``"L.k"`` (lesson L, exercise k), a title, a level and the check.
 
-    ``refuse`` names the functions (``"package.module.name"``) the answer may
-    not call; ``kernel`` says that the answer must launch a kernel of its own.
+    ``points`` is what the exercise is worth; ``partial`` says that each of its
+    independent cases (the public check, each hidden case) earns a share of
+    them.  ``refuse`` names the code the answer may not call (modules,
+    packages or functions, as ``"package.module"`` or
+    ``"package.module.name"``), ``allow`` the functions of it that it may
+    call all the same; ``kernel`` says that the answer must launch a kernel of
+    its own.
     """
 
     id: str
@@ -58,6 +82,9 @@ class Exercise:
     run: Callable[[Any], None]
     refuse: tuple[str, ...] = ()
     kernel: bool = False
+    points: float = 1.0
+    partial: bool = False
+    allow: tuple[str, ...] = ()
 
     @property
     def lesson(self) -> int:
@@ -72,23 +99,37 @@ class NotAttempted(AssertionError):
 
 
 class Refused(AssertionError):
-    """The answer called a function its exercise refuses, or launched no kernel of its own where one is asked for."""
+    """The answer called code its exercise refuses, or launched no kernel of its own where one is asked for."""
 
 
 # the packages whose kernels are the project's own, not an answer's: launching one does not answer a kernel exercise
-PROJECT_PACKAGES = ("refimpl", "cpu", "gpu")
+PROJECT_PACKAGES = ("refimpl", "cpu", "gpu", "app")
+# what a refusal names when an answer starts a thread outside threading (whose threads the refusal watches)
+THREAD = "_thread.start_new_thread"
+_THREAD_START = threading.Thread.start.__code__
 
 
-def exercise(id: str, title: str, level: int, *, refuse: tuple[str, ...] = (), kernel: bool = False) -> Callable:
+def exercise(id: str, title: str, level: int, *, points: float, partial: bool = False, refuse: tuple[str, ...] = (),
+             allow: tuple[str, ...] = (), kernel: bool = False) -> Callable:
     """Register the decorated function as the check of exercise ``id``.
 
     Parameters
     ----------
     id, title, level
         ``"L.k"``, a short title, and 1, 2 or 3 (:data:`LEVELS`).
+    points : float
+        What the exercise is worth in the gradebook (> 0).
+    partial : bool
+        Each independent case of the check (the public check, each hidden
+        case of the grader) earns ``points`` divided by their number; without
+        it the exercise earns its points only when every case passes.
     refuse : tuple of str
-        Functions, as ``"package.module.name"``, that the answer must not call:
-        the reference the check compares with, and what it is built on.
+        The code the answer must not call: modules or packages
+        (``"refimpl.scan"``: every function in them, public or private) or
+        functions (``"scipy.special.logsumexp"``), the reference the check
+        compares with and every implementation of it in the project.
+    allow : tuple of str
+        Functions inside refused code that the answer may call all the same.
     kernel : bool
         The answer must launch at least one ``numba.cuda`` kernel defined
         outside :data:`PROJECT_PACKAGES` (its own) each time it is called.
@@ -98,14 +139,16 @@ def exercise(id: str, title: str, level: int, *, refuse: tuple[str, ...] = (), k
         raise ValueError(f"an exercise id is 'L.k' with integers L and k, got {id!r}")
     if level not in LEVELS:
         raise ValueError(f"level is one of {sorted(LEVELS)}, got {level!r}")
-    bad = [name for name in refuse if name.count(".") < 1]
+    bad = [name for name in refuse + allow if not all(part.isidentifier() for part in name.split("."))]
     if bad:
         raise ValueError(f"exercise {id}: refuse names functions as 'package.module.name', got {bad}")
+    if not (isinstance(points, (int, float)) and points > 0):
+        raise ValueError(f"exercise {id}: points must be a number > 0, got {points!r}")
 
     def register(run: Callable[[Any], None]) -> Callable[[Any], None]:
         if id in EXERCISES:
             raise ValueError(f"exercise {id} is registered twice")
-        EXERCISES[id] = Exercise(id, title, level, run, tuple(refuse), kernel)
+        EXERCISES[id] = Exercise(id, title, level, run, tuple(refuse), kernel, float(points), bool(partial), tuple(allow))
         return run
 
     return register
@@ -130,52 +173,141 @@ def get(id: str) -> Exercise:
     return EXERCISES[id]
 
 
-def _resolve(name: str):
-    """The module and attribute of ``"package.module.name"``; None where the module is not installed."""
+@dataclass(frozen=True)
+class Refusal:
+    """The code an exercise refuses, as what runs: files, and functions by file and qualified name.
+
+    ``files``: every code object compiled from these files (a refused module
+    or package); ``functions``: ``(file, qualname)`` pairs, each refusing
+    that function and every function nested in it (a refused function, or
+    a class: its methods); ``allowed``: the same pairs for what ``allow``
+    names, which wins.  ``modules`` maps each file to its module's name, for
+    the messages.  Comparing file names, not function objects, refuses the
+    code however it was bound: under another name, in a default argument or a
+    closure, through ``getattr``, inside a wrapper, or rebuilt from its code
+    object.
+    """
+
+    files: frozenset = frozenset()
+    functions: frozenset = frozenset()
+    allowed: frozenset = frozenset()
+    modules: tuple = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.files or self.functions)
+
+    def refuses(self, code) -> bool:
+        """Whether running ``code`` (a code object) is a call into the refused code."""
+        file = code.co_filename
+        whole = file in self.files
+        if not whole and not any(f == file for f, _ in self.functions):
+            return False
+        name = getattr(code, "co_qualname", code.co_name)
+        hit = whole
+        while True:
+            if (file, name) in self.allowed:
+                return False
+            hit = hit or (file, name) in self.functions
+            if "." not in name:
+                return hit
+            name = name.rsplit(".", 1)[0]
+
+    def name(self, code) -> str:
+        """``module.qualname`` of ``code``, for a message."""
+        module = dict(self.modules).get(code.co_filename, Path(code.co_filename).stem)
+        return f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
+
+    def moved(self, old_root: str, new_root: str) -> Refusal:
+        """The same refusal for a copy of the project: files under ``old_root`` read as under ``new_root``."""
+        def move(file):
+            return new_root + file[len(old_root):] if file.startswith(old_root + os.sep) else file
+
+        return Refusal(frozenset(map(move, self.files)), frozenset((move(f), q) for f, q in self.functions),
+                       frozenset((move(f), q) for f, q in self.allowed), tuple((move(f), m) for f, m in self.modules))
+
+
+def _project_root() -> Path:
+    """The folder that holds the project's packages (``refimpl``, ``cpu``, ``gpu``, ``app``), found without importing them."""
+    found = importlib.util.find_spec("refimpl")
+    return Path(found.origin).resolve().parent.parent
+
+
+def _files_of(name: str) -> dict[str, str] | None:
+    """``{file: module}`` of the module or package ``name``, or None where it is neither.
+
+    The project's own are found in their folders, without importing them
+    (``gpu.numba_cuda`` would import numba); others by importing them.
+    """
+    if name.split(".")[0] in PROJECT_PACKAGES:
+        base = _project_root().joinpath(*name.split("."))
+        if base.with_suffix(".py").is_file():
+            return {str(base.with_suffix(".py")): name}
+        if base.is_dir():
+            return {str(p): ".".join(p.relative_to(_project_root()).with_suffix("").parts).removesuffix(".__init__")
+                    for p in sorted(base.rglob("*.py"))}
+        return None
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        return None
+    folders = getattr(module, "__path__", None)
+    if folders:
+        return {str(p): name for folder in folders for p in sorted(Path(folder).rglob("*.py"))}
+    return {str(module.__file__): name} if getattr(module, "__file__", None) else None
+
+
+def _function_of(name: str) -> tuple[set, dict[str, str]]:
+    """``({(file, qualname)}, {file: module})`` of the function or class ``"module.name"`` (and what it wraps)."""
     module_name, _, attr = name.rpartition(".")
     try:
         module = importlib.import_module(module_name)
-    except ImportError:
-        return None
+    except ImportError as err:
+        raise ValueError(f"refused name {name!r}: no module {module_name!r}") from err
     if not hasattr(module, attr):
         raise ValueError(f"refused name {name!r}: {module_name} has no attribute {attr!r}")
-    return module, attr
+    obj, pairs, modules = getattr(module, attr), set(), {}
+    while obj is not None:
+        code = getattr(obj, "__code__", None)
+        if code is not None:
+            pairs.add((code.co_filename, getattr(code, "co_qualname", code.co_name)))
+            modules[code.co_filename] = getattr(obj, "__module__", module_name)
+        elif isinstance(obj, type) and getattr(sys.modules.get(obj.__module__), "__file__", None):
+            file = sys.modules[obj.__module__].__file__
+            pairs.add((file, obj.__qualname__))
+            modules[file] = obj.__module__
+        obj = getattr(obj, "__wrapped__", None)
+    if not pairs:
+        raise ValueError(f"refused name {name!r}: not a Python function, class, module or package")
+    return pairs, modules
 
 
-def _bindings(refuse: tuple[str, ...], answer: Any) -> list[tuple[dict, str, Any, str]]:
-    """Every place a refused function is bound: (namespace, key, the function, its refused name).
-
-    Its own module, every loaded module of the same top-level package that
-    imported it under any name, and the globals of the answer (a notebook's
-    ``from scipy.special import logsumexp``).  It reads every loaded module of
-    those packages: :class:`_Bindings` keeps the result for the calls of one
-    check.
-    """
-    targets: dict[int, tuple[Any, str]] = {}
-    for name in refuse:
-        found = _resolve(name)
+def _pairs(names: tuple[str, ...]) -> tuple[set, set, dict]:
+    files, functions, modules = set(), set(), {}
+    for name in names:
+        found = _files_of(name)
         if found is not None:
-            obj = getattr(*found)
-            targets[id(obj)] = (obj, name)
-    if not targets:
-        return []
-    tops = {name.split(".")[0] for name in refuse}
-    namespaces = [vars(m) for key, m in list(sys.modules.items())
-                  if m is not None and key.split(".")[0] in tops]
-    for fn in (answer, getattr(answer, "__call__", None)):
-        g = getattr(fn, "__globals__", None)
-        if isinstance(g, dict):
-            namespaces.append(g)
-    out, seen = [], set()
-    for ns in namespaces:
-        if id(ns) in seen:
-            continue
-        seen.add(id(ns))
-        for key, value in list(ns.items()):
-            hit = targets.get(id(value))
-            if hit is not None and hit[0] is value:
-                out.append((ns, key, value, hit[1]))
-    return out
+            files.update(found)
+            modules.update(found)
+        else:
+            pairs, where = _function_of(name)
+            functions |= pairs
+            modules.update(where)
+    return files, functions, modules
+
+
+@functools.cache
+def refusal(id: str) -> Refusal:
+    """What exercise ``id`` refuses, as a :class:`Refusal` (its ``refuse`` and ``allow``, resolved in this process)."""
+    ex = get(id)
+    files, functions, modules = _pairs(ex.refuse)
+    _, allowed, more = _pairs(ex.allow)
+    # both spellings of a file: the code's own (as imported) and the real path
+    files |= {os.path.realpath(f) for f in files}
+    functions |= {(os.path.realpath(f), q) for f, q in functions}
+    allowed |= {(os.path.realpath(f), q) for f, q in allowed}
+    modules.update(more)
+    modules.update({os.path.realpath(f): m for f, m in list(modules.items())})
+    return Refusal(frozenset(files), frozenset(functions), frozenset(allowed), tuple(sorted(modules.items())))
 
 
 def _refusal_message(ex: Exercise, called: list[str]) -> str:
@@ -184,62 +316,46 @@ def _refusal_message(ex: Exercise, called: list[str]) -> str:
             f"proves nothing. Refused here: {', '.join(ex.refuse)}. Write the computation yourself.")
 
 
-class _Bindings:
-    """:func:`_bindings` of one answer, found again only when a module was imported since the last time.
-
-    A check calls the answer many times (thousands, for a table of integer
-    cases); reading every loaded module at each call would cost more than the
-    answer.  A new binding of a refused function can only come from an import
-    (a new module in ``sys.modules``), or from the answer assigning one into a
-    module, which the scan of the answer's own globals also catches when that
-    is where it assigns.  Stale entries are dropped: a namespace whose key no
-    longer holds the function is not patched.
-    """
-
-    def __init__(self, refuse: tuple[str, ...], answer: Any):
-        self.refuse, self.answer = refuse, answer
-        self.modules = -1
-        self.found: list[tuple[dict, str, Any, str]] = []
-
-    def __call__(self) -> list[tuple[dict, str, Any, str]]:
-        if len(sys.modules) != self.modules:
-            self.modules = len(sys.modules)
-            self.found = _bindings(self.refuse, self.answer)
-        return [b for b in self.found if b[0].get(b[1]) is b[2]]
+def _no_kernel_message(ex: Exercise) -> str:
+    return (f"exercise {ex.id}: your function launched no kernel of its own (a `@cuda.jit` function called as "
+            f"`kernel[blocks, threads](...)`), so it is not the kernel the exercise asks for, even where its "
+            f"result is right: NumPy on the host, or the project's own kernels in `gpu`, do not count.")
 
 
 @contextmanager
-def refused(ex: Exercise, answer: Any, bindings: _Bindings | None = None):
-    """While the block runs, every function ``ex`` refuses raises :class:`Refused` (and the call is recorded).
+def watching(ex: Exercise, called: list[str]):
+    """While the block runs, a call into the code ``ex`` refuses raises :class:`Refused` (and is recorded in ``called``).
 
-    Raises :class:`Refused` at the end of the block if a refused function was
-    called, even when the answer caught the first error.  ``bindings`` (one
-    per check) spares the search for the refused functions at every call.
+    A profile function on this thread, and on every thread started with
+    :mod:`threading` meanwhile, looks at each Python function as it starts:
+    one whose code the exercise refuses (:func:`refusal`) raises before it
+    computes anything, and so does a thread started around :mod:`threading`
+    (``_thread.start_new_thread``), which no profile function would watch.  Raising stops Python's profiling of that thread, so
+    the caller judges by ``called``, which keeps every refused call.
     """
-    bindings = (bindings or _Bindings(ex.refuse, answer))()
-    called: list[str] = []
+    rules = refusal(ex.id)
+    if not rules:
+        yield
+        return
 
-    def raiser_for(name):
-        def refuse_call(*args, **kwargs):
-            called.append(name)
-            raise Refused(_refusal_message(ex, [name]))
+    def profile(frame, event, arg):
+        if event == "call" and rules.refuses(frame.f_code):
+            name = rules.name(frame.f_code)
+        elif event == "c_call" and arg is _thread.start_new_thread and frame.f_code is not _THREAD_START:
+            name = THREAD  # a thread no profile function would watch
+        else:
+            return
+        called.append(name)
+        raise Refused(_refusal_message(ex, [name]))
 
-        return refuse_call
-
-    raisers = {name: raiser_for(name) for name in ex.refuse}
-    for ns, key, _, name in bindings:
-        ns[key] = raisers[name]
+    before, before_threads = sys.getprofile(), threading.getprofile()
+    threading.setprofile(profile)
+    sys.setprofile(profile)
     try:
         yield
-    except BaseException as err:
-        if called and not isinstance(err, Refused):  # the answer caught the refusal and failed otherwise
-            raise Refused(_refusal_message(ex, sorted(set(called)))) from err
-        raise
     finally:
-        for ns, key, value, _ in bindings:
-            ns[key] = value
-    if called:  # the answer caught the refusal and went on
-        raise Refused(_refusal_message(ex, sorted(set(called))))
+        sys.setprofile(before)
+        threading.setprofile(before_threads)
 
 
 def _launch_class():
@@ -279,30 +395,34 @@ def counted_launches(counts: list[str]):
 
 
 def guarded(ex: Exercise, answer: Any) -> Any:
-    """``answer`` as its check calls it: with the refused functions raising, and its kernel launches counted.
+    """``answer`` as its check calls it: calls into the refused code raising, and its kernel launches counted.
 
     A value answer (not callable) and an exercise with neither ``refuse`` nor
-    ``kernel`` get ``answer`` itself.
+    ``kernel`` get ``answer`` itself.  A refused call fails the answer with
+    :class:`Refused` even where the answer caught the error it raised.
     """
     if not callable(answer) or not (ex.refuse or ex.kernel):
         return answer
 
-    bindings = _Bindings(ex.refuse, answer)
-
     @functools.wraps(answer)
     def call(*args, **kwargs):
         launches: list[str] = []
-        with refused(ex, answer, bindings):
-            if ex.kernel:
-                with counted_launches(launches):
+        called: list[str] = []
+        try:
+            with watching(ex, called):
+                if ex.kernel:
+                    with counted_launches(launches):
+                        out = answer(*args, **kwargs)
+                else:
                     out = answer(*args, **kwargs)
-            else:
-                out = answer(*args, **kwargs)
+        except BaseException as err:
+            if called and not isinstance(err, Refused):  # the answer caught the refusal and failed otherwise
+                raise Refused(_refusal_message(ex, sorted(set(called)))) from err
+            raise
+        if called:  # the answer caught the refusal and went on
+            raise Refused(_refusal_message(ex, sorted(set(called))))
         if ex.kernel and not launches:
-            raise Refused(
-                f"exercise {ex.id}: your function launched no kernel of its own (a `@cuda.jit` function called as "
-                f"`kernel[blocks, threads](...)`), so it is not the kernel the exercise asks for, even where its "
-                f"result is right: NumPy on the host, or the project's own kernels in `gpu`, do not count.")
+            raise Refused(_no_kernel_message(ex))
         return out
 
     return call
@@ -311,25 +431,35 @@ def guarded(ex: Exercise, answer: Any) -> Any:
 def run(id: str, answer: Any, check: Callable[[Any], None] | None = None) -> None:
     """Run exercise ``id``'s check (or ``check``, another case of it) on ``answer``; raise :class:`NotAttempted` if it is still the stub.
 
-    The answer is called through :func:`guarded`: the functions the exercise
-    refuses raise while it runs, and a kernel exercise counts its launches.
+    The answer is called through :func:`guarded`: calls into the code the
+    exercise refuses raise while it runs, and a kernel exercise counts its
+    launches.  A remote answer (``answer.remote``: the grader's handle on a
+    function that runs in the submission's own process) is refused there, and
+    its ``refused`` lists what it called of the refused code.
 
     Raises
     ------
     NotAttempted
         ``answer`` is ``...``, or calling it raised ``NotImplementedError``.
     Refused
-        ``answer`` called a refused function, or launched no kernel of its own.
+        ``answer`` called refused code, or launched no kernel of its own.
     AssertionError
         ``answer`` is wrong; the message says how.
     """
     ex = get(id)
     if answer is Ellipsis:
         raise NotAttempted(f"exercise {id}: the answer is still `...`")
+    remote = getattr(answer, "remote", False) is True
     try:
-        (check or ex.run)(guarded(ex, answer))
+        (check or ex.run)(answer if remote else guarded(ex, answer))
     except NotImplementedError as err:
         raise NotAttempted(f"exercise {id}: the stub still raises NotImplementedError") from err
+    except BaseException as err:
+        if remote and answer.refused and not isinstance(err, Refused):
+            raise Refused(_refusal_message(ex, sorted(set(answer.refused)))) from err
+        raise
+    if remote and answer.refused:
+        raise Refused(_refusal_message(ex, sorted(set(answer.refused))))
 
 
 def check(id: str, answer: Any) -> bool:

@@ -19,6 +19,8 @@ from _course import exercise
 from refimpl import gmm, tuned
 
 U = np.finfo(np.float64).eps  # machine epsilon u = 2^-52
+# every implementation of the responsibilities in the project (public and private functions alike), and scikit-learn's
+RESPONSIBILITIES = ("refimpl.gmm", "refimpl.tuned", "cpu.gmm", "gpu.numba_cuda.gmm", "gpu.cupy_kernels.gmm", "sklearn.mixture")
 
 
 def _shape(a, expected, what):
@@ -124,8 +126,9 @@ def well_scaled(rng, n_points=200, K=5, d=4):
     return x, means, variances, weights
 
 
-@exercise("1.1", "Log-sum-exp with the per-row maximum", 1,
-          refuse=("scipy.special.logsumexp", "refimpl.gmm.logsumexp", "refimpl.numerics.logsumexp"))
+@exercise("1.1", "Log-sum-exp with the per-row maximum", 1, points=2, partial=True,
+          refuse=("scipy.special.logsumexp", "refimpl.gmm.logsumexp", "refimpl.numerics.logsumexp",
+                  "scipy.special.log_softmax", "refimpl.numerics", "refimpl.tuned"))
 def check_logsumexp_rows(logsumexp_rows):
     """``logsumexp_rows(a) -> (N,)``: ``log sum_k exp(a_ik)`` of each row of ``a`` (N, K), for rows of any scale.
 
@@ -157,10 +160,8 @@ def check_logsumexp_rows(logsumexp_rows):
         got, ref, known={"the shift not added back: you give the log-sum-exp minus each row's maximum": ref - np.max(a, axis=1)})
 
 
-@exercise("1.2", "Responsibilities that never overflow", 2,
-          refuse=("refimpl.gmm.responsibilities", "refimpl.gmm.log_responsibilities", "refimpl.gmm.log_joint",
-                  "refimpl.tuned.responsibilities", "refimpl.tuned.log_responsibilities", "refimpl.tuned.posterior",
-                  "refimpl.tuned.log_joint"))
+@exercise("1.2", "Responsibilities that never overflow", 2, points=4, partial=True,
+          refuse=RESPONSIBILITIES + ("scipy.special.logsumexp", "scipy.special.softmax", "refimpl.numerics"))
 def check_stable_responsibilities(stable_responsibilities):
     """``stable_responsibilities(x, means, variances, weights) -> (N, K)``: the posterior, finite for every input.
 
@@ -206,7 +207,7 @@ def check_stable_responsibilities(stable_responsibilities):
             })
 
 
-@exercise("1.3", "Build the spread-means failure case", 2)
+@exercise("1.3", "Build the spread-means failure case", 2, points=4, partial=False)
 def check_spread_failure_case(case):
     """``spread_failure_case = (x, means, variances, weights)``: a mixture where centring alone fails.
 
@@ -262,9 +263,8 @@ def _flag_pattern(mask):
     return None
 
 
-@exercise("1.4", "Fix it: choose the entries to recompute", 3,
-          refuse=("refimpl.tuned.spoiled_logits", "refimpl.tuned.suspect_rows", "refimpl.tuned.log_joint",
-                  "refimpl.tuned.posterior"))
+@exercise("1.4", "Fix it: choose the entries to recompute", 3, points=6, partial=True,
+          refuse=("refimpl.tuned", "cpu.gmm", "gpu.numba_cuda.gmm", "gpu.cupy_kernels.gmm"))
 def check_entries_to_recompute(entries_to_recompute):
     """``entries_to_recompute(x, means, variances, weights) -> (N, K) bool``: the logits to recompute from ``x - mu``.
 

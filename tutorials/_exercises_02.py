@@ -21,6 +21,8 @@ from _course import exercise
 from refimpl import gmm
 
 U = np.finfo(np.float64).eps  # machine epsilon u = 2^-52
+# what computes the attention's rows, slots and norms: the theory module and every implementation of GMA in the project
+GMA_CODE = ("refimpl.theory", "refimpl.attention", "refimpl.scan", "refimpl.gma", "refimpl.tuned", "cpu", "gpu")
 
 
 def _shape(a, expected, what):
@@ -57,7 +59,7 @@ def _peak_bytes(f):
         tracemalloc.stop()
 
 
-@exercise("2.1", "One row of the attention, without the N x N matrix", 1, refuse=("refimpl.theory.affinity",))
+@exercise("2.1", "One row of the attention, without the N x N matrix", 1, points=2, partial=True, refuse=GMA_CODE)
 def check_attention_row(attention_row):
     """``attention_row(gamma_q, gamma_k, i, eps) -> (N_k,)``: row ``i`` of ``D^-1 A``, in ``O(N K)``.
 
@@ -98,8 +100,8 @@ def check_attention_row(attention_row):
         hints=[_dense_hint(peak, N)])
 
 
-@exercise("2.2", "Slot means and mixing weights", 2,
-          refuse=("refimpl.theory.slot_means", "refimpl.theory.mixing_weights"))
+@exercise("2.2", "Slot means and mixing weights", 2, points=4, partial=True,
+          refuse=GMA_CODE)
 def check_slots_and_weights(slots_and_weights):
     """``slots_and_weights(gamma_q, gamma_k, v, eps) -> (W, M)``: the output as mixtures of slot means.
 
@@ -149,7 +151,7 @@ def check_slots_and_weights(slots_and_weights):
                                               W @ M, out, rows=1)
 
 
-@exercise("2.3", "The isotropic router is linear", 2, refuse=("refimpl.theory.isotropic_router_logits",))
+@exercise("2.3", "The isotropic router is linear", 2, points=4, partial=True, refuse=("refimpl.theory",))
 def check_isotropic_router(isotropic_router):
     """``isotropic_router(means, variance, weights) -> (R, b)``: ``R`` (d, K) and ``b`` (K,) with
     ``softmax(x R + b)`` equal to the GMM posterior when every variance equals ``variance``.
@@ -196,7 +198,7 @@ def check_isotropic_router(isotropic_router):
             })
 
 
-@exercise("2.4", "The size of A without forming it", 3, refuse=("refimpl.theory.affinity",))
+@exercise("2.4", "The size of A without forming it", 3, points=6, partial=True, refuse=GMA_CODE)
 def check_affinity_norm(affinity_norm):
     """``affinity_norm(gamma_q, gamma_k) -> float``: the Frobenius norm of ``A = Gamma_Q Gamma_K^T``, in ``O(N K^2)``.
 

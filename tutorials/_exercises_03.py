@@ -21,6 +21,8 @@ import _hints
 from _course import exercise
 
 U = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16
+# every implementation of the causal mixing in the project: the reference's modules, tuned, the CPU and GPU versions
+MIXING = ("refimpl.scan", "refimpl.attention", "refimpl.gma", "refimpl.tuned", "cpu", "gpu")
 U32 = np.finfo(np.float32).eps  # machine epsilon of float32, 1.2e-7
 
 
@@ -62,7 +64,7 @@ def _worst(out, expected):
     return float(err.max()), row
 
 
-@exercise("3.1", "Generation, one token at a time", 1, refuse=("refimpl.scan.causal_recurrence",))
+@exercise("3.1", "Generation, one token at a time", 1, points=2, partial=True, refuse=MIXING)
 def check_generate_step(generate_step):
     """``generate_step(state, gq_t, gk_t, v_t, eps=1e-6) -> (new_state, o_t)``.
 
@@ -118,9 +120,8 @@ def check_generate_step(generate_step):
             })
 
 
-@exercise("3.2", "Anti-causal GMA by suffix sums", 2,
-          refuse=("refimpl.attention.feature_attention", "refimpl.attention.feature_attention_forward",
-                  "refimpl.scan.scan_forward", "refimpl.scan.causal_recurrence"))
+@exercise("3.2", "Anti-causal GMA by suffix sums", 2, points=4, partial=True,
+          refuse=MIXING)
 def check_anticausal(anticausal_gma):
     """``anticausal_gma(gamma_q, gamma_k, v, eps=1e-6) -> out`` (N, d_v).
 
@@ -170,7 +171,7 @@ def check_anticausal(anticausal_gma):
         hints=[f"the dense N x N matrix formed: your peak is {peak / (8 * n * n):.2f} times one" if peak >= 8 * n * n / 2 else None])
 
 
-@exercise("3.3", "A sliding window that stays accurate", 3)
+@exercise("3.3", "A sliding window that stays accurate", 3, points=6, partial=True)
 def check_window(window_gma):
     """``window_gma(gamma_q, gamma_k, v, w, eps=1e-6) -> out`` (N, d_v), in the dtype of the inputs.
 

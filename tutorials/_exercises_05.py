@@ -33,8 +33,8 @@ def _mixture(K, d, rng, var_min=0.05):
     return means, variances, rng.dirichlet(np.ones(K))
 
 
-@exercise("5.1", "The sharpened Lipschitz bound from the parameters", 1,
-          refuse=("refimpl.theory.lipschitz_bounds", "refimpl.theory.bound_radius"))
+@exercise("5.1", "The sharpened Lipschitz bound from the parameters", 1, points=2, partial=True,
+          refuse=("refimpl.theory",))
 def check_sharp_bound(sharp_lipschitz_bound):
     """``sharp_lipschitz_bound(means, variances, bound_x) -> float``: $R/\\sqrt2$, $R = (B_x + B_\\mu)/\\sigma^2_{\\min}$.
 
@@ -71,7 +71,7 @@ def _centred(gamma, u):
     return gamma[:, None] * (u - gamma @ u)
 
 
-@exercise("5.2", "The Jacobian of the responsibilities", 2, refuse=("refimpl.theory.responsibility_jacobian",))
+@exercise("5.2", "The Jacobian of the responsibilities", 2, points=4, partial=True, refuse=("refimpl.theory",))
 def check_jacobian(responsibility_jacobian):
     """``responsibility_jacobian(x, means, variances, weights) -> J``, shape (K, d_r), at one point ``x`` (d_r,).
 
@@ -115,7 +115,7 @@ def check_jacobian(responsibility_jacobian):
                 ])
 
 
-@exercise("5.3", "The crude bound never beats the sharpened one", 2, refuse=("refimpl.theory.lipschitz_bounds",))
+@exercise("5.3", "The crude bound never beats the sharpened one", 2, points=4, partial=True, refuse=("refimpl.theory",))
 def check_crude_over_sharp(crude_over_sharp):
     """``crude_over_sharp(K) -> ratio``: (crude bound) / (sharpened bound) for an integer array ``K`` (any shape).
 
@@ -173,8 +173,8 @@ def check_crude_over_sharp(crude_over_sharp):
             assert J0 < crude * (1 - 16 * U), f"at K = {K} the crude bound should be strictly above ||J(0)||_2"
 
 
-@exercise("5.4", "The height of the ridge between two components", 3,
-          refuse=("refimpl.theory.jacobian_spectral_norms", "refimpl.theory.responsibility_jacobian"))
+@exercise("5.4", "The height of the ridge between two components", 3, points=6, partial=True,
+          refuse=("refimpl.theory",))
 def check_ridge(ridge_jacobian_norm):
     """``ridge_jacobian_norm(t, B, var, w1) -> ||J(t e_1)||_2``, shape of ``t``, in closed form.
 

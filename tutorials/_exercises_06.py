@@ -39,7 +39,7 @@ def _worst(err):
     return tuple(int(i) for i in idx)
 
 
-@exercise("6.1", "Nadaraya-Watson regression that does not overflow", 1, refuse=("refimpl.gmr.kernel_regression",))
+@exercise("6.1", "Nadaraya-Watson regression that does not overflow", 1, points=2, partial=True, refuse=("refimpl.gmr", "refimpl.attention"))
 def check_nadaraya_watson(nadaraya_watson):
     """``nadaraya_watson(q, k, v, beta) -> m``, shape (N_q, d_v): kernel regression with ``exp(-(beta/2)||q - k_j||^2)``.
 
@@ -84,9 +84,9 @@ def check_nadaraya_watson(nadaraya_watson):
             })
 
 
-@exercise("6.2", "The exact GMR posterior of isotropic components", 2,
-          refuse=("refimpl.gmr.gmr_predict", "refimpl.gmm.responsibilities", "refimpl.gmm.log_responsibilities",
-                  "refimpl.tuned.responsibilities", "refimpl.tuned.log_responsibilities", "refimpl.tuned.posterior"))
+@exercise("6.2", "The exact GMR posterior of isotropic components", 2, points=4, partial=True,
+          refuse=("refimpl.gmr", "refimpl.gmm", "refimpl.tuned", "cpu.gmm", "gpu.numba_cuda.gmm", "gpu.cupy_kernels.gmm",
+                  "sklearn.mixture"))
 def check_gmr_weights(gmr_weights):
     """``gmr_weights(q, key_means, weights, beta) -> h``, shape (N_q, K): the posterior of each component given a key.
 
@@ -127,7 +127,7 @@ def check_gmr_weights(gmr_weights):
             })
 
 
-@exercise("6.3", "The bound on what dropping the norm term costs", 2, refuse=("refimpl.gmr.readout_gap_bound",))
+@exercise("6.3", "The bound on what dropping the norm term costs", 2, points=4, partial=True, refuse=("refimpl.gmr",))
 def check_gap_bound(readout_gap_bound):
     """``readout_gap_bound(key_means, value_means, beta) -> b``, shape (d_v,): ``tanh(r/4)`` times the range of each value coordinate.
 
@@ -195,7 +195,7 @@ def _slopes_hint(got, expected, q, key_means, mass):
             f"{np.round(b_e, 4).tolist()} (ratios {np.round(b_g / b_e, 4).tolist()})")
 
 
-@exercise("6.4", "GMR with a key-value cross-covariance", 3)
+@exercise("6.4", "GMR with a key-value cross-covariance", 3, points=6, partial=True)
 def check_full_gmr(gmr_full_predict):
     """``gmr_full_predict(q, weights, means, covariances) -> E[v | k = q]``, shape (N_q,), for scalar keys and values.
 

@@ -43,7 +43,7 @@ def _fd_hessian(x, means, beta, weights, h):
     return H
 
 
-@exercise("7.1", "The gradient of the NLL with respect to the means", 1, refuse=("refimpl.gmm.isotropic_nll_gradient",))
+@exercise("7.1", "The gradient of the NLL with respect to the means", 1, points=2, partial=True, refuse=("refimpl.gmm.isotropic_nll_gradient",))
 def check_nll_gradient(nll_gradient):
     """``nll_gradient(x, means, beta, weights) -> g``, shape (K, d): ``g_n = -beta sum_i r_in (x_i - mu_n)``.
 
@@ -75,7 +75,7 @@ def check_nll_gradient(nll_gradient):
             })
 
 
-@exercise("7.2", "The true Hessian of the NLL", 2, refuse=("refimpl.gmm.isotropic_nll_gradient",))
+@exercise("7.2", "The true Hessian of the NLL", 2, points=4, partial=True, refuse=("refimpl.gmm.isotropic_nll_gradient",))
 def check_nll_hessian(nll_hessian):
     """``nll_hessian(x, means, beta, weights) -> H``, shape (K d, K d), rows and columns in the order of ``means.ravel()``.
 
@@ -116,7 +116,7 @@ def check_nll_hessian(nll_hessian):
             })
 
 
-@exercise("7.3", "The running-mean update", 2, refuse=("refimpl.gmm.running_mean_update",))
+@exercise("7.3", "The running-mean update", 2, points=4, partial=True, refuse=("refimpl.gmm.running_mean_update", "refimpl.gmm.fold_running_means", "refimpl.ovq"))
 def check_running_mean(running_mean_update):
     """``running_mean_update(means, counts, x, assign) -> (means', counts')``: fold a batch into running means.
 
@@ -183,7 +183,7 @@ def check_running_mean(running_mean_update):
         hints=[f"the change of the means: {h}" for h in _hints.diagnose(got_mu - start, exp_mu - start)])
 
 
-@exercise("7.4", "A start where true Newton climbs and EM descends", 3)
+@exercise("7.4", "A start where true Newton climbs and EM descends", 3, points=6, partial=False)
 def check_saddle_case(saddle_case):
     """``saddle_case = (x, means, weights)``: one-dimensional data where Newton with the true Hessian raises the NLL.
 

@@ -17,6 +17,8 @@ from _course import exercise
 from refimpl import ovq
 
 U = np.finfo(np.float64).eps  # machine epsilon u = 2.2e-16
+# every implementation of OVQ in the project (public and private functions alike); unit_rows, a normalisation, is allowed
+OVQ = ("refimpl.ovq", "refimpl.ovq_oracle", "cpu.ovq", "gpu.numba_cuda.ovq", "gpu.cupy_kernels.ovq")
 
 
 def _call(answer, *args):
@@ -42,8 +44,8 @@ def _plateau_hint(got, expected, t, n_max):
     return None
 
 
-@exercise("8.1", "The plateau growth curve, in exact integers", 1,
-          refuse=("refimpl.ovq.dictionary_size", "refimpl.ovq._growth"))
+@exercise("8.1", "The plateau growth curve, in exact integers", 1, points=2, partial=True,
+          refuse=OVQ, allow=("refimpl.ovq.unit_rows",))
 def check_plateau_size(plateau_size):
     """``plateau_size(t, n_max) -> int``: ``max(1, floor(t n_max / (t + n_max)))`` for ``t >= 1``, 0 for ``t = 0``.
 
@@ -124,7 +126,7 @@ def _row_hint(rows, expected, bad, khat, dict_keys, seeds):
     return None
 
 
-@exercise("8.2", "Write the OVQ assignment step", 2, refuse=("refimpl.ovq._plan_chunk",))
+@exercise("8.2", "Write the OVQ assignment step", 2, points=4, partial=True, refuse=OVQ, allow=("refimpl.ovq.unit_rows",))
 def check_assign_chunk(assign_chunk):
     """``assign_chunk(khat, dict_keys, n_add) -> (rows, seeds)``: OVQ's assignment with spread initialisation.
 
@@ -161,7 +163,7 @@ def check_assign_chunk(assign_chunk):
 # ---------------------------------------------------------------------------
 
 
-@exercise("8.3", "A key whose largest dot product is not its nearest centroid", 2)
+@exercise("8.3", "A key whose largest dot product is not its nearest centroid", 2, points=4, partial=False)
 def check_disagreement(disagreement):
     """``disagreement = (khat, dict_keys)``: a unit key (d,) and centroids (m, d), m >= 2, d >= 2, of norm <= 1.
 
@@ -233,7 +235,7 @@ def _fd(loss, x, h):
     return g
 
 
-@exercise("8.4", "The read-out backward of one chunk", 3, refuse=("refimpl.ovq._readout_backward",))
+@exercise("8.4", "The read-out backward of one chunk", 3, points=6, partial=True, refuse=OVQ, allow=("refimpl.ovq.unit_rows",))
 def check_readout_backward(readout_backward):
     """``readout_backward(qhat, keys, values, log_c, beta, G) -> (d_qhat, d_keys, d_values)``.
 

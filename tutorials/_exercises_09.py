@@ -143,7 +143,7 @@ def _probe_lse(lse_combine):
     return list(dict.fromkeys(h for h in hints if h))
 
 
-@exercise("9.1", "Combine two log-sum-exp pairs", 1)
+@exercise("9.1", "Combine two log-sum-exp pairs", 1, points=2, partial=True)
 def check_lse_combine(lse_combine):
     """``lse_combine(m1, s1, m2, s2) -> (M, S)``: the exact combination of two log-sum-exp pairs.
 
@@ -197,7 +197,7 @@ def check_lse_combine(lse_combine):
                 f"scipy's logsumexp = {expected!r}", hints=_probe_lse(lse_combine))
 
 
-@exercise("9.2", "A row-softmax kernel", 2, kernel=True,
+@exercise("9.2", "A row-softmax kernel", 2, points=4, partial=True, kernel=True,
           refuse=("refimpl.numerics.softmax", "refimpl.gmm.softmax", "scipy.special.softmax"))
 def check_row_softmax(row_softmax):
     """``row_softmax(a) -> p``: the softmax of each row of ``a`` (N, K), computed by a kernel, shape (N, K).
@@ -242,7 +242,7 @@ def check_row_softmax(row_softmax):
             p, expected, rows=1, normalised=(1, 1.0))
 
 
-@exercise("9.3", "The chunk states of the causal scan", 2, kernel=True)
+@exercise("9.3", "The chunk states of the causal scan", 2, points=4, partial=True, kernel=True)
 def check_chunk_states(chunk_states):
     """``chunk_states(gamma_k, v, C) -> S``, shape (ceil(N / C), K, d_v + 1), computed by kernels.
 
@@ -302,7 +302,7 @@ def _probe_rescaling(online_attention):
     return None
 
 
-@exercise("9.4", "A tiled online-softmax attention kernel", 3, kernel=True,
+@exercise("9.4", "A tiled online-softmax attention kernel", 3, points=6, partial=True, kernel=True,
           refuse=("refimpl.attention.softmax_attention", "refimpl.attention.softmax_attention_forward"))
 def check_online_attention(online_attention):
     """``online_attention(q, k, v, causal) -> O``: softmax attention of one sequence by a tiled kernel, (N, d_v).

@@ -31,7 +31,7 @@ def _compare(got, expected, what, tol, **options):
     _hints.compare(got, expected, what, tol, relative=True, **options)
 
 
-@exercise("10.1", "The cross-entropy backward", 1, refuse=("app.model.cross_entropy_backward",))
+@exercise("10.1", "The cross-entropy backward", 1, points=2, partial=True, refuse=("app.model.cross_entropy_backward",))
 def check_cross_entropy_grad(cross_entropy_grad):
     """``cross_entropy_grad(logits, targets) -> dL/dlogits``, shape (B, C).
 
@@ -70,7 +70,7 @@ def check_cross_entropy_grad(cross_entropy_grad):
         got, numeric, factors={f"B = {B}, the number of rows": B})
 
 
-@exercise("10.2", "One AdamW step", 2, refuse=("app.optim.adam_step",))
+@exercise("10.2", "One AdamW step", 2, points=4, partial=True, refuse=("app.optim",))
 def check_adamw_step(adamw_step):
     """``adamw_step(theta, g, m, v, t, lr, rho1, rho2, delta, weight_decay) -> (theta, m, v)``, each of theta's shape.
 
@@ -113,8 +113,8 @@ def check_adamw_step(adamw_step):
             theta = params["W"].copy()  # go on from the reference, so that one wrong step is not counted thrice
 
 
-@exercise("10.3", "The multi-head layer's forward", 2,
-          refuse=("app.layers.multihead_gma", "app.layers.multihead_gma_forward"))
+@exercise("10.3", "The multi-head layer's forward", 2, points=4, partial=True,
+          refuse=("app.layers",))
 def check_multihead_forward(multihead_forward):
     """``multihead_forward(x, params) -> y``: the bidirectional multi-head GMA layer, shape (B, N, d_model).
 
@@ -145,7 +145,7 @@ def check_multihead_forward(multihead_forward):
 _GRAD_FIELDS = ("x",) + layers.MultiheadGMAParams._fields
 
 
-@exercise("10.4", "The multi-head layer's backward", 3, refuse=("app.layers.multihead_gma_backward",))
+@exercise("10.4", "The multi-head layer's backward", 3, points=6, partial=True, refuse=("app.layers",))
 def check_multihead_backward(multihead_backward):
     """``multihead_backward(grad_out, x, params) -> grads``: a dict with the keys x, W_q, W_k, W_v, W_o, means, raw_variances, logits.
 
@@ -197,7 +197,7 @@ def _ln_gelu_reference(dy, x, gain, bias, *, inv_std=None, gelu_prime=None, proj
     return dx, np.sum(dz * cache.xhat, axis=lead), np.sum(dz, axis=lead)
 
 
-@exercise("10.5", "The layer norm and GELU backward", 3,
+@exercise("10.5", "The layer norm and GELU backward", 3, points=6, partial=True,
           refuse=("app.model.layer_norm_backward", "app.model.gelu_derivative", "app.model.mlp_backward"))
 def check_ln_gelu_backward(ln_gelu_backward):
     """``ln_gelu_backward(dy, x, gain, bias) -> (dx, dgain, dbias)`` for ``y = gelu(LN(x) gain + bias)``.
@@ -308,7 +308,7 @@ def _gc_numeric_hints(loss, params, records, h, truth):
     return hints
 
 
-@exercise("10.6", "A gradient check of the whole model", 2, refuse=("refimpl.gradcheck.numerical_gradient",))
+@exercise("10.6", "A gradient check of the whole model", 2, points=4, partial=True, refuse=("refimpl.gradcheck",))
 def check_gradient_check(gradient_check):
     """``gradient_check(loss, params, grads, n_entries, h, seed) -> records``, CS231n's sampled gradient check.
 

@@ -14,8 +14,8 @@ Commands, from the repository root::
 
     .venv/bin/python tutorials/course.py measure [--small-only] [LESSON ...]   # time the lessons
     .venv/bin/python tutorials/course.py readme                               # rewrite README's course section
-    .venv/bin/python tutorials/course.py build-student OUT                    # a copy to hand out, no answers
-    .venv/bin/python tutorials/course.py build-instructor OUT                 # the same with solutions/
+    .venv/bin/python tutorials/course.py build-student OUT [--force]          # a copy to hand out, no answers
+    .venv/bin/python tutorials/course.py build-instructor OUT [--force]       # the same with solutions/
     .venv/bin/python tutorials/course.py grade LESSON NOTEBOOK ... --out DIR  # the autograder (course_grader.py)
     .venv/bin/python tutorials/course.py sample-class LESSON OUT              # four fake submissions to grade
 
@@ -41,7 +41,10 @@ from datetime import date
 from pathlib import Path
 
 # the copies of the course and the kernel that executes a lesson: shared with the grader (course_grader.py)
-from course_build import ANSWERS, COURSE_FILES, COURSE_PACKAGES, NEVER_COPIED, build, execute, this_interpreter_kernel  # noqa: F401
+from course_build import (  # noqa: F401
+    ANSWERS, CITED, COURSE_FILES, COURSE_PACKAGES, FP_MARKER, NEVER_COPIED, build, cited_pages, execute, fp_fragments,
+    links, this_interpreter_kernel,
+)
 
 HERE = Path(__file__).resolve().parent
 RUN_TIMES = HERE / "run_times.json"
@@ -345,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                        ("build-instructor", "a copy of the course with the solutions, keys and hidden cases")):
         b = sub.add_parser(name, help=what)
         b.add_argument("out", type=Path, help="a new folder")
+        b.add_argument("--force", action="store_true", help="replace a build made in OUT before")
     for name, what in (("grade", "grade submitted notebooks of one lesson into a gradebook (course_grader.py)"),
                        ("sample-class", "four fake submissions of a lesson: right, stub, near miss, oracle")):
         sub.add_parser(name, help=what, add_help=False)
@@ -358,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         measure(args.lessons, args.small_only, args.timeout)
         write_readme()
     elif args.command in ("build-student", "build-instructor"):
-        print(build(args.out, student=args.command == "build-student"))
+        print(build(args.out, student=args.command == "build-student", force=args.force))
     else:
         print("README.md " + ("rewritten" if write_readme() else "already up to date"))
     return 0
