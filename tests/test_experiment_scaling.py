@@ -6,6 +6,7 @@ Assertions are on peak memory, which is deterministic, never on time.
 from __future__ import annotations
 
 import csv
+import gc
 import math
 
 import numpy as np
@@ -97,6 +98,18 @@ def test_best_time_is_the_shortest_call_within_the_repeats_and_the_budget(monkey
     clock = iter([0.0, 5.0, 10.0, 12.0])
     calls.clear()
     assert scaling.best_time(lambda: calls.append(1), repeats=3, budget=6.0) == 2.0 and len(calls) == 2  # 7 s > budget
+
+
+@pytest.mark.parametrize("was_enabled", [True, False])
+def test_the_measured_calls_run_with_the_collector_paused_and_leave_it_as_it_was(was_enabled):
+    seen = []
+    (gc.enable if was_enabled else gc.disable)()
+    try:
+        scaling.best_time(lambda: seen.append(gc.isenabled()), repeats=3, budget=100.0)
+        scaling.peak_mib(lambda: seen.append(gc.isenabled()))
+        assert seen == [False] * 4 and gc.isenabled() is was_enabled
+    finally:
+        gc.enable()
 
 
 def test_peak_mib_counts_what_a_call_allocates_in_mib():

@@ -24,10 +24,10 @@ two run bidirectionally only; OVQ is causal by construction.
 Measured per point:
 
 * ``time_s``: the best of up to :data:`REPEATS` calls (``time.perf_counter``,
-  no tracing active; calls stop early once :data:`TIME_BUDGET_S` seconds are
-  spent, so that the slowest points run once or twice).  Wall-clock, so it
-  varies run to run (declared in :data:`TIMINGS`); the table keeps the best
-  over seeds.
+  no tracing active, the garbage collector paused; calls stop early once
+  :data:`TIME_BUDGET_S` seconds are spent, so that the slowest points run
+  once or twice).  Wall-clock, so it varies run to run (declared in
+  :data:`TIMINGS`); the table keeps the best over seeds.
 * ``peak_mib``: the peak that ``tracemalloc`` reports during one call, inputs
   excluded (they are created before tracing starts; NumPy reports its array
   buffers to ``tracemalloc``).  The call is measured after the timed calls
@@ -52,6 +52,7 @@ matter: about 1 for the linear-time methods, about 2 for softmax attention.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import tracemalloc
@@ -189,18 +190,36 @@ def method_call(method: str, direction: str, inputs: dict):
     return call
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """The garbage collector off inside the block (as :mod:`timeit` times), back as it was after.
+
+    No ``gc.collect()`` before: in a long-lived process (a test session, a
+    notebook) a full collection walks every object the process holds and
+    costs more than the call it would precede.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def best_time(fn, repeats: int = REPEATS, budget: float = TIME_BUDGET_S) -> float:
     """The shortest wall-clock time of up to ``repeats`` calls of ``fn``, in seconds.
 
     At least one call; no further call once the calls so far took ``budget``
-    seconds together.  The garbage collector runs before each call.
+    seconds together.  The garbage collector is paused during the calls, so
+    that no collection lands inside a timed call.
     """
     times = []
-    while len(times) < max(repeats, 1) and sum(times) < budget:
-        gc.collect()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+    with _collector_paused():
+        while len(times) < max(repeats, 1) and sum(times) < budget:
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
     return min(times)
 
 
@@ -211,17 +230,13 @@ def peak_mib(fn) -> float:
     collector is paused during the call, so that the peak does not depend on
     when a collection happens to run.
     """
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1] / 2**20
-    finally:
-        tracemalloc.stop()
-        if was_enabled:
-            gc.enable()
+    with _collector_paused():
+        tracemalloc.start()
+        try:
+            fn()
+            return tracemalloc.get_traced_memory()[1] / 2**20
+        finally:
+            tracemalloc.stop()
 
 
 def run_point(point: dict) -> dict:
