@@ -402,7 +402,8 @@ def _forward_kernel(q, k, v, starts, lengths, ns, nadd, seed_off, drawn, use_dra
     if not blas:
         # many sequences (or short ones): one thread per sequence runs its whole chunk loop, one parallel region
         for b in prange(B):
-            _forward_sequence(b, q, k, v, qhat, khat, starts, lengths, ns, nadd, seed_off, drawn, use_drawn, snap_off,
+            # np.int64: the prange index is unsigned in the parallel region and signed in its typing (one compile)
+            _forward_sequence(np.int64(b), q, k, v, qhat, khat, starts, lengths, ns, nadd, seed_off, drawn, use_drawn, snap_off,
                               beta, eps, eta, count_bias, constant_rate, record, Dk, Dv, counts, out, bad, rows, seeded,
                               seeds, counts_mid, added, snapK, snapV, sc, log_c, sums, sums_v, cnt, cf)
         return
@@ -411,12 +412,13 @@ def _forward_kernel(q, k, v, starts, lengths, ns, nadd, seed_off, drawn, use_dra
         i = r % N
         _unit_row(q[b, i], qhat[b, i], eps)
         _unit_row(k[b, i], khat[b, i], eps)
+    b0 = np.int64(0)  # sequence 0, typed as the other calls' index (a literal 0 would be another compile)
     for j in range(starts.shape[0]):
         s = starts[j]
         L = lengths[j]
         n = ns[j]
         K = n + L
-        _stage(0, j, s, L, n, khat, v, Dk, Dv, counts, log_c, record, snap_off, snapK, snapV)
+        _stage(b0, j, s, L, n, khat, v, Dk, Dv, counts, log_c, record, snap_off, snapK, snapV)
         # predict, before the chunk touches the state: dot products of the queries with every key they may read;
         # one long sequence: blocks of ROWS query rows, each block's products one single-threaded gemm
         nblk = (L + ROWS - 1) // ROWS
@@ -442,7 +444,7 @@ def _forward_kernel(q, k, v, starts, lengths, ns, nadd, seed_off, drawn, use_dra
                 for a in range(a0, a1):
                     rows[0, s + a], sc[0, a] = _argmax_row(Sb[a - a0])
         # grow (seed n_add new centroids), then update
-        _plan_and_update(0, j, s, L, n, nadd[j], khat, v, sc, drawn, use_drawn, seed_off, Dk, Dv, counts, rows,
+        _plan_and_update(b0, j, s, L, n, nadd[j], khat, v, sc, drawn, use_drawn, seed_off, Dk, Dv, counts, rows,
                          seeded, seeds, counts_mid, added, record, eta, constant_rate, sums, sums_v, cnt, cf)
 
 
@@ -630,15 +632,16 @@ def _backward_kernel(q, k, v, G, starts, lengths, ns, nadd, seed_off, snap_off, 
     log_c = np.zeros((B, n_max), dt)
     ranks = np.empty((B, n_max), np.int64)
     cf = np.empty((B, 2), dt)
+    # one compile of the sequence's backward: its index typed alike in both calls, ``blas`` a value, not a literal
     if blas:
-        _backward_sequence(0, q, k, v, G, starts, lengths, ns, nadd, seed_off, snap_off, beta, eps, eta, count_bias,
-                           constant_rate, True, rows, seeded, seeds, counts_mid, added, snapK, snapV, gq, gk, gv,
-                           qhat, khat, qn, kn, gDk, gDv, g_khat, g_vc, Kb, Vb, log_c, ranks, cf)
+        _backward_sequence(np.int64(0), q, k, v, G, starts, lengths, ns, nadd, seed_off, snap_off, beta, eps, eta,
+                           count_bias, constant_rate, blas, rows, seeded, seeds, counts_mid, added, snapK, snapV, gq,
+                           gk, gv, qhat, khat, qn, kn, gDk, gDv, g_khat, g_vc, Kb, Vb, log_c, ranks, cf)
         return
     for b in prange(B):
-        _backward_sequence(b, q, k, v, G, starts, lengths, ns, nadd, seed_off, snap_off, beta, eps, eta, count_bias,
-                           constant_rate, False, rows, seeded, seeds, counts_mid, added, snapK, snapV, gq, gk, gv,
-                           qhat, khat, qn, kn, gDk, gDv, g_khat, g_vc, Kb, Vb, log_c, ranks, cf)
+        _backward_sequence(np.int64(b), q, k, v, G, starts, lengths, ns, nadd, seed_off, snap_off, beta, eps, eta,
+                           count_bias, constant_rate, blas, rows, seeded, seeds, counts_mid, added, snapK, snapV, gq,
+                           gk, gv, qhat, khat, qn, kn, gDk, gDv, g_khat, g_vc, Kb, Vb, log_c, ranks, cf)
 
 
 # ---------------------------------------------------------------------------
