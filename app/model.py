@@ -388,6 +388,12 @@ def pack(tokens, targets, pad_id, head="classify"):
     ``(B, N)`` for ``"lm"`` (packed like the tokens).
     """
     tokens = np.asarray(tokens)
+    if tokens.dtype == bool or not np.issubdtype(tokens.dtype, np.integer):
+        raise TypeError(f"tokens: expected an integer array, got dtype {tokens.dtype}")
+    validation.check_ndim(tokens, "tokens", 2)
+    head = validation.check_option(head, "head", HEADS)
+    if head == "lm":
+        validation.check_shape(np.asarray(targets), "targets", tokens.shape, ("B", "N"))
     keep = tokens != pad_id
     # the length of a sequence: one past its last token that is not padding
     lengths = np.where(keep.any(axis=1), tokens.shape[1] - np.argmax(keep[:, ::-1], axis=1), 0)

@@ -413,8 +413,12 @@ def check_cu_seqlens(cu_seqlens) -> np.ndarray:
     return offsets.astype(np.int64)
 
 
-def check_packed_tokens(x, name: str) -> None:
-    """A packed token array is ``(T, d)`` or ``(T, H, d)``: ``cu_seqlens`` with a batch dimension as well is refused."""
+def check_packed_tokens(x, name: str, given=None) -> None:
+    """A packed token array is ``(T, d)`` or ``(T, H, d)`` on the host: ``cu_seqlens`` with a batch dimension as well,
+    or with an array on a device (``given``, what ``x`` shows of it), is refused."""
+    if hasattr(given, "__cuda_array_interface__") or hasattr(given, "copy_to_host"):  # CuPy, Numba (and its simulator)
+        raise TypeError(f"cu_seqlens: packed sequences are taken as host arrays (NumPy), got {name} of type "
+                        f"{type(given).__name__} on the device; pass a host copy, or call once per sequence")
     if np.ndim(x) > 3:
         raise ValueError(f"cu_seqlens: packed sequences lie along the first axis of {name}, of shape (T, d) or (T, H, d); "
                          f"got shape {np.shape(x)}, with a batch dimension as well")

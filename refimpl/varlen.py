@@ -63,8 +63,8 @@ def check_packed(cu_seqlens, tokens, names, check, view=_same):
     """
     offsets = validation.check_cu_seqlens(cu_seqlens)
     shown = [view(x) for x in tokens]
-    for x, name in zip(shown, names):
-        validation.check_packed_tokens(x, name)
+    for x, given, name in zip(shown, tokens, names):
+        validation.check_packed_tokens(x, name, given)
     check(*(_heads_first(np.asarray(x)) for x in shown))
     for x, name in zip(shown, names):
         validation.check_packed_end(offsets, x, name)
@@ -73,9 +73,7 @@ def check_packed(cu_seqlens, tokens, names, check, view=_same):
 
 def _join(parts, rows, shape, dtype):
     """The parts of the sequences (each heads first) laid back in their rows of one ``(T, ...)`` array."""
-    like = next(p for p in parts if p is not None)
-    xp = np if isinstance(like, np.ndarray) else __import__(type(like).__module__.split(".")[0])
-    out = xp.empty(shape, dtype=dtype)
+    out = np.empty(shape, dtype=dtype)
     for part, r in zip(parts, rows):
         if part is not None:
             out[r] = part.transpose(1, 0, 2) if part.ndim == 3 else part  # (H, n, d) back to (n, H, d)
@@ -134,8 +132,8 @@ def packed_backward(backward, grad_out, cache, view=_same):
     others (a GMM's parameters) are summed over the sequences, in order.
     """
     labels = ("T", "H", "d_v") if len(cache.out_shape) == 3 else ("T", "d_v")
-    checked = validation.check_grad_out(view(grad_out), cache.out_shape, labels, cache.dtype)
-    g = checked if view(grad_out) is grad_out else grad_out
+    validation.check_packed_tokens(view(grad_out), "grad_out", grad_out)
+    g = validation.check_grad_out(view(grad_out), cache.out_shape, labels, cache.dtype)
     rows = sequence_rows(cache.cu_seqlens)
     grads = [backward(_heads_first(g[r]), c) if c is not None else None for r, c in zip(rows, cache.caches)]
     first = next(x for x in grads if x is not None)

@@ -1192,7 +1192,7 @@ def test_packed_ovq_and_vq_attention_are_the_loop_over_the_sequences_each_from_i
 
 def packed_calls(b, x, offsets, state=None):
     """Each function of ``b`` that takes ``cu_seqlens``, called on the packed tokens ``x`` (three arrays)."""
-    means, variances, weights = mixture(3, x[0].shape[-1])
+    means, variances, weights = mixture(3, np.shape(x[1])[-1])
     calls = {
         "gma": lambda: b.gma(*x, means, variances, weights, causal=True, chunk_size=2, cu_seqlens=offsets),
         "gma_forward": lambda: b.gma_forward(*x, means, variances, np.zeros(3), chunk_size=2, cu_seqlens=offsets),
@@ -1287,3 +1287,21 @@ def test_the_references_packed_call_is_its_loop_bit_for_bit(dtype, heads):
             parts = [r and r[1][i] for r in loop]
             want = in_rows(parts, x[i]) if i < 3 else summed(parts)
             assert got.dtype == dtype and np.array_equal(got, want), (name, i)
+
+
+@pytest.mark.parametrize("backend", [n for n in ("numba_cuda", "cupy") if n in BACKENDS])
+def test_packed_sequences_on_a_device_are_refused_naming_cu_seqlens(backend, monkeypatch):
+    """A packed call takes host arrays: a device array is refused before anything is computed, forward and backward."""
+    b = BACKENDS[backend]
+    x = packed_problem([6], False, F64, d=2, d_v=2, seed=9)
+    if backend == "numba_cuda":
+        to_device = pytest.importorskip("numba.cuda").to_device
+    else:
+        to_device = pytest.importorskip("cupy").asarray
+    ran = []
+    for key in b.gma.backend.kernels:
+        monkeypatch.setitem(b.gma.backend.kernels, key, lambda *a, _k=key, **kw: ran.append(_k))
+    for name, call in packed_calls(b, [to_device(x[0]), x[1], x[2]], [0, 3, 6]).items():
+        with pytest.raises(TypeError, match=r"^cu_seqlens: packed sequences are taken as host arrays \(NumPy\), got (x_)?q of type "):
+            call()
+    assert not ran
