@@ -554,7 +554,7 @@ def _ovq_chunks(q, k, v, p, state, record, predict=None):
 
 
 def ovq_attention(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread", count_bias=True,
-                  learning_rate=None, seed=0, state=None, return_state=False, cu_seqlens=None):
+                  learning_rate=None, seed=0, state=None, cu_seqlens=None, return_state=False):
     """Online vector-quantized attention, causal, chunk by chunk.
 
     Parameters
@@ -588,14 +588,14 @@ def ovq_attention(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau",
         let the first chunk seed what ``growth`` asks for, as every state that
         this function returned with the same ``growth`` does; a state built
         by hand that lags behind is refused.
-    return_state : bool, default False
-        Also return the state after the last chunk.
     cu_seqlens : sequence of int, shape (S + 1,), optional
         Packed sequences (:mod:`refimpl.varlen`): ``q``, ``k`` and ``v`` are
         ``(T, d)``, sequence ``s`` their rows ``cu_seqlens[s]:cu_seqlens[s + 1]``,
         each from its own dictionary: empty, or ``state[s]`` when ``state`` is
-        a list of ``S`` states (or ``None``); ``state`` is then one state per
-        sequence (an empty sequence's unchanged, or empty).
+        a list of ``S`` states (or ``None``); the state returned is then one
+        per sequence (an empty sequence's unchanged, or empty).
+    return_state : bool, default False
+        Also return the state after the last chunk.
 
     Returns
     -------
