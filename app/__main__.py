@@ -195,6 +195,8 @@ def _add_train_parser(sub):
         small = getattr(quick, field)
         shown = f"default {getattr(defaults, field)}" + (f", --quick {small}" if small != getattr(defaults, field) else "")
         p.add_argument(option, dest=field, type=kind, default=None, help=f"{text} ({shown})")
+    p.add_argument("--pack", action="store_true",
+                   help="pack every batch without its padding (cu_seqlens) rather than pad it (default off)")
     p.add_argument("--out", default=None, help="folder of the log, the checkpoint and the result (default results/train/TASK-MIXER-seedS)")
     p.add_argument("--resume", action="store_true", help="continue the run whose checkpoint is in --out (pass its options again)")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step with a checkpoint, as an interruption would")
@@ -220,7 +222,7 @@ def _train(args) -> int:
 
     try:
         base = train.quick_config() if args.quick else train.TrainConfig()
-        config = train.check_train_config(base._replace(task=args.task, mixer=args.mixer, **given))
+        config = train.check_train_config(base._replace(task=args.task, mixer=args.mixer, pack=bool(args.pack), **given))
         result = train.train(config, out, resume=args.resume, progress=not args.no_progress, stop_after=args.stop_after)
     except ValueError as err:
         # name the option, not the field: "steps: ..." -> "--steps: ..."

@@ -53,7 +53,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refimpl import gmm, validation
+from refimpl import gmm, validation, varlen
 from refimpl.gma import GMABatchCache
 from . import backend
 from refimpl.scan import DEFAULT_CHUNK_SIZE
@@ -100,7 +100,7 @@ class MultiheadGMACache(NamedTuple):
     x: np.ndarray
     params: MultiheadGMAParams
     heads: np.ndarray  # (B, N, H d_v) concatenated head outputs
-    gma: tuple  # gma[b][h] is the refimpl.gma.GMACache of sequence b, head h
+    gma: tuple  # gma[b][h] is the refimpl.gma.GMACache of sequence b, head h; packed, a refimpl.varlen.PackedCache
 
 
 def init_multihead_gma(
@@ -218,6 +218,7 @@ def multihead_gma_forward(
     eps: float = 1e-6,
     min_variance: float = 1e-6,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    cu_seqlens=None,
 ):
     """Multi-head GMA self-attention over a batch of sequences.
 
@@ -234,6 +235,10 @@ def multihead_gma_forward(
         Variance floor of every GMM.
     chunk_size : int, default 64
         Tokens per chunk of the causal scan.
+    cu_seqlens : sequence of int, shape (S + 1,), optional
+        A packed batch (:mod:`refimpl.varlen`): ``x`` is ``(1, T, d_model)``,
+        the ``S`` sequences one after another, sequence ``s`` its tokens
+        ``cu_seqlens[s]:cu_seqlens[s + 1]``, each mixed on its own.
 
     Returns
     -------
@@ -249,17 +254,15 @@ def multihead_gma_forward(
     xk = (x @ params.W_k).reshape(B, N, H, d_r)
     vv = (x @ params.W_v).reshape(B, N, H, d_v)
     gma_forward = backend.kernels().gma_forward  # refimpl.tuned or cpu.gma (app.backend)
+    mixture = (params.means, params.raw_variances, params.logits)
+    options = dict(causal=causal, eps=eps, min_variance=min_variance, chunk_size=chunk_size)
+    if cu_seqlens is not None:
+        # packed: the T tokens (T, H, d), each sequence on its own (refimpl.varlen)
+        out, packed = gma_forward(xq[0], xk[0], vv[0], *mixture, **options, cu_seqlens=cu_seqlens)
+        heads = out.reshape(B, N, H * d_v)
+        return heads @ params.W_o, MultiheadGMACache(x, params, heads, packed)
     # every (sequence, head) in one call, (B, H, N, d), head h with its own GMM: the batch rule of refimpl.gma
-    out, batch = gma_forward(
-        *(np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (xq, xk, vv)),
-        params.means,
-        params.raw_variances,
-        params.logits,
-        causal=causal,
-        eps=eps,
-        min_variance=min_variance,
-        chunk_size=chunk_size,
-    )
+    out, batch = gma_forward(*(np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (xq, xk, vv)), *mixture, **options)
     heads = out.transpose(0, 2, 1, 3)
     caches = [batch.caches[b * H : (b + 1) * H] for b in range(B)]
     heads = heads.reshape(B, N, H * d_v)
@@ -294,10 +297,15 @@ def multihead_gma_backward(grad_out, cache) -> MultiheadGMAGrads:
     dW_o = heads.reshape(B * N, H * d_v).T @ g.reshape(B * N, d_model)
     dheads = (g @ p.W_o.T).reshape(B, N, H, d_v)
     gma_backward = backend.kernels().gma_backward
-    # one call for every (sequence, head); the GMM gradients of head h are summed over the sequences in order
-    batch = GMABatchCache((B, H), True, tuple(c for row in cache.gma for c in row))
-    gr = gma_backward(np.ascontiguousarray(dheads.transpose(0, 2, 1, 3)), batch)
-    dxq, dxk, dvv = (a.transpose(0, 2, 1, 3) for a in (gr.x_q, gr.x_k, gr.v))
+    if isinstance(cache.gma, varlen.PackedCache):
+        # packed: the gradients (T, H, d) of every sequence from its own cache
+        gr = gma_backward(dheads[0], cache.gma)
+        dxq, dxk, dvv = (a[None] for a in (gr.x_q, gr.x_k, gr.v))
+    else:
+        # one call for every (sequence, head); the GMM gradients of head h are summed over the sequences in order
+        batch = GMABatchCache((B, H), True, tuple(c for row in cache.gma for c in row))
+        gr = gma_backward(np.ascontiguousarray(dheads.transpose(0, 2, 1, 3)), batch)
+        dxq, dxk, dvv = (a.transpose(0, 2, 1, 3) for a in (gr.x_q, gr.x_k, gr.v))
     dmeans, draw, dlogits = gr.means, gr.raw_variances, gr.logits
     dxq, dxk, dvv = (a.reshape(B * N, -1) for a in (dxq, dxk, dvv))
     xf = x.reshape(B * N, d_model)

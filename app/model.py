@@ -119,7 +119,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refimpl import numerics, validation
+from refimpl import numerics, validation, varlen
 from . import backend, layers
 from refimpl.attention import feature_attention_backward
 
@@ -148,6 +148,7 @@ __all__ = [
     "block_forward",
     "block_backward",
     "classify_head_forward",
+    "pack",
     "classify_head_backward",
     "lm_head_forward",
     "lm_head_backward",
@@ -365,6 +366,43 @@ def _check_tokens(tokens, config):
     return t.astype(np.int64, copy=False)
 
 
+def _check_packed_tokens(tokens, config, cu_seqlens):
+    """``(tokens, offsets)``: :func:`_check_tokens`, or for a packed batch ``(1, T)`` its offsets and each length <= max_len."""
+    if cu_seqlens is None:
+        return _check_tokens(tokens, config), None
+    offsets = validation.check_cu_seqlens(cu_seqlens)
+    T = np.shape(tokens)[-1] if np.ndim(tokens) == 2 and np.shape(tokens)[0] == 1 else 0
+    if np.ndim(tokens) != 2 or np.shape(tokens)[0] != 1:
+        raise ValueError(f"tokens: a packed batch is one row (1, T), got shape {np.shape(tokens)}")
+    validation.check_packed_end(offsets, np.empty((T, 0)), "tokens")
+    longest = int(np.max(np.diff(offsets), initial=0))
+    if longest > config.max_len:
+        raise ValueError(f"tokens: sequences of N = {longest} tokens exceed config.max_len = {config.max_len}")
+    return _check_tokens(tokens, config._replace(max_len=max(T, 1))), offsets
+
+
+def pack(tokens, targets, pad_id, head="classify"):
+    """A padded batch packed: ``(tokens (1, T), targets, cu_seqlens)``, every sequence without its trailing padding.
+
+    ``tokens (B, N)``, padding only at the end of a sequence; ``targets`` ``(B,)`` (kept) for the ``"classify"`` head,
+    ``(B, N)`` for ``"lm"`` (packed like the tokens).
+    """
+    tokens = np.asarray(tokens)
+    if tokens.dtype == bool or not np.issubdtype(tokens.dtype, np.integer):
+        raise TypeError(f"tokens: expected an integer array, got dtype {tokens.dtype}")
+    validation.check_ndim(tokens, "tokens", 2)
+    head = validation.check_option(head, "head", HEADS)
+    if head == "lm":
+        validation.check_shape(np.asarray(targets), "targets", tokens.shape, ("B", "N"))
+    keep = tokens != pad_id
+    # the length of a sequence: one past its last token that is not padding
+    lengths = np.where(keep.any(axis=1), tokens.shape[1] - np.argmax(keep[:, ::-1], axis=1), 0)
+    rows = np.arange(tokens.shape[1]) < lengths[:, None]
+    cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
+    packed_targets = targets if head == "classify" else np.asarray(targets)[rows][None]
+    return tokens[rows][None], packed_targets, cu_seqlens
+
+
 def _sub(params, prefix):
     """The entries of ``params`` under ``prefix``, with the prefix removed."""
     return {n[len(prefix):]: a for n, a in params.items() if n.startswith(prefix)}
@@ -396,13 +434,23 @@ def embedding_backward(dx, cache):
     return dembed
 
 
-def positional_forward(x, pos):
-    """Core: ``x + pos[:N]`` for ``x (B, N, d)``, ``pos (max_len, d)``; returns ``(y, cache)``."""
+def positional_forward(x, pos, positions=None):
+    """Core: ``x + pos[:N]`` for ``x (B, N, d)``, ``pos (max_len, d)``; returns ``(y, cache)``.
+
+    A packed batch (``x (1, T, d)``) gives each token its ``positions`` in its own sequence.
+    """
+    if positions is not None:
+        return x + pos[positions], (pos.shape[0], positions)
     return x + pos[: x.shape[1]], pos.shape[0]
 
 
 def positional_backward(dy, cache):
-    """Core: ``(dx, dpos)``: ``dx = dy``, ``dpos[t] = sum_b dy[b, t]`` for ``t < N``, 0 beyond."""
+    """Core: ``(dx, dpos)``: ``dx = dy``, ``dpos[t] = sum_b dy[b, t]`` for ``t < N``, 0 beyond (packed: the sum over the
+    tokens at position ``t`` of their sequences)."""
+    if isinstance(cache, tuple):
+        dpos = np.zeros((cache[0], dy.shape[-1]), dtype=dy.dtype)
+        np.add.at(dpos, cache[1], dy[0])
+        return dy.copy(), dpos
     dpos = np.zeros((cache, dy.shape[-1]), dtype=dy.dtype)
     dpos[: dy.shape[1]] = dy.sum(axis=0)
     return dy.copy(), dpos
@@ -515,23 +563,24 @@ def _single_head(mixer, config, kern):
     Every (sequence, head) at once, ``(B, H, N, d_h)``.
     """
     if mixer == "softmax":
-        return (lambda q, k, v: kern.softmax_attention_forward(q, k, v, causal=config.causal)), kern.softmax_attention_backward
+        return (lambda q, k, v, **kw: kern.softmax_attention_forward(q, k, v, causal=config.causal, **kw)), kern.softmax_attention_backward
     if mixer == "linear":
-        return (lambda q, k, v: kern.linear_attention_forward(q, k, v, causal=config.causal)), kern.linear_attention_backward
+        return (lambda q, k, v, **kw: kern.linear_attention_forward(q, k, v, causal=config.causal, **kw)), kern.linear_attention_backward
     # OVQ is causal by construction; a fresh (empty) dictionary for every sequence and head
     return (
-        lambda q, k, v: kern.ovq_attention_forward(q, k, v, max_size=config.ovq_max_size, chunk_size=config.ovq_chunk_size)
+        lambda q, k, v, **kw: kern.ovq_attention_forward(q, k, v, max_size=config.ovq_max_size, chunk_size=config.ovq_chunk_size, **kw)
     ), kern.ovq_attention_backward
 
 
-def mixer_forward(x, params, config):
+def mixer_forward(x, params, config, cu_seqlens=None):
     """Core: the token mixer ``config.mixer`` on ``x (B, N, d)``; ``params`` the layer's ``mixer.*`` entries, short names.
 
-    Returns ``(y (B, N, d), cache)``.
+    Returns ``(y (B, N, d), cache)``.  With ``cu_seqlens``, ``x`` is a packed batch ``(1, T, d)``: each sequence mixed on
+    its own (:mod:`refimpl.varlen`).
     """
     if config.mixer == "gma":
         gp = layers.MultiheadGMAParams(**{f: params[f] for f in layers.MultiheadGMAParams._fields})
-        y, cache = layers.multihead_gma_forward(x, gp, causal=config.causal)
+        y, cache = layers.multihead_gma_forward(x, gp, causal=config.causal, cu_seqlens=cu_seqlens)
         return y, _MixerCache("gma", x, params, None, cache)
     B, N, d = x.shape
     H = config.n_heads
@@ -542,6 +591,11 @@ def mixer_forward(x, params, config):
     q = (x @ params["W_q"]).reshape(B, N, H, dh)
     k = (x @ params["W_k"]).reshape(B, N, H, dh)
     v = (x @ params["W_v"]).reshape(B, N, H, dh)
+    if cu_seqlens is not None:
+        # packed: the T tokens (T, H, d_h), each sequence on its own
+        per_head, caches = forward(q[0], k[0], v[0], cu_seqlens=cu_seqlens)
+        heads = per_head.reshape(B, N, d)
+        return heads @ params["W_o"], _MixerCache(config.mixer, x, params, heads, (backward, H, caches))
     # every (sequence, head) in one call: (B, H, N, d_h)
     per_head, caches = forward(*(np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (q, k, v)))
     heads = per_head.transpose(0, 2, 1, 3).reshape(B, N, d)
@@ -560,9 +614,13 @@ def mixer_backward(dy, cache):
     # Y = O W_o: dW_o = sum_b O_b^T G_b, dO = G W_o^T
     dW_o = heads.reshape(B * N, d).T @ dy.reshape(B * N, d)
     dheads = (dy @ p["W_o"].T).reshape(B, N, H, dh)
-    # one cache for every (sequence, head): gradients (B, H, N, d_h)
-    g = backward(np.ascontiguousarray(dheads.transpose(0, 2, 1, 3)), caches)
-    dq, dk, dv = (a.transpose(0, 2, 1, 3) for a in (g.q, g.k, g.v))
+    if isinstance(caches, varlen.PackedCache):
+        g = backward(dheads[0], caches)  # packed: gradients (T, H, d_h)
+        dq, dk, dv = g.q, g.k, g.v
+    else:
+        # one cache for every (sequence, head): gradients (B, H, N, d_h)
+        g = backward(np.ascontiguousarray(dheads.transpose(0, 2, 1, 3)), caches)
+        dq, dk, dv = (a.transpose(0, 2, 1, 3) for a in (g.q, g.k, g.v))
     dq, dk, dv = (a.reshape(B * N, d) for a in (dq, dk, dv))
     xf = x.reshape(B * N, d)
     # Q = X W_q: dW_q = X^T dQ and dX = dQ W_q^T (likewise for k and v)
@@ -583,13 +641,13 @@ class _BlockCache(NamedTuple):
     mlp: _MLPCache
 
 
-def block_forward(x, params, config):
+def block_forward(x, params, config, cu_seqlens=None):
     """Core: ``x + mixer(LN1(x))``, then ``+ MLP(LN2(.))``; ``params`` the layer's entries without ``layer{l}.``.
 
-    Returns ``(y (B, N, d), cache)``.
+    Returns ``(y (B, N, d), cache)``; ``cu_seqlens`` as in :func:`mixer_forward`.
     """
     a, c1 = layer_norm_forward(x, params["ln1.gain"], params["ln1.bias"])
-    m, cm = mixer_forward(a, _sub(params, "mixer."), config)
+    m, cm = mixer_forward(a, _sub(params, "mixer."), config, cu_seqlens)
     x = x + m
     b, c2 = layer_norm_forward(x, params["ln2.gain"], params["ln2.bias"])
     f, cf = mlp_forward(b, _sub(params, "mlp."))
@@ -627,11 +685,22 @@ class _ClassifyCache(NamedTuple):
     count: np.ndarray  # (B, 1) max(1, number of non-pad tokens)
     pooled: np.ndarray  # (B, d)
     W: np.ndarray
+    segments: np.ndarray | None = None  # packed: the sequence of each token (T,)
 
 
-def classify_head_forward(x, tokens, W, b, pad_id):
-    """Core: mean pooling of ``x (B, N, d)`` over the tokens ``!= pad_id``, then ``pooled W + b``; logits ``(B, C)``."""
+def classify_head_forward(x, tokens, W, b, pad_id, cu_seqlens=None):
+    """Core: mean pooling of ``x (B, N, d)`` over the tokens ``!= pad_id``, then ``pooled W + b``; logits ``(B, C)``.
+
+    A packed batch (``x (1, T, d)``, ``cu_seqlens`` of ``S + 1`` offsets) pools each sequence's tokens: logits ``(S, C)``.
+    """
     mask = (tokens != pad_id)[..., None].astype(x.dtype)
+    if cu_seqlens is not None:
+        segments = np.repeat(np.arange(len(cu_seqlens) - 1), np.diff(cu_seqlens))
+        count = np.maximum(np.bincount(segments, weights=mask[0, :, 0], minlength=len(cu_seqlens) - 1), 1)[:, None].astype(x.dtype)
+        pooled = np.zeros((len(cu_seqlens) - 1, x.shape[-1]), dtype=x.dtype)
+        np.add.at(pooled, segments, (x * mask)[0])
+        pooled /= count
+        return pooled @ W + b, _ClassifyCache(mask, count, pooled, W, segments)
     # a sequence of pads only pools to 0 rather than 0 / 0
     count = np.maximum(mask.sum(axis=1), 1)
     pooled = (x * mask).sum(axis=1) / count
@@ -641,8 +710,8 @@ def classify_head_forward(x, tokens, W, b, pad_id):
 def classify_head_backward(dlogits, cache):
     """Core: ``(dx (B, N, d), dW, db)`` of :func:`classify_head_forward`."""
     dpooled = dlogits @ cache.W.T
-    # pooled_b = sum_t m_bt x_bt / n_b: dx_bt = m_bt dpooled_b / n_b
-    dx = cache.mask * (dpooled / cache.count)[:, None, :]
+    # pooled_b = sum_t m_bt x_bt / n_b: dx_bt = m_bt dpooled_b / n_b (packed: b the sequence of token t)
+    dx = cache.mask * ((dpooled / cache.count)[cache.segments][None] if cache.segments is not None else (dpooled / cache.count)[:, None, :])
     return dx, cache.pooled.T @ dlogits, dlogits.sum(axis=0)
 
 
@@ -678,24 +747,26 @@ class ModelCache(NamedTuple):
     logits_shape: tuple
 
 
-def _forward(params, tokens, c):
+def _forward(params, tokens, c, cu_seqlens=None):
     """Core of :func:`model_forward` on checked arguments."""
     x, ce = embedding_forward(tokens, params["embed"])
-    x, cp = positional_forward(x, params["pos"])
+    # packed: each token at its position in its own sequence
+    positions = None if cu_seqlens is None else np.arange(tokens.shape[1]) - np.repeat(cu_seqlens[:-1], np.diff(cu_seqlens))
+    x, cp = positional_forward(x, params["pos"], positions)
     blocks = []
     for layer in range(c.n_layers):
-        x, cb = block_forward(x, _sub(params, f"layer{layer}."), c)
+        x, cb = block_forward(x, _sub(params, f"layer{layer}."), c, cu_seqlens)
         blocks.append(cb)
     x, cf = layer_norm_forward(x, params["ln_f.gain"], params["ln_f.bias"])
     if c.head == "classify":
-        logits, ch = classify_head_forward(x, tokens, params["head.W"], params["head.b"], c.pad_id)
+        logits, ch = classify_head_forward(x, tokens, params["head.W"], params["head.b"], c.pad_id, cu_seqlens)
     else:
         logits, ch = lm_head_forward(x, params["head.W"], params["head.b"])
     dtype = params["embed"].dtype
     return logits, ModelCache(c, tokens, dtype, ce, cp, tuple(blocks), cf, ch, logits.shape)
 
 
-def model_forward(params, tokens, config):
+def model_forward(params, tokens, config, cu_seqlens=None):
     """The logits of the model (module docstring), keeping what :func:`model_backward` needs.
 
     Parameters
@@ -705,6 +776,11 @@ def model_forward(params, tokens, config):
     tokens : array_like of int, shape (B, N)
         Ids in ``[0, vocab_size)``, ``1 <= N <= max_len``.
     config : ModelConfig
+    cu_seqlens : sequence of int, shape (S + 1,), optional
+        A packed batch (:func:`pack`): ``tokens`` are ``(1, T)``, the ``S``
+        sequences one after another (each at most ``max_len``), each mixed,
+        positioned and pooled on its own; the logits are then ``(S,
+        n_classes)`` or ``(1, T, vocab_size)``.
 
     Returns
     -------
@@ -715,8 +791,8 @@ def model_forward(params, tokens, config):
     """
     c = check_config(config)
     params = _check_params(params, c)
-    tokens = _check_tokens(tokens, c)
-    return _forward(params, tokens, c)
+    tokens, cu_seqlens = _check_packed_tokens(tokens, c, cu_seqlens)
+    return _forward(params, tokens, c, cu_seqlens)
 
 
 def _backward(g, cache, mixer_output_grads=None):
@@ -863,7 +939,7 @@ def cross_entropy_backward(cache):
 # ---------------------------------------------------------------------------
 
 
-def loss_and_grads(params, tokens, targets, config):
+def loss_and_grads(params, tokens, targets, config, cu_seqlens=None):
     """The mean cross-entropy of a batch, the correct predictions, and the gradients of every parameter.
 
     Parameters
@@ -874,6 +950,9 @@ def loss_and_grads(params, tokens, targets, config):
         ``(B,)`` classes for the ``"classify"`` head; ``(B, N)`` next tokens
         for ``"lm"``, where the positions holding ``pad_id`` are not counted.
     config : ModelConfig
+    cu_seqlens : sequence of int, optional
+        A packed batch, as in :func:`model_forward` (:func:`pack` makes one):
+        ``(S,)`` classes, or ``(1, T)`` next tokens.
 
     Returns
     -------
@@ -887,9 +966,10 @@ def loss_and_grads(params, tokens, targets, config):
     """
     c = check_config(config)
     params = _check_params(params, c)
-    tokens = _check_tokens(tokens, c)
-    mask = np.ones(tokens.shape[0], dtype=bool) if c.head == "classify" else tokens != c.pad_id
-    logits, cache = _forward(params, tokens, c)
+    tokens, cu_seqlens = _check_packed_tokens(tokens, c, cu_seqlens)
+    rows = tokens.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+    mask = np.ones(rows, dtype=bool) if c.head == "classify" else tokens != c.pad_id
+    logits, cache = _forward(params, tokens, c, cu_seqlens)
     _, t, m = _check_cross_entropy(logits, targets, mask)
     loss, ce = _cross_entropy(logits, t, m)
     grads = _backward(_cross_entropy_backward(ce), cache)

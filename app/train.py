@@ -36,6 +36,14 @@ padding in every sequence.  The mixers read the padding (it is not masked,
 :mod:`app.model`), so the width is one fixed function of the data,
 never of the batch: a sequence gets the same prediction in any batch.
 
+With ``pack`` every batch is packed (:func:`app.model.pack`): the sequences
+one after another without their padding, cut by ``cu_seqlens``
+(:mod:`refimpl.varlen`), each mixed on its own.  For a causal model (the
+Markov task) this is the padded computation without the padding: the same
+losses to rounding.  A bidirectional mixer (ListOps) reads the padding of a
+padded batch, so there packing is the model without the padding's part in
+the mixing, not the padded run; evaluation packs as training does.
+
 Checkpoints and resumption
 --------------------------
 A checkpoint is an uncompressed ``.npz`` of plain arrays (read with
@@ -164,6 +172,7 @@ class TrainConfig(NamedTuple):
     trim: bool = True  # listops: cut the sequences to the longest expression of the data
     length: int = 64  # markov: tokens per sequence
     vocab: int = 16  # markov: vocabulary, padding included
+    pack: bool = False  # pack every batch without its padding (cu_seqlens) rather than pad it
 
 
 #: What ``--quick`` changes: tiny sizes, a run of a few seconds (for tests).
@@ -215,6 +224,7 @@ def check_train_config(config) -> TrainConfig:
     c["weight_decay"] = validation.check_positive_float(c["weight_decay"], "weight_decay", allow_zero=True)
     c["clip"] = validation.check_positive_float(c["clip"], "clip", allow_zero=True)
     c["trim"] = validation.check_bool(c["trim"], "trim")
+    c["pack"] = validation.check_bool(c["pack"], "pack")
     if c["d_model"] % c["heads"]:
         raise ValueError(f"d_model: expected a multiple of heads = {c['heads']}, got {c['d_model']}")
     if c["batch_size"] > c["n_train"]:
@@ -257,15 +267,24 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     return config.lr * warm * (0.55 + 0.45 * math.cos(math.pi * step / config.steps))
 
 
-def evaluate(params, tokens, targets, mcfg) -> tuple:
-    """Mean loss and accuracy over a whole split (every counted row weighs the same), in batches of ``EVAL_BATCH``."""
+def _packed(x, y, mcfg, pack):
+    """``(tokens, targets, {"cu_seqlens": ...})`` of a batch packed (:func:`app.model.pack`), or as it is."""
+    if not pack:
+        return x, y, {}
+    x, y, cu_seqlens = model.pack(x, y, mcfg.pad_id, mcfg.head)
+    return x, y, {"cu_seqlens": cu_seqlens}
+
+
+def evaluate(params, tokens, targets, mcfg, pack=False) -> tuple:
+    """Mean loss and accuracy over a whole split (every counted row weighs the same), in batches of ``EVAL_BATCH``,
+    each packed with ``pack``."""
     validation.check_instance(mcfg, "mcfg", model.ModelConfig, "a ModelConfig (model_config of the run)")
     if len(tokens) < 1:
         raise ValueError("tokens: expected at least one sequence, got none")
     total_loss, correct, counted = 0.0, 0, 0
     for a in range(0, len(tokens), EVAL_BATCH):
-        x, y = tokens[a : a + EVAL_BATCH], targets[a : a + EVAL_BATCH]
-        logits, _ = model.model_forward(params, x, mcfg)
+        x, y, packed = _packed(tokens[a : a + EVAL_BATCH], targets[a : a + EVAL_BATCH], mcfg, pack)
+        logits, _ = model.model_forward(params, x, mcfg, **packed)
         mask = None if mcfg.head == "classify" else x != mcfg.pad_id
         loss, _ = model.cross_entropy_forward(logits, y, mask)
         m = np.ones(len(y), dtype=bool) if mask is None else mask
@@ -561,7 +580,8 @@ def _peak_step_bytes(params, adam, tokens, targets, mcfg, config) -> int:
 
     tracemalloc.start()
     try:
-        _, _, _, grads = model.loss_and_grads(params, tokens, targets, mcfg)
+        tokens, targets, packed = _packed(tokens, targets, mcfg, config.pack)
+        _, _, _, grads = model.loss_and_grads(params, tokens, targets, mcfg, **packed)
         adam_step(params, grads, adam, lr=config.lr, weight_decay=config.weight_decay, clip_norm=config.clip or None)
         return int(tracemalloc.get_traced_memory()[1])
     finally:
@@ -670,7 +690,8 @@ def _forward_backward(state, x, y, mcfg, config, step):
     try:
         # a diverging step overflows: the checks below report it, once, as a divergence (no warnings on the way)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            loss, n_correct, n_counted, grads = model.loss_and_grads(state.params, x, y, mcfg)
+            x, y, packed = _packed(x, y, mcfg, config.pack)
+            loss, n_correct, n_counted, grads = model.loss_and_grads(state.params, x, y, mcfg, **packed)
     except ValueError:  # a value of the model's own that its checks refuse: the parameters diverged
         _check_finite_step(config, step, refused="the model met values that are not finite")
     _check_finite_step(config, step, loss=float(loss), arrays=[(f"the gradient of {k}", g) for k, g in grads.items()])
@@ -695,7 +716,7 @@ def _evaluate_checked(params, x, y, mcfg, config, step):
     """:func:`evaluate` during training; a non-finite loss is refused as a divergence naming its option."""
     try:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # reported below as a divergence
-            val_loss, val_acc = evaluate(params, x, y, mcfg)
+            val_loss, val_acc = evaluate(params, x, y, mcfg, config.pack)
     except ValueError:  # a value of the model's own that its checks refuse: the parameters diverged
         _check_finite_step(config, step, refused="the model met values that are not finite")
     _check_finite_step(config, step, loss=val_loss)
@@ -779,8 +800,8 @@ def _train(config, out, resume, progress, stop_after) -> TrainResult:
     test_loss = test_acc = math.nan
     report = bounds = None
     if finished:
-        val_loss, val_acc = evaluate(state.params, x_val, y_val, mcfg)
-        test_loss, test_acc = evaluate(state.params, x_test, y_test, mcfg)
+        val_loss, val_acc = evaluate(state.params, x_val, y_val, mcfg, config.pack)
+        test_loss, test_acc = evaluate(state.params, x_test, y_test, mcfg, config.pack)
         if config.mixer == "gma":
             report, bounds = _interpretability(state.params, x_test[:EVAL_BATCH], y_test[:EVAL_BATCH], mcfg)
     peak = _peak_step_bytes(state.params, state.adam, x_train[: config.batch_size], y_train[: config.batch_size], mcfg, config)

@@ -45,6 +45,11 @@ What is measured:
   ``--peer-python`` (an interpreter with torch);
 * one training step of every mixer on ListOps at the defaults, on both
   backends (:mod:`app.backend`);
+* packed against padded: a batch of 64 sequences with the lengths of 64
+  ListOps expressions (up to 128 tokens), two heads of width 32, causal
+  GMA (K = 16), softmax and linear attention, forward and backward, on the
+  packed tokens with ``cu_seqlens`` against the batch padded to its longest
+  sequence; the speed-up, and the memory saved (inputs and the traced peak);
 * accuracy on the spread-means example (two means near +1e4, one at -1e4,
   variances 1e-8) against the definition in extended precision.
 
@@ -558,6 +563,83 @@ def bench_ovq(args):
     return t
 
 
+def varlen_problem(quick, dtype=np.float64):
+    """A batch of 64 sequences (8 with ``--quick``) with ListOps lengths: ``(lengths, packed (T, H, d) q, k, v, GMM)``."""
+    from app import tasks
+
+    S, H, d, K = (8 if quick else 64), 2, 32, 16
+    x, _ = tasks.listops_splits(S, 1, 1, seed=0)["train"]
+    lengths = np.sum(x != tasks.PAD_ID, axis=1)
+    rng = np.random.default_rng(4)
+    q, k, v = (0.5 * rng.normal(size=(3, int(lengths.sum()), H, d))).astype(dtype)
+    mixture = (rng.normal(size=(H, K, d)).astype(dtype), rng.normal(size=(H, K, d)).astype(dtype),
+               rng.normal(size=(H, K)).astype(dtype))
+    return lengths, (q, k, v), mixture
+
+
+def padded(packed, lengths):
+    """The packed ``(T, H, d)`` tokens padded with zeros to the longest sequence: ``(S, H, N, d)``."""
+    out = np.zeros((len(lengths), packed.shape[1], int(lengths.max()), packed.shape[2]), dtype=packed.dtype)
+    for s, (a, n) in enumerate(zip(np.concatenate([[0], np.cumsum(lengths)]), lengths)):
+        out[s, :, :n] = packed[a : a + n].transpose(1, 0, 2)
+    return out
+
+
+def varlen_calls(quick):
+    """``{mechanism: (padded step, packed step)}``: one forward and backward of each, on the CPU kernels (tuned and
+    the reference without numba)."""
+    if numba is not None:
+        from cpu import attention as attn
+        from cpu import gma as gma_kernels
+    else:
+        from refimpl import attention as attn
+
+        gma_kernels = tuned
+    lengths, tokens, mixture = varlen_problem(quick)
+    cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
+    batch = tuple(padded(a, lengths) for a in tokens)
+    steps = {
+        "causal GMA": (lambda *t, **kw: gma_kernels.gma_forward(*t, *mixture, causal=True, **kw), gma_kernels.gma_backward),
+        "causal softmax attention": (lambda *t, **kw: attn.softmax_attention_forward(*t, causal=True, **kw),
+                                     attn.softmax_attention_backward),
+        "causal linear attention": (lambda *t, **kw: attn.linear_attention_forward(*t, causal=True, **kw), attn.linear_attention_backward),
+    }
+
+    def step(forward, backward, arrays, **kw):
+        def call():
+            out, cache = forward(*arrays, **kw)
+            return backward(np.ones_like(out), cache)
+        return call
+
+    return {name: (step(f, b, batch), step(f, b, tokens, cu_seqlens=cu_seqlens)) for name, (f, b) in steps.items()}
+
+
+def varlen_variants(quick):
+    out = {}
+    for name in varlen_calls(quick):
+        for i, form in enumerate(("padded", "packed")):
+            out[f"{name} {form}"] = lambda name=name, i=i: varlen_calls(quick)[name][i]
+    return out
+
+
+def bench_varlen(args):
+    """Packed against padded: the speed-up of a packed batch of ListOps lengths, and the memory it saves."""
+    lengths, tokens, _ = varlen_problem(args.quick)
+    S, T, N = len(lengths), int(lengths.sum()), int(lengths.max())
+    print(f"\n== packed against padded: {S} sequences of ListOps lengths ({lengths.min()} to {N} tokens), "
+          f"T = {T} tokens packed, {S} x {N} = {S * N} padded ({1 - T / (S * N):.0%} padding), 2 heads of 32, float64")
+    t = Section("varlen", varlen_variants(args.quick), args).run()
+    calls = varlen_calls(args.quick)
+    for name, (pad_call, pack_call) in calls.items():
+        ratio_line(f"{name} padded / packed:", t.ratio(name + " padded", name + " packed"), "(the speed-up of packing)")
+    inputs = sum(a.nbytes for a in tokens)
+    print(f"  inputs q, k, v: packed {mib(inputs)}, padded {mib(inputs * S * N / T)}")
+    for name, (pad_call, pack_call) in calls.items():
+        pad_peak, pack_peak = traced_peak(pad_call), traced_peak(pack_call)
+        print(f"  peak memory, {name:26s}: padded {mib(pad_peak)}, packed {mib(pack_peak)}, saved {1 - pack_peak / pad_peak:.0%}")
+    return t
+
+
 def training_variants(quick):
     """Per mixer: NumPy, the ``numba`` backend (per function the faster, :data:`app.backend.FASTEST`), and, where that
     takes NumPy's functions, cpu's kernels all the same (the measurement behind the choice)."""
@@ -617,6 +699,7 @@ SECTIONS = {
     "attention": (attention_variants, bench_attention),
     "ovq": (ovq_variants, bench_ovq),
     "training": (training_variants, bench_training),
+    "varlen": (varlen_variants, bench_varlen),
 }
 
 

@@ -34,6 +34,9 @@ boundary
     The public functions that :mod:`tuned`, :mod:`cpu` and :mod:`gpu` share
     with the reference, written once (signature, defaults, docstring,
     checks), and the record of kernels that binds them to a backend.
+varlen
+    Packed variable-length batches: the sequences one after another, cut
+    by ``cu_seqlens``, each computed as on its own.
 statefile
     The ``.npz`` files of the stream states (``OVQState``, ``GMAState``).
 tuned
@@ -54,7 +57,8 @@ model, its training and the experiments (:mod:`app`, ``python -m app``),
 imports those; nothing here imports any of them.
 """
 
-from . import attention, boundary, gma, gmm, gmr, numerics, ovq, ovq_oracle, scan, statefile, theory, tuned, validation
+from . import attention, boundary, gma, gmm, gmr, numerics, ovq, ovq_oracle, scan, statefile, theory, tuned, validation, varlen
 
-__all__ = ["attention", "boundary", "gma", "gmm", "gmr", "numerics", "ovq", "ovq_oracle", "scan", "statefile", "theory", "tuned", "validation"]
+__all__ = ["attention", "boundary", "gma", "gmm", "gmr", "numerics", "ovq", "ovq_oracle", "scan", "statefile", "theory", "tuned", "validation",
+           "varlen"]
 __version__ = "0.1.0"

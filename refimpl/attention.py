@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import numerics, validation
+from . import numerics, validation, varlen
 from .scan import DEFAULT_CHUNK_SIZE, FeatureAttentionCache, FeatureAttentionGrads, scan_backward, scan_forward
 
 __all__ = [
@@ -97,7 +97,7 @@ def _softmax_scores(q, k, scale, causal):
     return scores
 
 
-def softmax_attention_forward(q, k, v, *, scale=None, causal: bool = False):
+def softmax_attention_forward(q, k, v, *, scale=None, causal: bool = False, cu_seqlens=None):
     """Softmax attention ``softmax(scale q k^T) v``, keeping what the backward needs.
 
     Parameters
@@ -111,13 +111,19 @@ def softmax_attention_forward(q, k, v, *, scale=None, causal: bool = False):
         Multiplies the scores; ``1 / sqrt(d)`` by default.
     causal : bool, default False
         Query ``i`` attends to keys ``j <= i`` only (needs ``N_q == N_k``).
+    cu_seqlens : sequence of int, shape (S + 1,), optional
+        Packed sequences (:mod:`refimpl.varlen`): ``q``, ``k`` and ``v`` are
+        ``(T, d)`` or ``(T, H, d)``, sequence ``s`` their rows
+        ``cu_seqlens[s]:cu_seqlens[s + 1]``, attended on its own (its queries
+        read its keys only).  The output is ``(T, d_v)`` or ``(T, H, d_v)``.
 
     Returns
     -------
     out : ndarray, shape (..., N_q, d_v)
         Dtype of the inputs (float32 only if all are float32).
     cache : SoftmaxAttentionCache
-        What :func:`softmax_attention_backward` needs.
+        What :func:`softmax_attention_backward` needs (packed, a
+        :class:`refimpl.varlen.PackedCache` of the sequences' caches).
 
     Raises
     ------
@@ -126,6 +132,10 @@ def softmax_attention_forward(q, k, v, *, scale=None, causal: bool = False):
         scores overflow; with leading dimensions the message counts rows over
         all sequences in C order (row ``b N_q + i``).
     """
+    if cu_seqlens is not None:
+        check = lambda q1, k1, v1: validation.check_softmax_attention_any(q1, k1, v1, scale, causal)  # noqa: E731
+        return varlen.packed(lambda s, q1, k1, v1: softmax_attention_forward(q1, k1, v1, scale=scale, causal=causal),
+                             (q, k, v), cu_seqlens, ("q", "k", "v"), check, forward=True)
     q, k, v, scale, causal, _ = validation.check_softmax_attention_any(q, k, v, scale, causal)
     scores = _softmax_scores(q, k, scale, causal)
     validation.check_score_maxima(np.max(scores, axis=-1))
@@ -142,7 +152,8 @@ def softmax_attention_backward(grad_out, cache) -> SoftmaxAttentionGrads:
     grad_out : array_like, shape (..., N_q, d_v)
         ``dL/d out``, of the output's shape.
     cache : SoftmaxAttentionCache
-        The one :func:`softmax_attention_forward` returned with that output.
+        The one :func:`softmax_attention_forward` returned with that output
+        (or its :class:`refimpl.varlen.PackedCache`).
 
     Returns
     -------
@@ -150,6 +161,8 @@ def softmax_attention_backward(grad_out, cache) -> SoftmaxAttentionGrads:
         The gradients ``q``, ``k`` and ``v``, in the shapes of the forward's
         inputs.
     """
+    if isinstance(cache, varlen.PackedCache):
+        return varlen.packed_backward(softmax_attention_backward, grad_out, cache)
     validation.check_instance(cache, "cache", SoftmaxAttentionCache, "the SoftmaxAttentionCache from softmax_attention_forward")
     q, k, v, p, scale = cache
     labels = ("...",) * (p.ndim > 2) + ("N_q", "d_v")
@@ -162,7 +175,7 @@ def softmax_attention_backward(grad_out, cache) -> SoftmaxAttentionGrads:
     return SoftmaxAttentionGrads(q=ds @ k, k=np.swapaxes(ds, -1, -2) @ q, v=dv)
 
 
-def softmax_attention(q, k, v, *, scale=None, causal: bool = False):
+def softmax_attention(q, k, v, *, scale=None, causal: bool = False, cu_seqlens=None):
     """Softmax attention ``softmax(scale q k^T) v``, for one sequence or a batch of them.
 
     Parameters
@@ -172,7 +185,7 @@ def softmax_attention(q, k, v, *, scale=None, causal: bool = False):
     v : array_like, shape (..., N_k, d_v)
         The leading (batch, head) dimensions ``...`` are the same for all
         three; each ``(N, d)`` slice is one sequence, attended separately.
-    scale, causal
+    scale, causal, cu_seqlens
         As in :func:`softmax_attention_forward`.
 
     Returns
@@ -182,7 +195,7 @@ def softmax_attention(q, k, v, *, scale=None, causal: bool = False):
         overflow is refused; with leading dimensions the error counts rows
         over all sequences in C order (row ``b N_q + i``).
     """
-    return softmax_attention_forward(q, k, v, scale=scale, causal=causal)[0]
+    return softmax_attention_forward(q, k, v, scale=scale, causal=causal, cu_seqlens=cu_seqlens)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -283,7 +296,8 @@ def linear_backward_with(scan, grad_out, cache) -> LinearAttentionGrads:
     return grads
 
 
-def linear_attention_forward(q, k, v, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
+def linear_attention_forward(q, k, v, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                             cu_seqlens=None):
     """Linear attention with the ``elu + 1`` feature map (Katharopoulos et al. 2020).
 
     ``out_i = phi(q_i)^T S / (phi(q_i) . z + eps)`` with ``S = sum_j phi(k_j) v_j^T``
@@ -301,6 +315,10 @@ def linear_attention_forward(q, k, v, *, causal: bool = False, eps: float = 1e-6
         As in :func:`refimpl.attention.feature_attention_forward` (default
         ``False``, ``1e-6`` and 64): causal needs ``N_q == N_k``, and with
         ``eps = 0`` a zero denominator is refused.
+    cu_seqlens : sequence of int, shape (S + 1,), optional
+        Packed sequences (:mod:`refimpl.varlen`), as in
+        :func:`softmax_attention_forward`: the sums ``S`` and ``z`` start at
+        zero at each sequence.
 
     Returns
     -------
@@ -309,7 +327,8 @@ def linear_attention_forward(q, k, v, *, causal: bool = False, eps: float = 1e-6
     cache : LinearAttentionCache or LinearAttentionBatchCache
         What :func:`linear_attention_backward` needs: for 2-D inputs a
         LinearAttentionCache, with leading dimensions a
-        LinearAttentionBatchCache holding one per sequence.
+        LinearAttentionBatchCache holding one per sequence (packed, a
+        :class:`refimpl.varlen.PackedCache`).
 
     Raises
     ------
@@ -318,6 +337,10 @@ def linear_attention_forward(q, k, v, *, causal: bool = False, eps: float = 1e-6
         a denominator of 0; with leading dimensions the message counts rows
         over all sequences in C order (row ``b N_q + i``).
     """
+    if cu_seqlens is not None:
+        check = lambda q1, k1, v1: validation.check_linear_attention_any(q1, k1, v1, causal, eps, chunk_size)  # noqa: E731
+        return varlen.packed(lambda s, q1, k1, v1: linear_attention_forward(q1, k1, v1, causal=causal, eps=eps, chunk_size=chunk_size),
+                             (q, k, v), cu_seqlens, ("q", "k", "v"), check, forward=True)
     return linear_forward_with(scan_forward, *validation.check_linear_attention_any(q, k, v, causal, eps, chunk_size))
 
 
@@ -329,17 +352,21 @@ def linear_attention_backward(grad_out, cache) -> LinearAttentionGrads:
     grad_out : array_like, shape (..., N_q, d_v)
         ``dL/d out``.
     cache : LinearAttentionCache or LinearAttentionBatchCache
-        What :func:`linear_attention_forward` returned.
+        What :func:`linear_attention_forward` returned (or its
+        :class:`refimpl.varlen.PackedCache`).
 
     Returns
     -------
     LinearAttentionGrads
         ``q``, ``k`` and ``v``: the gradients, each of its input's shape.
     """
+    if isinstance(cache, varlen.PackedCache):
+        return varlen.packed_backward(linear_attention_backward, grad_out, cache)
     return linear_backward_with(scan_backward, grad_out, cache)
 
 
-def linear_attention(q, k, v, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
+def linear_attention(q, k, v, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                     cu_seqlens=None):
     """Linear attention with the ``elu + 1`` feature map; see :func:`linear_attention_forward`.
 
     Parameters are those of :func:`linear_attention_forward`.
@@ -348,7 +375,7 @@ def linear_attention(q, k, v, *, causal: bool = False, eps: float = 1e-6, chunk_
     -------
     ndarray, shape (..., N_q, d_v)
     """
-    return linear_attention_forward(q, k, v, causal=causal, eps=eps, chunk_size=chunk_size)[0]
+    return linear_attention_forward(q, k, v, causal=causal, eps=eps, chunk_size=chunk_size, cu_seqlens=cu_seqlens)[0]
 
 
 # ---------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import attention, gmm, numerics, ovq, scan, validation
+from . import attention, gmm, numerics, ovq, scan, validation, varlen
 from . import gma as spec_gma
 
 __all__ = ["Backend", "FUNCTIONS", "bind", "host_kernels", "linear_attention_kernels", "reference_posterior", "same_array",
@@ -106,46 +106,84 @@ def log_responsibilities(b, x, means, variances, weights):
     return b.kernels["posterior"](xp, _gmm_arguments(b, x, means, variances, weights), (x, means, variances, weights), True)
 
 
-def gma(b, x_q, x_k, v, means, variances, weights, *, causal, eps, chunk_size):
+def _packed(b, definition, tokens, names, cu_seqlens, check, forward, *rest, **options):
+    """A packed call of ``definition`` on ``b``: every sequence by its unpacked call (:func:`refimpl.varlen.packed`)."""
+    out, extras = varlen.packed(lambda s, *seq: definition(b, *seq, *rest, **options, cu_seqlens=None), tokens, cu_seqlens, names,
+                                check, b.view, forward)
+    return (out, extras) if forward else out
+
+
+def gma(b, x_q, x_k, v, means, variances, weights, *, causal, eps, chunk_size, cu_seqlens):
     given = (x_q, x_k, v, means, variances, weights)
     xp = b.module(*given)
-    views = (b.view(x_q), b.view(x_k), b.view(v), b.view(means, "parameter"), b.view(variances, "positive"), b.view(weights, "probability"))
-    return b.kernels["gma"](xp, spec_gma.check_gma_arguments(*views, causal, eps, chunk_size), given)
+    params = (b.view(means, "parameter"), b.view(variances, "positive"), b.view(weights, "probability"))
+    check = lambda q, k, v1: spec_gma.check_gma_arguments(q, k, v1, *params, causal, eps, chunk_size)  # noqa: E731
+    if cu_seqlens is not None:
+        return _packed(b, gma, given[:3], ("x_q", "x_k", "v"), cu_seqlens, check, False, *given[3:], causal=causal, eps=eps,
+                       chunk_size=chunk_size)
+    return b.kernels["gma"](xp, check(b.view(x_q), b.view(x_k), b.view(v)), given)
 
 
-def gma_forward(b, x_q, x_k, v, means, raw_variances, logits, *, causal, eps, min_variance, chunk_size):
+def gma_forward(b, x_q, x_k, v, means, raw_variances, logits, *, causal, eps, min_variance, chunk_size, cu_seqlens):
     given = (x_q, x_k, v, means, raw_variances, logits)
     xp = b.module(*given)
-    views = (b.view(x_q), b.view(x_k), b.view(v)) + tuple(b.view(a, "parameter") for a in given[3:])
-    return b.kernels["gma_forward"](xp, spec_gma.check_gma_forward_arguments(*views, causal, eps, min_variance, chunk_size), given)
+    params = tuple(b.view(a, "parameter") for a in given[3:])
+    check = lambda q, k, v1: spec_gma.check_gma_forward_arguments(q, k, v1, *params, causal, eps, min_variance, chunk_size)  # noqa: E731
+    if cu_seqlens is not None:
+        return _packed(b, gma_forward, given[:3], ("x_q", "x_k", "v"), cu_seqlens, check, True, *given[3:], causal=causal, eps=eps,
+                       min_variance=min_variance, chunk_size=chunk_size)
+    return b.kernels["gma_forward"](xp, check(b.view(x_q), b.view(x_k), b.view(v)), given)
+
+
+def _attention(name, checker, forward):
+    def definition(b, q, k, v, *, cu_seqlens, **options):
+        xp = b.module(q, k, v)
+        check = lambda q1, k1, v1: checker(q1, k1, v1, *options.values())  # noqa: E731
+        if cu_seqlens is not None:
+            return _packed(b, definition, (q, k, v), ("q", "k", "v"), cu_seqlens, check, forward, **options)
+        return b.kernels[name](xp, check(b.view(q), b.view(k), b.view(v)), (q, k, v))
+
+    return definition
 
 
 def _softmax_attention(name):
-    def definition(b, q, k, v, *, scale, causal):
-        xp = b.module(q, k, v)
-        checked = validation.check_softmax_attention_any(b.view(q), b.view(k), b.view(v), scale, causal)
-        return b.kernels[name](xp, checked, (q, k, v))
+    # options in the checker's order: scale, causal
+    def definition(b, q, k, v, *, scale, causal, cu_seqlens):
+        return _attention(name, validation.check_softmax_attention_any, name.endswith("_forward"))(
+            b, q, k, v, scale=scale, causal=causal, cu_seqlens=cu_seqlens)
 
     return definition
 
 
 def _linear_attention(name):
-    def definition(b, q, k, v, *, causal, eps, chunk_size):
-        xp = b.module(q, k, v)
-        checked = validation.check_linear_attention_any(b.view(q), b.view(k), b.view(v), causal, eps, chunk_size)
-        return b.kernels[name](xp, checked, (q, k, v))
+    # options in the checker's order: causal, eps, chunk_size
+    def definition(b, q, k, v, *, causal, eps, chunk_size, cu_seqlens):
+        return _attention(name, validation.check_linear_attention_any, name.endswith("_forward"))(
+            b, q, k, v, causal=causal, eps=eps, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
 
     return definition
 
 
 def _backward(name):
     def definition(b, grad_out, cache):
+        if isinstance(cache, varlen.PackedCache):
+            return varlen.packed_backward(lambda g, c: definition(b, g, c), grad_out, cache, b.view)
         return b.kernels[name](b.module(grad_out), grad_out, cache)
 
     return definition
 
 
-def ovq_attention(b, q, k, v, *, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state, return_state):
+def ovq_attention(b, q, k, v, *, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state, return_state,
+                  cu_seqlens):
+    if cu_seqlens is not None:
+        options = dict(max_size=max_size, chunk_size=chunk_size, beta=beta, growth=growth, init=init, count_bias=count_bias,
+                       learning_rate=learning_rate, seed=seed)
+        states, check = ovq.packed_states(state, cu_seqlens, options, ovq.check_ovq_arguments)
+        return_state = validation.check_bool(return_state, "return_state")
+        b.module(q, k, v)
+        one = lambda s, q1, k1, v1: ovq_attention(b, q1, k1, v1, **options, state=states[s], return_state=return_state, cu_seqlens=None)  # noqa: E731
+        out, extras = varlen.packed(one, (q, k, v), cu_seqlens, ("q", "k", "v"), check, b.view)
+        return (out, ovq.sequence_states(extras, states, max_size, b.view(q), b.view(v), out.dtype)) if return_state else out
     xp = b.module(q, k, v)
     options = (max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state)
     a = ovq.check_ovq_arguments(b.view(q), b.view(k), b.view(v), *options)
@@ -153,17 +191,27 @@ def ovq_attention(b, q, k, v, *, max_size, chunk_size, beta, growth, init, count
     return b.kernels["ovq_attention"](xp, a, (q, k, v), return_state)
 
 
-def ovq_attention_forward(b, q, k, v, *, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state):
+def ovq_attention_forward(b, q, k, v, *, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state, cu_seqlens):
+    if cu_seqlens is not None:
+        options = dict(max_size=max_size, chunk_size=chunk_size, beta=beta, growth=growth, init=init, count_bias=count_bias,
+                       learning_rate=learning_rate, seed=seed)
+        states, check = ovq.packed_states(state, cu_seqlens, options, ovq.check_ovq_forward_arguments)
+        b.module(q, k, v)
+        one = lambda s, q1, k1, v1: ovq_attention_forward(b, q1, k1, v1, **options, state=states[s], cu_seqlens=None)  # noqa: E731
+        return varlen.packed(one, (q, k, v), cu_seqlens, ("q", "k", "v"), check, b.view, forward=True)
     xp = b.module(q, k, v)
     options = (max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state)
     a = ovq.check_ovq_forward_arguments(b.view(q), b.view(k), b.view(v), *options)
     return b.kernels["ovq_attention_forward"](xp, a, (q, k, v))
 
 
-def vq_attention(b, q, k, v, codebook, *, chunk_size, beta):
+def vq_attention(b, q, k, v, codebook, *, chunk_size, beta, cu_seqlens):
     xp = b.module(q, k, v, codebook)
-    a = ovq.check_vq_arguments(b.view(q), b.view(k), b.view(v), b.view(codebook, "parameter"), chunk_size, beta)
-    return b.kernels["vq_attention"](xp, a, (q, k, v, codebook))
+    book = b.view(codebook, "parameter")
+    check = lambda q1, k1, v1: ovq.check_vq_arguments(q1, k1, v1, book, chunk_size, beta)  # noqa: E731
+    if cu_seqlens is not None:
+        return _packed(b, vq_attention, (q, k, v), ("q", "k", "v"), cu_seqlens, check, False, codebook, chunk_size=chunk_size, beta=beta)
+    return b.kernels["vq_attention"](xp, check(b.view(q), b.view(k), b.view(v)), (q, k, v, codebook))
 
 
 #: Each public function: ``(its definition here, the reference function whose signature and docstring it has,

@@ -53,7 +53,7 @@ from typing import NamedTuple
 import numpy as np
 from scipy.special import expit
 
-from . import gmm, numerics, statefile, validation
+from . import gmm, numerics, statefile, validation, varlen
 from .scan import DEFAULT_CHUNK_SIZE, FeatureAttentionCache, causal_recurrence, scan_backward, scan_forward
 
 __all__ = [
@@ -231,7 +231,8 @@ def forward_with(
     return out, (caches[0] if not leading else GMABatchCache(leading, means.ndim == 3, tuple(caches)))
 
 
-def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE):
+def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE,
+        cu_seqlens=None):
     """Gaussian Mixture Attention with a GMM given by its variances and weights.
 
     Parameters
@@ -259,6 +260,12 @@ def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: fl
         component) is refused: its output is 0/0.
     chunk_size : int, default 64
         Tokens per chunk of the causal scan (>= 1).
+    cu_seqlens : sequence of int, shape (S + 1,), optional
+        Packed sequences (:mod:`refimpl.varlen`): ``x_q``, ``x_k`` and ``v``
+        are ``(T, d)`` or ``(T, H, d)``, sequence ``s`` their rows
+        ``cu_seqlens[s]:cu_seqlens[s + 1]``, computed on its own: causal
+        prefix sums start at zero and the slots are written afresh at each
+        sequence.  The output is ``(T, d_v)`` or ``(T, H, d_v)``.
 
     Returns
     -------
@@ -268,6 +275,11 @@ def gma(x_q, x_k, v, means, variances, weights, *, causal: bool = False, eps: fl
         time (plus ``O(N C (K + d_v))`` for the within-chunk blocks when
         causal) without an ``N x N`` matrix.  Dtype of the inputs.
     """
+    if cu_seqlens is not None:
+        # each sequence on its own: gma of rows cu_seqlens[s]:cu_seqlens[s+1]
+        options = dict(causal=causal, eps=eps, chunk_size=chunk_size)
+        return varlen.packed(lambda s, q, k, v1: gma(q, k, v1, means, variances, weights, **options), (x_q, x_k, v), cu_seqlens,
+                             ("x_q", "x_k", "v"), lambda q, k, v1: check_gma_arguments(q, k, v1, means, variances, weights, causal, eps, chunk_size))[0]
     a = check_gma_arguments(x_q, x_k, v, means, variances, weights, causal, eps, chunk_size)
     args = (a.x_q, a.x_k, a.v, a.means, a.variances, numerics.log_weights(a.weights), a.causal, a.eps, a.chunk_size)
     return forward_with(_responsibilities, *args, keep=False)[0]
@@ -318,6 +330,7 @@ def gma_forward(
     eps: float = 1e-6,
     min_variance: float = 1e-6,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    cu_seqlens=None,
 ):
     """GMA with unconstrained GMM parameters, keeping what :func:`gma_backward` needs.
 
@@ -341,6 +354,8 @@ def gma_forward(
     min_variance : float, default 1e-6
         The variance floor ``sigma2_min`` (> 0).
     chunk_size : int, default 64
+    cu_seqlens : sequence of int, shape (S + 1,), optional
+        Packed sequences, as in :func:`gma`.
 
     Returns
     -------
@@ -349,8 +364,14 @@ def gma_forward(
         For 2-D inputs, a GMACache: inputs, variances, both responsibility
         matrices (``N x K``) and the mixing cache; with leading dimensions, a
         GMABatchCache holding the leading shape, whether the GMM is per head,
-        and one GMACache per sequence.
+        and one GMACache per sequence.  Packed, a
+        :class:`refimpl.varlen.PackedCache` of the sequences' caches.
     """
+    if cu_seqlens is not None:
+        options = dict(causal=causal, eps=eps, min_variance=min_variance, chunk_size=chunk_size)
+        check = lambda q, k, v1: check_gma_forward_arguments(q, k, v1, means, raw_variances, logits, causal, eps, min_variance, chunk_size)  # noqa: E731
+        return varlen.packed(lambda s, q, k, v1: gma_forward(q, k, v1, means, raw_variances, logits, **options),
+                             (x_q, x_k, v), cu_seqlens, ("x_q", "x_k", "v"), check, forward=True)
     a = check_gma_forward_arguments(x_q, x_k, v, means, raw_variances, logits, causal, eps, min_variance, chunk_size)
     variances, log_weights = mixture_from_raw(a.raw_variances, a.logits, a.min_variance)
     args = (a.x_q, a.x_k, a.v, a.means, variances, log_weights, a.causal, a.eps, a.chunk_size)
@@ -437,7 +458,8 @@ def gma_backward(grad_out, cache) -> GMAGrads:
     grad_out : array_like, shape (..., N_q, d_v)
         ``dL/d out``, the shape of the forward's output.
     cache : GMACache or GMABatchCache
-        From :func:`gma_forward`.
+        From :func:`gma_forward` (a :class:`refimpl.varlen.PackedCache` from a
+        packed call: the gradients of each sequence from its own cache).
 
     Returns
     -------
@@ -449,6 +471,8 @@ def gma_backward(grad_out, cache) -> GMAGrads:
         the sequences of each head).  When the same array is passed as
         ``x_q`` and ``x_k`` its gradient is ``x_q + x_k``.
     """
+    if isinstance(cache, varlen.PackedCache):
+        return varlen.packed_backward(gma_backward, grad_out, cache)
     return backward_with(_responsibility_backward, grad_out, cache)
 
 

@@ -100,7 +100,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import gmm, numerics, statefile, validation
+from . import gmm, numerics, statefile, validation, varlen
 
 __all__ = [
     "NORM_EPS",
@@ -554,7 +554,7 @@ def _ovq_chunks(q, k, v, p, state, record, predict=None):
 
 
 def ovq_attention(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread", count_bias=True,
-                  learning_rate=None, seed=0, state=None, return_state=False):
+                  learning_rate=None, seed=0, state=None, cu_seqlens=None, return_state=False):
     """Online vector-quantized attention, causal, chunk by chunk.
 
     Parameters
@@ -588,6 +588,12 @@ def ovq_attention(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau",
         let the first chunk seed what ``growth`` asks for, as every state that
         this function returned with the same ``growth`` does; a state built
         by hand that lags behind is refused.
+    cu_seqlens : sequence of int, shape (S + 1,), optional
+        Packed sequences (:mod:`refimpl.varlen`): ``q``, ``k`` and ``v`` are
+        ``(T, d)``, sequence ``s`` their rows ``cu_seqlens[s]:cu_seqlens[s + 1]``,
+        each from its own dictionary: empty, or ``state[s]`` when ``state`` is
+        a list of ``S`` states (or ``None``); the state returned is then one
+        per sequence (an empty sequence's unchanged, or empty).
     return_state : bool, default False
         Also return the state after the last chunk.
 
@@ -597,7 +603,8 @@ def ovq_attention(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau",
         Dtype of the inputs (float32 in, float32 out); a float64 ``state``
         makes the computation float64.
     state : OVQState
-        Only with ``return_state=True``; a new object.
+        Only with ``return_state=True``; a new object (packed, a tuple of one
+        per sequence).
 
     Notes
     -----
@@ -606,11 +613,40 @@ def ovq_attention(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau",
     equals one call bit for bit; :mod:`refimpl.ovq_oracle` is the
     token-by-token version of the same contract.
     """
+    if cu_seqlens is not None:
+        options = dict(max_size=max_size, chunk_size=chunk_size, beta=beta, growth=growth, init=init, count_bias=count_bias,
+                       learning_rate=learning_rate, seed=seed)
+        states, check = packed_states(state, cu_seqlens, options, check_ovq_arguments)
+        return_state = validation.check_bool(return_state, "return_state")
+        out, extras = varlen.packed(lambda s, q1, k1, v1: ovq_attention(q1, k1, v1, **options, state=states[s], return_state=return_state),
+                                       (q, k, v), cu_seqlens, ("q", "k", "v"), check)
+        return (out, sequence_states(extras, states, max_size, q, v, out.dtype)) if return_state else out
     a = check_ovq_arguments(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state)
     return_state = validation.check_bool(return_state, "return_state")
     out, new_state, _, overflow = _ovq_chunks(a.q, a.k, a.v, a.params, a.state, record=False)
     check_overflow(overflow, a.state, a.dtype)
     return (out, OVQState(*new_state)) if return_state else out
+
+
+def packed_states(state, cu_seqlens, options, checker):
+    """``(states, check)`` of a packed OVQ call: one incoming state per sequence, and the checks of every argument.
+
+    ``check(q, k, v)`` is ``checker`` (the function's own) on the whole packed
+    arrays, once without a state and once with each state given.
+    """
+    states = validation.check_packed_states(state, validation.check_cu_seqlens(cu_seqlens), "OVQState")
+
+    def check(q, k, v):
+        for st in (None,) + tuple(s for s in states if s is not None):
+            checker(q, k, v, *options.values(), st)
+
+    return states, check
+
+
+def sequence_states(new, given, max_size, q, v, dtype):
+    """The state after each sequence of a packed call: ``new[s]``, or for an empty sequence the state it was given (or empty)."""
+    d, d_v = np.shape(q)[-1], np.shape(v)[-1]
+    return tuple(n if n is not None else (g if g is not None else OVQState.empty(max_size, d, d_v, dtype)) for n, g in zip(new, given))
 
 
 class OVQCache(NamedTuple):
@@ -633,7 +669,7 @@ class OVQGrads(NamedTuple):
 
 
 def ovq_attention_forward(q, k, v, *, max_size, chunk_size, beta=None, growth="plateau", init="spread", count_bias=True,
-                          learning_rate=None, seed=0, state=None):
+                          learning_rate=None, seed=0, state=None, cu_seqlens=None):
     """:func:`ovq_attention`, keeping what the backward needs; also for a batch of sequences.
 
     Parameters
@@ -647,6 +683,9 @@ def ovq_attention_forward(q, k, v, *, max_size, chunk_size, beta=None, growth="p
         As in :func:`ovq_attention`.
     state : OVQState, optional
         As in :func:`ovq_attention`; refused with leading dimensions.
+    cu_seqlens : sequence of int, shape (S + 1,), optional
+        Packed sequences, as in :func:`ovq_attention`; ``q``, ``k`` and ``v``
+        may also be ``(T, H, d)`` (no state then).
 
     Returns
     -------
@@ -659,7 +698,8 @@ def ovq_attention_forward(q, k, v, *, max_size, chunk_size, beta=None, growth="p
         went to (the assignments that the backward holds fixed) and
         ``cache.records[j].dict_keys`` the dictionary it was assigned
         against; with leading dimensions ``cache.records`` holds such a list
-        per sequence, leading indices in C order.
+        per sequence, leading indices in C order.  Packed, a
+        :class:`refimpl.varlen.PackedCache` of the sequences' caches.
 
     Raises
     ------
@@ -667,6 +707,12 @@ def ovq_attention_forward(q, k, v, *, max_size, chunk_size, beta=None, growth="p
         As :func:`ovq_attention`; a batch raises what the first of its
         sequences to fail would raise on its own.
     """
+    if cu_seqlens is not None:
+        options = dict(max_size=max_size, chunk_size=chunk_size, beta=beta, growth=growth, init=init, count_bias=count_bias,
+                       learning_rate=learning_rate, seed=seed)
+        states, check = packed_states(state, cu_seqlens, options, check_ovq_forward_arguments)
+        return varlen.packed(lambda s, q1, k1, v1: ovq_attention_forward(q1, k1, v1, **options, state=states[s]),
+                             (q, k, v), cu_seqlens, ("q", "k", "v"), check, forward=True)
     a = check_ovq_forward_arguments(q, k, v, max_size, chunk_size, beta, growth, init, count_bias, learning_rate, seed, state)
     lead = a.q.shape[:-2]
     out = np.empty(a.q.shape[:-1] + a.v.shape[-1:], dtype=a.dtype)
@@ -743,7 +789,8 @@ def ovq_attention_backward(grad_out, cache: OVQCache) -> OVQGrads:
     grad_out : array_like, shape (N, d_v) or (..., N, d_v)
         ``dL/d out``, the shape of the forward's output.
     cache : OVQCache
-        From :func:`ovq_attention_forward`.
+        From :func:`ovq_attention_forward` (or its
+        :class:`refimpl.varlen.PackedCache`).
 
     Returns
     -------
@@ -752,6 +799,8 @@ def ovq_attention_backward(grad_out, cache: OVQCache) -> OVQGrads:
         arrays in the dtype of the forward.  The module docstring states each
         phase; the incoming ``state``, if any, is a constant.
     """
+    if isinstance(cache, varlen.PackedCache):
+        return varlen.packed_backward(ovq_attention_backward, grad_out, cache)
     validation.check_instance(cache, "cache", OVQCache, "the OVQCache from ovq_attention_forward")
     q, k, v, p = cache.q, cache.k, cache.v, cache.params
     lead = q.shape[:-2]
@@ -813,7 +862,7 @@ def check_vq_arguments(q, k, v, codebook, chunk_size, beta):
     return VQArguments(*(x.astype(dtype, copy=False) for x in (q, k, v, codebook)), chunk_size, beta)
 
 
-def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
+def vq_attention(q, k, v, codebook, *, chunk_size, beta=None, cu_seqlens=None):
     """VQ attention with a fixed key codebook (Lingle 2023, simplified).
 
     Parameters
@@ -827,6 +876,10 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
         ``C`` (>= 1).
     beta : float, optional
         ``sqrt(d)`` by default.
+    cu_seqlens : sequence of int, shape (S + 1,), optional
+        Packed sequences (:mod:`refimpl.varlen`): ``q``, ``k`` and ``v`` are
+        ``(T, d)``, sequence ``s`` their rows ``cu_seqlens[s]:cu_seqlens[s + 1]``,
+        each summarised from no earlier chunk.
 
     Returns
     -------
@@ -840,6 +893,9 @@ def vq_attention(q, k, v, codebook, *, chunk_size, beta=None):
     ``beta q^ . D_k[m] + log L_m`` (codes with ``L_m = 0`` get ``-inf``); the
     current chunk is read causally with ``beta q^_a . D_k[z_b]``, ``b <= a``.
     """
+    if cu_seqlens is not None:
+        return varlen.packed(lambda s, q1, k1, v1: vq_attention(q1, k1, v1, codebook, chunk_size=chunk_size, beta=beta), (q, k, v),
+                             cu_seqlens, ("q", "k", "v"), lambda q1, k1, v1: check_vq_arguments(q1, k1, v1, codebook, chunk_size, beta))[0]
     q, k, v, codebook, C, beta = check_vq_arguments(q, k, v, codebook, chunk_size, beta)
     N, S, dtype = q.shape[0], codebook.shape[0], q.dtype
     b = dtype.type(beta)

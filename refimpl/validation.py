@@ -57,6 +57,10 @@ __all__ = [
     "check_log_values",
     "check_counts",
     "check_grad_out",
+    "check_cu_seqlens",
+    "check_packed_tokens",
+    "check_packed_end",
+    "check_packed_states",
     "check_causal_lengths",
     "check_scan_options",
     "check_weights",
@@ -390,6 +394,51 @@ def check_grad_out(grad_out, shape: tuple, labels: tuple, dtype) -> np.ndarray:
     g = as_float_array(grad_out, "grad_out", ndim=len(shape))
     check_shape(g, "grad_out", shape, labels)
     return g.astype(dtype, copy=False)
+
+
+def check_cu_seqlens(cu_seqlens) -> np.ndarray:
+    """The offsets of packed sequences as int64 ``(S + 1,)``: integers, one-dimensional, from 0, non-decreasing."""
+    offsets = np.asarray(cu_seqlens)
+    if offsets.dtype.kind not in "iu":
+        raise TypeError(f"cu_seqlens: expected integer offsets of the packed sequences, got {_describe_dtype(offsets)}")
+    if offsets.ndim != 1 or offsets.size == 0:
+        raise ValueError(f"cu_seqlens: expected shape (S + 1,), one offset per sequence and the end, got shape {offsets.shape}")
+    if offsets[0] != 0:
+        raise ValueError(f"cu_seqlens: expected the first offset 0 (sequence 0 starts at row 0), got {offsets[0]}")
+    drops = np.flatnonzero(np.diff(offsets) < 0)
+    if drops.size:
+        s = int(drops[0])
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got cu_seqlens[{s + 1}] = {offsets[s + 1]} "
+                         f"< cu_seqlens[{s}] = {offsets[s]}")
+    return offsets.astype(np.int64)
+
+
+def check_packed_tokens(x, name: str, given=None) -> None:
+    """A packed token array is ``(T, d)`` or ``(T, H, d)`` on the host: ``cu_seqlens`` with a batch dimension as well,
+    or with an array on a device (``given``, what ``x`` shows of it), is refused."""
+    if hasattr(given, "__cuda_array_interface__") or hasattr(given, "copy_to_host"):  # CuPy, Numba (and its simulator)
+        raise TypeError(f"cu_seqlens: packed sequences are taken as host arrays (NumPy), got {name} of type "
+                        f"{type(given).__name__} on the device; pass a host copy, or call once per sequence")
+    if np.ndim(x) > 3:
+        raise ValueError(f"cu_seqlens: packed sequences lie along the first axis of {name}, of shape (T, d) or (T, H, d); "
+                         f"got shape {np.shape(x)}, with a batch dimension as well")
+
+
+def check_packed_end(offsets: np.ndarray, x, name: str) -> None:
+    """The last offset is ``T``, the rows of the packed token array ``x``."""
+    if offsets[-1] != np.shape(x)[0]:
+        raise ValueError(f"cu_seqlens: expected the last offset T = {np.shape(x)[0]}, the rows of {name}, got {offsets[-1]}")
+
+
+def check_packed_states(state, offsets: np.ndarray, what: str) -> tuple:
+    """``state`` of a packed stream: ``None`` (each sequence from empty) or one ``what`` (or ``None``) per sequence."""
+    S = offsets.size - 1
+    if state is None:
+        return (None,) * S
+    if not isinstance(state, (list, tuple)) or len(state) != S:
+        got = f"{type(state).__name__} of {len(state)}" if isinstance(state, (list, tuple)) else type(state).__name__
+        raise ValueError(f"state: with cu_seqlens, expected None or one {what} (or None) per sequence, a list of S = {S}, got {got}")
+    return tuple(state)
 
 
 def check_causal_lengths(n_q: int, n_k: int, causal: bool, names=("phi_q", "phi_k")) -> None:

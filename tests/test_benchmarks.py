@@ -38,6 +38,8 @@ EXPECTED = {
         "backward / floor",
         "peak memory",
         "ns per entry",
+        "causal GMA padded / packed:",
+        "peak memory, causal GMA",
     ],
 }
 

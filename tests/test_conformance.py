@@ -1045,3 +1045,263 @@ def test_the_same_bits_with_one_thread_or_two(backend):
     for one, two, serial in zip(*runs, strict=True):
         assert one.dtype == two.dtype == serial.dtype
         assert np.array_equal(one, two) and np.array_equal(one, serial)
+
+
+# ---------------------------------------------------------------------------
+# Packed variable-length batches (cu_seqlens): the loop over the sequences
+# ---------------------------------------------------------------------------
+
+#: ``(id, tiny, offsets, chunk_size)``: empty sequences first, between and last, one of length 1, boundaries inside a
+#: chunk (5, 6) and on a chunk edge (8, 16) of chunk 4.
+PACKED = [
+    ("empty-1-inside-edge-C4", False, [0, 0, 5, 6, 6, 8, 16, 16], 4),
+    ("tiny-C2", True, [0, 0, 3, 4, 4], 2),
+]
+
+
+def heads_first(x):
+    return np.moveaxis(x, 0, 1) if x.ndim == 3 else x
+
+
+def per_sequence(function, tokens, offsets, *args, **kwargs):
+    """The contract's loop: ``function`` on each non-empty sequence alone (heads first), ``None`` for an empty one."""
+    return [function(*(heads_first(x[a:b]) for x in tokens), *args, **kwargs) if b > a else None
+            for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def in_rows(parts, like):
+    """The parts of the sequences (heads first) laid back in their rows: an array of ``like``'s shape."""
+    out = np.zeros_like(like)
+    rows = np.cumsum([0] + [0 if p is None else np.shape(p)[-2] for p in parts])
+    for p, a, b in zip(parts, rows[:-1], rows[1:]):
+        if p is not None:
+            out[a:b] = heads_first(np.asarray(p)) if like.ndim == 3 else p
+    return out
+
+
+def summed(parts):
+    """The parameter gradients of the sequences, summed in order."""
+    total = None
+    for p in parts:
+        total = p if total is None else (total if p is None else total + p)
+    return total
+
+
+def packed_problem(offsets, heads, dtype, d=2, d_v=3, seed=0):
+    """Packed ``q, k, v`` of ``offsets[-1]`` tokens, ``(T, d)`` or with two heads ``(T, 2, d)``."""
+    rng = np.random.default_rng(seed)
+    lead = (offsets[-1],) + ((2,) if heads else ())
+    return [rng.normal(size=lead + (n,)).astype(dtype) for n in (d, d, d_v)]
+
+
+def packed_cases(function, heads=(False, True)):
+    """``(backend, offsets, chunk, heads, dtype)`` for each backend offering ``function``; in the simulator, one tiny
+    case in float64 without heads (the packed call is the same loop there: its few kernels are slow to simulate)."""
+    return [pytest.param(*p.values, h, dtype, id=f"{p.id}-{'heads' if h else '2d'}-{dtype.__name__}")
+            for p in cases(function, PACKED) for h in heads for dtype in (F64, F32)
+            if not BACKENDS[p.values[0]].simulator or (not h and dtype is F64)]
+
+
+@pytest.mark.parametrize("backend, offsets, chunk, heads, dtype", packed_cases("gma_forward"))
+def test_packed_gma_and_every_gradient_are_the_loop_over_the_sequences(backend, offsets, chunk, heads, dtype):
+    b = BACKENDS[backend]
+    x_q, x_k, v = packed_problem(offsets, heads, dtype)
+    params = _problem((2,) if heads else (), heads, 1, 3, 2, 3, dtype, seed=5)[3:]
+    for causal in (True,) if b.simulator else (True, False):
+        out, cache = b.gma_forward(x_q, x_k, v, *params, causal=causal, chunk_size=chunk, cu_seqlens=offsets)
+        g = np.random.default_rng(2).normal(size=np.shape(out)).astype(dtype)
+        loop = per_sequence(lambda q, k, v1: ref_gma.gma_forward(q, k, v1, *params, causal=causal, chunk_size=chunk), (x_q, x_k, v), offsets)
+        assert np.asarray(out).dtype == dtype and np.shape(out) == np.shape(v)
+        close("gma_forward", out, in_rows([r and r[0] for r in loop], v))
+        grads = b.gma_backward(g, cache)
+        ref = [ref_gma.gma_backward(heads_first(g[a:e]), r[1]) if r else None for a, e, r in zip(offsets[:-1], offsets[1:], loop)]
+        for i, (name, like) in enumerate(zip(ref_gma.GMAGrads._fields, (x_q, x_k, v) + params)):
+            parts = [r and r[i] for r in ref]
+            want = in_rows(parts, like) if i < 3 else summed(parts)
+            assert np.asarray(getattr(grads, name)).dtype == dtype, name
+            close("gma_backward", getattr(grads, name), want, name)
+        w = ref_gma.mixture_from_raw(params[1], params[2], 1e-6)
+        gma_args = (params[0], w[0], np.exp(w[1]))
+        close("gma", b.gma(x_q, x_k, v, *gma_args, causal=causal, chunk_size=chunk, cu_seqlens=offsets),
+              in_rows(per_sequence(lambda q, k, v1: ref_gma.gma(q, k, v1, *gma_args, causal=causal, chunk_size=chunk),
+                                   (x_q, x_k, v), offsets), v), "gma")
+
+
+def packed_attention(b, function, tokens, offsets, dtype, **options):
+    """``function`` of ``b`` and the reference, packed against the loop: the output and (with a backward) every gradient."""
+    ref = getattr(ref_attention, function)
+    loop = per_sequence(lambda q, k, v: ref(q, k, v, **options), tokens, offsets)
+    if not hasattr(b, f"{function}_forward"):
+        close(function, getattr(b, function)(*tokens, **options, cu_seqlens=offsets), in_rows(loop, tokens[2]))
+        return
+    out, cache = getattr(b, f"{function}_forward")(*tokens, **options, cu_seqlens=offsets)
+    close(function, out, in_rows(loop, tokens[2]))
+    close(function, getattr(b, function)(*tokens, **options, cu_seqlens=offsets), in_rows(loop, tokens[2]), "without the cache")
+    g = np.random.default_rng(3).normal(size=out.shape).astype(dtype)
+    ref_forward, ref_backward = getattr(ref_attention, f"{function}_forward"), getattr(ref_attention, f"{function}_backward")
+    grads = getattr(b, f"{function}_backward")(g, cache)
+    want = [ref_backward(heads_first(g[a:e]), ref_forward(*(heads_first(x[a:e]) for x in tokens), **options)[1]) if e > a else None
+            for a, e in zip(offsets[:-1], offsets[1:])]
+    for i, name in enumerate(("q", "k", "v")):
+        assert np.asarray(getattr(grads, name)).dtype == dtype
+        close(f"{function}_backward", getattr(grads, name), in_rows([w and w[i] for w in want], tokens[i]), name)
+
+
+@pytest.mark.parametrize("backend, offsets, chunk, heads, dtype", packed_cases("softmax_attention"))
+def test_packed_softmax_attention_and_its_gradients_are_the_loop_over_the_sequences(backend, offsets, chunk, heads, dtype):
+    tokens = packed_problem(offsets, heads, dtype, seed=1)
+    for causal in (True, False):
+        packed_attention(BACKENDS[backend], "softmax_attention", tokens, offsets, dtype, causal=causal)
+
+
+@pytest.mark.parametrize("backend, offsets, chunk, heads, dtype", packed_cases("linear_attention"))
+def test_packed_linear_attention_and_its_gradients_are_the_loop_over_the_sequences(backend, offsets, chunk, heads, dtype):
+    tokens = packed_problem(offsets, heads, dtype, seed=2)
+    for causal in (True, False):
+        packed_attention(BACKENDS[backend], "linear_attention", tokens, offsets, dtype, causal=causal, chunk_size=chunk)
+
+
+@pytest.mark.parametrize("backend, offsets, chunk, heads, dtype", packed_cases("ovq_attention", heads=(False,)))
+def test_packed_ovq_and_vq_attention_are_the_loop_over_the_sequences_each_from_its_own_state(backend, offsets, chunk, heads, dtype):
+    b = BACKENDS[backend]
+    q, k, v = margins_qkv(4, offsets[-1], d=3, d_v=2, dtype=dtype)
+    options = dict(max_size=4, chunk_size=chunk)
+    # sequence 1 continues a stream of its own; an empty sequence given a state gives it back
+    first = ref_ovq.ovq_attention(*margins_qkv(5, 3, d=3, d_v=2, dtype=dtype), **options, return_state=True)[1]
+    states = [None] * (len(offsets) - 1)
+    states[1], states[0] = first, first
+    out, got = b.ovq_attention(q, k, v, **options, state=states, return_state=True, cu_seqlens=offsets)
+    loop = [ref_ovq.ovq_attention(q[a:e], k[a:e], v[a:e], **options, state=st, return_state=True) if e > a else None
+            for a, e, st in zip(offsets[:-1], offsets[1:], states)]
+    close("ovq_attention", out, in_rows([r and r[0] for r in loop], v))
+    assert len(got) == len(states)
+    for st, r, given in zip(got, loop, states):
+        assert_state_close(st, r[1] if r else (given or ref_ovq.OVQState.empty(4, 3, 2, dtype)), dtype)
+    if hasattr(b, "vq_attention"):
+        close("vq_attention", b.vq_attention(q, k, v, k[:3], chunk_size=chunk, cu_seqlens=offsets), in_rows(
+            per_sequence(lambda q1, k1, v1: ref_ovq.vq_attention(q1, k1, v1, k[:3], chunk_size=chunk), (q, k, v), offsets), v))
+    if hasattr(b, "ovq_attention_forward"):
+        out, cache = b.ovq_attention_forward(q, k, v, **options, cu_seqlens=offsets)
+        g = np.random.default_rng(4).normal(size=out.shape).astype(dtype)
+        grads = b.ovq_attention_backward(g, cache)
+        want = [ref_ovq.ovq_attention_backward(g[a:e], ref_ovq.ovq_attention_forward(q[a:e], k[a:e], v[a:e], **options)[1])
+                if e > a else None for a, e in zip(offsets[:-1], offsets[1:])]
+        for i, x in enumerate((q, k, v)):
+            close("ovq_attention_backward", grads[i], in_rows([w and w[i] for w in want], x), "qkv"[i])
+
+
+def packed_calls(b, x, offsets, state=None):
+    """Each function of ``b`` that takes ``cu_seqlens``, called on the packed tokens ``x`` (three arrays)."""
+    means, variances, weights = mixture(3, np.shape(x[1])[-1])
+    calls = {
+        "gma": lambda: b.gma(*x, means, variances, weights, causal=True, chunk_size=2, cu_seqlens=offsets),
+        "gma_forward": lambda: b.gma_forward(*x, means, variances, np.zeros(3), chunk_size=2, cu_seqlens=offsets),
+        "softmax_attention": lambda: b.softmax_attention(*x, causal=True, cu_seqlens=offsets),
+        "softmax_attention_forward": lambda: b.softmax_attention_forward(*x, cu_seqlens=offsets),
+        "linear_attention": lambda: b.linear_attention(*x, causal=True, chunk_size=2, cu_seqlens=offsets),
+        "linear_attention_forward": lambda: b.linear_attention_forward(*x, cu_seqlens=offsets),
+        "ovq_attention": lambda: b.ovq_attention(*x, max_size=3, chunk_size=2, state=state, return_state=True, cu_seqlens=offsets),
+        "ovq_attention_forward": lambda: b.ovq_attention_forward(*x, max_size=3, chunk_size=2, state=state, cu_seqlens=offsets),
+        "vq_attention": lambda: b.vq_attention(*x, means, chunk_size=2, cu_seqlens=offsets),
+    }
+    return {name: call for name, call in calls.items() if hasattr(b, name)}
+
+
+def _bad_packed():
+    """``(id, offsets, tokens, state, words)`` of packed calls the reference refuses; the last sequence, or the last offset,
+    is what is wrong where it can be (a loop that computed as it went would have computed the sequences before)."""
+    x = packed_problem([6], False, F64, d=2, d_v=2, seed=9)
+    nan = [a.copy() for a in x]
+    nan[0][5, 1] = np.nan
+    state = ref_ovq.OVQState.empty(3, 2, 2)
+    return [
+        ("floats", [0.0, 3.0, 6.0], x, None, "cu_seqlens: "),
+        ("booleans", [False, True], x, None, "cu_seqlens: "),
+        ("2-D", [[0, 3, 6]], x, None, "cu_seqlens: "),
+        ("no-offset", [], x, None, "cu_seqlens: "),
+        ("not-from-0", [1, 3, 6], x, None, "cu_seqlens: "),
+        ("decreasing", [0, 2, 4, 3, 6], x, None, "cu_seqlens: "),
+        ("short-of-T", [0, 3, 5], x, None, "cu_seqlens: "),
+        ("past-T", [0, 3, 7], x, None, "cu_seqlens: "),
+        ("batch-dimension", [0, 3, 6], [a[None, :, None] for a in x], None, "cu_seqlens: "),
+        ("nan-in-the-last-sequence", [0, 3, 4, 6], nan, None, "(first at index (5, 1): nan)"),
+        ("one-state-for-two-sequences", [0, 3, 6], x, state, "state: "),
+        ("three-states-for-two-sequences", [0, 3, 6], x, [state] * 3, "state: "),
+    ]
+
+
+BAD_PACKED = _bad_packed()
+
+
+@pytest.mark.parametrize("case", range(len(BAD_PACKED)), ids=[c[0] for c in BAD_PACKED])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_bad_offsets_are_refused_alike_and_before_anything_is_computed(backend, case, monkeypatch):
+    _, offsets, x, state, words = BAD_PACKED[case]
+    b = BACKENDS[backend]
+    ran = []
+    for name, call in packed_calls(b, x, offsets, state).items():
+        if state is not None and not name.startswith("ovq"):
+            continue
+        fn = getattr(b, name)
+        for key in getattr(fn, "backend", None) and fn.backend.kernels or ():
+            monkeypatch.setitem(fn.backend.kernels, key, lambda *a, _k=key, **kw: ran.append(_k))
+        got, _ = refused_alike(call, packed_calls(ref_namespace(), x, offsets, state)[name])
+        assert words in str(got), str(got)
+    assert not ran, f"computed before refusing: {ran}"
+
+
+def ref_namespace():
+    """The reference's functions under their names."""
+    import types
+
+    return types.SimpleNamespace(gma=ref_gma.gma, gma_forward=ref_gma.gma_forward, softmax_attention=ref_attention.softmax_attention,
+                                 softmax_attention_forward=ref_attention.softmax_attention_forward,
+                                 linear_attention=ref_attention.linear_attention,
+                                 linear_attention_forward=ref_attention.linear_attention_forward,
+                                 ovq_attention=ref_ovq.ovq_attention, ovq_attention_forward=ref_ovq.ovq_attention_forward,
+                                 vq_attention=ref_ovq.vq_attention)
+
+
+@pytest.mark.parametrize("heads", [False, True], ids=["2d", "heads"])
+@pytest.mark.parametrize("dtype", [F64, F32], ids=["float64", "float32"])
+def test_the_references_packed_call_is_its_loop_bit_for_bit(dtype, heads):
+    """The definition: the reference's packed outputs and gradients are the loop over the sequences, to the last bit."""
+    _, _, offsets, chunk = PACKED[0]
+    x = packed_problem(offsets, heads, dtype, seed=6)
+    params = _problem((2,) if heads else (), heads, 1, 3, 2, 3, dtype, seed=7)[3:]
+    g = np.random.default_rng(8).normal(size=x[2].shape).astype(dtype)
+    forwards = {
+        "gma": (lambda *t, **kw: ref_gma.gma_forward(*t, *params, causal=True, chunk_size=chunk, **kw), ref_gma.gma_backward),
+        "softmax": (lambda *t, **kw: ref_attention.softmax_attention_forward(*t, causal=True, **kw), ref_attention.softmax_attention_backward),
+        "linear": (lambda *t, **kw: ref_attention.linear_attention_forward(*t, chunk_size=chunk, **kw), ref_attention.linear_attention_backward),
+    }
+    if not heads:
+        forwards["ovq"] = (lambda *t, **kw: ref_ovq.ovq_attention_forward(*t, max_size=3, chunk_size=chunk, **kw), ref_ovq.ovq_attention_backward)
+    for name, (forward, backward) in forwards.items():
+        out, cache = forward(*x, cu_seqlens=offsets)
+        grads = backward(g, cache)
+        loop = [(r[0], backward(heads_first(g[a:e]), r[1])) if r else None
+                for r, a, e in zip(per_sequence(forward, x, offsets), offsets[:-1], offsets[1:])]
+        assert np.array_equal(out, in_rows([r and r[0] for r in loop], x[2])), name
+        for i, got in enumerate(grads):
+            parts = [r and r[1][i] for r in loop]
+            want = in_rows(parts, x[i]) if i < 3 else summed(parts)
+            assert got.dtype == dtype and np.array_equal(got, want), (name, i)
+
+
+@pytest.mark.parametrize("backend", [n for n in ("numba_cuda", "cupy") if n in BACKENDS])
+def test_packed_sequences_on_a_device_are_refused_naming_cu_seqlens(backend, monkeypatch):
+    """A packed call takes host arrays: a device array is refused before anything is computed, forward and backward."""
+    b = BACKENDS[backend]
+    x = packed_problem([6], False, F64, d=2, d_v=2, seed=9)
+    if backend == "numba_cuda":
+        to_device = pytest.importorskip("numba.cuda").to_device
+    else:
+        to_device = pytest.importorskip("cupy").asarray
+    ran = []
+    for key in b.gma.backend.kernels:
+        monkeypatch.setitem(b.gma.backend.kernels, key, lambda *a, _k=key, **kw: ran.append(_k))
+    for name, call in packed_calls(b, [to_device(x[0]), x[1], x[2]], [0, 3, 6]).items():
+        with pytest.raises(TypeError, match=r"^cu_seqlens: packed sequences are taken as host arrays \(NumPy\), got (x_)?q of type "):
+            call()
+    assert not ran

@@ -541,3 +541,21 @@ def test_huge_embeddings_give_the_logits_of_merely_large_ones(dtype, large, fits
     assert np.all(np.isfinite(at_large)) and not np.allclose(at_large, params["head.b"])
     tol = 1e-9 if dtype == np.float64 else 1e-4
     np.testing.assert_allclose(at_large, at_fits, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("mixer", ["gma", "softmax", "linear", "ovq"])
+def test_a_packed_listops_batch_gives_the_padded_loss_and_gradients_of_a_causal_model(mixer):
+    """Causal mixers never read the trailing padding and the pooling skips it: packed is padded without the padding."""
+    from app import tasks
+
+    x, y = tasks.listops_splits(8, 1, 1, max_len=24, max_depth=2, seed=3)["train"]
+    c = config(mixer, causal=True, vocab_size=len(tasks.LISTOPS_TOKENS), max_len=24, n_classes=10)
+    params = perturbed_params(c)
+    tokens, targets, cu_seqlens = M.pack(x, y, c.pad_id)
+    assert tokens.shape[1] == np.sum(x != c.pad_id) < x.size  # the batch was padded
+    loss, correct, counted, grads = M.loss_and_grads(params, x, y, c)
+    packed = M.loss_and_grads(params, tokens, targets, c, cu_seqlens=cu_seqlens)
+    assert packed[1:3] == (correct, counted)
+    np.testing.assert_allclose(packed[0], loss, rtol=1e-13)
+    for name, g in grads.items():
+        np.testing.assert_allclose(packed[3][name], g, rtol=1e-10, atol=1e-13 * max(1.0, np.abs(g).max()), err_msg=name)

@@ -474,6 +474,7 @@ CASES = [
     ("model.check_config", model.check_config, lambda: dict(config=_MCFG)),
     ("model.param_shapes", model.param_shapes, lambda: dict(config=_LMCFG._replace(mixer="softmax", n_layers=2))),
     ("model.init_params", model.init_params, lambda: dict(config=_MCFG, seed=5)),
+    ("model.pack", model.pack, lambda: dict(tokens=_model_args()["tokens"], targets=_model_args()["targets"], pad_id=0)),
     ("model.model_forward", _model_forward, lambda: _model_args(targets=False)),
     ("model.model_forward(lm, softmax)", _model_forward, lambda: _model_args(_LMCFG._replace(mixer="softmax"), targets=False)),
     ("model.model_forward(linear)", _model_forward, lambda: _model_args(_MCFG._replace(mixer="linear"), targets=False)),

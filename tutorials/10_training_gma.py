@@ -26,7 +26,9 @@
 #   check it against `app.optim`;
 # - train GMA's mixture by backpropagation and measure how its components
 #   are used (used components, usage entropy, NMI);
-# - check lesson 4's gradient bounds on a trained model.
+# - check lesson 4's gradient bounds on a trained model, and pack its
+#   batches without padding (`cu_seqlens`), checked against the loop over
+#   the sequences.
 #
 # **Before this lesson**: lessons 2 and 4 (GMA, and its gradients through the
 # responsibilities). From outside the course: the chain rule and
@@ -62,6 +64,8 @@
 #    numbers, and why they differ; the responsibilities over a sequence.
 # 6. Lesson 4's gradient bounds hold on the trained model, with the loss's
 #    own gradients.
+# 7. Much of a padded ListOps batch is padding; a packed batch holds none,
+#    and the packed call is the loop over its sequences, bit for bit.
 #
 # `TUTORIAL_SMALL=1` (set by CI) trains a tiny model for a few hundred steps:
 # claim 3's accuracy target is checked at full size only (about 5 minutes).
@@ -525,6 +529,84 @@ for layer, (queries, keys) in enumerate(result.bounds):
 # norm and the smallest variance together, which no single token need meet.
 
 # %% [markdown]
+# ## 8. Packed batches: training without padding
+#
+# A batch of ListOps expressions of different lengths is padded to its
+# longest, and every mixer spends time and memory on the padding. How much of
+# a batch is padding, measured on batches of 32 training sequences:
+
+# %%
+pad = tasks.PAD_ID
+
+
+def cut(b):
+    """A padded batch cut to its longest sequence."""
+    return b[:, : int(np.max(np.sum(b != pad, axis=1)))]
+
+
+batch = x_train[:32]
+print(f"padded to {batch.shape[1]} tokens: padding {np.mean(batch == pad):.0%} of the tokens")
+print(f"padded to the batch's longest, {cut(batch).shape[1]}: padding {np.mean(cut(batch) == pad):.0%}")
+fractions = [np.mean(cut(x_train[a : a + 32]) == pad) for a in range(0, 640, 32)]
+print(f"20 batches cut to their longest: padding {np.min(fractions):.0%} to {np.max(fractions):.0%}")
+assert np.min(fractions) > 0.25
+
+# %% [markdown]
+# Packed, the batch is its $T = \sum_s n_s$ real tokens one after another,
+# and the offsets `cu_seqlens` ($S + 1$ integers from 0 to $T$) say where
+# each sequence starts: sequence $s$ is rows `cu_seqlens[s]:cu_seqlens[s+1]`
+# (the page *Packed variable-length batches* of `docs/derivations/`). Every
+# function of the reference takes `cu_seqlens` and computes each sequence on
+# its own: causal prefix sums start at zero at each sequence, bidirectional
+# GMA writes each sequence's own slots. The packed call *is* the loop over
+# the sequences:
+
+# %%
+tokens, targets, cu_seqlens = model.pack(batch, y_train[:32], pad)
+print(f"packed: tokens {tokens.shape}, {len(cu_seqlens) - 1} sequences, cu_seqlens[:5] = {cu_seqlens[:5]}")
+rng_pack = np.random.default_rng(10)
+H_pack, K_pack, d_pack = 2, 4, 3
+table_q, table_k, table_v = rng_pack.normal(size=(3, len(tasks.LISTOPS_TOKENS), H_pack, d_pack))
+x_q, x_k, v = table_q[tokens[0]], table_k[tokens[0]], table_v[tokens[0]]  # (T, H, d): a feature per token and head
+means_p = rng_pack.normal(size=(H_pack, K_pack, d_pack))
+variances_p, weights_p = np.ones((H_pack, K_pack, d_pack)), np.full((H_pack, K_pack), 1 / K_pack)
+for causal in (True, False):
+    packed_out = gma.gma(x_q, x_k, v, means_p, variances_p, weights_p, causal=causal, cu_seqlens=cu_seqlens)
+    # the definition: each sequence alone, its heads a batch (H, n, d)
+    loop = np.concatenate([
+        gma.gma(*(a[s:e].transpose(1, 0, 2) for a in (x_q, x_k, v)), means_p, variances_p, weights_p, causal=causal).transpose(1, 0, 2)
+        for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])
+    ])
+    assert np.array_equal(packed_out, loop)
+print("the packed call equals the loop over the sequences, bit for bit (causal and bidirectional)")
+
+# %% [markdown]
+# Does packing change the model? A causal mixer never reads the padding that
+# trails a sequence, and the classifier's pooling skips it, so for a causal
+# model the packed batch gives the padded batch's loss and gradients, to
+# rounding. A bidirectional mixer does read the padding of a padded batch
+# (`app.model` does not mask it), so there a packed batch is the model
+# *without* the padding's part in the mixing: another function.
+
+# %%
+for causal in (True, False):
+    mcfg_p = train.model_config(train.quick_config())._replace(causal=causal, max_len=cut(batch).shape[1])
+    params_p = model.init_params(mcfg_p, seed=0)
+    padded_loss, _, _, padded_grads = model.loss_and_grads(params_p, cut(batch), y_train[:32], mcfg_p)
+    packed_loss, _, _, packed_grads = model.loss_and_grads(params_p, tokens, targets, mcfg_p, cu_seqlens=cu_seqlens)
+    gap = max(np.max(np.abs(packed_grads[k] - g)) / max(np.max(np.abs(g)), 1e-300) for k, g in padded_grads.items())
+    print(f"causal={causal}: loss padded {padded_loss:.12f}, packed {packed_loss:.12f}; largest relative gradient gap {gap:.1e}")
+    if causal:
+        assert abs(packed_loss - padded_loss) <= 1e-12 * abs(padded_loss) and gap < 1e-9
+    else:
+        assert abs(packed_loss - padded_loss) > 1e-6  # the padded model reads its padding
+
+# %% [markdown]
+# `python -m app train --pack` packs every batch this way, and
+# `benchmarks/bench_cpu.py` times a packed batch of 64 ListOps sequences
+# against the padded one.
+
+# %% [markdown]
 # ## What to remember
 #
 # * A layer is the mechanism between learned maps: project the residual
@@ -545,6 +627,9 @@ for layer, (queries, keys) in enumerate(result.bounds):
 #   counts depend on the threshold.
 # * Lesson 4's bounds hold on a trained model; the logit bounds come close,
 #   the bounds that multiply by $R$ are loose.
+# * Pack sequences of different lengths rather than pad them: `cu_seqlens`
+#   cuts the packed rows into sequences, each computed on its own (the loop,
+#   bit for bit); for a causal model nothing else changes.
 
 # %% [markdown]
 # ## Exercises
