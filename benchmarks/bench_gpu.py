@@ -159,7 +159,18 @@ TARGET_SPECS = {
     "cupy-ovq-vs-numba": ("ratio_min", 1.0, "ovq_attention", "ovq_attention"),
 }
 
-FLOAT32 = 4  # bytes an entry
+# --- counts: bytes that must move and useful FLOPs (module docstring) ------------------------------------
+# One set of formulas, in gpu.work, for the measurements here, the model (gpu_model.py) and the static gates, which
+# compare each kernel's compiled loop with them.
+from gpu.work import (  # noqa: E402
+    FLOAT32,
+    attention_counts,
+    gemm_counts,
+    gma_backward_counts,
+    gma_forward_counts,
+    ovq_counts,
+    responsibilities_counts,
+)
 
 
 def device_peaks(name):
@@ -168,46 +179,6 @@ def device_peaks(name):
         if key in name:
             return value
     return None, None
-
-
-# --- counts: bytes that must move and useful FLOPs (module docstring) ------------------------------------
-
-
-def responsibilities_counts(N, K, d):
-    """``(bytes, flops)``: read x, write gamma; the quadratic form ``4 N K d``."""
-    return FLOAT32 * N * (d + K), 4 * N * K * d
-
-
-def gma_forward_counts(N, K, d_r, d_v):
-    """``(bytes, flops)``: read x_q, x_k, v, write out; two quadratic forms, the write and the read."""
-    return FLOAT32 * N * (2 * d_r + 2 * d_v), 8 * N * K * d_r + 4 * N * K * (d_v + 1)
-
-
-def gma_backward_counts(N, K, d_r, d_v):
-    """``(bytes, flops)``: read g, x_q, x_k, v, write dx_q, dx_k, dv; the products of the module docstring."""
-    return FLOAT32 * N * (4 * d_r + 3 * d_v), 16 * N * K * d_r + 6 * N * K * (d_v + 1) + 2 * N * K * d_v
-
-
-def gemm_counts(N, K, d, d_v):
-    """``(bytes, flops)`` of the equivalent GEMMs: X mu^T and X^2 mu^T for queries and keys, Gamma^T V, Gamma S."""
-    return FLOAT32 * N * (2 * d + 2 * d_v), 8 * N * K * d + 4 * N * K * d_v
-
-
-def attention_counts(N, d, causal):
-    """``(bytes, flops)`` of softmax attention, ``d = d_v``: Q K^T and P V over every pair, or the pairs b <= a."""
-    return FLOAT32 * 4 * N * d, (2 * N * (N + 1) * d if causal else 4 * N * N * d)
-
-
-def ovq_counts(T, d, d_v, max_size, chunk_size):
-    """``(bytes, flops)`` of OVQ: the read-out and the assignment of every chunk, ``n_c`` from the growth rule."""
-    from refimpl.ovq import dictionary_size
-
-    flops = 0
-    for s in range(0, T, chunk_size):
-        L = min(chunk_size, T - s)
-        n = int(dictionary_size(s, max_size))  # centroids before the chunk
-        flops += (2 * L * n + L * (L + 1)) * (d + d_v) + 2 * L * n * d
-    return FLOAT32 * T * (2 * d + 2 * d_v), flops
 
 
 #: The full sizes: responsibilities (N, K, d), GMA (every N, K, d_r = d_v), attention N, OVQ (T, max_size, chunk).

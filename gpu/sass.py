@@ -53,6 +53,10 @@ __all__ = [
     "mix",
     "flops",
     "work_flops",
+    "arithmetic",
+    "ffma",
+    "shared_wavefronts",
+    "regions",
     "loop_depth",
     "assemble",
     "analyse",
@@ -515,6 +519,63 @@ def work_flops(instructions) -> int:
     return total
 
 
+#: The floating-point arithmetic opcodes the FMA pipes run (float32 and float64 add, multiply, fused multiply-add, and
+#: their forms with an immediate operand): the instructions of the fp share that the gates read.  Comparisons,
+#: selections, minima and maxima (``FSETP``, ``FSEL``, ``FMNMX``) and the special function unit (``MUFU``) are not
+#: arithmetic on the data: they are left out.
+FP_ARITHMETIC = frozenset({"FFMA", "FADD", "FMUL", "FFMA32I", "FADD32I", "FMUL32I", "DFMA", "DADD", "DMUL"})
+
+
+def arithmetic(instructions) -> int:
+    """The instructions of :data:`FP_ARITHMETIC` in a list of instructions (modifiers ignored)."""
+    return sum(opcode.split(".", 1)[0].upper() in FP_ARITHMETIC for _, opcode, _, _ in instructions)
+
+
+def ffma(instructions) -> int:
+    """The fused multiply-adds (``FFMA``, ``FFMA32I``, ``DFMA``) in a list of instructions."""
+    return sum(opcode.split(".", 1)[0].upper() in ("FFMA", "FFMA32I", "DFMA") for _, opcode, _, _ in instructions)
+
+
+#: Shared-memory wavefronts of one warp's access, by the access's width in bits: the shared memory serves 128 bytes
+#: a clock, so 32 lanes of 32 bits are one wavefront, of 64 bits two (a half warp each), of 128 bits four (a quarter
+#: warp each).  Without bank conflicts; a broadcast counts as the access it is.
+WAVEFRONTS = {8: 1, 16: 1, 32: 1, 64: 2, 128: 4}
+_SHARED = frozenset({"LDS", "STS", "ATOMS"})
+
+
+def shared_wavefronts(instructions) -> int:
+    """The shared-memory wavefronts a warp issues for a list of instructions: :data:`WAVEFRONTS` of every ``LDS``,
+    ``STS`` and ``ATOMS`` by its width (``LDS.128``: 4, ``LDS.64``: 2, ``LDS``, ``LDS.U8``: 1), without bank
+    conflicts."""
+    total = 0
+    for _, opcode, _, _ in instructions:
+        base, *modifiers = opcode.upper().split(".")
+        if base in _SHARED:
+            widths = [int(m) for m in modifiers if m.isdigit()]
+            total += WAVEFRONTS.get(max(widths) if widths else 32, 1)
+    return total
+
+
+def regions(instructions) -> list:
+    """Every loop region of :func:`work_loop`'s candidates that does useful arithmetic, with what the gates read.
+
+    ``[{"depth", "start", "instructions", "flops", "arithmetic", "ffma", "wavefronts"}]`` (:func:`loop_depth`,
+    the first address, the length, :func:`work_flops`, :func:`arithmetic`, :func:`ffma`,
+    :func:`shared_wavefronts`), by depth (deepest first), then useful FLOPs (most first), then length.  A kernel's
+    declared work (``gpu.work``) names the region it is done in by its depth when that is not the work loop's.
+    """
+    found = loops(instructions)
+    out, seen = [], set()
+    for c in _loop_regions(instructions):
+        w = work_flops(c)
+        if w > 0 and (c[0][0], len(c)) not in seen:  # an innermost loop's body can be one basic block too
+            seen.add((c[0][0], len(c)))
+            out.append({"depth": _depth(c, found), "start": c[0][0], "instructions": len(c), "flops": w,
+                        "arithmetic": arithmetic(c), "ffma": ffma(c), "wavefronts": shared_wavefronts(c)})
+    out.sort(key=lambda r: (-r["depth"], -r["flops"], -r["instructions"], r["start"]))
+    return out
+
+
 # --- the tools, run -----------------------------------------------------------------------------------------
 
 
@@ -571,7 +632,10 @@ def analyse(ptx: str, threads: int, arch: str = "sm_90", sass: bool = True) -> d
     when it has no loop (``loop`` is then False), and ``hot_loop_flops`` its
     :func:`flops`; ``work_loop`` is :func:`mix` of :func:`work_loop` (the
     whole function without a loop), ``work_loop_flops`` its useful FLOPs
-    (:func:`work_flops`) and ``work_loop_depth`` its :func:`loop_depth`;
+    (:func:`work_flops`), ``work_loop_depth`` its :func:`loop_depth`,
+    ``work_loop_arithmetic``, ``work_loop_ffma`` and ``work_loop_wavefronts``
+    its :func:`arithmetic`, :func:`ffma` and :func:`shared_wavefronts`, and
+    ``regions`` every loop region with useful FLOPs (:func:`regions`);
     these are ``None`` without ``sass``, as is ``instructions``, the
     function's whole length.
     """
@@ -581,7 +645,8 @@ def analyse(ptx: str, threads: int, arch: str = "sm_90", sass: bool = True) -> d
     (entry, row), = res["resources"].items()
     occ = occupancy(threads, row["registers"], row["shared"])
     row = dict(row, threads=threads, occupancy=occ["fraction"], limit=occ["limit"], loop=None, hot_loop=None,
-               hot_loop_flops=None, work_loop=None, work_loop_flops=None, work_loop_depth=None, instructions=None)
+               hot_loop_flops=None, work_loop=None, work_loop_flops=None, work_loop_depth=None, work_loop_arithmetic=None,
+               work_loop_ffma=None, work_loop_wavefronts=None, regions=None, instructions=None)
     if res["sass"] is not None:
         code = res["sass"].get(entry) or next(iter(res["sass"].values()))
         body = hot_loop(code)
@@ -592,6 +657,10 @@ def analyse(ptx: str, threads: int, arch: str = "sm_90", sass: bool = True) -> d
         row["work_loop"] = mix(work or code)
         row["work_loop_flops"] = work_flops(work or code)
         row["work_loop_depth"] = loop_depth(work, code)
+        row["work_loop_arithmetic"] = arithmetic(work or code)
+        row["work_loop_ffma"] = ffma(work or code)
+        row["work_loop_wavefronts"] = shared_wavefronts(work or code)
+        row["regions"] = regions(code)
         row["instructions"] = len(code)
     return row
 
