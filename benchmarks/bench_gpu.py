@@ -247,7 +247,7 @@ def roofline_fraction(seconds, nbytes, flops, peak_bandwidth, peak_flops):
 
 
 def make_row(backend, function, variant, size, seconds, nbytes, flops, peaks=(None, None), target=None, measured=None,
-             met=None, note="", launches=None):
+             met=None, note="", launches=None, estimate=None):
     """One result: what ran, its time, bytes, FLOPs, rates, its bound and roofline fraction, and the target it is judged by."""
     roof, bound = roofline_time(nbytes, flops, *peaks)
     return {
@@ -269,6 +269,7 @@ def make_row(backend, function, variant, size, seconds, nbytes, flops, peaks=(No
         "met": met,
         "note": note,
         "launches_per_call": launches,
+        "estimate_s": estimate,
     }
 
 
@@ -313,20 +314,41 @@ def _fmt(value, scale, digits, unit=""):
 
 
 def format_rows(rows):
-    """The rows as a plain-text table (what the script prints after each section); launches per call for the CuPy backend."""
-    head = (f"{'backend':28s} {'function':18s} {'variant':14s} {'size':28s} {'ms':>10s} {'GB/s':>8s} {'TFLOP/s':>8s} "
-            f"{'bound':>8s} {'roofline':>8s} {'launches':>8s}  target")
+    """The rows as a plain-text table (what the script prints after each section): launches per call for the CuPy
+    backend, and beside each ``gpu.numba_cuda`` time the estimate of ``benchmarks/gpu_model.py`` (``n/a`` without
+    one: not at these sizes, or no model)."""
+    head = (f"{'backend':28s} {'function':18s} {'variant':14s} {'size':28s} {'ms':>10s} {'est. ms':>9s} {'GB/s':>8s} "
+            f"{'TFLOP/s':>8s} {'bound':>8s} {'roofline':>8s} {'launches':>8s}  target")
     lines = [head]
     for r in rows:
         met = ({True: "met", False: "NOT met"}.get(r["met"]) or r["note"] or "not judged") if r["target"] else ""
         target = f"{r['target']} (measured {_fmt(r['measured'], 1, 2)}): {met}" if r["target"] else ""
         launches = "" if r["launches_per_call"] is None else str(r["launches_per_call"])
+        estimate = "" if r["backend"] != "numba-cuda" else _fmt(r.get("estimate_s"), 1e-3, 3)
         lines.append(
             f"{r['backend']:28s} {r['function']:18s} {r['variant']:14s} {r['size']:28s} {_fmt(r['time_s'], 1e-3, 3):>10s} "
-            f"{_fmt(r['bandwidth_Bps'], 1e9, 1):>8s} {_fmt(r['flop_rate'], 1e12, 2):>8s} {r.get('bound') or 'n/a':>8s} "
-            f"{_fmt(r['roofline_fraction'], 0.01, 1, '%'):>8s} {launches:>8s}  {target}"
+            f"{estimate:>9s} {_fmt(r['bandwidth_Bps'], 1e9, 1):>8s} {_fmt(r['flop_rate'], 1e12, 2):>8s} "
+            f"{r.get('bound') or 'n/a':>8s} {_fmt(r['roofline_fraction'], 0.01, 1, '%'):>8s} {launches:>8s}  {target}"
         )
     return "\n".join(lines)
+
+
+def model_estimates(args, full):
+    """``({(function, variant, size): seconds}, note)``: the estimates of ``benchmarks/gpu_model.py`` from ``--model``'s
+    file, else, at full sizes on a GPU, computed here from the compiled code (a minute or two: every kernel compiled,
+    assembled and disassembled), else none, and why."""
+    import gpu_model
+
+    if args.model is not None:
+        report = json.loads(args.model.read_text())
+        return gpu_model.estimates(report["rows"]), f"estimates from {args.model} (benchmarks/gpu_model.py)"
+    if not full:
+        return {}, "no estimates at these sizes (the model is of the full sizes)"
+    try:
+        rows = gpu_model.model_rows(gpu_model.static_rows("float32"))
+    except (SystemExit, Exception) as e:  # the model is beside the measurement: its absence stops nothing
+        return {}, f"no estimates: benchmarks/gpu_model.py could not run here ({e})"
+    return gpu_model.estimates(rows), "estimates of benchmarks/gpu_model.py (an H200's, from the compiled code)"
 
 
 def _json_path(text):
@@ -372,6 +394,9 @@ def parse_args(argv=None):
                         help="float32 FLOP/s; by default from the device name")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target ran and was missed, 3 when one did not run (on a GPU at full sizes)")
     parser.add_argument("--json", type=_json_path, default=None, metavar="FILE", help="write every row, and the device, as JSON")
+    parser.add_argument("--model", type=Path, default=None, metavar="FILE",
+                        help="the estimates to print beside the times: a file of benchmarks/gpu_model.py --json "
+                             "(by default computed at full sizes on a GPU)")
     return parser.parse_args(argv)
 
 
@@ -381,6 +406,7 @@ class _Bench:
     def __init__(self, cuda, simulated, repeats, peaks):
         self.cuda, self.simulated, self.repeats, self.peaks = cuda, simulated, repeats, peaks
         self.rows = []
+        self.estimates = {}  # {(function, variant, size): seconds} of benchmarks/gpu_model.py
 
     def time(self, fn):
         """Best wall time of ``repeats`` calls (CUDA events on a GPU) after one warm-up call (none in the simulator)."""
@@ -405,7 +431,8 @@ class _Bench:
         return best
 
     def add(self, backend, function, variant, size, seconds, counts, **judgement):
-        row = make_row(backend, function, variant, size, seconds, *counts, peaks=self.peaks, **judgement)
+        estimate = self.estimates.get((function, variant, size)) if backend == "numba-cuda" else None
+        row = make_row(backend, function, variant, size, seconds, *counts, peaks=self.peaks, estimate=estimate, **judgement)
         self.rows.append(row)
         return row
 
@@ -487,6 +514,7 @@ def run(args):
     xp = cupy if cupy is not None else (np if simulated else None)  # cuBLAS, or NumPy standing in for it in the dry run
     gemm_label = "cuBLAS (CuPy)" if cupy is not None else "NumPy (dry run)"
     bench = _Bench(cuda, simulated, repeats, peaks)
+    bench.estimates, model_note = model_estimates(args, full)
     dtype = np.float32
     rng = np.random.default_rng(0)
 
@@ -501,6 +529,7 @@ def run(args):
               + (f"{peaks[0] / 1e12:.2f} TB/s" if peaks[0] else "unknown (pass --peak-bandwidth)")
               + ", peak float32 " + (f"{peaks[1] / 1e12:.1f} TFLOP/s" if peaks[1] else "unknown (pass --peak-flops)"))
     print(f"float32, best of {repeats} run(s) after a warm-up; {cupy_note}; {torch_note}")
+    print(f"est. ms: {model_note}: an estimate, not a measurement (its assumptions: benchmarks/gpu_model.py)")
     if ck is not None and count is None:
         print("launches per call: not counted (gpu.cupy_kernels has no launch_count)")
     print()

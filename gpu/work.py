@@ -98,7 +98,9 @@ class KernelWork(NamedTuple):
     launches it at ``case``; ``kernel``: the kernel's qualified name when
     the key of :data:`KERNELS` is not (a second region of one kernel, the
     key then the name and the region's name).  ``what`` says in words what
-    is counted.
+    is counted.  ``items``: the work items (tiles) of the kernel's blocks,
+    each of which runs the kernel's code outside its declared regions once
+    (the model's epilogues).
     """
 
     case: dict
@@ -110,6 +112,7 @@ class KernelWork(NamedTuple):
     what: str
     launches: Callable = lambda c: 1
     kernel: str | None = None  # the qualified name, when the key of KERNELS names a second region of a kernel
+    items: Callable = lambda c: 0  # the block work items (tiles) whose epilogue runs once each, for the model
 
 
 def _module(name):
@@ -251,18 +254,22 @@ KERNELS = {
         case=_RESP,
         flops=lambda c: 4 * c["B"] * c["N"] * c["K"] * c["d"],
         computed=_posterior_computed, step=64, depth=None,
+        items=lambda c: c["B"] * _ceil(c["N"], _gmm()["TILE_ROWS"]) * _ceil(c["K"], _gmm()["TILE_COMPS"]),
         bytes=lambda c: FLOAT32 * c["B"] * c["N"] * (c["d"] + c["K"]),
         what="the quadratic form sum_j (x_j - mu_kj)^2 p_kj: 4 N K d (responsibilities)"),
     "gpu.numba_cuda.scan._chunk_states[float32]": KernelWork(
         case=dict(B=1, N=1 << 20, F=256, E=65, chunk=256),
         flops=lambda c: 2 * c["B"] * c["N"] * c["F"] * c["E"],
         computed=_states_computed, step=32, depth=None,
+        items=lambda c: c["B"] * _ceil(c["N"], c["chunk"]) * _ceil(c["F"], _scan()[0]["TILE_ROWS"])
+        * _ceil(c["E"], _scan()[0]["TILE_COLS"]),
         bytes=lambda c: FLOAT32 * c["B"] * (c["N"] * (c["F"] + c["E"]) + _ceil(c["N"], c["chunk"]) * c["F"] * c["E"]),
         what="the write Gamma_K^T [V, 1] per segment: 2 N K (d_v + 1) (GMA forward, bidirectional)"),
     "gpu.numba_cuda.scan._chunk_rows[float32]": KernelWork(
         case=dict(B=1, N=1 << 20, n_in=256, n_out=65),
         flops=lambda c: 2 * c["B"] * c["N"] * c["n_in"] * c["n_out"],
         computed=_rows_computed, step=32, depth=2,
+        items=lambda c: c["B"] * _ceil(c["N"], _scan()[0]["TILE_ROWS"]) * _ceil(c["n_out"], _scan()[0]["TILE_COLS"]),
         bytes=lambda c: FLOAT32 * c["B"] * (c["N"] * (c["n_in"] + c["n_out"]) + c["n_in"] * c["n_out"]),
         what="the read Gamma_Q [S, z]: 2 N K (d_v + 1), the carried state's product (loop depth 2; depth 3 is the "
              "causal within-chunk term, not run bidirectionally) (GMA forward, bidirectional)"),
@@ -270,12 +277,14 @@ KERNELS = {
         case=_RESP,
         flops=lambda c: 4 * c["B"] * c["N"] * c["K"] * c["d"],
         computed=_dx_computed, step=16, depth=None,
+        items=lambda c: c["B"] * _ceil(c["N"], _gma()["ROW_TILE"]) * _ceil(c["d"], _gma()["COORD_TILE"]),
         bytes=lambda c: FLOAT32 * c["B"] * c["N"] * (2 * c["d"] + 3 * c["K"]),
         what="dL/dx = c (mu/sigma^2) - x (c (1/sigma^2)) per side: 4 N K d (GMA backward)"),
     "gpu.numba_cuda.gma._parameter_partials": KernelWork(
         case=_RESP,
         flops=lambda c: 4 * c["B"] * c["N"] * c["K"] * c["d"],
         computed=_partials_computed, step=30, depth=None,
+        items=lambda c: c["B"] * _ceil(c["N"], _scan()[1]) * _ceil(c["K"], _gma()["PTILE"]) * _ceil(c["d"], _gma()["PTILE"]),
         bytes=lambda c: FLOAT32 * c["B"] * (c["N"] * (c["d"] + c["K"]) + 2 * _ceil(c["N"], _scan()[1]) * c["K"] * c["d"]),
         what="the sums over tokens c^T X and c^T X^2 per side: 4 N K d (GMA backward); the kernel sums "
              "c (x - mu) and c ((x - mu)^2 - sigma^2) from the differences, 7 FLOPs an entry and token"),
@@ -283,6 +292,7 @@ KERNELS = {
         case=dict(BH=1, N=16384, d=64, causal=False),
         flops=lambda c: 2 * c["BH"] * c["N"] * c["N"] * c["d"],
         computed=_flash_computed, step=16, depth=None,
+        items=lambda c: _flash_computed(c) // (_attention().tile_q * _attention().tile_k * 2 * c["d"]),
         bytes=lambda c: FLOAT32 * 4 * c["BH"] * c["N"] * c["d"],
         what="the scores q k^T: 2 N^2 d, half of softmax attention's 4 N^2 d (bidirectional)"),
     "gpu.numba_cuda.attention._flash_forward[float32] P V": KernelWork(
@@ -297,6 +307,7 @@ KERNELS = {
         case=dict(H=1, T=65536, n_max=1024, C=256, d=64),
         flops=_ovq_flops,
         computed=_ovq_computed, step=32, depth=None,
+        items=lambda c: _ovq_computed(c) // (_ovq()["ROWS"] * _ovq()["KEYS"] * 2 * _ceil(c["d"], _ovq()["DC"]) * _ovq()["DC"]),
         bytes=lambda c: FLOAT32 * c["H"] * c["T"] * 4 * c["d"],
         what="the read-out's logits (centroids, and the chunk's keys b <= a) and the assignment's similarities: "
              "sum_c (2 L n_c + L (L + 1)) d + 2 L n_c d (OVQ, T = 65,536)",
@@ -324,7 +335,7 @@ def region(row, name):
             return None
         return {"depth": row["work_loop_depth"], "instructions": mix["total"], "flops": row["work_loop_flops"],
                 "arithmetic": row["work_loop_arithmetic"], "ffma": row["work_loop_ffma"],
-                "wavefronts": row["work_loop_wavefronts"]}
+                "wavefronts": row["work_loop_wavefronts"], "pipes": row.get("work_loop_pipes")}
     return next((r for r in row.get("regions") or () if r["depth"] == depth), None)
 
 
