@@ -35,6 +35,13 @@ What is measured
 * For the CuPy backend, the kernel launches and cuBLAS calls of one call
   (``gpu.cupy_kernels.launch_count``, where the backend has it).
 
+Beside each ``gpu.numba_cuda`` time the script prints the estimate of
+``benchmarks/gpu_model.py`` (``est. ms``; an estimate from the compiled
+code, not a measurement): from ``--model FILE``, else, at full sizes,
+computed by that script in a process of its own while the GPU is measured,
+and printed with every row at the end (:class:`Estimates`).  The first GPU
+run so tests the model too.
+
 Each time is the best of ``--repeats`` runs after one warm-up run (which
 compiles the kernels), taken with CUDA events around the call; inputs are on
 the device already, so no transfer is timed.  The backends run with their
@@ -333,22 +340,73 @@ def format_rows(rows):
     return "\n".join(lines)
 
 
-def model_estimates(args, full):
-    """``({(function, variant, size): seconds}, note)``: the estimates of ``benchmarks/gpu_model.py`` from ``--model``'s
-    file, else, at full sizes on a GPU, computed here from the compiled code (a minute or two: every kernel compiled,
-    assembled and disassembled), else none, and why."""
-    import gpu_model
+#: Seconds ``bench_gpu.py`` waits, after its last measurement, for the estimates computed beside it (:class:`Estimates`).
+MODEL_WAIT_S = 30
 
-    if args.model is not None:
-        report = json.loads(args.model.read_text())
-        return gpu_model.estimates(report["rows"]), f"estimates from {args.model} (benchmarks/gpu_model.py)"
-    if not full:
-        return {}, "no estimates at these sizes (the model is of the full sizes)"
-    try:
-        rows = gpu_model.model_rows(gpu_model.static_rows("float32"))
-    except (SystemExit, Exception) as e:  # the model is beside the measurement: its absence stops nothing
-        return {}, f"no estimates: benchmarks/gpu_model.py could not run here ({e})"
-    return gpu_model.estimates(rows), "estimates of benchmarks/gpu_model.py (an H200's, from the compiled code)"
+
+class Estimates:
+    """The estimates of ``benchmarks/gpu_model.py`` for the rows: ``{(function, variant, size): seconds}``.
+
+    From ``--model FILE`` (a ``gpu_model.py --json`` file) at once; else, at
+    full sizes on a GPU, computed by ``gpu_model.py`` in a process of its own
+    started before the first measurement (it compiles, assembles and
+    disassembles every kernel on the CPU while the GPU is measured) and read
+    after the last one, waiting at most :data:`MODEL_WAIT_S` seconds, so that
+    the benchmark's time grows by that at most; else none.  ``note`` says
+    which, or why none.
+    """
+
+    def __init__(self, args, full, folder=None):
+        import gpu_model
+
+        self.table, self.proc, self.out = {}, None, None
+        if args.model is not None:
+            report = json.loads(args.model.read_text())
+            self.table = gpu_model.estimates(report["rows"])
+            self.note = f"estimates from {args.model} (benchmarks/gpu_model.py)"
+        elif not full:
+            self.note = "no estimates at these sizes (the model is of the full sizes; pass --model FILE for others)"
+        else:
+            import subprocess
+            import tempfile
+
+            self.out = Path(folder or tempfile.mkdtemp(prefix="gpu-model-")) / "gpu-model.json"
+            env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+            script = Path(__file__).resolve().parent / "gpu_model.py"
+            self.proc = subprocess.Popen([sys.executable, str(script), "--json", str(self.out)], env=env,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            self.note = "estimates of benchmarks/gpu_model.py, computed beside the measurements (printed at the end)"
+
+    def finish(self, wait_s=MODEL_WAIT_S):
+        """Read the estimates of the process started by the constructor (at most ``wait_s`` seconds more); the table."""
+        if self.proc is None:
+            return self.table
+        import gpu_model
+        import subprocess
+
+        try:
+            _, err = self.proc.communicate(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            self.note = f"no estimates: benchmarks/gpu_model.py had not finished {wait_s:g} s after the measurements"
+        else:
+            if self.proc.returncode == 0 and self.out.is_file():
+                self.table = gpu_model.estimates(json.loads(self.out.read_text())["rows"])
+            else:
+                last = (err or "").strip().splitlines()[-1:] or ["no output"]
+                self.note = f"no estimates: benchmarks/gpu_model.py exited {self.proc.returncode} ({last[0]})"
+        self.proc = None
+        return self.table
+
+    def attach(self, rows):
+        """Set ``estimate_s`` on each ``gpu.numba_cuda`` row that has an estimate; the number set."""
+        n = 0
+        for r in rows:
+            if r["backend"] == "numba-cuda" and (key := (r["function"], r["variant"], r["size"])) in self.table:
+                r["estimate_s"] = self.table[key]
+                n += 1
+        return n
 
 
 def _json_path(text):
@@ -396,7 +454,7 @@ def parse_args(argv=None):
     parser.add_argument("--json", type=_json_path, default=None, metavar="FILE", help="write every row, and the device, as JSON")
     parser.add_argument("--model", type=Path, default=None, metavar="FILE",
                         help="the estimates to print beside the times: a file of benchmarks/gpu_model.py --json "
-                             "(by default computed at full sizes on a GPU)")
+                             "(by default computed beside the measurements at full sizes on a GPU)")
     return parser.parse_args(argv)
 
 
@@ -406,7 +464,7 @@ class _Bench:
     def __init__(self, cuda, simulated, repeats, peaks):
         self.cuda, self.simulated, self.repeats, self.peaks = cuda, simulated, repeats, peaks
         self.rows = []
-        self.estimates = {}  # {(function, variant, size): seconds} of benchmarks/gpu_model.py
+        self.estimates = None  # the estimates of benchmarks/gpu_model.py (Estimates)
 
     def time(self, fn):
         """Best wall time of ``repeats`` calls (CUDA events on a GPU) after one warm-up call (none in the simulator)."""
@@ -431,7 +489,7 @@ class _Bench:
         return best
 
     def add(self, backend, function, variant, size, seconds, counts, **judgement):
-        estimate = self.estimates.get((function, variant, size)) if backend == "numba-cuda" else None
+        estimate = self.estimates.table.get((function, variant, size)) if backend == "numba-cuda" else None
         row = make_row(backend, function, variant, size, seconds, *counts, peaks=self.peaks, estimate=estimate, **judgement)
         self.rows.append(row)
         return row
@@ -514,7 +572,7 @@ def run(args):
     xp = cupy if cupy is not None else (np if simulated else None)  # cuBLAS, or NumPy standing in for it in the dry run
     gemm_label = "cuBLAS (CuPy)" if cupy is not None else "NumPy (dry run)"
     bench = _Bench(cuda, simulated, repeats, peaks)
-    bench.estimates, model_note = model_estimates(args, full)
+    bench.estimates = Estimates(args, full, args.json.parent if args.json is not None else None)
     dtype = np.float32
     rng = np.random.default_rng(0)
 
@@ -529,7 +587,7 @@ def run(args):
               + (f"{peaks[0] / 1e12:.2f} TB/s" if peaks[0] else "unknown (pass --peak-bandwidth)")
               + ", peak float32 " + (f"{peaks[1] / 1e12:.1f} TFLOP/s" if peaks[1] else "unknown (pass --peak-flops)"))
     print(f"float32, best of {repeats} run(s) after a warm-up; {cupy_note}; {torch_note}")
-    print(f"est. ms: {model_note}: an estimate, not a measurement (its assumptions: benchmarks/gpu_model.py)")
+    print(f"est. ms: {bench.estimates.note}: an estimate, not a measurement (its assumptions: benchmarks/gpu_model.py)")
     if ck is not None and count is None:
         print("launches per call: not counted (gpu.cupy_kernels has no launch_count)")
     print()
@@ -700,6 +758,14 @@ def run(args):
     print(format_rows(bench.rows[start:]))
     print(f"speed-up of OVQ over dense causal attention: {speedup:.1f}x")
     print()
+    if bench.estimates.proc is not None:
+        bench.estimates.finish()
+        if bench.estimates.attach(bench.rows):
+            print("gpu.numba_cuda against the estimates of benchmarks/gpu_model.py (an estimate, not a measurement):")
+            print(format_rows([r for r in bench.rows if r["backend"] == "numba-cuda"]))
+        else:
+            print(f"est. ms: {bench.estimates.note}")
+        print()
     return bench.rows, {"name": name, "peak_bandwidth_Bps": peaks[0], "peak_flops": peaks[1]}, simulated, full
 
 

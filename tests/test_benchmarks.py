@@ -417,9 +417,38 @@ def test_bench_gpu_prints_the_estimate_beside_each_numba_time_at_full_sizes(tmp_
     assert set(measured) <= keys, set(measured) - keys
     (tmp_path / "model.json").write_text(json.dumps({"rows": [{"function": "responsibilities", "variant": "",
                                                                "size": measured[0][2], "estimate_s": 2.5e-3}]}))
-    estimates, note = bg.model_estimates(bg.parse_args(["--model", str(tmp_path / "model.json")]), full=True)
-    assert estimates == {measured[0]: 2.5e-3} and "gpu_model.py" in note
+    given = bg.Estimates(bg.parse_args(["--model", str(tmp_path / "model.json")]), full=True)
+    assert given.table == {measured[0]: 2.5e-3} and "gpu_model.py" in given.note and given.proc is None
     row = bg.make_row("numba-cuda", *measured[0], 3e-3, *bg.responsibilities_counts(N, K, d), estimate=2.5e-3)
     table = bg.format_rows([row, bg.make_row("cupy", *measured[0], 3e-3, 1, 1, estimate=None)])
     assert "est. ms" in table.splitlines()[0] and "     3.000     2.500 " in table.splitlines()[1]
-    assert bg.model_estimates(bg.parse_args([]), full=False)[0] == {}
+    assert bg.Estimates(bg.parse_args([]), full=False).table == {}
+
+
+def test_bench_gpu_computes_the_estimates_beside_the_measurements_and_waits_for_them_a_bounded_time(tmp_path, monkeypatch):
+    import json
+    import subprocess
+
+    bg = _bench_gpu()
+    real = subprocess.Popen
+    rows = [{"function": "responsibilities", "variant": "", "size": "N=1048576 K=256 d=64", "estimate_s": 2.5e-3}]
+    write = f"import json, sys; json.dump({{'rows': {rows!r}}}, open(sys.argv[-1], 'w'))"
+
+    def fake(cmd, **kw):  # gpu_model.py --json OUT, as a process that writes OUT at once (or sleeps)
+        assert cmd[1].endswith("gpu_model.py") and cmd[2] == "--json" and kw["env"]["NUMBA_ENABLE_CUDASIM"] == "0"
+        return real([cmd[0], "-c", program, cmd[3]], **kw)
+
+    monkeypatch.setattr(subprocess, "Popen", fake)
+    program = write
+    est = bg.Estimates(bg.parse_args([]), full=True, folder=tmp_path)
+    assert est.proc is not None and est.table == {}
+    measured = bg.make_row("numba-cuda", "responsibilities", "", rows[0]["size"], 3e-3, 1, 1)
+    other = bg.make_row("cupy", "responsibilities", "", rows[0]["size"], 3e-3, 1, 1)
+    assert est.finish() == {("responsibilities", "", rows[0]["size"]): 2.5e-3}
+    assert est.attach([measured, other]) == 1 and measured["estimate_s"] == 2.5e-3 and other["estimate_s"] is None
+    program = "import time; time.sleep(30)"
+    slow = bg.Estimates(bg.parse_args([]), full=True, folder=tmp_path)
+    assert slow.finish(wait_s=0.5) == {} and "had not finished 0.5 s after" in slow.note and slow.proc is None
+    program = "import sys; sys.exit('ptxas not found')"
+    broken = bg.Estimates(bg.parse_args([]), full=True, folder=tmp_path / "none")
+    assert broken.finish() == {} and "exited 1 (ptxas not found)" in broken.note
