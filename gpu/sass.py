@@ -20,7 +20,12 @@ facts come out of them, each a plain function on text:
   among those that do useful arithmetic (:func:`work_flops`: floating-point
   arithmetic on registers alone, so not the constants of an ``exp``'s
   polynomial).  The work loop is what the floating-point share is gated on
-  and what ``benchmarks/gpu_model.py`` paces a kernel by.
+  and what ``benchmarks/gpu_model.py`` paces a kernel by;
+* what the gates and the model read of a loop region: its FADD/FMUL/FFMA
+  (:func:`arithmetic`, :func:`ffma`), its shared-memory wavefronts
+  (:func:`shared_wavefronts`: a 128-bit access is four, one per quarter
+  warp), every region with useful work (:func:`regions`) and the issue
+  classes of its instructions by pipe (:func:`pipes`).
 
 These are static facts about the code: the occupancy is what the resources
 allow, not what a launch achieves, and the instruction mix counts

@@ -29,6 +29,10 @@ the loop the kernel's time goes to), its depth and its useful FLOPs.  Asserted:
   of ptxas 13.0 and 13.5 (:data:`MEASURED`), asserted with those releases only
   (another one skips, saying so).
 
+* every compute kernel of :data:`gpu.work.KERNELS` passes :data:`GATES` (float32): the useful FLOPs of the
+  algorithm per instruction its loop region issues, FFMA per shared-memory wavefront and the FADD/FMUL/FFMA share
+  of the region, each limit with its reason; the region holds a whole number of the declared source steps.
+
 Every kernel also compiles for sm_80 (A100), from the same lowering.
 
 The table is printed (``pytest -s``, or without ``-n``: the processes of
