@@ -89,7 +89,8 @@ class KernelWork(NamedTuple):
     ``flops``: the useful FLOPs of the algorithm done in its gated loop
     region; ``computed``: the FLOPs that region executes, summed over every
     thread and trip (the launch geometry and the tiles); ``step``: the
-    FLOPs one thread's source step of that region does (a multiple of it is
+    FLOPs one thread's source step of that region does (or a function of no
+    argument that gives them from the tiles; a multiple of it is
     what the compiled region holds: one step per unrolled copy); ``depth``:
     the loop depth of the region (``None``: :func:`gpu.sass.work_loop`'s;
     a region at a depth is the one with the most useful FLOPs there);
@@ -106,7 +107,7 @@ class KernelWork(NamedTuple):
     case: dict
     flops: Callable
     computed: Callable
-    step: int
+    step: int | Callable
     depth: int | None
     bytes: Callable
     what: str
@@ -291,14 +292,15 @@ KERNELS = {
     "gpu.numba_cuda.attention._flash_forward[float32]": KernelWork(
         case=dict(BH=1, N=16384, d=64, causal=False),
         flops=lambda c: 2 * c["BH"] * c["N"] * c["N"] * c["d"],
-        computed=_flash_computed, step=16, depth=None,
+        computed=_flash_computed, step=lambda: _attention().RQ * _attention().RK * 2, depth=None,
         items=lambda c: _flash_computed(c) // (_attention().tile_q * _attention().tile_k * 2 * c["d"]),
         bytes=lambda c: FLOAT32 * 4 * c["BH"] * c["N"] * c["d"],
         what="the scores q k^T: 2 N^2 d, half of softmax attention's 4 N^2 d (bidirectional)"),
     "gpu.numba_cuda.attention._flash_forward[float32] P V": KernelWork(
         case=dict(BH=1, N=16384, d=64, causal=False),
         flops=lambda c: 2 * c["BH"] * c["N"] * c["N"] * c["d"],
-        computed=_flash_pv_computed, step=8, depth=2,
+        computed=_flash_pv_computed, step=lambda: _attention().RQ * (_attention().V_CHUNK // _attention().TX) * 2,
+        depth=2,
         bytes=lambda c: 0,
         what="the weighted values P V: 2 N^2 d, the other half (loop depth 2: the chunks of value columns are unrolled) "
              "(bidirectional)",
@@ -321,7 +323,7 @@ def declared(name):
     w = KERNELS[name]
     flops, computed = w.flops(w.case), w.computed(w.case)
     return {"kernel": w.kernel or name, "flops": flops, "computed": computed, "useful_fraction": flops / computed, "bytes": w.bytes(w.case),
-            "step": w.step, "depth": w.depth, "launches": w.launches(w.case), "case": dict(w.case), "what": w.what}
+            "step": w.step() if callable(w.step) else w.step, "depth": w.depth, "launches": w.launches(w.case), "case": dict(w.case), "what": w.what}
 
 
 def region(row, name):

@@ -333,8 +333,8 @@ def _declared_static_rows(gm):
         name = w.kernel or key
         if any(r["kernel"] == name for r in rows):
             continue
-        step_flops = 4 * w.step
-        pv = [{"depth": 2, "start": 0x400, "instructions": 40, "flops": 4 * work.KERNELS[k].step, "arithmetic": 16,
+        step_flops = 4 * work.declared(key)["step"]
+        pv = [{"depth": 2, "start": 0x400, "instructions": 40, "flops": 4 * work.declared(k)["step"], "arithmetic": 16,
                "ffma": 16, "wavefronts": 16, "pipes": _pipes(40, fp32=16, shared=16)} for k in regions if
               (work.KERNELS[k].kernel or k) == name]
         rows.append(_static_row(name, 120, step_flops, 0.5, regions=pv))

@@ -584,18 +584,19 @@ GATES = {
         "fp_share": (0.7, "288 fp arithmetic of 401"),
     },
     "gpu.numba_cuda.attention._flash_forward[float32]": {
-        "flops_per_instruction": (1.1, "per coordinate 8 FFMA and RQ + RK = 6 loads at constant offsets from two "
-                                       "registers (flat 32-bit indices, 64-bit offsets): 128 FLOPs per 55 "
-                                       "instructions for 4 coordinates"),
-        "ffma_per_wavefront": (1.2, "RQ RK / (RQ + RK) = 8 / 6 a coordinate; the rows padded to 65 entries give "
-                                    "128-bit, 64-bit or scalar loads by the coordinate: 32 FFMA per 26 wavefronts"),
-        "fp_share": (0.55, "32 FFMA of 55 instructions"),
+        "flops_per_instruction": (1.45, "the 4 x 4 register tile, per coordinate 16 FFMA and two LDS.128 at constant "
+                                        "offsets from two registers (flat 32-bit indices, 64-bit offsets): 128 FLOPs "
+                                        "per 83 instructions for 4 coordinates"),
+        "ffma_per_wavefront": (2.0, "RQ RK / (RQ + RK) = 16 / 8: the rows of q^T and k^T padded by 16 bytes keep a "
+                                    "thread's 4 rows and 4 keys one 128-bit load each"),
+        "fp_share": (0.75, "64 FFMA of 83 instructions"),
     },
     "gpu.numba_cuda.attention._flash_forward[float32] P V": {
-        "flops_per_instruction": (0.88, "per key RQ GC = 4 FFMA and RQ + GC = 4 scalar loads: 64 FLOPs per 35 "
-                                        "instructions for 4 keys"),
-        "ffma_per_wavefront": (1.0, "RQ GC / (RQ + GC) = 1: the weights are read by rows of P, one key a load"),
-        "fp_share": (0.44, "16 FFMA of 35 instructions"),
+        "flops_per_instruction": (1.2, "per key RQ GC = 8 FFMA, 4 scalar loads of the weights and one LDS.64 of the "
+                                       "values: 64 FLOPs per 51 instructions for 4 keys"),
+        "ffma_per_wavefront": (1.3, "8 FFMA per 6 wavefronts a key: the weights are read by rows of P, one key a "
+                                    "load (stored by keys, their stores would meet 16-way bank conflicts)"),
+        "fp_share": (0.6, "32 FFMA of 51 instructions"),
     },
     "gpu.numba_cuda.ovq._predict_kernel": {
         "flops_per_instruction": (1.45, "the 4 x 4 register tile, 2 LDS.128 per 16 FFMA a coordinate: 128 FLOPs per "
