@@ -35,6 +35,13 @@ What is measured
 * For the CuPy backend, the kernel launches and cuBLAS calls of one call
   (``gpu.cupy_kernels.launch_count``, where the backend has it).
 
+Beside each ``gpu.numba_cuda`` time the script prints the estimate of
+``benchmarks/gpu_model.py`` (``est. ms``; an estimate from the compiled
+code, not a measurement): from ``--model FILE``, else, at full sizes,
+computed by that script in a process of its own while the GPU is measured,
+and printed with every row at the end (:class:`Estimates`).  The first GPU
+run so tests the model too.
+
 Each time is the best of ``--repeats`` runs after one warm-up run (which
 compiles the kernels), taken with CUDA events around the call; inputs are on
 the device already, so no transfer is timed.  The backends run with their
@@ -159,7 +166,18 @@ TARGET_SPECS = {
     "cupy-ovq-vs-numba": ("ratio_min", 1.0, "ovq_attention", "ovq_attention"),
 }
 
-FLOAT32 = 4  # bytes an entry
+# --- counts: bytes that must move and useful FLOPs (module docstring) ------------------------------------
+# One set of formulas, in gpu.work, for the measurements here, the model (gpu_model.py) and the static gates, which
+# compare each kernel's compiled loop with them.
+from gpu.work import (  # noqa: E402
+    FLOAT32,
+    attention_counts,
+    gemm_counts,
+    gma_backward_counts,
+    gma_forward_counts,
+    ovq_counts,
+    responsibilities_counts,
+)
 
 
 def device_peaks(name):
@@ -168,46 +186,6 @@ def device_peaks(name):
         if key in name:
             return value
     return None, None
-
-
-# --- counts: bytes that must move and useful FLOPs (module docstring) ------------------------------------
-
-
-def responsibilities_counts(N, K, d):
-    """``(bytes, flops)``: read x, write gamma; the quadratic form ``4 N K d``."""
-    return FLOAT32 * N * (d + K), 4 * N * K * d
-
-
-def gma_forward_counts(N, K, d_r, d_v):
-    """``(bytes, flops)``: read x_q, x_k, v, write out; two quadratic forms, the write and the read."""
-    return FLOAT32 * N * (2 * d_r + 2 * d_v), 8 * N * K * d_r + 4 * N * K * (d_v + 1)
-
-
-def gma_backward_counts(N, K, d_r, d_v):
-    """``(bytes, flops)``: read g, x_q, x_k, v, write dx_q, dx_k, dv; the products of the module docstring."""
-    return FLOAT32 * N * (4 * d_r + 3 * d_v), 16 * N * K * d_r + 6 * N * K * (d_v + 1) + 2 * N * K * d_v
-
-
-def gemm_counts(N, K, d, d_v):
-    """``(bytes, flops)`` of the equivalent GEMMs: X mu^T and X^2 mu^T for queries and keys, Gamma^T V, Gamma S."""
-    return FLOAT32 * N * (2 * d + 2 * d_v), 8 * N * K * d + 4 * N * K * d_v
-
-
-def attention_counts(N, d, causal):
-    """``(bytes, flops)`` of softmax attention, ``d = d_v``: Q K^T and P V over every pair, or the pairs b <= a."""
-    return FLOAT32 * 4 * N * d, (2 * N * (N + 1) * d if causal else 4 * N * N * d)
-
-
-def ovq_counts(T, d, d_v, max_size, chunk_size):
-    """``(bytes, flops)`` of OVQ: the read-out and the assignment of every chunk, ``n_c`` from the growth rule."""
-    from refimpl.ovq import dictionary_size
-
-    flops = 0
-    for s in range(0, T, chunk_size):
-        L = min(chunk_size, T - s)
-        n = int(dictionary_size(s, max_size))  # centroids before the chunk
-        flops += (2 * L * n + L * (L + 1)) * (d + d_v) + 2 * L * n * d
-    return FLOAT32 * T * (2 * d + 2 * d_v), flops
 
 
 #: The full sizes: responsibilities (N, K, d), GMA (every N, K, d_r = d_v), attention N, OVQ (T, max_size, chunk).
@@ -276,7 +254,7 @@ def roofline_fraction(seconds, nbytes, flops, peak_bandwidth, peak_flops):
 
 
 def make_row(backend, function, variant, size, seconds, nbytes, flops, peaks=(None, None), target=None, measured=None,
-             met=None, note="", launches=None):
+             met=None, note="", launches=None, estimate=None):
     """One result: what ran, its time, bytes, FLOPs, rates, its bound and roofline fraction, and the target it is judged by."""
     roof, bound = roofline_time(nbytes, flops, *peaks)
     return {
@@ -298,6 +276,7 @@ def make_row(backend, function, variant, size, seconds, nbytes, flops, peaks=(No
         "met": met,
         "note": note,
         "launches_per_call": launches,
+        "estimate_s": estimate,
     }
 
 
@@ -342,20 +321,92 @@ def _fmt(value, scale, digits, unit=""):
 
 
 def format_rows(rows):
-    """The rows as a plain-text table (what the script prints after each section); launches per call for the CuPy backend."""
-    head = (f"{'backend':28s} {'function':18s} {'variant':14s} {'size':28s} {'ms':>10s} {'GB/s':>8s} {'TFLOP/s':>8s} "
-            f"{'bound':>8s} {'roofline':>8s} {'launches':>8s}  target")
+    """The rows as a plain-text table (what the script prints after each section): launches per call for the CuPy
+    backend, and beside each ``gpu.numba_cuda`` time the estimate of ``benchmarks/gpu_model.py`` (``n/a`` without
+    one: not at these sizes, or no model)."""
+    head = (f"{'backend':28s} {'function':18s} {'variant':14s} {'size':28s} {'ms':>10s} {'est. ms':>9s} {'GB/s':>8s} "
+            f"{'TFLOP/s':>8s} {'bound':>8s} {'roofline':>8s} {'launches':>8s}  target")
     lines = [head]
     for r in rows:
         met = ({True: "met", False: "NOT met"}.get(r["met"]) or r["note"] or "not judged") if r["target"] else ""
         target = f"{r['target']} (measured {_fmt(r['measured'], 1, 2)}): {met}" if r["target"] else ""
         launches = "" if r["launches_per_call"] is None else str(r["launches_per_call"])
+        estimate = "" if r["backend"] != "numba-cuda" else _fmt(r.get("estimate_s"), 1e-3, 3)
         lines.append(
             f"{r['backend']:28s} {r['function']:18s} {r['variant']:14s} {r['size']:28s} {_fmt(r['time_s'], 1e-3, 3):>10s} "
-            f"{_fmt(r['bandwidth_Bps'], 1e9, 1):>8s} {_fmt(r['flop_rate'], 1e12, 2):>8s} {r.get('bound') or 'n/a':>8s} "
-            f"{_fmt(r['roofline_fraction'], 0.01, 1, '%'):>8s} {launches:>8s}  {target}"
+            f"{estimate:>9s} {_fmt(r['bandwidth_Bps'], 1e9, 1):>8s} {_fmt(r['flop_rate'], 1e12, 2):>8s} "
+            f"{r.get('bound') or 'n/a':>8s} {_fmt(r['roofline_fraction'], 0.01, 1, '%'):>8s} {launches:>8s}  {target}"
         )
     return "\n".join(lines)
+
+
+#: Seconds ``bench_gpu.py`` waits, after its last measurement, for the estimates computed beside it (:class:`Estimates`).
+MODEL_WAIT_S = 30
+
+
+class Estimates:
+    """The estimates of ``benchmarks/gpu_model.py`` for the rows: ``{(function, variant, size): seconds}``.
+
+    From ``--model FILE`` (a ``gpu_model.py --json`` file) at once; else, at
+    full sizes on a GPU, computed by ``gpu_model.py`` in a process of its own
+    started before the first measurement (it compiles, assembles and
+    disassembles every kernel on the CPU while the GPU is measured) and read
+    after the last one, waiting at most :data:`MODEL_WAIT_S` seconds, so that
+    the benchmark's time grows by that at most; else none.  ``note`` says
+    which, or why none.
+    """
+
+    def __init__(self, args, full, folder=None):
+        import gpu_model
+
+        self.table, self.proc, self.out = {}, None, None
+        if args.model is not None:
+            report = json.loads(args.model.read_text())
+            self.table = gpu_model.estimates(report["rows"])
+            self.note = f"estimates from {args.model} (benchmarks/gpu_model.py)"
+        elif not full:
+            self.note = "no estimates at these sizes (the model is of the full sizes; pass --model FILE for others)"
+        else:
+            import subprocess
+            import tempfile
+
+            self.out = Path(folder or tempfile.mkdtemp(prefix="gpu-model-")) / "gpu-model.json"
+            env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+            script = Path(__file__).resolve().parent / "gpu_model.py"
+            self.proc = subprocess.Popen([sys.executable, str(script), "--json", str(self.out)], env=env,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            self.note = "estimates of benchmarks/gpu_model.py, computed beside the measurements (printed at the end)"
+
+    def finish(self, wait_s=MODEL_WAIT_S):
+        """Read the estimates of the process started by the constructor (at most ``wait_s`` seconds more); the table."""
+        if self.proc is None:
+            return self.table
+        import gpu_model
+        import subprocess
+
+        try:
+            _, err = self.proc.communicate(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            self.note = f"no estimates: benchmarks/gpu_model.py had not finished {wait_s:g} s after the measurements"
+        else:
+            if self.proc.returncode == 0 and self.out.is_file():
+                self.table = gpu_model.estimates(json.loads(self.out.read_text())["rows"])
+            else:
+                last = (err or "").strip().splitlines()[-1:] or ["no output"]
+                self.note = f"no estimates: benchmarks/gpu_model.py exited {self.proc.returncode} ({last[0]})"
+        self.proc = None
+        return self.table
+
+    def attach(self, rows):
+        """Set ``estimate_s`` on each ``gpu.numba_cuda`` row that has an estimate; the number set."""
+        n = 0
+        for r in rows:
+            if r["backend"] == "numba-cuda" and (key := (r["function"], r["variant"], r["size"])) in self.table:
+                r["estimate_s"] = self.table[key]
+                n += 1
+        return n
 
 
 def _json_path(text):
@@ -401,6 +452,9 @@ def parse_args(argv=None):
                         help="float32 FLOP/s; by default from the device name")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target ran and was missed, 3 when one did not run (on a GPU at full sizes)")
     parser.add_argument("--json", type=_json_path, default=None, metavar="FILE", help="write every row, and the device, as JSON")
+    parser.add_argument("--model", type=Path, default=None, metavar="FILE",
+                        help="the estimates to print beside the times: a file of benchmarks/gpu_model.py --json "
+                             "(by default computed beside the measurements at full sizes on a GPU)")
     return parser.parse_args(argv)
 
 
@@ -410,6 +464,7 @@ class _Bench:
     def __init__(self, cuda, simulated, repeats, peaks):
         self.cuda, self.simulated, self.repeats, self.peaks = cuda, simulated, repeats, peaks
         self.rows = []
+        self.estimates = None  # the estimates of benchmarks/gpu_model.py (Estimates)
 
     def time(self, fn):
         """Best wall time of ``repeats`` calls (CUDA events on a GPU) after one warm-up call (none in the simulator)."""
@@ -434,7 +489,8 @@ class _Bench:
         return best
 
     def add(self, backend, function, variant, size, seconds, counts, **judgement):
-        row = make_row(backend, function, variant, size, seconds, *counts, peaks=self.peaks, **judgement)
+        estimate = self.estimates.table.get((function, variant, size)) if backend == "numba-cuda" else None
+        row = make_row(backend, function, variant, size, seconds, *counts, peaks=self.peaks, estimate=estimate, **judgement)
         self.rows.append(row)
         return row
 
@@ -516,6 +572,7 @@ def run(args):
     xp = cupy if cupy is not None else (np if simulated else None)  # cuBLAS, or NumPy standing in for it in the dry run
     gemm_label = "cuBLAS (CuPy)" if cupy is not None else "NumPy (dry run)"
     bench = _Bench(cuda, simulated, repeats, peaks)
+    bench.estimates = Estimates(args, full, args.json.parent if args.json is not None else None)
     dtype = np.float32
     rng = np.random.default_rng(0)
 
@@ -530,6 +587,7 @@ def run(args):
               + (f"{peaks[0] / 1e12:.2f} TB/s" if peaks[0] else "unknown (pass --peak-bandwidth)")
               + ", peak float32 " + (f"{peaks[1] / 1e12:.1f} TFLOP/s" if peaks[1] else "unknown (pass --peak-flops)"))
     print(f"float32, best of {repeats} run(s) after a warm-up; {cupy_note}; {torch_note}")
+    print(f"est. ms: {bench.estimates.note}: an estimate, not a measurement (its assumptions: benchmarks/gpu_model.py)")
     if ck is not None and count is None:
         print("launches per call: not counted (gpu.cupy_kernels has no launch_count)")
     print()
@@ -700,6 +758,14 @@ def run(args):
     print(format_rows(bench.rows[start:]))
     print(f"speed-up of OVQ over dense causal attention: {speedup:.1f}x")
     print()
+    if bench.estimates.proc is not None:
+        bench.estimates.finish()
+        if bench.estimates.attach(bench.rows):
+            print("gpu.numba_cuda against the estimates of benchmarks/gpu_model.py (an estimate, not a measurement):")
+            print(format_rows([r for r in bench.rows if r["backend"] == "numba-cuda"]))
+        else:
+            print(f"est. ms: {bench.estimates.note}")
+        print()
     return bench.rows, {"name": name, "peak_bandwidth_Bps": peaks[0], "peak_flops": peaks[1]}, simulated, full
 
 

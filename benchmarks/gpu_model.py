@@ -1,81 +1,81 @@
-"""A model of the Numba-CUDA functions on an H200, from the compiled code alone: no GPU runs, nothing here is a timing.
+"""An estimate of the Numba-CUDA functions on an H200, from the compiled code and the declared work: no GPU runs.
 
 Usage::
 
-    python benchmarks/gpu_model.py                      # compile every kernel (no GPU needed), print the model
-    python benchmarks/gpu_model.py --json model.json    # and write every row as JSON
+    python benchmarks/gpu_model.py                      # compile every kernel (no GPU needed), print the estimates
+    python benchmarks/gpu_model.py --json model.json    # and write every row as JSON (bench_gpu.py --model reads it)
     python benchmarks/gpu_model.py --markdown           # the table as Markdown (as in docs/gpu.md)
     python benchmarks/gpu_model.py --save-static k.json # keep the per-kernel static rows, to reuse with --static
 
 For each public function of :mod:`gpu.numba_cuda`, at the sizes of
-``benchmarks/bench_gpu.py`` and with its counts (``responsibilities_counts``
-and the others: the bytes that must move, the useful floating-point
-operations), the script prints:
+``benchmarks/bench_gpu.py`` and with its counts (:mod:`gpu.work`: the bytes
+that must move, the useful floating-point operations), the script prints:
 
-* the minimum HBM bytes and the FLOPs;
-* the roofline time ``max(bytes / 4.8 TB/s, FLOPs / 67 TFLOP/s)``
-  (float64: 34 TFLOP/s), the H200's peaks, and the memory time at an assumed
-  sustained 4.3 TB/s (what a large device-to-device copy reaches, about 90% of
-  the peak; not measured here);
-* what the static analysis of :mod:`gpu.sass` predicts: the issue-bound time
-  of the kernels that do the function's arithmetic, and the larger of it and
-  the memory time at 4.3 TB/s;
-* a measured column, empty ("not measured: no GPU run yet") until
-  ``bench_gpu.py`` has run on a GPU.
+* the minimum HBM bytes and the FLOPs, the roofline time
+  ``max(bytes / 4.8 TB/s, FLOPs / 67 TFLOP/s)`` (float64: 34 TFLOP/s);
+* the estimate: the issue time of the kernels that do the work, counted from
+  their SASS, their bytes with the intermediates, the launches, and, for OVQ,
+  the chunks one after the other;
+* a measured column, empty until ``bench_gpu.py`` has run on a GPU (which
+  prints this estimate beside each time it measures).
 
-The model and its assumptions
------------------------------
-* Each function's FLOPs are split into parts, each done by the kernels of one
-  module (:data:`PARTS`): the responsibilities by ``gmm`` (and GMA's two
-  quadratic forms: GMA computes them with the same kernel), the scan's write
-  and read by ``scan``, the backward's per-row and per-parameter products by
-  ``gma`` (a part each: ``gma:responsibility_rows`` does ``dL/dx``,
-  ``gma:parameter_partials`` the sums over tokens), softmax attention by
-  ``attention``, OVQ and VQ by ``ovq``.
-* A part runs at the pace of its module's *main kernel* (:func:`main_kernel`):
-  of the kernels named for the work (the part's kernel after the ``:``, else
-  :data:`MAIN`), the one whose loop holds the most useful FLOPs.  The loop is the kernel's *work loop*
-  (:func:`gpu.sass.work_loop`, in float32 or the float type asked): of the
-  loop regions (innermost loop bodies, basic blocks inside a loop) that do
-  useful arithmetic, the one nested in the most loops, ties to the most
-  useful FLOPs.  Useful FLOPs (:func:`gpu.sass.work_flops`) are those of
-  floating-point arithmetic on registers alone, without saturation or
-  directed rounding (a fused multiply-add is two): the algorithm's products
-  and sums, not the range reduction and polynomial of an ``exp``.  The
-  deepest region is taken because it runs once per iteration of every loop
-  around it: the product over the coordinates runs ``d`` times for each time
-  the epilogue after it (a log-sum-exp's combine tree, an online softmax's
-  rescaling) runs once, though the unrolled epilogue can hold more
-  instructions and more raw FLOPs.  The fp-share gate of
-  ``tests/test_gpu_resources.py`` reads the same loop.
-  Its instructions per useful FLOP are that loop's instructions over its
-  useful FLOPs.  So every useful FLOP is assumed to be done in that loop, by
-  one thread once (work repeated across the threads of a warp, the setup
-  outside the loop, the epilogues, the other loops of the kernel (a second
-  product in a shallower loop, say) and the routines it calls are not
-  counted: the prediction is a lower bound on the instructions).
-* Issue: each of the 132 multiprocessors has 4 schedulers, each issuing at
-  most one warp instruction (32 threads) per cycle at 1.7 GHz.  A scheduler
-  is assumed to issue every cycle when it holds at least 4 resident warps
-  (the dependent-issue latency of the arithmetic pipes is about 4 cycles),
-  and a proportional fraction with fewer: efficiency ``min(1, 16 o / 4)``,
-  ``o`` the theoretical occupancy of :func:`gpu.sass.occupancy` at the
-  kernel's block size (16 ``o`` warps per scheduler).  The issue-bound time is
-  ``FLOPs x (instructions per FLOP) / 32 / (132 x 4 x 1.7e9 x efficiency)``.
-* Memory: the minimum bytes at 4.3 TB/s; caches are perfect (the ``K``-row
-  parameters and re-read tiles cost no HBM traffic) and nothing else moves.
-  The prediction is ``max(issue-bound time, memory time)``: the two overlap
-  completely, launches cost nothing, the last partial wave of blocks is not
-  counted, nor are the host's checks (one copy a call).
+The estimate and its assumptions
+--------------------------------
+* The work: each function runs the compute kernels of :data:`gpu.work.KERNELS`
+  at its sizes (:data:`PARTS`), each declaring the FLOPs its loop region
+  executes (padding and wasted tiles included) and the block work items
+  (tiles) it runs.  A region executes ``computed / (its useful FLOPs per
+  thread) / 32`` warp passes; the kernel's code outside its declared regions
+  (the epilogues: a log-sum-exp's combine, an online softmax's rescaling, the
+  staging of the first tile) runs once per warp per work item.  Both are
+  lower counts than what runs: setup code counted once per item, not per
+  block, and loops inside an epilogue (a combine tree) once.
+* Issue: an SM issues at most 4 warp instructions a clock (4 schedulers), and
+  each class of instruction has its own rate (:data:`H200` ``"pipes"``, warp
+  instructions per clock per SM, from the CUDA programming guide's table for
+  compute capability 9.0): float32 add/multiply/FMA 4, float64 2, integer
+  and float compare/select/min/max 2, the special function unit 0.5,
+  conversions 0.5, shared memory 1 wavefront (128 bytes, no bank conflict
+  assumed), other memory instructions 1.  A warp pass of a region takes
+  ``max(instructions / 4, count of each class / its rate)`` SM clocks: the
+  pipes overlap, the busiest bounds it.
+* The clock: 1.98 GHz, the one the 67 TFLOP/s float32 peak implies
+  (132 SMs x 128 lanes x 2 FLOPs); a measured clock replaces it when a GPU
+  is lent (``--clock``).
+* Latency: a scheduler with at least 4 resident warps (the theoretical
+  occupancy of :func:`gpu.sass.occupancy`) issues every clock; with fewer, in
+  proportion.
+* Memory: the kernel's declared bytes (its inputs, outputs and the
+  intermediates it writes or reads: the responsibilities, the chunk states)
+  at an assumed sustained 4.3 TB/s; each kernel takes the larger of its
+  issue and memory times (they overlap completely); caches are perfect
+  beyond that.
+* Launches: each costs :data:`H200` ``"launch_s"`` (20 microseconds: a
+  Numba launch of 20 to 32 arguments from the host, an assumption until a
+  GPU measures it), added to the device time (no overlap of the host's
+  launches with the device's work); the small one-thread-per-entry kernels
+  (constants, flags, scans of chunk states, merges) count as launches and
+  nothing else.
+* OVQ: its chunks are sequential, each a launch of the predict kernel and
+  one of the merge kernel.  A chunk takes the larger of its share of the
+  GPU's issue rate and the time one work item takes alone (its warps on
+  their own at one instruction per 4 clocks: the latency bound of a GPU the
+  chunk does not fill), plus the plan of its last block: ``log2 P (log2 P
+  + 1) / 2`` bitonic steps (``P`` the chunk rounded up to a power of two;
+  twice when it seeds) of :data:`H200` ``"plan_step_cycles"`` clocks each
+  (a barrier and a few dependent shared accesses).
+* Not counted: the tail of the last wave of blocks, the host's checks (one
+  copy a call), bank conflicts, cache misses.
 
-These are modelling choices, stated so that they can be checked: a GPU run
-of ``bench_gpu.py`` gives the times to set beside them.
+The estimate is not a bound: these are modelling choices, stated so that a
+GPU run of ``bench_gpu.py`` can test them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -84,102 +84,104 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import bench_gpu  # noqa: E402  (after the path set-up above; it imports no numba)
+from gpu import work  # noqa: E402  (after the path set-up above; it imports no numba until asked)
 
-#: The H200 (SXM): peak HBM bandwidth, the sustained copy bandwidth assumed, peak float32 and float64 rates
-#: (without tensor cores), multiprocessors, schedulers per multiprocessor, clock.
+#: The H200 (SXM): peak HBM bandwidth, the sustained copy bandwidth assumed, peak float32 and float64 rates (without
+#: tensor cores), multiprocessors, schedulers per multiprocessor, the clock the float32 peak implies, the cost of a
+#: launch, the clocks of one step of OVQ's plan, and the rates of each issue class (warp instructions a clock per SM;
+#: ``shared``: wavefronts; ``issue``: all instructions).
 H200 = {
+    "name": "H200",
     "peak_bandwidth_Bps": 4.8e12,
     "copy_bandwidth_Bps": 4.3e12,
     "peak_flops": {"float32": 67e12, "float64": 34e12},
     "sms": 132,
     "schedulers": 4,
-    "clock_Hz": 1.7e9,
+    "clock_Hz": 1.98e9,
     "warp": 32,
     "warps_to_issue": 4,  # resident warps a scheduler needs to issue every cycle (the model's assumption)
+    "launch_s": 20e-6,
+    "plan_step_cycles": 200,
+    "pipes": {"issue": 4, "fp32": 4, "fp64": 2, "alu": 2, "mufu": 0.5, "cvt": 0.5, "shared": 1, "mem": 1},
 }
 
 NOT_MEASURED = "not measured: no GPU run yet"
 
-#: The kernels that do the bulk of each module's FLOPs, by name (a regular expression; see :func:`main_kernel`).
-MAIN = {
-    "gmm": r"posterior|responsibilit",
-    "scan": r"chunk_states|chunk_rows|state|rows",
-    "gma": r"responsibility_rows|parameter_partials|rows|partials",
-    "attention": r"flash",
-    "ovq": r"readout|predict|assign",
-}
-
-#: The modules whose kernels do each part of a function's FLOPs (see the module docstring).
-PARTS = {
-    "responsibilities": lambda N, K, d: [("gmm", 4 * N * K * d)],
-    "gma_forward": lambda N, K, d_r, d_v: [("gmm", 8 * N * K * d_r), ("scan", 4 * N * K * (d_v + 1))],
-    "gma_backward": lambda N, K, d_r, d_v: [("gma:responsibility_rows", 8 * N * K * d_r),
-                                            ("gma:parameter_partials", 8 * N * K * d_r),
-                                            ("scan", 6 * N * K * (d_v + 1) + 2 * N * K * d_v)],
-}
+K_RESP = "gpu.numba_cuda.gmm._posterior_tiles[float32]"
+K_STATES = "gpu.numba_cuda.scan._chunk_states[float32]"
+K_ROWS = "gpu.numba_cuda.scan._chunk_rows[float32]"
+K_DX = "gpu.numba_cuda.gma._responsibility_rows"
+K_PARTIALS = "gpu.numba_cuda.gma._parameter_partials"
+K_FLASH = "gpu.numba_cuda.attention._flash_forward[float32]"
+K_PV = K_FLASH + " P V"
+K_OVQ = "gpu.numba_cuda.ovq._predict_kernel"
 
 
-def vq_counts(T, d, d_v, S, chunk_size):
-    """``(bytes, flops)`` of VQ attention: :func:`bench_gpu.ovq_counts`' terms with ``S`` codes before every chunk."""
-    flops = 0
-    for s in range(0, T, chunk_size):
-        L = min(chunk_size, T - s)
-        flops += (2 * L * S + L * (L + 1)) * (d + d_v) + 2 * L * S * d
-    return bench_gpu.FLOAT32 * T * (2 * d + 2 * d_v), flops
+def _gma_parts(N, K, d_r, d_v, backward):
+    """The declared kernels of GMA at ``N`` tokens: the responsibilities of both sides and the scan's products (the
+    backward: dL/dx and the parameter sums of both sides, and the scan's four products)."""
+    resp = dict(B=1, N=N, K=K, d=d_r)
+    scan = [(K_STATES, dict(B=1, N=N, F=K, E=d_v + 1, chunk=256), 1), (K_ROWS, dict(B=1, N=N, n_in=K, n_out=d_v + 1), 1)]
+    if not backward:
+        return [(K_RESP, resp, 2)] + scan
+    return [(K_DX, resp, 2), (K_PARTIALS, resp, 2), (K_STATES, dict(B=1, N=N, F=K, E=d_v + 1, chunk=256), 1),
+            (K_ROWS, dict(B=1, N=N, n_in=d_v + 1, n_out=K), 2), (K_ROWS, dict(B=1, N=N, n_in=K, n_out=d_v), 1)]
+
+
+#: Launches of each function at the sizes of :func:`workloads` (one call): the responsibilities' constants and tiles;
+#: GMA's forward: both sides' responsibilities, [V, 1], the chunk states, the scan over them, the read, the
+#: normalisation; the backward: both sides' dL/dx, partials and the sums, the scan's products and scans.
+LAUNCHES = {"responsibilities": 2, "gma_forward": 10, "gma_backward": 16, "softmax_attention": 1}
 
 
 def workloads():
-    """``[(function, variant, size, (bytes, flops) in float32, [(part, flops)])]`` at ``bench_gpu.py``'s full sizes."""
+    """``[(function, variant, size, (bytes, flops), [(KERNELS key, case, count)], launches, ovq)]`` at the full sizes;
+    ``ovq`` is ``(T, n_max, C, H)`` for OVQ's chunked rows, else ``None``."""
     N, K, d = 1 << 20, 256, 64
     rows = []
     size = f"N={N} K={K} d={d}"
     for fn in ("responsibilities", "log_responsibilities"):
-        rows.append((fn, "", size, bench_gpu.responsibilities_counts(N, K, d), PARTS["responsibilities"](N, K, d)))
-    d_r = d_v = d
+        rows.append((fn, "", size, work.responsibilities_counts(N, K, d), [(K_RESP, dict(B=1, N=N, K=K, d=d), 1)],
+                     LAUNCHES["responsibilities"], None))
     for n in (1 << 14, 1 << 17, 1 << 20):
-        size = f"N={n} K={K} d_r=d_v={d_v}"
+        size = f"N={n} K={K} d_r=d_v={d}"
         for variant in ("bidirectional", "causal"):
-            rows.append(("gma_forward", variant, size, bench_gpu.gma_forward_counts(n, K, d_r, d_v),
-                         PARTS["gma_forward"](n, K, d_r, d_v)))
-            rows.append(("gma_backward", variant, size, bench_gpu.gma_backward_counts(n, K, d_r, d_v),
-                         PARTS["gma_backward"](n, K, d_r, d_v)))
+            rows.append(("gma_forward", variant, size, work.gma_forward_counts(n, K, d, d), _gma_parts(n, K, d, d, False),
+                         LAUNCHES["gma_forward"], None))
+            rows.append(("gma_backward", variant, size, work.gma_backward_counts(n, K, d, d), _gma_parts(n, K, d, d, True),
+                         LAUNCHES["gma_backward"], None))
     n = 1 << 20
-    rows.append(("gma", "bidirectional", f"N={n} K={K} d_r=d_v={d_v}", bench_gpu.gma_forward_counts(n, K, d_r, d_v),
-                 PARTS["gma_forward"](n, K, d_r, d_v)))
-    for n in (4096, 16384):
-        counts = bench_gpu.attention_counts(n, d, causal=False)
-        rows.append(("softmax_attention", "bidirectional", f"N={n} d={d}", counts, [("attention", counts[1])]))
+    rows.append(("gma", "bidirectional", f"N={n} K={K} d_r=d_v={d}", work.gma_forward_counts(n, K, d, d),
+                 _gma_parts(n, K, d, d, False), LAUNCHES["gma_forward"], None))
     T, n_dict, C = 65536, 1024, 256
-    counts = bench_gpu.attention_counts(T, d, causal=True)
-    rows.append(("softmax_attention", "causal", f"N={T} d={d}", counts, [("attention", counts[1])]))
-    counts = bench_gpu.ovq_counts(T, d, d, n_dict, C)
-    rows.append(("ovq_attention", "causal", f"T={T} N={n_dict} C={C} d={d}", counts, [("ovq", counts[1])]))
-    counts = vq_counts(T, d, d, n_dict, C)
-    rows.append(("vq_attention", "causal", f"T={T} S={n_dict} C={C} d={d}", counts, [("ovq", counts[1])]))
+    for BH in (1, 32):
+        for n, causal in ((4096, False), (16384, False), (T, True)):
+            if BH > 1 and not causal:
+                continue
+            case = dict(BH=BH, N=n, d=d, causal=causal)
+            nbytes, flops = work.attention_counts(n, d, causal=causal)
+            rows.append(("softmax_attention", "causal" if causal else "bidirectional", f"N={n} d={d}" + _bh(BH),
+                         (BH * nbytes, BH * flops), [(K_FLASH, case, 1), (K_PV, case, 1)], LAUNCHES["softmax_attention"],
+                         None))
+        nbytes, flops = work.ovq_counts(T, d, d, n_dict, C)
+        rows.append(("ovq_attention", "causal", f"T={T} N={n_dict} C={C} d={d}" + _bh(BH), (BH * nbytes, BH * flops),
+                     [(K_OVQ, dict(H=BH, T=T, n_max=n_dict, C=C, d=d), 1)], None, (T, n_dict, C, BH)))
+    rows.append(("vq_attention", "causal", f"T={T} S={n_dict} C={C} d={d}", vq_counts(T, d, d, n_dict, C),
+                 [(K_OVQ, dict(H=1, T=T, n_max=n_dict, C=C, d=d), 1)], None, (T, n_dict, C, 1)))
     return rows
 
 
-def _work(row):
-    """``(instructions, useful FLOPs)`` per thread of a static row's work loop (:func:`gpu.sass.work_loop`)."""
-    return row["work_loop"]["total"], row["work_loop_flops"]
+def _bh(BH):
+    return "" if BH == 1 else f" BH={BH}"
 
 
-def main_kernel(kernel_rows, module, dtype, name=None):
-    """The static row of ``module``'s main kernel in ``dtype``; ``None`` when none of its kernels has FLOPs in a loop.
-
-    Among the module's kernels whose work loop holds useful FLOPs, those
-    whose name matches :data:`MAIN` (all of them when none does), and of
-    these the one whose work loop holds the most useful FLOPs.  With
-    ``name`` (a regular expression), only the kernels it matches: ``None``
-    when none does.
-    """
-    import re
-
-    mine = [r for r in kernel_rows if r["kernel"].rsplit(".", 2)[-2] == module and r["dtype"] == dtype
-            and r.get("loop") and r.get("work_loop") is not None and _work(r)[1]]
-    named = [r for r in mine if re.search(name or MAIN.get(module, "$^"), r["kernel"].rsplit(".", 1)[-1])]
-    return max(named if name else (named or mine), key=lambda r: (_work(r)[1], r["kernel"]), default=None)
+def vq_counts(T, d, d_v, S, chunk_size):
+    """``(bytes, flops)`` of VQ attention: :func:`gpu.work.ovq_counts`' terms with ``S`` codes before every chunk."""
+    flops = 0
+    for s in range(0, T, chunk_size):
+        L = min(chunk_size, T - s)
+        flops += (2 * L * S + L * (L + 1)) * (d + d_v) + 2 * L * S * d
+    return work.FLOAT32 * T * (2 * d + 2 * d_v), flops
 
 
 def issue_efficiency(occupancy, device=H200):
@@ -188,43 +190,115 @@ def issue_efficiency(occupancy, device=H200):
     return min(1.0, warps_per_scheduler / device["warps_to_issue"])
 
 
-def issue_time(flops, row, device=H200):
-    """Seconds to issue the instructions of ``flops`` useful FLOPs at the pace of the static ``row``'s loop."""
-    instructions, work = _work(row)
-    per_flop = instructions / work
-    rate = device["sms"] * device["schedulers"] * device["clock_Hz"] * issue_efficiency(row["occupancy"], device)
-    return flops * per_flop / device["warp"] / rate
+def pass_cycles(pipes, device=H200):
+    """SM clocks of one warp pass over instructions of the mix ``pipes`` (:func:`gpu.sass.pipes`): the busiest of the
+    issue port and the pipes, each at its rate (:data:`H200` ``"pipes"``)."""
+    rates = device["pipes"]
+    return max([pipes["total"] / rates["issue"]] + [pipes.get(k, 0) / r for k, r in rates.items() if k != "issue"])
+
+
+def _minus(a, b):
+    return {k: max(0, a[k] - b.get(k, 0)) for k in a}
+
+
+def kernel_estimate(key, case, rows, device=H200):
+    """The estimate of the kernel region ``key`` of :data:`gpu.work.KERNELS` at the sizes ``case``.
+
+    ``rows`` maps a qualified kernel name to its static row (:func:`gpu.sass.analyse`).  Returns ``{"key",
+    "kernel", "flops", "computed", "bytes", "region_s", "epilogue_s", "issue_s", "memory_s", "time_s",
+    "occupancy", "pass_cycles", "warp_passes"}``; ``None`` when the row or its region is missing.
+    """
+    w = work.KERNELS[key]
+    name = w.kernel or key
+    row = rows.get(name)
+    reg = None if row is None else work.region(row, key)
+    if reg is None or not reg.get("pipes"):
+        return None
+    rate = device["sms"] * device["clock_Hz"] * issue_efficiency(row["occupancy"], device)
+    computed = w.computed(case)
+    passes = computed / reg["flops"] / device["warp"]
+    region_s = passes * pass_cycles(reg["pipes"], device) / rate
+    epilogue_s = 0.0
+    if w.items(case) and row.get("body_pipes"):
+        outside = row["body_pipes"]
+        for other, ow in work.KERNELS.items():
+            if (ow.kernel or other) == name and (r := work.region(row, other)) is not None:
+                outside = _minus(outside, r["pipes"])
+        epilogue_s = w.items(case) * row["threads"] / device["warp"] * pass_cycles(outside, device) / rate
+    nbytes = w.bytes(case)
+    memory_s = nbytes / device["copy_bandwidth_Bps"]
+    issue_s = region_s + epilogue_s
+    return {"key": key, "kernel": name, "flops": w.flops(case), "computed": computed, "bytes": nbytes,
+            "region_s": region_s, "epilogue_s": epilogue_s, "issue_s": issue_s, "memory_s": memory_s,
+            "time_s": max(issue_s, memory_s), "occupancy": row["occupancy"], "pass_cycles": pass_cycles(reg["pipes"], device),
+            "warp_passes": passes}
+
+
+def _plan_steps(L):
+    P = 1 << max(0, (L - 1).bit_length())
+    k = P.bit_length() - 1
+    return k * (k + 1) // 2
+
+
+def ovq_estimate(T, n_max, C, H, d, rows, device=H200):
+    """OVQ's chunks one after the other (see the module docstring): ``{"time_s", "device_s", "serial_s", "plan_s",
+    "launches", "launch_s"}``; ``None`` without the predict kernel's static row."""
+    chunks = work.ovq_chunks(T, n_max, C)
+    whole = kernel_estimate(K_OVQ, dict(H=H, T=T, n_max=n_max, C=C, d=d), rows, device)
+    if whole is None:
+        return None
+    row = rows[work.KERNELS[K_OVQ].kernel or K_OVQ]
+    case = dict(H=H, T=T, n_max=n_max, C=C, d=d)
+    reg = work.region(row, K_OVQ)
+    # one work item alone: each of its warps makes its passes of the region and its epilogue once, at one instruction
+    # per warps_to_issue clocks (nothing else to issue on its scheduler)
+    warps = row["threads"] / device["warp"]
+    passes = whole["warp_passes"] / max(1, work.KERNELS[K_OVQ].items(case)) / warps
+    alone = passes * reg["instructions"] + max(0, row["body_pipes"]["total"] - reg["instructions"])
+    serial_s = alone * device["warps_to_issue"] / device["clock_Hz"]
+    device_s = plan_s = 0.0
+    for i, (L, n) in enumerate(chunks):
+        share = whole["issue_s"] * _chunk_share(L, n, chunks)
+        device_s += max(share, serial_s)
+        grows = i + 1 < len(chunks) and chunks[i + 1][1] > n
+        plan_s += _plan_steps(L) * (2 if grows else 1) * device["plan_step_cycles"] / device["clock_Hz"]
+    launches = 2 * len(chunks) + 1  # predict and merge per chunk, the unit rows once
+    launch_s = launches * device["launch_s"]
+    return {"time_s": max(device_s, whole["memory_s"]) + plan_s + launch_s, "device_s": device_s, "serial_s": serial_s,
+            "plan_s": plan_s, "launches": launches, "launch_s": launch_s, "kernel": whole}
+
+
+def _chunk_share(L, n, chunks):
+    """A chunk's share of OVQ's predict work: its ``(2 L n + L (L + 1)) + 2 L n`` over the sum of all chunks'."""
+    total = sum(4 * L2 * n2 + L2 * (L2 + 1) for L2, n2 in chunks)
+    return (4 * L * n + L * (L + 1)) / total
 
 
 def model_rows(kernel_rows, dtype="float32", device=H200):
-    """One row of the model per workload of :func:`workloads` (see the module docstring for what each field means)."""
+    """One row of the estimate per workload of :func:`workloads` (see the module docstring for what each field
+    means).  ``kernel_rows``: the static rows of :func:`gpu.sass.kernel_rows` (the float32 ones are read)."""
     itemsize = {"float32": 4, "float64": 8}[dtype]
+    rows = {r["kernel"]: r for r in kernel_rows if r["dtype"] == "float32"}
     out = []
-    for fn, variant, size, (nbytes, flops), parts in workloads():
-        nbytes = nbytes * itemsize // bench_gpu.FLOAT32
+    for fn, variant, size, (nbytes, flops), parts, launches, ovq in workloads():
+        nbytes = nbytes * itemsize // work.FLOAT32
         peak_flops = device["peak_flops"][dtype]
         roofline = max(nbytes / device["peak_bandwidth_Bps"], flops / peak_flops)
-        memory = nbytes / device["copy_bandwidth_Bps"]
-        issue, kernels, missing = 0.0, [], []
-        for part, part_flops in parts:
-            module, _, name = part.partition(":")  # "gma:parameter_partials": that kernel of gma
-            row = main_kernel(kernel_rows, module, dtype, name or None)
-            if row is None:
-                missing.append(part)
+        kernels, missing, estimate, chunked = [], [], 0.0, None
+        for key, case, count in parts:
+            k = kernel_estimate(key, case, rows, device)
+            if k is None:
+                missing.append(key)
                 continue
-            issue += issue_time(part_flops, row, device)
-            kernels.append({
-                "module": part,
-                "kernel": row["kernel"],
-                "flops": part_flops,
-                "instructions_per_flop": _work(row)[0] / _work(row)[1],
-                "work_loop_fp_share": row["work_loop"]["fp"] / row["work_loop"]["total"],
-                "work_loop_depth": row.get("work_loop_depth"),
-                "occupancy": row["occupancy"],
-                "threads": row["threads"],
-                "registers": row["registers"],
-            })
-        predicted_issue = None if missing else issue
+            kernels.append(dict(k, count=count))
+            estimate += count * k["time_s"]
+        if ovq is not None and not missing:
+            T, n_max, C, H = ovq
+            chunked = ovq_estimate(T, n_max, C, H, 64, rows, device)
+            estimate, launches = chunked["time_s"], chunked["launches"]
+        elif launches:
+            estimate += launches * device["launch_s"]
+        ok = not missing
         out.append({
             "function": fn,
             "variant": variant,
@@ -234,10 +308,14 @@ def model_rows(kernel_rows, dtype="float32", device=H200):
             "flops": flops,
             "roofline_s": roofline,
             "roofline_bound": "memory" if nbytes / device["peak_bandwidth_Bps"] >= flops / peak_flops else "arithmetic",
-            "memory_at_copy_s": memory,
-            "issue_bound_s": predicted_issue,
-            "predicted_s": None if missing else max(issue, memory),
-            "predicted_bound": None if missing else ("issue" if issue > memory else "memory"),
+            "intermediate_bytes": sum(k["count"] * k["bytes"] for k in kernels),
+            "issue_s": sum(k["count"] * k["issue_s"] for k in kernels) if ok and ovq is None else (
+                chunked["device_s"] if ok else None),
+            "epilogue_s": sum(k["count"] * k["epilogue_s"] for k in kernels) if ok else None,
+            "launches": launches,
+            "launch_s": (launches or 0) * device["launch_s"],
+            "chunks": chunked and {k: v for k, v in chunked.items() if k != "kernel"},
+            "estimate_s": estimate if ok else None,
             "kernels": kernels,
             "no_static_data": missing,
             "measured_s": None,
@@ -251,17 +329,15 @@ def _ms(x):
 
 
 def format_rows(rows, markdown=False):
-    """The model as a plain-text (or Markdown) table."""
-    head = ["function", "variant", "size", "HBM MB", "GFLOP", "roofline ms", "bound", "mem @4.3 ms", "issue ms",
-            "model ms", "instr/FLOP", "occupancy", "measured ms"]
+    """The estimate as a plain-text (or Markdown) table."""
+    head = ["function", "variant", "size", "HBM MB", "GFLOP", "roofline ms", "bound", "bytes+int. MB", "issue ms",
+            "epilogue ms", "launches", "estimate ms", "measured ms"]
     lines = []
     body = []
     for r in rows:
-        ipf = "/".join(f"{k['instructions_per_flop']:.2f}" for k in r["kernels"]) or "n/a"
-        occ = "/".join(f"{100 * k['occupancy']:.0f}%" for k in r["kernels"]) or "n/a"
         body.append([r["function"], r["variant"] or "-", r["size"], f"{r['bytes'] / 1e6:.1f}", f"{r['flops'] / 1e9:.1f}",
-                     _ms(r["roofline_s"]), r["roofline_bound"], _ms(r["memory_at_copy_s"]), _ms(r["issue_bound_s"]),
-                     _ms(r["predicted_s"]), ipf, occ, r["measured_note"]])
+                     _ms(r["roofline_s"]), r["roofline_bound"], f"{r['intermediate_bytes'] / 1e6:.1f}", _ms(r["issue_s"]),
+                     _ms(r["epilogue_s"]), str(r["launches"]), _ms(r["estimate_s"]), r["measured_note"]])
     if markdown:
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "|".join(" --- " for _ in head) + "|")
@@ -271,6 +347,12 @@ def format_rows(rows, markdown=False):
     lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
     lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body]
     return "\n".join(lines)
+
+
+def estimates(rows):
+    """``{(function, variant, size): estimate in seconds}`` of :func:`model_rows`' rows (or a ``--json`` file's), the
+    key ``bench_gpu.py`` finds its rows by."""
+    return {(r["function"], r["variant"], r["size"]): r["estimate_s"] for r in rows}
 
 
 def static_rows(dtype):
@@ -293,6 +375,8 @@ def parse_args(argv=None):
     parser.add_argument("--save-static", type=Path, default=None, metavar="FILE", help="write the per-kernel static rows")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the model's rows as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--clock", type=float, default=None, metavar="HZ",
+                        help=f"the SM clock to assume (default {H200['clock_Hz'] / 1e9:.2f} GHz, the float32 peak's)")
     return parser.parse_args(argv)
 
 
@@ -301,13 +385,14 @@ def main(argv=None):
     kernels = json.loads(args.static.read_text()) if args.static else static_rows(args.dtype)
     if args.save_static:
         args.save_static.write_text(json.dumps(kernels, indent=1) + "\n")
-    rows = model_rows(kernels, args.dtype)
+    device = dict(H200, clock_Hz=args.clock) if args.clock else H200
+    rows = model_rows(kernels, args.dtype, device)
     print(f"MODEL of gpu.numba_cuda on an H200, {args.dtype}, from the compiled code (ptxas, cuobjdump): no GPU ran;")
-    print("every time below is a prediction under the assumptions of benchmarks/gpu_model.py, not a measurement.")
+    print("every time below is an estimate under the assumptions of benchmarks/gpu_model.py, not a measurement.")
     print(format_rows(rows, markdown=args.markdown))
     if args.json:
-        report = {"model": True, "device": H200, "dtype": args.dtype, "rows": rows,
-                  "assumptions": __doc__.split("The model and its assumptions")[1].strip()}
+        report = {"model": True, "device": device, "dtype": args.dtype, "rows": rows,
+                  "assumptions": __doc__.split("The estimate and its assumptions")[1].strip()}
         args.json.write_text(json.dumps(report, indent=1) + "\n")
         print(f"rows written to {args.json}")
     return 0

@@ -20,7 +20,12 @@ facts come out of them, each a plain function on text:
   among those that do useful arithmetic (:func:`work_flops`: floating-point
   arithmetic on registers alone, so not the constants of an ``exp``'s
   polynomial).  The work loop is what the floating-point share is gated on
-  and what ``benchmarks/gpu_model.py`` paces a kernel by.
+  and what ``benchmarks/gpu_model.py`` paces a kernel by;
+* what the gates and the model read of a loop region: its FADD/FMUL/FFMA
+  (:func:`arithmetic`, :func:`ffma`), its shared-memory wavefronts
+  (:func:`shared_wavefronts`: a 128-bit access is four, one per quarter
+  warp), every region with useful work (:func:`regions`) and the issue
+  classes of its instructions by pipe (:func:`pipes`).
 
 These are static facts about the code: the occupancy is what the resources
 allow, not what a launch achieves, and the instruction mix counts
@@ -53,6 +58,12 @@ __all__ = [
     "mix",
     "flops",
     "work_flops",
+    "arithmetic",
+    "ffma",
+    "shared_wavefronts",
+    "regions",
+    "pipes",
+    "kernel_body",
     "loop_depth",
     "assemble",
     "analyse",
@@ -515,6 +526,109 @@ def work_flops(instructions) -> int:
     return total
 
 
+#: The floating-point arithmetic opcodes the FMA pipes run (float32 and float64 add, multiply, fused multiply-add, and
+#: their forms with an immediate operand): the instructions of the fp share that the gates read.  Comparisons,
+#: selections, minima and maxima (``FSETP``, ``FSEL``, ``FMNMX``) and the special function unit (``MUFU``) are not
+#: arithmetic on the data: they are left out.
+FP_ARITHMETIC = frozenset({"FFMA", "FADD", "FMUL", "FFMA32I", "FADD32I", "FMUL32I", "DFMA", "DADD", "DMUL"})
+
+
+def arithmetic(instructions) -> int:
+    """The instructions of :data:`FP_ARITHMETIC` in a list of instructions (modifiers ignored)."""
+    return sum(opcode.split(".", 1)[0].upper() in FP_ARITHMETIC for _, opcode, _, _ in instructions)
+
+
+def ffma(instructions) -> int:
+    """The fused multiply-adds (``FFMA``, ``FFMA32I``, ``DFMA``) in a list of instructions."""
+    return sum(opcode.split(".", 1)[0].upper() in ("FFMA", "FFMA32I", "DFMA") for _, opcode, _, _ in instructions)
+
+
+#: Shared-memory wavefronts of one warp's access, by the access's width in bits: the shared memory serves 128 bytes
+#: a clock, so 32 lanes of 32 bits are one wavefront, of 64 bits two (a half warp each), of 128 bits four (a quarter
+#: warp each).  Without bank conflicts; a broadcast counts as the access it is.
+WAVEFRONTS = {8: 1, 16: 1, 32: 1, 64: 2, 128: 4}
+_SHARED = frozenset({"LDS", "STS", "ATOMS"})
+
+
+def shared_wavefronts(instructions) -> int:
+    """The shared-memory wavefronts a warp issues for a list of instructions: :data:`WAVEFRONTS` of every ``LDS``,
+    ``STS`` and ``ATOMS`` by its width (``LDS.128``: 4, ``LDS.64``: 2, ``LDS``, ``LDS.U8``: 1), without bank
+    conflicts."""
+    total = 0
+    for _, opcode, _, _ in instructions:
+        base, *modifiers = opcode.upper().split(".")
+        if base in _SHARED:
+            widths = [int(m) for m in modifiers if m.isdigit()]
+            total += WAVEFRONTS.get(max(widths) if widths else 32, 1)
+    return total
+
+
+#: The issue classes of the pipes an sm_90 multiprocessor runs at different rates (:func:`pipes`): ``fp32`` the float32
+#: add, multiply and fused multiply-add (and the paired half-precision ones), ``fp64`` their float64 forms, ``alu``
+#: integer arithmetic and logic and the float comparisons, selections, minima and maxima, ``mufu`` the special
+#: function unit, ``cvt`` conversions, ``shared`` shared-memory wavefronts (:func:`shared_wavefronts`), ``mem`` the
+#: other memory instructions (global, local, constant), ``other`` the rest (moves, branches, barriers, special
+#: registers), which take an issue slot and no pipe of their own.
+PIPES = ("fp32", "fp64", "alu", "mufu", "cvt", "shared", "mem", "other")
+_FP32 = frozenset({"FFMA", "FADD", "FMUL", "FFMA32I", "FADD32I", "FMUL32I", "HFMA2", "HADD2", "HMUL2"})
+_FP64 = frozenset({"DFMA", "DADD", "DMUL", "DMNMX", "DSETP", "DSET"})
+_CVT = frozenset({"F2F", "F2I", "I2F", "I2I", "F2FP", "FRND", "I2FP", "F2IP"})
+
+
+def pipes(instructions) -> dict:
+    """``{class of :data:`PIPES`: count, "total": instructions}`` for a list of instructions; ``shared`` counts
+    wavefronts (:func:`shared_wavefronts`), not instructions."""
+    out = dict.fromkeys(PIPES, 0)
+    for _, opcode, _, _ in instructions:
+        base = opcode.split(".", 1)[0].upper()
+        if base in _FP32:
+            out["fp32"] += 1
+        elif base in _FP64:
+            out["fp64"] += 1
+        elif base == "MUFU":
+            out["mufu"] += 1
+        elif base in _CVT:
+            out["cvt"] += 1
+        elif base in _SHARED:
+            pass  # counted in wavefronts below
+        elif classify(opcode) in ("fp", "int"):
+            out["alu"] += 1
+        elif classify(opcode) == "mem":
+            out["mem"] += 1
+        else:
+            out["other"] += 1
+    out["shared"] = shared_wavefronts(instructions)
+    out["total"] = len(instructions)
+    return out
+
+
+def kernel_body(instructions) -> list:
+    """The kernel's own instructions: up to its last ``EXIT`` (the routines it calls follow it)."""
+    exits = [i for i, ins in enumerate(instructions) if ins[1].split(".", 1)[0] == "EXIT"]
+    return instructions[: exits[-1] + 1] if exits else list(instructions)
+
+
+def regions(instructions) -> list:
+    """Every loop region of :func:`work_loop`'s candidates that does useful arithmetic, with what the gates read.
+
+    ``[{"depth", "start", "instructions", "flops", "arithmetic", "ffma", "wavefronts", "pipes"}]``
+    (:func:`loop_depth`, the first address, the length, :func:`work_flops`, :func:`arithmetic`, :func:`ffma`,
+    :func:`shared_wavefronts`, :func:`pipes`), by depth (deepest first), then useful FLOPs (most first), then length.  A kernel's
+    declared work (``gpu.work``) names the region it is done in by its depth when that is not the work loop's.
+    """
+    found = loops(instructions)
+    out, seen = [], set()
+    for c in _loop_regions(instructions):
+        w = work_flops(c)
+        if w > 0 and (c[0][0], len(c)) not in seen:  # an innermost loop's body can be one basic block too
+            seen.add((c[0][0], len(c)))
+            out.append({"depth": _depth(c, found), "start": c[0][0], "instructions": len(c), "flops": w,
+                        "arithmetic": arithmetic(c), "ffma": ffma(c), "wavefronts": shared_wavefronts(c),
+                        "pipes": pipes(c)})
+    out.sort(key=lambda r: (-r["depth"], -r["flops"], -r["instructions"], r["start"]))
+    return out
+
+
 # --- the tools, run -----------------------------------------------------------------------------------------
 
 
@@ -571,7 +685,12 @@ def analyse(ptx: str, threads: int, arch: str = "sm_90", sass: bool = True) -> d
     when it has no loop (``loop`` is then False), and ``hot_loop_flops`` its
     :func:`flops`; ``work_loop`` is :func:`mix` of :func:`work_loop` (the
     whole function without a loop), ``work_loop_flops`` its useful FLOPs
-    (:func:`work_flops`) and ``work_loop_depth`` its :func:`loop_depth`;
+    (:func:`work_flops`), ``work_loop_depth`` its :func:`loop_depth`,
+    ``work_loop_arithmetic``, ``work_loop_ffma`` and ``work_loop_wavefronts``
+    its :func:`arithmetic`, :func:`ffma` and :func:`shared_wavefronts`,
+    ``work_loop_pipes`` its :func:`pipes`, ``regions`` every loop region
+    with useful FLOPs (:func:`regions`) and ``body_pipes`` the :func:`pipes`
+    of the whole kernel (:func:`kernel_body`);
     these are ``None`` without ``sass``, as is ``instructions``, the
     function's whole length.
     """
@@ -581,7 +700,9 @@ def analyse(ptx: str, threads: int, arch: str = "sm_90", sass: bool = True) -> d
     (entry, row), = res["resources"].items()
     occ = occupancy(threads, row["registers"], row["shared"])
     row = dict(row, threads=threads, occupancy=occ["fraction"], limit=occ["limit"], loop=None, hot_loop=None,
-               hot_loop_flops=None, work_loop=None, work_loop_flops=None, work_loop_depth=None, instructions=None)
+               hot_loop_flops=None, work_loop=None, work_loop_flops=None, work_loop_depth=None, work_loop_arithmetic=None,
+               work_loop_ffma=None, work_loop_wavefronts=None, work_loop_pipes=None, regions=None, body_pipes=None,
+               instructions=None)
     if res["sass"] is not None:
         code = res["sass"].get(entry) or next(iter(res["sass"].values()))
         body = hot_loop(code)
@@ -592,6 +713,12 @@ def analyse(ptx: str, threads: int, arch: str = "sm_90", sass: bool = True) -> d
         row["work_loop"] = mix(work or code)
         row["work_loop_flops"] = work_flops(work or code)
         row["work_loop_depth"] = loop_depth(work, code)
+        row["work_loop_arithmetic"] = arithmetic(work or code)
+        row["work_loop_ffma"] = ffma(work or code)
+        row["work_loop_wavefronts"] = shared_wavefronts(work or code)
+        row["work_loop_pipes"] = pipes(work or code)
+        row["regions"] = regions(code)
+        row["body_pipes"] = pipes(kernel_body(code))
         row["instructions"] = len(code)
     return row
 

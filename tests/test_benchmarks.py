@@ -254,50 +254,93 @@ def test_torch_baselines_agree_with_the_reference():
                                    ovq.ovq_attention(q, k, vv, max_size=n_max, chunk_size=chunk), rtol=1e-10, atol=1e-12)
 
 
-# --- gpu_model.py: a model from the compiled code, never a timing -------------------------------------------------
+# --- gpu_model.py: an estimate from the compiled code and the declared work, never a timing --------------------------
 
 
-def _static_row(kernel, total, flops, occupancy, dtype="float32"):
-    """A per-kernel static row as gpu.sass.kernel_rows gives it, with the fields the model reads (one loop: hot = work)."""
-    mix = {"total": total, "fp": flops // 2}
-    return {"kernel": kernel, "dtype": dtype, "loop": True, "hot_loop": mix, "hot_loop_flops": flops,
-            "work_loop": dict(mix), "work_loop_flops": flops, "work_loop_depth": 2, "occupancy": occupancy,
-            "threads": 256, "registers": 32}
+def _pipes(total, fp32=0, alu=0, shared=0, mufu=0, mem=0):
+    return {"fp32": fp32, "fp64": 0, "alu": alu, "mufu": mufu, "cvt": 0, "shared": shared, "mem": mem,
+            "other": total - fp32 - alu - mufu - mem, "total": total}
 
 
-def test_gpu_model_issue_time_on_a_hand_worked_row():
+def _static_row(kernel, total, flops, occupancy, body=None, regions=(), threads=256):
+    """A per-kernel static row as gpu.sass.kernel_rows gives it, with the fields the model reads: a work loop of
+    ``total`` instructions (half of them FFMA), ``flops`` useful FLOPs, 8 shared wavefronts; ``body`` instructions in
+    the whole kernel (the work loop's and ``100`` more, 60 of them ALU, by default)."""
+    pipes = _pipes(total, fp32=total // 2, shared=8)
+    mix = {"total": total, "fp": total // 2}
+    return {"kernel": kernel, "dtype": "float32", "loop": True, "work_loop": mix, "work_loop_flops": flops,
+            "work_loop_depth": 3, "work_loop_arithmetic": total // 2, "work_loop_ffma": total // 2,
+            "work_loop_wavefronts": 8, "work_loop_pipes": pipes, "occupancy": occupancy, "threads": threads,
+            "registers": 32, "regions": list(regions), "body_pipes": body or _pipes(total + 100, fp32=total // 2, alu=60,
+                                                                                        shared=8)}
+
+
+def test_gpu_model_counts_each_pipe_at_its_own_rate():
     gm = _load("gpu_model")
-    row = _static_row("gpu.numba_cuda.gmm._rows", 100, 50, 0.5)  # 2 instructions a FLOP, 8 warps a scheduler
-    # 1e12 FLOPs x 2 / 32 threads = 6.25e10 warp instructions at 132 x 4 x 1.7e9 = 8.976e11 a second
-    assert gm.issue_time(1e12, row) == pytest.approx(0.0696301, rel=1e-6)
-    # 12.5% occupancy: 2 warps a scheduler, half of the 4 it needs to issue every cycle
+    # 100 instructions, 80 FFMA, 10 wavefronts: the issue port (100 / 4 = 25 clocks) bounds the pass, not the FMA pipes
+    # (80 / 4 = 20) nor shared memory (10 / 1)
+    assert gm.pass_cycles(_pipes(100, fp32=80, shared=10)) == 25
+    assert gm.pass_cycles(_pipes(100, fp32=40, shared=40)) == 40  # shared memory: one wavefront a clock
+    assert gm.pass_cycles(_pipes(100, fp32=20, mufu=30)) == 60  # the special function unit: half a warp a clock
+    assert gm.pass_cycles(_pipes(100, fp32=10, alu=70)) == 35  # integer and comparisons: two warps a clock
     assert gm.issue_efficiency(0.125) == 0.5 and gm.issue_efficiency(0.25) == 1.0
-    assert gm.issue_time(1e12, dict(row, occupancy=0.125)) == pytest.approx(2 * 0.0696301, rel=1e-6)
 
 
-def test_gpu_model_picks_the_kernel_named_for_the_work():
+def test_gpu_model_estimate_of_a_kernel_on_a_hand_worked_row():
+    gm, bg = _load("gpu_model"), _bench_gpu()
+    from gpu import work
+
+    case = dict(B=1, N=1 << 20, K=256, d=64)
+    row = _static_row(gm.K_RESP, 100, 512, 0.5)
+    est = gm.kernel_estimate(gm.K_RESP, case, {gm.K_RESP: row})
+    # 2^36 FLOPs executed, 512 a pass: 2^36 / 512 / 32 = 4,194,304 warp passes of max(100 / 4, 50 / 4, 8) = 25 clocks
+    # over 132 SMs at 1.98 GHz
+    assert est["region_s"] == pytest.approx(4194304 * 25 / (132 * 1.98e9), rel=1e-12)
+    # the epilogue: the body's 200 instructions less the work loop's, 60 of the 100 left ALU ones (30 clocks at 2 a
+    # clock; 50 with the work loop's, at the issue port), once per warp (8 a block) per item (16,384 row tiles by 4
+    # component tiles)
+    assert est["epilogue_s"] == pytest.approx(16384 * 4 * 8 * 30 / (132 * 1.98e9), rel=1e-12)
+    assert est["bytes"] == bg.responsibilities_counts(1 << 20, 256, 64)[0] and est["time_s"] == est["issue_s"]
+    assert est["computed"] == work.KERNELS[gm.K_RESP].computed(case) == 1 << 36
+    # a quarter of the occupancy: one warp a scheduler, a quarter of the clocks issue
+    assert gm.kernel_estimate(gm.K_RESP, case, {gm.K_RESP: dict(row, occupancy=0.0625)})["region_s"] == pytest.approx(
+        4 * est["region_s"], rel=1e-12)
+    # padding is paid for: one more component costs a whole tile of 64 (five tiles for four)
+    assert gm.kernel_estimate(gm.K_RESP, dict(case, K=257), {gm.K_RESP: row})["region_s"] == pytest.approx(
+        5 / 4 * est["region_s"], rel=1e-12)
+
+
+def test_gpu_model_counts_the_epilogue_outside_every_declared_region_of_a_kernel():
     gm = _load("gpu_model")
-    rows = [_static_row("gpu.numba_cuda.gmm._component_constants", 200, 80, 0.5),
-            _static_row("gpu.numba_cuda.gmm._posterior_rows", 200, 16, 0.4),
-            _static_row("gpu.numba_cuda.gmm._posterior_rows", 200, 16, 0.4, dtype="float64")]
-    assert gm.main_kernel(rows, "gmm", "float32") is rows[1]  # named for the work, though it has fewer FLOPs
-    assert gm.main_kernel(rows[:1], "gmm", "float32") is rows[0]  # none named: the most FLOPs
-    assert gm.main_kernel(rows, "scan", "float32") is None
-    # a part that names its kernel is paced by that kernel alone, though another of the module has more FLOPs
-    gma_rows = [_static_row("gpu.numba_cuda.gma._responsibility_rows", 200, 16, 0.4),
-                _static_row("gpu.numba_cuda.gma._parameter_partials", 200, 30, 0.4)]
-    assert gm.main_kernel(gma_rows, "gma", "float32") is gma_rows[1]
-    assert gm.main_kernel(gma_rows, "gma", "float32", "responsibility_rows") is gma_rows[0]
-    assert gm.main_kernel(gma_rows[1:], "gma", "float32", "responsibility_rows") is None
-    # the hot loop (an epilogue: 200 instructions, 100 raw FLOPs) is not the work loop (30 instructions, 20 useful
-    # FLOPs): the work loop paces the part, at 1.5 instructions a FLOP, and picks the kernel
-    flash = dict(_static_row("gpu.numba_cuda.attention._flash", 200, 100, 0.5), work_loop={"total": 30, "fp": 10},
-                 work_loop_flops=20)
-    assert gm.issue_time(1e12, flash) == pytest.approx(1.5 / 2 * 0.0696301, rel=1e-6)
-    other = dict(_static_row("gpu.numba_cuda.attention._flash_other", 30, 30, 0.5))
-    assert gm.main_kernel([flash, other], "attention", "float32") is other  # 30 useful FLOPs in its work loop, not 20
-    no_work = dict(_static_row("gpu.numba_cuda.attention._flash", 100, 40, 0.5), work_loop_flops=0)
-    assert gm.main_kernel([no_work], "attention", "float32") is None
+    # the flash kernel: two declared regions (q k^T at depth 3, P V at depth 2); its epilogue is what is in neither
+    pv = {"depth": 2, "start": 0x400, "instructions": 40, "flops": 32, "arithmetic": 16, "ffma": 16, "wavefronts": 16,
+          "pipes": _pipes(40, fp32=16, shared=16)}
+    body = _pipes(300, fp32=100, alu=100, shared=30)
+    row = _static_row(gm.K_FLASH, 60, 64, 0.5, body=body, regions=[pv], threads=512)
+    case = dict(BH=1, N=4096, d=64, causal=False)
+    qk = gm.kernel_estimate(gm.K_FLASH, case, {gm.K_FLASH: row})
+    outside = gm.pass_cycles(_pipes(300 - 60 - 40, fp32=100 - 30 - 16, alu=100, shared=30 - 8 - 16))
+    assert outside == 50  # 100 ALU instructions; the body's 300 at the issue port would take 75
+    items = (4096 // 64) ** 2  # (query tile, key tile) pairs
+    assert qk["epilogue_s"] == pytest.approx(items * 16 * outside / (132 * 1.98e9), rel=1e-12)
+    assert gm.kernel_estimate(gm.K_PV, case, {gm.K_FLASH: row})["epilogue_s"] == 0  # counted once, with q k^T
+
+
+def _declared_static_rows(gm):
+    regions = {gm.K_ROWS: 2, gm.K_PV: 2}  # the regions declared at a depth other than the work loop's
+    rows = []
+    from gpu import work
+
+    for key, w in work.KERNELS.items():
+        name = w.kernel or key
+        if any(r["kernel"] == name for r in rows):
+            continue
+        step_flops = 4 * work.declared(key)["step"]
+        pv = [{"depth": 2, "start": 0x400, "instructions": 40, "flops": 4 * work.declared(k)["step"], "arithmetic": 16,
+               "ffma": 16, "wavefronts": 16, "pipes": _pipes(40, fp32=16, shared=16)} for k in regions if
+              (work.KERNELS[k].kernel or k) == name]
+        rows.append(_static_row(name, 120, step_flops, 0.5, regions=pv))
+    return rows
 
 
 def test_gpu_model_json_covers_every_public_function_and_measures_nothing(tmp_path):
@@ -305,33 +348,38 @@ def test_gpu_model_json_covers_every_public_function_and_measures_nothing(tmp_pa
     import json
 
     gm, bg = _load("gpu_model"), _bench_gpu()
-    static = [_static_row(f"gpu.numba_cuda.{m}._{name}", 120, 40, 0.5)
-              for m, name in (("gmm", "posterior_rows"), ("scan", "chunk_states"), ("gma", "parameter_partials"),
-                              ("attention", "flash_forward"))]
+    static = _declared_static_rows(gm)
     (tmp_path / "static.json").write_text(json.dumps(static))
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_model.py"), "--static", str(tmp_path / "static.json"),
                            "--json", str(tmp_path / "model.json")], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "MODEL" in proc.stdout and "not a measurement" in proc.stdout
     report = json.loads((tmp_path / "model.json").read_text())
+    assert "launch" in report["assumptions"] and report["device"]["clock_Hz"] == 1.98e9
     tree = ast.parse((ROOT / "gpu" / "numba_cuda" / "__init__.py").read_text())
     names = next(n.value for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "__all__")
     public = {ast.literal_eval(e) for e in names.elts if ast.literal_eval(e)[0].islower()}
     rows = report["rows"]
     assert {r["function"] for r in rows} == public
     assert all(r["measured_s"] is None and r["measured_note"] == gm.NOT_MEASURED for r in rows)
+    assert all(r["estimate_s"] is not None for r in rows)
     resp = next(r for r in rows if r["function"] == "responsibilities")
     nbytes, flops = bg.responsibilities_counts(1 << 20, 256, 64)
     assert (resp["bytes"], resp["flops"]) == (nbytes, flops)
     assert resp["roofline_s"] == pytest.approx(max(nbytes / 4.8e12, flops / 67e12))
-    assert resp["issue_bound_s"] == pytest.approx(gm.issue_time(flops, static[0]))
-    assert resp["predicted_s"] == max(resp["issue_bound_s"], nbytes / 4.3e12)
-    ovq = next(r for r in rows if r["function"] == "ovq_attention")  # no ovq kernel in the static table: no prediction
-    assert ovq["predicted_s"] is None and ovq["no_static_data"] == ["ovq"]
-    # with a slow memory, the model is the memory time
+    one = gm.kernel_estimate(gm.K_RESP, dict(B=1, N=1 << 20, K=256, d=64), {r["kernel"]: r for r in static})
+    assert resp["estimate_s"] == pytest.approx(one["time_s"] + 2 * 20e-6, rel=1e-12)
+    # GMA's forward writes and reads the responsibilities and the chunk states: more bytes than its inputs and output
+    fwd = next(r for r in rows if r["function"] == "gma_forward" and r["size"].startswith("N=1048576"))
+    assert fwd["intermediate_bytes"] > 2 * fwd["bytes"]
+    # OVQ: 256 chunks, a predict and a merge launch each and the unit rows, 20 microseconds each, and the plans
+    ovq = next(r for r in rows if r["function"] == "ovq_attention" and "BH" not in r["size"])
+    assert ovq["launches"] == 513 and ovq["chunks"]["launch_s"] == pytest.approx(513 * 20e-6)
+    assert ovq["estimate_s"] > ovq["chunks"]["launch_s"] + ovq["chunks"]["plan_s"] > 0
+    # with a slow memory, a kernel's estimate is its memory time
     slow = gm.model_rows(static, device=dict(gm.H200, copy_bandwidth_Bps=1e9))
     resp = next(r for r in slow if r["function"] == "responsibilities")
-    assert resp["predicted_s"] == nbytes / 1e9 and resp["predicted_bound"] == "memory"
+    assert resp["estimate_s"] == pytest.approx(nbytes / 1e9 + 2 * 20e-6, rel=1e-12)
 
 
 def test_every_variant_is_timed_in_its_own_process_in_alternating_order():
@@ -353,3 +401,56 @@ def test_every_variant_is_timed_in_its_own_process_in_alternating_order():
     with pytest.raises(RuntimeError, match="without a result"):
         iso.run_variants(["x"], lambda name, calls: [sys.executable, "-c", "print('no result')"], processes=1, calls=1,
                          progress=False)
+
+
+def test_bench_gpu_prints_the_estimate_beside_each_numba_time_at_full_sizes(tmp_path):
+    import json
+
+    gm, bg = _load("gpu_model"), _bench_gpu()
+    keys = {(w[0], w[1], w[2]) for w in gm.workloads()}
+    # the rows bench_gpu.py measures for gpu.numba_cuda at full sizes, named as it names them: each has its estimate
+    N, K, d = bg.FULL["responsibilities"]
+    measured = [("responsibilities", "", f"N={N} K={K} d={d}")]
+    measured += [(fn, v, f"N={n} K={K} d_r=d_v={d}") for n in bg.FULL["gma"][0] for v in ("bidirectional", "causal")
+                 for fn in ("gma_forward", "gma_backward")]
+    measured += [("softmax_attention", "bidirectional", f"N={n} d={d}") for n in bg.FULL["attention"]]
+    T, n_max, C = bg.FULL["ovq"]
+    measured += [("softmax_attention", "causal", f"N={T} d={d}"), ("ovq_attention", "causal", f"T={T} N={n_max} C={C} d={d}")]
+    assert set(measured) <= keys, set(measured) - keys
+    (tmp_path / "model.json").write_text(json.dumps({"rows": [{"function": "responsibilities", "variant": "",
+                                                               "size": measured[0][2], "estimate_s": 2.5e-3}]}))
+    given = bg.Estimates(bg.parse_args(["--model", str(tmp_path / "model.json")]), full=True)
+    assert given.table == {measured[0]: 2.5e-3} and "gpu_model.py" in given.note and given.proc is None
+    row = bg.make_row("numba-cuda", *measured[0], 3e-3, *bg.responsibilities_counts(N, K, d), estimate=2.5e-3)
+    table = bg.format_rows([row, bg.make_row("cupy", *measured[0], 3e-3, 1, 1, estimate=None)])
+    assert "est. ms" in table.splitlines()[0] and "     3.000     2.500 " in table.splitlines()[1]
+    assert bg.Estimates(bg.parse_args([]), full=False).table == {}
+
+
+def test_bench_gpu_computes_the_estimates_beside_the_measurements_and_waits_for_them_a_bounded_time(tmp_path, monkeypatch):
+    import json
+    import subprocess
+
+    bg = _bench_gpu()
+    real = subprocess.Popen
+    rows = [{"function": "responsibilities", "variant": "", "size": "N=1048576 K=256 d=64", "estimate_s": 2.5e-3}]
+    write = f"import json, sys; json.dump({{'rows': {rows!r}}}, open(sys.argv[-1], 'w'))"
+
+    def fake(cmd, **kw):  # gpu_model.py --json OUT, as a process that writes OUT at once (or sleeps)
+        assert cmd[1].endswith("gpu_model.py") and cmd[2] == "--json" and kw["env"]["NUMBA_ENABLE_CUDASIM"] == "0"
+        return real([cmd[0], "-c", program, cmd[3]], **kw)
+
+    monkeypatch.setattr(subprocess, "Popen", fake)
+    program = write
+    est = bg.Estimates(bg.parse_args([]), full=True, folder=tmp_path)
+    assert est.proc is not None and est.table == {}
+    measured = bg.make_row("numba-cuda", "responsibilities", "", rows[0]["size"], 3e-3, 1, 1)
+    other = bg.make_row("cupy", "responsibilities", "", rows[0]["size"], 3e-3, 1, 1)
+    assert est.finish() == {("responsibilities", "", rows[0]["size"]): 2.5e-3}
+    assert est.attach([measured, other]) == 1 and measured["estimate_s"] == 2.5e-3 and other["estimate_s"] is None
+    program = "import time; time.sleep(30)"
+    slow = bg.Estimates(bg.parse_args([]), full=True, folder=tmp_path)
+    assert slow.finish(wait_s=0.5) == {} and "had not finished 0.5 s after" in slow.note and slow.proc is None
+    program = "import sys; sys.exit('ptxas not found')"
+    broken = bg.Estimates(bg.parse_args([]), full=True, folder=tmp_path / "none")
+    assert broken.finish() == {} and "exited 1 (ptxas not found)" in broken.note

@@ -29,6 +29,10 @@ the loop the kernel's time goes to), its depth and its useful FLOPs.  Asserted:
   of ptxas 13.0 and 13.5 (:data:`MEASURED`), asserted with those releases only
   (another one skips, saying so).
 
+* every compute kernel of :data:`gpu.work.KERNELS` passes :data:`GATES` (float32): the useful FLOPs of the
+  algorithm per instruction its loop region issues, FFMA per shared-memory wavefront and the FADD/FMUL/FFMA share
+  of the region, each limit with its reason; the region holds a whole number of the declared source steps.
+
 Every kernel also compiles for sm_80 (A100), from the same lowering.
 
 The table is printed (``pytest -s``, or without ``-n``: the processes of
@@ -534,3 +538,164 @@ def test_instructions_per_useful_flop_of_the_work_loop(table, compiled, key):
             assert useful and total / useful <= most, (
                 f"{_short(r['kernel'])} {dt}: {total} instructions for {useful} useful FLOPs in its work loop "
                 f"({total / max(useful, 1):.3f} a FLOP, at most {most})")
+
+
+# --- the gates on the declared work: FLOPs from the algorithm (gpu.work), compared with the compiled loop ---------
+
+#: The gates of every compute kernel of :data:`gpu.work.KERNELS` (float32), each limit with its reason: the least
+#: useful FLOPs (of the algorithm, :func:`gpu.work.declared`) per instruction the gated loop region issues, the least
+#: fused multiply-adds per shared-memory wavefront (:func:`gpu.sass.shared_wavefronts`: an SM's shared memory serves
+#: one a clock, its FMA pipes four warp instructions; below 4 the loop cannot keep the FMA pipes busy from shared
+#: memory), and the least share of FADD/FMUL/FFMA in the region (:func:`gpu.sass.arithmetic`).  Each limit is what the
+#: kernel's structure gives, a few percent below, so that a change of structure (a wasted tile, a scalar load where a
+#: vector one was, index arithmetic in the loop) fails it.
+GATES = {
+    "gpu.numba_cuda.gmm._posterior_tiles[float32]": {
+        "flops_per_instruction": (1.15, "per coordinate the 4 x 4 register tile is 48 (sub, mul, fma) and 3 LDS.128 "
+                                        "for 64 FLOPs (1.25); a stage of 8 coordinates adds its staging: 512 / 435"),
+        "ffma_per_wavefront": (1.2, "(sub, mul, fma) has one FFMA in three: 16 FFMA per 3 LDS.128 (12 wavefronts) "
+                                    "a coordinate, 4 fp arithmetic instructions a wavefront; the stage's 6 STS on top"),
+        "fp_share": (0.85, "the stage's steps are straight-line code: 384 fp arithmetic of 435"),
+    },
+    "gpu.numba_cuda.scan._chunk_states[float32]": {
+        "flops_per_instruction": (0.6, "4 x 4 tiles of scalar loads: 128 FLOPs per 105 instructions, times the useful "
+                                       "fraction 0.51: d_v + 1 = 65 columns take two 64-column tiles"),
+        "ffma_per_wavefront": (2.0, "RM RN / (RM + RN) = 16 / 8 with scalar loads: the FMA pipes at half rate when "
+                                    "shared memory bounds the loop (8 x 8 tiles would give 4, with 64 accumulators)"),
+        "fp_share": (0.6, "64 FFMA, 32 LDS and the loop's control: 61%"),
+    },
+    "gpu.numba_cuda.scan._chunk_rows[float32]": {
+        "flops_per_instruction": (0.63, "the carried state's product, as _chunk_states: 128 FLOPs per 99 "
+                                        "instructions, times the useful fraction 0.51 (65 columns, two tiles)"),
+        "ffma_per_wavefront": (2.0, "RM RN / (RM + RN) with scalar loads, as _chunk_states"),
+        "fp_share": (0.63, "64 FFMA, 32 LDS and the loop's control: 65%"),
+    },
+    "gpu.numba_cuda.gma._responsibility_rows": {
+        "flops_per_instruction": (0.86, "per component the 2 x 2 tile is 12 (sub, mul, fma), one LDS.64 and one "
+                                        "LDS.128 for 16 FLOPs (1.14); a stage of 16 components adds its staging: "
+                                        "256 / 289"),
+        "ffma_per_wavefront": (0.6, "4 FFMA (and 8 FADD, FMUL) per 6 wavefronts a component; the stage's 6 STS"),
+        "fp_share": (0.65, "192 fp arithmetic of 289"),
+    },
+    "gpu.numba_cuda.gma._parameter_partials": {
+        "flops_per_instruction": (0.62, "7.5 FLOPs an entry and token in (sub, fma, fma, fma) from the differences "
+                                        "for the algorithm's 4 (useful fraction 0.53), 480 per 401 instructions"),
+        "ffma_per_wavefront": (2.8, "per token 12 FFMA per two LDS.64 (4 wavefronts); the stage's 4 STS on top"),
+        "fp_share": (0.7, "288 fp arithmetic of 401"),
+    },
+    "gpu.numba_cuda.attention._flash_forward[float32]": {
+        "flops_per_instruction": (1.45, "the 4 x 4 register tile, per coordinate 16 FFMA and two LDS.128 at constant "
+                                        "offsets from two registers (flat 32-bit indices, 64-bit offsets): 128 FLOPs "
+                                        "per 83 instructions for 4 coordinates"),
+        "ffma_per_wavefront": (2.0, "RQ RK / (RQ + RK) = 16 / 8: the rows of q^T and k^T padded by 16 bytes keep a "
+                                    "thread's 4 rows and 4 keys one 128-bit load each"),
+        "fp_share": (0.75, "64 FFMA of 83 instructions"),
+    },
+    "gpu.numba_cuda.attention._flash_forward[float32] P V": {
+        "flops_per_instruction": (1.2, "per key RQ GC = 8 FFMA, 4 scalar loads of the weights and one LDS.64 of the "
+                                       "values: 64 FLOPs per 51 instructions for 4 keys"),
+        "ffma_per_wavefront": (1.3, "8 FFMA per 6 wavefronts a key: the weights are read by rows of P, one key a "
+                                    "load (stored by keys, their stores would meet 16-way bank conflicts)"),
+        "fp_share": (0.6, "32 FFMA of 51 instructions"),
+    },
+    "gpu.numba_cuda.ovq._predict_kernel": {
+        "flops_per_instruction": (1.45, "the 4 x 4 register tile, 2 LDS.128 per 16 FFMA a coordinate: 128 FLOPs per "
+                                        "82 instructions, times the useful fraction 0.96 (masked key tiles of the "
+                                        "chunk's diagonal)"),
+        "ffma_per_wavefront": (2.0, "16 FFMA per 8 wavefronts (two LDS.128) a coordinate"),
+        "fp_share": (0.75, "64 FFMA of 82 instructions"),
+    },
+}
+
+
+def test_shared_wavefronts_arithmetic_and_ffma_on_hand_worked_cases():
+    code = [(0, "LDS.128", "R4, [R2+0x10]", ""), (0x10, "LDS.64", "R8, [R2]", ""), (0x20, "LDS", "R9, [R3]", ""),
+            (0x30, "LDS.U8", "R10, [R3]", ""), (0x40, "STS", "[R5], R4", ""), (0x50, "LDG.E.128", "R4, desc[UR4][R6.64]", ""),
+            (0x60, "FFMA", "R1, R2, R3, R1", ""), (0x70, "DFMA", "R2, R4, R6, R2", ""), (0x80, "FADD", "R1, R1, R2", ""),
+            (0x90, "FMUL", "R1, R1, R2", ""), (0xA0, "FSETP.GT.AND", "P0, PT, R1, R2, PT", ""), (0xB0, "FMNMX", "R1, R1, R2, !PT", ""),
+            (0xC0, "MUFU.EX2", "R1, R2", ""), (0xD0, "FSEL", "R1, R1, R2, P0", ""), (0xE0, "HFMA2.MMA", "R5, -RZ, RZ, 1.875, 0", "")]
+    assert sass.shared_wavefronts(code) == 4 + 2 + 1 + 1 + 1  # LDG is not shared memory
+    assert sass.arithmetic(code) == 4  # FFMA, DFMA, FADD, FMUL; not FSETP, FMNMX, MUFU, FSEL, HFMA2
+    assert sass.ffma(code) == 2
+
+
+def test_regions_list_each_loop_region_with_useful_flops_once():
+    code = _epilogue_after_a_product({a: "FMUL R10, R10, R12" for a in range(0x80, 0x100, 0x10)})
+    found = sass.regions(code)
+    assert [(r["depth"], r["start"], r["instructions"], r["flops"]) for r in found] == [(3, 0x20, 5, 4), (2, 0x80, 12, 8)]
+    assert found[0]["arithmetic"] == 3 and found[0]["ffma"] == 1 and found[0]["wavefronts"] == 1
+
+
+def test_the_declared_work_counts_padding_and_wasted_tiles():
+    from gpu import work
+
+    for name in ("gpu.numba_cuda.gmm._posterior_tiles[float32]", "gpu.numba_cuda.gma._responsibility_rows"):
+        w = work.KERNELS[name]
+        aligned = dict(w.case, N=4096, K=256, d=64)
+        assert w.computed(aligned) == w.flops(aligned)  # whole tiles and stages: every executed FLOP is useful
+        odd = dict(aligned, K=257)  # one more component: a whole tile more
+        assert w.flops(odd) < w.computed(odd) and w.computed(odd) == w.computed(dict(aligned, K=256 + 64 if "gmm" in name else 256 + 16))
+    states = work.KERNELS["gpu.numba_cuda.scan._chunk_states[float32]"]
+    assert states.computed(dict(states.case, E=64)) == states.flops(dict(states.case, E=64))
+    assert states.computed(states.case) == states.computed(dict(states.case, E=128))  # 65 columns cost two tiles
+    for key in ("gpu.numba_cuda.attention._flash_forward[float32]", "gpu.numba_cuda.attention._flash_forward[float32] P V"):
+        flash = work.KERNELS[key]
+        assert flash.computed(flash.case) == flash.flops(flash.case)
+        causal = dict(flash.case, N=4096, causal=True)  # the tiles on the diagonal are computed whole
+        assert 1 < flash.computed(causal) / (causal["N"] * (causal["N"] + 1) * causal["d"]) < 1.02
+    assert work.declared("gpu.numba_cuda.gma._parameter_partials")["useful_fraction"] == 4 / 7.5
+
+
+def _gate_rows(table, compiled):
+    """``{key of gpu.work.KERNELS: gpu.work.gate_metrics(...)}`` from the float32 rows of the table."""
+    from gpu import work
+
+    rows = {r["kernel"]: r for r in table if r["dtype"] == "float32"}
+    return {key: work.gate_metrics(rows[work.declared(key)["kernel"]], key) for key in work.KERNELS}
+
+
+def format_gates(metrics):
+    """The gate table as text: per declared kernel (and region), the useful fraction, the useful FLOPs per issued
+    instruction, FFMA per wavefront, the fp share and the region's length and depth."""
+    lines = [f"{'kernel (region)':44s} {'useful':>6s} {'FLOP/instr':>10s} {'FFMA/wf':>7s} {'fp':>5s} {'instr':>5s} "
+             f"{'depth':>5s}"]
+    for key, m in metrics.items():
+        r = m["region"]
+        lines.append(f"{_short(key):44s} {m['useful_fraction']:6.3f} {m['flops_per_instruction']:10.3f} "
+                     f"{m['ffma_per_wavefront']:7.2f} {100 * m['fp_share']:4.0f}% {r['instructions']:5d} {r['depth']:5d}")
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def gates(table, compiled, request):
+    _tool_or_skip("cuobjdump")
+    metrics = _gate_rows(table, compiled)
+    missing = [k for k, m in metrics.items() if m is None]
+    assert not missing, f"no loop region of the declared depth with useful FLOPs: {missing}"
+    text = "gates on the declared work (gpu.work), float32 sm_90\n" + format_gates(metrics)
+    cache = getattr(request.config, "cache", None)
+    if cache is not None:
+        (cache.mkdir("gpu-ptx") / "gates-sm90.txt").write_text(text + "\n")
+    return metrics
+
+
+def test_every_declared_kernel_has_its_gates():
+    from gpu import work
+
+    assert set(GATES) == set(work.KERNELS)
+    assert all(set(g) == {"flops_per_instruction", "ffma_per_wavefront", "fp_share"} for g in GATES.values())
+
+
+def test_the_gated_region_is_the_declared_one(gates):
+    # the compiled region holds a whole number of the declared source steps (one per unrolled copy): a region of
+    # other work (an epilogue, a staging loop) or a wrong declaration does not
+    wrong = {k: m["steps"] for k, m in gates.items() if m["steps"] < 1 or m["steps"] != int(m["steps"])}
+    assert not wrong, f"regions whose useful FLOPs are not whole steps of the declared work: {wrong}"
+
+
+@pytest.mark.parametrize("key", sorted(GATES))
+def test_the_gates_of_the_declared_work(gates, key):
+    m = gates[key]
+    failed = [f"{metric} {m[metric]:.3f} < {limit} ({why})" for metric, (limit, why) in GATES[key].items()
+              if m[metric] < limit]
+    assert not failed, f"{_short(key)}: " + "; ".join(failed) + "\n" + format_gates(gates)

@@ -51,9 +51,11 @@ the GPU's limits for any size.  Every kernel is declared with
 (its tags) and its compile options (launch bounds), so that the tests compile
 exactly what runs: to PTX for sm_90 and sm_80, then through ``ptxas`` and
 ``cuobjdump`` for its registers, spills, shared memory, occupancy and the
-instruction mix of its work loop (:mod:`gpu.sass`), all without a GPU;
-``benchmarks/gpu_model.py`` turns these into a model of each function on an
-H200, labelled as a model.  Without a GPU, the kernels run in the CUDA
+instruction mix of its work loop (:mod:`gpu.sass`), all without a GPU; the
+compute kernels declare the work they must do and the work their tiles make
+them do (:mod:`gpu.work`), which the gates compare with that loop, and
+``benchmarks/gpu_model.py`` turns these into an estimate of each function on
+an H200, labelled as an estimate.  Without a GPU, the kernels run in the CUDA
 simulator (:func:`gpu.use_simulator_without_device`, before numba is
 imported), where block sizes are smaller; the code is the same.  Lesson 9
 (``tutorials/09_gpu_kernels.ipynb``) teaches how they are written.

@@ -49,7 +49,7 @@ One launch of one kernel, :func:`_flash_forward`, for every sequence (batch
 and head dimensions flattened to ``BH``), with the geometry of
 :func:`launch_geometry`, a pure function of the shapes:
 
-* a block of ``TY x TX`` threads (512 in float32, 256 in float64) owns a tile of
+* a block of ``TY x TX`` threads (256) owns a tile of
   ``TILE_Q = TY RQ`` query rows and a group of up to ``COLS`` value columns
   (all of ``d_v`` when ``d_v <= COLS``: one group), and runs over the key
   tiles of ``TILE_K = TX RK`` keys (``TILE_Q x TILE_K`` = 64 x 64 in
@@ -91,7 +91,7 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from numba import boolean, config, cuda, int64
+from numba import boolean, config, cuda, int64, uint32, uint64
 from numba.np.numpy_support import from_dtype as numba_type
 
 from refimpl import boundary
@@ -135,21 +135,30 @@ class Geometry(NamedTuple):
         return self.TX * self.TY
 
     def shared_bytes(self, itemsize: int) -> int:
-        """Static shared memory of a block: q^T, k^T or P (rows padded by one), V [TILE_K, V_CHUNK], maxima [TILE_Q, TX]."""
-        kp = max(self.D_CHUNK, self.tile_q) * (self.tile_k + 1)
-        return itemsize * (self.D_CHUNK * (self.tile_q + 1) + kp + self.tile_k * self.V_CHUNK + self.tile_q * self.TX)
+        """Static shared memory of a GPU block: q^T, k^T or P (rows padded by 16 bytes), V [TILE_K, V_CHUNK], maxima
+        [TILE_Q, TX] and the running maxima [2, TILE_Q]."""
+        pad = max(1, 16 // itemsize)
+        kp = max(self.D_CHUNK, self.tile_q) * (self.tile_k + pad)
+        return itemsize * (self.D_CHUNK * (self.tile_q + pad) + kp + self.tile_k * self.V_CHUNK + self.tile_q * self.TX
+                           + 2 * self.tile_q)
 
 
-#: The GPU's tiles, by dtype: 64 x 64 in float32 (512 threads, 44.5 KiB of shared memory), 32 x 32 in float64
-#: (256 threads, 45 KiB).
+#: The GPU's tiles, by dtype: 64 x 64 in float32 (256 threads of 4 x 4 register tiles, 46.5 KiB of shared memory),
+#: 32 x 32 in float64 (256 threads of 2 x 2, 45.5 KiB).
 GPU_GEOMETRY = {
-    np.dtype(np.float32): Geometry(TX=16, TY=32, RQ=2, RK=4, D_CHUNK=64, COLS=64, V_CHUNK=32),
+    np.dtype(np.float32): Geometry(TX=16, TY=16, RQ=4, RK=4, D_CHUNK=64, COLS=64, V_CHUNK=32),
     np.dtype(np.float64): Geometry(TX=16, TY=16, RQ=2, RK=2, D_CHUNK=64, COLS=64, V_CHUNK=32),
 }
-#: Resident blocks per multiprocessor the GPU builds are bounded for (``launch_bounds``): 2 blocks of 512 threads
-#: (float32) or 4 of 256 (float64), 32 of the 64 warps of an sm_90 multiprocessor (50% occupancy, 64 registers a
-#: thread at most; ptxas -v: 60 and 64 registers, no spills).
-MIN_BLOCKS = {"float32": 2, "float64": 4}
+#: Resident blocks per multiprocessor the GPU builds are bounded for (``launch_bounds``): 4 blocks of 256 threads,
+#: 32 of the 64 warps of an sm_90 multiprocessor (50% occupancy, 64 registers a thread at most; ptxas -v: 64 and 64
+#: registers, no spills; float32's 4 x 4 tile spilled 12 bytes while the rows' running maxima were registers, none
+#: since they are in shared memory).
+MIN_BLOCKS = {"float32": 4, "float64": 4}
+#: The unsigned 32-bit conversion of the kernel's shared offsets (``numba.uint32``); in the simulator a plain ``int``,
+#: the same value, since calling a Numba type from Python costs microseconds per offset there.
+u32 = int if SIMULATOR else uint32
+#: The same for the running shared offsets of the products' loads (``numba.uint64``; a plain ``int`` in the simulator).
+u64 = int if SIMULATOR else uint64
 #: The simulator's tiles (4 threads a block, tiles of 4 rows by 2 keys: a key tile can be entirely masked).
 SIMULATOR_GEOMETRY = {dt: Geometry(TX=2, TY=2, RQ=2, RK=1, D_CHUNK=4, COLS=4, V_CHUNK=2) for dt in GPU_GEOMETRY}
 #: The tiles the launches use (a test may switch the simulator to :data:`GPU_GEOMETRY`).
@@ -174,7 +183,14 @@ def _build_flash_forward(g: Geometry, f=None):
     TX, TY, RQ, RK, D_CHUNK, COLS, V_CHUNK = g
     TILE_Q, TILE_K, THREADS = g.tile_q, g.tile_k, g.threads
     KP = max(D_CHUNK, TILE_Q)
-    QW, KW = TILE_Q + 1, TILE_K + 1  # padded rows
+    # rows padded by 16 bytes on a GPU (a thread's RQ rows and RK keys stay 16-byte aligned: 128-bit loads), by one
+    # entry in the simulator
+    PAD = 1 if f is None else 16 // np.dtype(str(f)).itemsize
+    ALIGN = None if f is None else 16
+    QW, KW = TILE_Q + PAD, TILE_K + PAD  # padded rows
+    SH_Q, SH_KP, SH_V = D_CHUNK * QW, KP * KW, TILE_K * V_CHUNK  # the flat shared arrays' sizes
+    M2 = 2 * TILE_Q
+    STEP_D, STEP_K = min(4, D_CHUNK), min(4, TILE_K)  # coordinates, keys per unrolled step of the two products
     G = COLS // TX  # accumulated columns per row and thread
     GC = V_CHUNK // TX  # of them in one staged value chunk
     N_CHUNKS = COLS // V_CHUNK
@@ -186,22 +202,24 @@ def _build_flash_forward(g: Geometry, f=None):
     # Block (work item w = (query tile, column group) on grid x, sequence b on grid y, z) of TY x TX threads,
     # t = ty TX + tx; thread (ty, tx) owns the rows r = ty RQ + i (i < RQ) of the tile, the keys tx RK + j (j < RK) of
     # each key tile, the columns c0 + V_CHUNK h + tx GC + g (h < N_CHUNKS, g < GC).  Registers: s [RQ, RK],
-    # acc [RQ, G], m and l [RQ] (l partial: over this thread's keys only, summed over the TX threads of the row at the
-    # end).  Shared: qT [D_CHUNK, TILE_Q + 1] (q^T, resident for d <= D_CHUNK), kp [max(D_CHUNK, TILE_Q), TILE_K + 1]
+    # acc [RQ, G], l [RQ] (partial: over this thread's keys only, summed over the TX threads of the row at the end).
+    # Shared: qT [D_CHUNK, TILE_Q + PAD] (q^T, resident for d <= D_CHUNK), kp [max(D_CHUNK, TILE_Q), TILE_K + PAD]
     # (k^T of the key tile, then the scores S and the weights P), vs [TILE_K, V_CHUNK] (a value chunk),
-    # red [TILE_Q, TX] (per-thread row maxima, then partial sums).  The rows of qT and kp are padded by one entry, so
-    # that the transposing stores (consecutive threads on consecutive coordinates) hit distinct banks.  The arrays
+    # red [TILE_Q, TX] (per-thread row maxima, then partial sums), mrow [2, TILE_Q] (the rows' running maxima m).
+    # The rows of qT and kp are padded by 16 bytes on a GPU, so that a thread's RQ rows of q^T and RK keys of k^T are
+    # one 128-bit load each (4 floats, 2 doubles; the transposing stores, consecutive threads on consecutive
+    # coordinates, then meet 4-way bank conflicts in float32, against the loads' 64 coordinates a tile).  The arrays
     # come flat (C order): a flat index holds fewer registers than a 3-D one.
     @kernel(_flash_signature, threads=g.threads, tags=("attention",), options=options, dtypes=dtypes)
     def _flash_forward(q, k, v, scale, causal, out, row_max_out, BH, N_q, N_k, d, d_v):
         dt = q.dtype
-        qT = cuda.shared.array((D_CHUNK, QW), dtype=dt)
-        kp = cuda.shared.array((KP, KW), dtype=dt)
-        vs = cuda.shared.array((TILE_K, V_CHUNK), dtype=dt)
+        qT = cuda.shared.array(SH_Q, dtype=dt, alignment=ALIGN)  # [D_CHUNK, QW], flat
+        kp = cuda.shared.array(SH_KP, dtype=dt, alignment=ALIGN)  # [KP, KW], flat
+        vs = cuda.shared.array(SH_V, dtype=dt, alignment=ALIGN)  # [TILE_K, V_CHUNK], flat
         red = cuda.shared.array((TILE_Q, TX), dtype=dt)
+        mrow = cuda.shared.array(M2, dtype=dt)  # [2, TILE_Q]: the rows' running maxima, before and after a key tile
         s = cuda.local.array((RQ, RK), dtype=dt)
         acc = cuda.local.array((RQ, G), dtype=dt)
-        m_run = cuda.local.array(RQ, dtype=dt)
         l_run = cuda.local.array(RQ, dtype=dt)
         qv = cuda.local.array(RQ, dtype=dt)
         kv = cuda.local.array(RK, dtype=dt)
@@ -211,20 +229,30 @@ def _build_flash_forward(g: Geometry, f=None):
         b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
         if b >= BH:
             return
-        t = cuda.threadIdx.x
-        tx = t & (TX - 1)
-        ty = t >> TX_SHIFT
+        # shared offsets are unsigned 32-bit: below KP KW (a few thousand), bounded by the geometry, and unsigned
+        # indices skip Numba's negative-index wraparound (the signed 64-bit index arithmetic of 2-D shared arrays)
+        t = u32(cuda.threadIdx.x)
+        tx = u32(t & u32(TX - 1))
+        ty = u32(t >> u32(TX_SHIFT))
+        oq = u32(ty * u32(RQ))  # the thread's first row in a row of qT, and its rows' first entries in S and P
+        ok = u32(tx * u32(RK))  # its first key in a row of k^T (kp), S and P
+        op = u32(oq * u32(KW))
+        ov = u32(tx * u32(GC))  # its first value column in a row of vs
         n_qt = (N_q + TILE_Q - 1) // TILE_Q
         n_cg = max(1, (d_v + COLS - 1) // COLS)
         w = cuda.blockIdx.x
         q0 = (n_qt - 1 - w // n_cg) * TILE_Q  # the last query tiles (the most keys when causal) first
         c0 = (w % n_cg) * COLS
-        q_base = b * N_q * d
-        k_base = b * N_k * d
-        v_base = b * N_k * d_v
+        q_row = b * N_q  # the sequence's first query row, and its first key row (of k and v alike)
+        k_row = b * N_k
         resident = d <= D_CHUNK
+        # the running maxima live in shared memory (the same on the TX threads of a row), in two halves: a key tile
+        # reads the half at mb and its lane tx = 0 writes the other, which the next tile reads (barriers between)
+        mb = u32(0)
+        if tx == 0:
+            for i in range(RQ):
+                mrow[oq + u32(i)] = neg_inf
         for i in range(RQ):
-            m_run[i] = neg_inf
             l_run[i] = zero
             for gg in range(G):
                 acc[i, gg] = zero
@@ -236,41 +264,49 @@ def _build_flash_forward(g: Geometry, f=None):
                 for j in range(RK):
                     s[i, j] = zero
             for d0 in range(0, d, D_CHUNK):
-                dn = min(D_CHUNK, d - d0)
+                dn = u32(min(D_CHUNK, d - d0))
                 if k0 == 0 or not resident:
                     # qT[c, r] = q[q0 + r, d0 + c], read along c (coalesced)
                     for e in range(t, TILE_Q * D_CHUNK, THREADS):
-                        r = e >> D_SHIFT
-                        c = e & (D_CHUNK - 1)
-                        ok = q0 + r < N_q and c < dn
-                        qT[c, r] = q[q_base + (q0 + r) * d + d0 + c] if ok else zero
+                        r = u32(e >> u32(D_SHIFT))
+                        c = u32(e & u32(D_CHUNK - 1))
+                        ok_q = q0 + r < N_q and c < dn
+                        qT[u32(c * u32(QW) + r)] = q[(q_row + q0 + r) * d + d0 + c] if ok_q else zero
                 # kp[c, j] = k[k0 + j, d0 + c]
                 for e in range(t, TILE_K * D_CHUNK, THREADS):
-                    j = e >> D_SHIFT
-                    c = e & (D_CHUNK - 1)
-                    ok = k0 + j < N_k and c < dn
-                    kp[c, j] = k[k_base + (k0 + j) * d + d0 + c] if ok else zero
+                    j = u32(e >> u32(D_SHIFT))
+                    c = u32(e & u32(D_CHUNK - 1))
+                    ok_k = k0 + j < N_k and c < dn
+                    kp[u32(c * u32(KW) + j)] = k[(k_row + k0 + j) * d + d0 + c] if ok_k else zero
                 cuda.syncthreads()
-                for c in range(dn):
-                    for i in range(RQ):
-                        qv[i] = qT[c, ty * RQ + i]
-                    for j in range(RK):
-                        kv[j] = kp[c, tx * RK + j]
-                    for i in range(RQ):
+                # per coordinate RQ + RK shared loads at constant offsets from two registers (64-bit, so that the
+                # unrolled steps' offsets fold into the loads), STEP_D coordinates a step: the coordinates from dn to
+                # the next multiple of STEP_D are staged as zeros and add exact zeros
+                aq = u64(oq)
+                ak = u64(ok)
+                for _ in range((dn + u32(STEP_D - 1)) // u32(STEP_D)):
+                    for c in range(STEP_D):
+                        for i in range(RQ):
+                            qv[i] = qT[aq + u64(c * QW + i)]
                         for j in range(RK):
-                            s[i, j] += qv[i] * kv[j]
+                            kv[j] = kp[ak + u64(c * KW + j)]
+                        for i in range(RQ):
+                            for j in range(RK):
+                                s[i, j] += qv[i] * kv[j]
+                    aq += u64(STEP_D * QW)
+                    ak += u64(STEP_D * KW)
                 cuda.syncthreads()
             # scale, mask (j > i when causal, and past the ends) into S[r, j] (kp, free after the barrier above), and
             # this thread's maximum of each row
             for i in range(RQ):
-                r = ty * RQ + i
+                r = u32(oq + u32(i))
                 mx = neg_inf
                 for j in range(RK):
-                    col = k0 + tx * RK + j
+                    col = k0 + ok + j
                     x = s[i, j] * scale
                     if col >= N_k or q0 + r >= N_q or (causal and col > q0 + r):
                         x = neg_inf
-                    kp[r, tx * RK + j] = x
+                    kp[u32(u32(op + u32(i * KW + j)) + ok)] = x
                     mx = max_keep_nan(mx, x)
                 red[r, tx] = mx
             cuda.syncthreads()
@@ -278,52 +314,63 @@ def _build_flash_forward(g: Geometry, f=None):
             # p_ij = e^{s_ij - m'} over S[r, j] in place (the entries this thread wrote): P; l and acc rescaled by
             # e^{m - m'} (0, not NaN, while the row is all -inf: exp_shifted)
             for i in range(RQ):
-                r = ty * RQ + i
-                m_new = max_keep_nan(m_run[i], row_max(red, r, TX))
-                factor = exp_shifted(m_run[i], m_new)
-                m_run[i] = m_new
+                r = u32(oq + u32(i))
+                m_old = mrow[mb + r]
+                m_new = max_keep_nan(m_old, row_max(red, r, TX))
+                factor = exp_shifted(m_old, m_new)
+                if tx == 0:
+                    mrow[u32(TILE_Q) - mb + r] = m_new
                 part = zero
                 for j in range(RK):
-                    p = exp_shifted(kp[r, tx * RK + j], m_new)
+                    at = u32(u32(op + u32(i * KW + j)) + ok)
+                    p = exp_shifted(kp[at], m_new)
                     part += p
-                    kp[r, tx * RK + j] = p
+                    kp[at] = p
                 l_run[i] = l_run[i] * factor + part
                 for gg in range(G):
                     acc[i, gg] *= factor
             # acc += P V, V_CHUNK columns at a time
-            kn = min(TILE_K, N_k - k0)
+            kn = u32(min(TILE_K, N_k - k0))
             for h in range(N_CHUNKS):
                 v0 = c0 + h * V_CHUNK
                 if h == 0 or v0 < d_v:  # the first chunk always (its barriers order P's writes and reads)
                     for e in range(t, TILE_K * V_CHUNK, THREADS):
-                        j = e >> V_SHIFT
-                        c = e & (V_CHUNK - 1)
-                        ok = k0 + j < N_k and v0 + c < d_v
-                        vs[j, c] = v[v_base + (k0 + j) * d_v + v0 + c] if ok else zero
+                        j = u32(e >> u32(V_SHIFT))
+                        c = u32(e & u32(V_CHUNK - 1))
+                        ok_v = k0 + j < N_k and v0 + c < d_v
+                        vs[u32(j * u32(V_CHUNK) + c)] = v[(k_row + k0 + j) * d_v + v0 + c] if ok_v else zero
                     cuda.syncthreads()
-                    for j in range(kn):
-                        for i in range(RQ):
-                            pv[i] = kp[ty * RQ + i, j]
-                        for gg in range(GC):
-                            vj = vs[j, tx * GC + gg]
+                    # per key RQ + GC shared loads at constant offsets from two registers, STEP_K keys a step: the
+                    # keys from kn to the next multiple of STEP_K have zero weights and zero values
+                    ap = u64(op)
+                    av = u64(ov)
+                    for _ in range((kn + u32(STEP_K - 1)) // u32(STEP_K)):
+                        for j in range(STEP_K):
                             for i in range(RQ):
-                                acc[i, h * GC + gg] += pv[i] * vj
+                                pv[i] = kp[ap + u64(i * KW + j)]
+                            for gg in range(GC):
+                                vj = vs[av + u64(j * V_CHUNK + gg)]
+                                for i in range(RQ):
+                                    acc[i, h * GC + gg] += pv[i] * vj
+                        ap += u64(STEP_K)
+                        av += u64(STEP_K * V_CHUNK)
                     cuda.syncthreads()
+            mb = u32(u32(TILE_Q) - mb)  # the half this tile wrote
         # l = the row's TX partial sums, in order; out = acc / l; the row maximum (NaN kept) for the check
         for i in range(RQ):
-            red[ty * RQ + i, tx] = l_run[i]
+            red[oq + u32(i), tx] = l_run[i]
         cuda.syncthreads()
         for i in range(RQ):
-            row = q0 + ty * RQ + i
+            row = q0 + oq + i
             if row < N_q:
-                l = row_sum(red, ty * RQ + i, TX)
+                l = row_sum(red, oq + u32(i), TX)
                 for h in range(N_CHUNKS):
                     for gg in range(GC):
-                        col = c0 + h * V_CHUNK + tx * GC + gg
+                        col = c0 + h * V_CHUNK + ov + gg
                         if col < d_v:
                             out[(b * N_q + row) * d_v + col] = acc[i, h * GC + gg] / l
                 if tx == 0 and c0 == 0:
-                    row_max_out[b * N_q + row] = m_run[i]
+                    row_max_out[b * N_q + row] = mrow[mb + oq + u32(i)]
 
     return _flash_forward
 
