@@ -33,7 +33,7 @@ from numba import prange
 
 from scipy.special import expit
 
-from refimpl import boundary, numerics, validation
+from refimpl import boundary, numerics
 from refimpl import gma as spec_gma
 from refimpl.gma import GMABatchCache, GMACache, GMAGrads
 from refimpl.scan import FeatureAttentionCache
@@ -343,12 +343,6 @@ class GMAPackedCache(NamedTuple):
     out_shape: tuple  # (T, d_v) or (T, H, d_v): the shape of grad_out
 
 
-def _head_offsets(offsets, heads, T):
-    """The offsets of every (head, sequence) of ``heads`` heads' rows laid one after another (``T`` rows each)."""
-    starts = (offsets[None, :-1] + T * np.arange(heads, dtype=np.int64)[:, None]).reshape(-1)
-    return np.append(starts, heads * T)
-
-
 def _packed_forward(a, variances, log_weights, offsets, raw_variances=None, keep=True):
     """GMA of packed sequences (checked arrays heads first, ``offsets`` checked): the responsibilities one call per
     head over all its rows, the mixing one :func:`cpu.scan.packed_forward` call over every (head, sequence);
@@ -362,13 +356,12 @@ def _packed_forward(a, variances, log_weights, offsets, raw_variances=None, keep
     gq, mq = _batched_posteriors(xq, a.means, variances, log_weights, leading)
     gk, mk = _batched_posteriors(xk, a.means, variances, log_weights, leading)
     out, den = cpu_scan.packed_forward(gq.reshape(-1, K), gk.reshape(-1, K), vv.reshape(-1, dv), a.causal, a.eps,
-                                       _head_offsets(offsets, H, T))
+                                       cpu_scan.head_offsets(offsets, H, T))
     try:
         spec_gma.check_gma_results(mq.reshape(-1), mk.reshape(-1), den, a.eps)
     except ValueError:
         return NotImplemented  # the loop refuses it, naming the sequence's row as it always has
-    # (H T, d_v) back to the packed layout (T, d_v) or (T, H, d_v)
-    packed = out.reshape(H, T, dv).transpose(1, 0, 2).reshape(((T,) + leading + (dv,)))
+    packed = cpu_scan.packed_layout(out, leading)
     if not keep:
         return packed
     cache = GMAPackedCache(offsets, xq, xk, vv, a.means, raw_variances, variances, gq, gk, out, den, a.causal, leading, packed.shape)
@@ -387,14 +380,11 @@ def _packed_gma_forward_kernel(xp, a, given, offsets):
 def _packed_backward(grad_out, cache):
     """The backward of :func:`_packed_forward`: the mixing's in one :func:`cpu.scan.packed_backward` call, the
     responsibilities' one call per head over all its rows (the GMM gradients summed over every sequence at once)."""
-    labels = ("T", "H", "d_v") if cache.leading else ("T", "d_v")
-    validation.check_packed_tokens(grad_out, "grad_out", grad_out)
-    g = validation.check_grad_out(grad_out, cache.out_shape, labels, cache.out.dtype)
+    g = cpu_scan.packed_grad_out(grad_out, cache.out_shape, cache.out.dtype)
     (H, T, d), K, dv = cache.x_q.shape, cache.gamma_q.shape[-1], cache.v.shape[-1]
-    g = np.ascontiguousarray(g.reshape(T, H, dv).transpose(1, 0, 2)).reshape(-1, dv)
     gq, gk = cache.gamma_q.reshape(-1, K), cache.gamma_k.reshape(-1, K)
     mixing = cpu_scan.packed_backward(g, gq, gk, cache.v.reshape(-1, dv), cache.out, cache.den, cache.causal,
-                                      _head_offsets(cache.offsets, H, T))
+                                      cpu_scan.head_offsets(cache.offsets, H, T))
     dgq, dgk = mixing.phi_q.reshape(H, T, K), mixing.phi_k.reshape(H, T, K)
     dxq, dxk = np.empty_like(cache.x_q), np.empty_like(cache.x_k)
     dmeans, draw = np.zeros_like(cache.means), np.zeros_like(cache.means)
@@ -410,10 +400,8 @@ def _packed_backward(grad_out, cache):
         # sigma2 = softplus(s) + sigma2_min: dsigma2/ds = sigmoid(s)
         draw[h] += (rq[2] + rk[2]) * expit(cache.raw_variances[h])
         dlogits[h] += rq[3] + rk[3]
-    # heads first back to the packed layout
-    back = lambda x: x.transpose(1, 0, 2).reshape((T,) + cache.leading + x.shape[-1:])  # noqa: E731
-    return GMAGrads(x_q=back(dxq), x_k=back(dxk), v=back(mixing.v.reshape(H, T, dv)), means=dmeans, raw_variances=draw,
-                    logits=dlogits)
+    back = lambda x: cpu_scan.packed_layout(x, cache.leading)  # noqa: E731
+    return GMAGrads(x_q=back(dxq), x_k=back(dxk), v=back(mixing.v), means=dmeans, raw_variances=draw, logits=dlogits)
 
 
 def _gma_kernel(xp, a, given):

@@ -45,12 +45,13 @@ import numpy as np
 from numba import njit, prange
 
 from refimpl import scan as ref_scan
+from refimpl import validation
 from refimpl.scan import FeatureAttentionCache, FeatureAttentionGrads
 
 from ._jit import pick, single_threaded_blas, threaded_and_serial
 
 __all__ = ["prefix_contract", "chunked_forward", "chunked_backward", "scan_forward", "scan_backward", "packed_forward",
-           "packed_backward"]
+           "packed_backward", "head_offsets", "packed_layout", "packed_grad_out"]
 
 COLS = 8
 """Output columns per thread's block: two AVX2 vectors of float64."""
@@ -291,6 +292,31 @@ def _contracted_backward(g1, phi_q, phi_k, v, offsets=None, whole=False):
     # dv_t = R_t^T phi_k_t, R the suffix sums of phi_q_j (g_j / den_j)^T
     dv = prefix_contract(g1[:, :-1], phi_q, phi_k, reverse=True, offsets=offsets, whole=whole)
     return FeatureAttentionGrads(phi_q=dphi_q, phi_k=dphi_k, v=dv)
+
+
+def head_offsets(offsets, heads, T):
+    """The offsets of every (head, sequence) when ``heads`` heads' ``T`` packed rows are laid one head after another."""
+    starts = (offsets[None, :-1] + T * np.arange(heads, dtype=np.int64)[:, None]).reshape(-1)
+    return np.append(starts, heads * T)
+
+
+def packed_layout(x, leading):
+    """Rows ``(H T, w)`` or ``(H, T, w)``, heads first, back in the packed layout: ``(T, w)``, or ``(T, H, w)`` with heads."""
+    H = int(np.prod(leading))
+    x = x.reshape(H, -1, x.shape[-1])
+    return x.transpose(1, 0, 2).reshape((x.shape[1],) + tuple(leading) + x.shape[-1:])
+
+
+def packed_grad_out(grad_out, out_shape, dtype):
+    """The checked ``grad_out`` of a packed output of ``out_shape``, heads first as rows ``(H T, d_v)``.
+
+    The checks and messages of :func:`refimpl.varlen.packed_backward`: no batch dimension, then the shape and dtype.
+    """
+    labels = ("T", "H", "d_v") if len(out_shape) == 3 else ("T", "d_v")
+    validation.check_packed_tokens(grad_out, "grad_out", grad_out)
+    g = validation.check_grad_out(grad_out, tuple(out_shape), labels, dtype)
+    g = g if g.ndim == 2 else g.transpose(1, 0, 2)
+    return np.ascontiguousarray(g).reshape(-1, g.shape[-1])
 
 
 def packed_forward(phi_q, phi_k, v, causal, eps, offsets):
