@@ -53,7 +53,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refimpl import gmm, validation, varlen
+from refimpl import gmm, validation
 from refimpl.gma import GMABatchCache
 from . import backend
 from refimpl.scan import DEFAULT_CHUNK_SIZE
@@ -100,7 +100,7 @@ class MultiheadGMACache(NamedTuple):
     x: np.ndarray
     params: MultiheadGMAParams
     heads: np.ndarray  # (B, N, H d_v) concatenated head outputs
-    gma: tuple  # gma[b][h] is the refimpl.gma.GMACache of sequence b, head h; packed, a refimpl.varlen.PackedCache
+    gma: tuple  # gma[b][h] is the refimpl.gma.GMACache of sequence b, head h; packed, the cache of gma_forward's packed call
 
 
 def init_multihead_gma(
@@ -297,8 +297,9 @@ def multihead_gma_backward(grad_out, cache) -> MultiheadGMAGrads:
     dW_o = heads.reshape(B * N, H * d_v).T @ g.reshape(B * N, d_model)
     dheads = (g @ p.W_o.T).reshape(B, N, H, d_v)
     gma_backward = backend.kernels().gma_backward
-    if isinstance(cache.gma, varlen.PackedCache):
-        # packed: the gradients (T, H, d) of every sequence from its own cache
+    if type(cache.gma) is not tuple:
+        # packed: the gradients (T, H, d) of every sequence, from the backend's cache of the packed call (padded: a
+        # plain tuple of rows of caches)
         gr = gma_backward(dheads[0], cache.gma)
         dxq, dxk, dvv = (a[None] for a in (gr.x_q, gr.x_k, gr.v))
     else:

@@ -119,7 +119,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refimpl import numerics, validation, varlen
+from refimpl import numerics, validation
 from . import backend, layers
 from refimpl.attention import feature_attention_backward
 
@@ -554,7 +554,7 @@ class _MixerCache(NamedTuple):
     x: np.ndarray
     params: dict
     heads: np.ndarray  # (B, N, d) concatenated head outputs (attention mixers); None for gma
-    inner: object  # MultiheadGMACache, or (backward, H, cache): the cache of every (sequence, head) at once
+    inner: object  # MultiheadGMACache, or (backward, H, cache, packed): the cache of every (sequence, head) at once
 
 
 def _single_head(mixer, config, kern):
@@ -595,11 +595,11 @@ def mixer_forward(x, params, config, cu_seqlens=None):
         # packed: the T tokens (T, H, d_h), each sequence on its own
         per_head, caches = forward(q[0], k[0], v[0], cu_seqlens=cu_seqlens)
         heads = per_head.reshape(B, N, d)
-        return heads @ params["W_o"], _MixerCache(config.mixer, x, params, heads, (backward, H, caches))
+        return heads @ params["W_o"], _MixerCache(config.mixer, x, params, heads, (backward, H, caches, True))
     # every (sequence, head) in one call: (B, H, N, d_h)
     per_head, caches = forward(*(np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (q, k, v)))
     heads = per_head.transpose(0, 2, 1, 3).reshape(B, N, d)
-    return heads @ params["W_o"], _MixerCache(config.mixer, x, params, heads, (backward, H, caches))
+    return heads @ params["W_o"], _MixerCache(config.mixer, x, params, heads, (backward, H, caches, False))
 
 
 def mixer_backward(dy, cache):
@@ -608,13 +608,13 @@ def mixer_backward(dy, cache):
         g = layers.multihead_gma_backward(dy, cache.inner)
         return g.x, {f: getattr(g, f) for f in layers.MultiheadGMAParams._fields}
     x, p, heads = cache.x, cache.params, cache.heads
-    backward, H, caches = cache.inner
+    backward, H, caches, packed = cache.inner
     B, N, d = x.shape
     dh = d // H
     # Y = O W_o: dW_o = sum_b O_b^T G_b, dO = G W_o^T
     dW_o = heads.reshape(B * N, d).T @ dy.reshape(B * N, d)
     dheads = (dy @ p["W_o"].T).reshape(B, N, H, dh)
-    if isinstance(caches, varlen.PackedCache):
+    if packed:
         g = backward(dheads[0], caches)  # packed: gradients (T, H, d_h)
         dq, dk, dv = g.q, g.k, g.v
     else:

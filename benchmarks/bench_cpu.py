@@ -49,7 +49,9 @@ What is measured:
   ListOps expressions (up to 128 tokens), two heads of width 32, causal
   GMA (K = 16), softmax and linear attention, forward and backward, on the
   packed tokens with ``cu_seqlens`` against the batch padded to its longest
-  sequence; the speed-up, and the memory saved (inputs and the traced peak);
+  sequence, and against the same packed call run as the loop over the
+  sequences (the backend's packed kernel set aside); the speed-ups, and the
+  memory saved (inputs and the traced peak);
 * accuracy on the spread-means example (two means near +1e4, one at -1e4,
   variances 1e-8) against the definition in extended precision.
 
@@ -586,8 +588,9 @@ def padded(packed, lengths):
 
 
 def varlen_calls(quick):
-    """``{mechanism: (padded step, packed step)}``: one forward and backward of each, on the CPU kernels (tuned and
-    the reference without numba)."""
+    """``{mechanism: (padded step, packed step, packed step by the loop)}``: one forward and backward of each, on the CPU
+    kernels (tuned and the reference without numba); the last runs the packed call as the loop over the sequences, the
+    backend's packed kernel set aside."""
     if numba is not None:
         from cpu import attention as attn
         from cpu import gma as gma_kernels
@@ -604,6 +607,8 @@ def varlen_calls(quick):
                                      attn.softmax_attention_backward),
         "causal linear attention": (lambda *t, **kw: attn.linear_attention_forward(*t, causal=True, **kw), attn.linear_attention_backward),
     }
+    records = {"causal GMA": gma_kernels.gma_forward, "causal softmax attention": attn.softmax_attention_forward,
+               "causal linear attention": attn.linear_attention_forward}
 
     def step(forward, backward, arrays, **kw):
         def call():
@@ -611,13 +616,25 @@ def varlen_calls(quick):
             return backward(np.ones_like(out), cache)
         return call
 
-    return {name: (step(f, b, batch), step(f, b, tokens, cu_seqlens=cu_seqlens)) for name, (f, b) in steps.items()}
+    def loop(public, call):
+        """``call`` with the packed kernels of ``public``'s backend set aside: the per-sequence loop of the boundary."""
+        def run():
+            kernels = getattr(public, "backend", None) and public.backend.kernels or {}
+            aside = {key: kernels.pop(key) for key in list(kernels) if key.startswith("packed ")}
+            try:
+                return call()
+            finally:
+                kernels.update(aside)
+        return run
+
+    return {name: (step(f, b, batch), step(f, b, tokens, cu_seqlens=cu_seqlens),
+                   loop(records[name], step(f, b, tokens, cu_seqlens=cu_seqlens))) for name, (f, b) in steps.items()}
 
 
 def varlen_variants(quick):
     out = {}
     for name in varlen_calls(quick):
-        for i, form in enumerate(("padded", "packed")):
+        for i, form in enumerate(("padded", "packed", "packed loop")):
             out[f"{name} {form}"] = lambda name=name, i=i: varlen_calls(quick)[name][i]
     return out
 
@@ -630,11 +647,14 @@ def bench_varlen(args):
           f"T = {T} tokens packed, {S} x {N} = {S * N} padded ({1 - T / (S * N):.0%} padding), 2 heads of 32, float64")
     t = Section("varlen", varlen_variants(args.quick), args).run()
     calls = varlen_calls(args.quick)
-    for name, (pad_call, pack_call) in calls.items():
+    for name in calls:
         ratio_line(f"{name} padded / packed:", t.ratio(name + " padded", name + " packed"), "(the speed-up of packing)")
+    for name in calls:
+        ratio_line(f"{name} loop / packed:", t.ratio(name + " packed loop", name + " packed"),
+                   "(one kernel call against one call per sequence)")
     inputs = sum(a.nbytes for a in tokens)
     print(f"  inputs q, k, v: packed {mib(inputs)}, padded {mib(inputs * S * N / T)}")
-    for name, (pad_call, pack_call) in calls.items():
+    for name, (pad_call, pack_call, _) in calls.items():
         pad_peak, pack_peak = traced_peak(pad_call), traced_peak(pack_call)
         print(f"  peak memory, {name:26s}: padded {mib(pad_peak)}, packed {mib(pack_peak)}, saved {1 - pack_peak / pad_peak:.0%}")
     return t

@@ -82,6 +82,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, prange
 
+from refimpl import attention as ref_attention
 from refimpl import boundary, validation
 from refimpl.attention import LinearAttentionBatchCache, LinearAttentionCache, LinearAttentionGrads, SoftmaxAttentionGrads
 
@@ -456,6 +457,61 @@ def _softmax_attention_backward_kernel(xp, grad_out, cache) -> SoftmaxAttentionG
     )
 
 
+class LinearPackedCache(NamedTuple):
+    """What :func:`linear_attention_backward` needs of a packed forward computed in one call (every sequence's rows)."""
+
+    offsets: np.ndarray  # cu_seqlens, int64 (S + 1,)
+    q: np.ndarray  # (H T, d): the heads' rows one after another (H = 1 without heads)
+    k: np.ndarray
+    v: np.ndarray  # (H T, d_v)
+    phi_q: np.ndarray  # (H T, d): the features elu + 1
+    phi_k: np.ndarray
+    out: np.ndarray  # (H T, d_v)
+    den: np.ndarray  # (H T,)
+    causal: bool
+    leading: tuple  # () without heads, (H,) with
+    out_shape: tuple  # (T, d_v) or (T, H, d_v): the shape of grad_out
+
+
+def _packed_linear_forward_kernel(xp, checked, given, offsets):
+    """Linear attention of packed sequences (checked, heads first): one :func:`cpu.scan.packed_forward` call over every
+    (head, sequence); ``NotImplemented`` (the loop) where the longest sequence is long enough for chunks and products."""
+    q, k, v, causal, eps, chunk_size, leading = checked
+    (T, d), dv = q.shape[-2:], v.shape[-1]
+    if np.diff(offsets).max(initial=0) * d * (dv + 1) > cpu_scan.CHUNK_WORK:
+        return NotImplemented
+    H = int(np.prod(leading))
+    rows = lambda x: np.ascontiguousarray(x).reshape(H * T, x.shape[-1])  # noqa: E731
+    q, k, v = rows(q), rows(k), rows(v)
+    phi_q, phi_k = ref_attention._elu_feature_map(q), ref_attention._elu_feature_map(k)
+    out, den = cpu_scan.packed_forward(phi_q, phi_k, v, causal, eps, cpu_scan.head_offsets(offsets, H, T))
+    try:
+        validation.check_denominators(den, eps, ("q", "k"))
+    except ValueError:
+        return NotImplemented  # the loop refuses it, naming the sequence's row as it always has
+    packed = cpu_scan.packed_layout(out, leading)
+    return packed, LinearPackedCache(offsets, q, k, v, phi_q, phi_k, out, den, causal, leading, packed.shape)
+
+
+def _packed_linear_attention_kernel(xp, checked, given, offsets):
+    result = _packed_linear_forward_kernel(xp, checked, given, offsets)
+    return result if result is NotImplemented else result[0]
+
+
+def _linear_attention_backward_kernel(xp, grad_out, cache):
+    """Core of :func:`linear_attention_backward`: a packed cache's in one :func:`cpu.scan.packed_backward` call, any
+    other by the reference's batch rule around :mod:`cpu.scan`."""
+    if not isinstance(cache, LinearPackedCache):
+        return ref_attention.linear_backward_with(cpu_scan.scan_backward, grad_out, cache)
+    g = cpu_scan.packed_grad_out(grad_out, cache.out_shape, cache.out.dtype)
+    offsets = cpu_scan.head_offsets(cache.offsets, int(np.prod(cache.leading)), cache.out_shape[0])
+    d = cpu_scan.packed_backward(g, cache.phi_q, cache.phi_k, cache.v, cache.out, cache.den, cache.causal, offsets)
+    # chain rule through the elementwise feature map
+    dq = d.phi_q * ref_attention._elu_feature_map_derivative(cache.q)
+    dk = d.phi_k * ref_attention._elu_feature_map_derivative(cache.k)
+    return LinearAttentionGrads(*(cpu_scan.packed_layout(x, cache.leading) for x in (dq, dk, d.v)))
+
+
 _SOFTMAX_NOTES = (
     "An online softmax (module docstring): the keys are taken tile by tile with a running maximum and sum, so no "
     "``N_q x N_k`` matrix is formed, in the forward or in the backward, which recomputes the probabilities from the "
@@ -472,6 +528,9 @@ _public = boundary.bind(
             "softmax_attention_forward": _softmax_attention_forward_kernel,
             "softmax_attention_backward": _softmax_attention_backward_kernel,
             **boundary.linear_attention_kernels(cpu_scan.scan_forward, cpu_scan.scan_backward),
+            "linear_attention_backward": _linear_attention_backward_kernel,
+            "packed linear_attention": _packed_linear_attention_kernel,
+            "packed linear_attention_forward": _packed_linear_forward_kernel,
         },
         replace={"SoftmaxAttentionCache": "OnlineSoftmaxCache"},
         notes={

@@ -26,6 +26,8 @@ Python calls were most of a training step's time.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import prange
 
@@ -317,6 +319,91 @@ def _backward_batched(grad_out, cache):
                     v=dv_.reshape(leading + dv_.shape[1:]), means=dmeans, raw_variances=draw, logits=dlogits)
 
 
+# ---------------------------------------------------------------------------
+# Packed sequences (cu_seqlens): every sequence and head in one call of each kernel
+# ---------------------------------------------------------------------------
+
+
+class GMAPackedCache(NamedTuple):
+    """What :func:`gma_backward` needs of a packed forward computed in one call (every sequence's rows together)."""
+
+    offsets: np.ndarray  # cu_seqlens, int64 (S + 1,)
+    x_q: np.ndarray  # (H, T, d), heads first (H = 1 without heads)
+    x_k: np.ndarray
+    v: np.ndarray  # (H, T, d_v)
+    means: np.ndarray  # (K, d) or (H, K, d)
+    raw_variances: np.ndarray
+    variances: np.ndarray
+    gamma_q: np.ndarray  # (H, T, K)
+    gamma_k: np.ndarray
+    out: np.ndarray  # (H T, d_v): the heads' rows one after another
+    den: np.ndarray  # (H T,)
+    causal: bool
+    leading: tuple  # () without heads, (H,) with
+    out_shape: tuple  # (T, d_v) or (T, H, d_v): the shape of grad_out
+
+
+def _packed_forward(a, variances, log_weights, offsets, raw_variances=None, keep=True):
+    """GMA of packed sequences (checked arrays heads first, ``offsets`` checked): the responsibilities one call per
+    head over all its rows, the mixing one :func:`cpu.scan.packed_forward` call over every (head, sequence);
+    ``NotImplemented`` where the longest sequence is long enough for chunks and matrix products (the loop's way)."""
+    leading = a.x_q.shape[:-2]
+    (T, d), dv, K = a.x_q.shape[-2:], a.v.shape[-1], a.means.shape[-2]
+    if np.diff(offsets).max(initial=0) * K * (dv + 1) > cpu_scan.CHUNK_WORK:
+        return NotImplemented
+    xq, xk, vv = a.x_q.reshape(-1, T, d), a.x_k.reshape(-1, T, d), a.v.reshape(-1, T, dv)
+    H = xq.shape[0]
+    gq, mq = _batched_posteriors(xq, a.means, variances, log_weights, leading)
+    gk, mk = _batched_posteriors(xk, a.means, variances, log_weights, leading)
+    out, den = cpu_scan.packed_forward(gq.reshape(-1, K), gk.reshape(-1, K), vv.reshape(-1, dv), a.causal, a.eps,
+                                       cpu_scan.head_offsets(offsets, H, T))
+    try:
+        spec_gma.check_gma_results(mq.reshape(-1), mk.reshape(-1), den, a.eps)
+    except ValueError:
+        return NotImplemented  # the loop refuses it, naming the sequence's row as it always has
+    packed = cpu_scan.packed_layout(out, leading)
+    if not keep:
+        return packed
+    cache = GMAPackedCache(offsets, xq, xk, vv, a.means, raw_variances, variances, gq, gk, out, den, a.causal, leading, packed.shape)
+    return packed, cache
+
+
+def _packed_gma_kernel(xp, a, given, offsets):
+    return _packed_forward(a, a.variances, numerics.log_weights(a.weights), offsets, keep=False)
+
+
+def _packed_gma_forward_kernel(xp, a, given, offsets):
+    variances, log_weights = spec_gma.mixture_from_raw(a.raw_variances, a.logits, a.min_variance)
+    return _packed_forward(a, variances, log_weights, offsets, raw_variances=a.raw_variances)
+
+
+def _packed_backward(grad_out, cache):
+    """The backward of :func:`_packed_forward`: the mixing's in one :func:`cpu.scan.packed_backward` call, the
+    responsibilities' one call per head over all its rows (the GMM gradients summed over every sequence at once)."""
+    g = cpu_scan.packed_grad_out(grad_out, cache.out_shape, cache.out.dtype)
+    (H, T, d), K, dv = cache.x_q.shape, cache.gamma_q.shape[-1], cache.v.shape[-1]
+    gq, gk = cache.gamma_q.reshape(-1, K), cache.gamma_k.reshape(-1, K)
+    mixing = cpu_scan.packed_backward(g, gq, gk, cache.v.reshape(-1, dv), cache.out, cache.den, cache.causal,
+                                      cpu_scan.head_offsets(cache.offsets, H, T))
+    dgq, dgk = mixing.phi_q.reshape(H, T, K), mixing.phi_k.reshape(H, T, K)
+    dxq, dxk = np.empty_like(cache.x_q), np.empty_like(cache.x_k)
+    dmeans, draw = np.zeros_like(cache.means), np.zeros_like(cache.means)
+    dlogits = np.zeros(cache.means.shape[:-1], dtype=g.dtype)
+    for h, seqs in _heads(cache.leading, cache.means):
+        means, variances = cache.means[h], cache.variances[h]
+        rq = responsibility_backward(cache.x_q[seqs].reshape(-1, d), cache.gamma_q[seqs].reshape(-1, K), dgq[seqs].reshape(-1, K),
+                                     means, variances)
+        rk = responsibility_backward(cache.x_k[seqs].reshape(-1, d), cache.gamma_k[seqs].reshape(-1, K), dgk[seqs].reshape(-1, K),
+                                     means, variances)
+        dxq[seqs], dxk[seqs] = rq[0].reshape(-1, T, d), rk[0].reshape(-1, T, d)
+        dmeans[h] += rq[1] + rk[1]
+        # sigma2 = softplus(s) + sigma2_min: dsigma2/ds = sigmoid(s)
+        draw[h] += (rq[2] + rk[2]) * expit(cache.raw_variances[h])
+        dlogits[h] += rq[3] + rk[3]
+    back = lambda x: cpu_scan.packed_layout(x, cache.leading)  # noqa: E731
+    return GMAGrads(x_q=back(dxq), x_k=back(dxk), v=back(mixing.v), means=dmeans, raw_variances=draw, logits=dlogits)
+
+
 def _gma_kernel(xp, a, given):
     args = (a.x_q, a.x_k, a.v, a.means, a.variances, numerics.log_weights(a.weights), a.causal, a.eps, a.chunk_size)
     if a.x_q.ndim == 2:
@@ -333,6 +420,8 @@ def _gma_forward_kernel(xp, a, given):
 
 
 def _gma_backward_kernel(xp, grad_out, cache):
+    if isinstance(cache, GMAPackedCache):
+        return _packed_backward(grad_out, cache)
     if isinstance(cache, GMABatchCache) and cache.caches:
         return _backward_batched(grad_out, cache)
     return _SINGLE["gma_backward"](xp, grad_out, cache)
@@ -341,7 +430,8 @@ def _gma_backward_kernel(xp, grad_out, cache):
 #: The kernels of one sequence: refimpl's batch rule around this package's cores.
 _SINGLE = boundary.host_kernels(cpu_gmm.posterior, responsibility_backward, cpu_scan.scan_forward, cpu_scan.scan_backward)
 #: GMA with this package's kernels, bound to refimpl's boundary; a batch in one call per head (``_forward_batched``).
-KERNELS = {**_SINGLE, "gma": _gma_kernel, "gma_forward": _gma_forward_kernel, "gma_backward": _gma_backward_kernel}
+KERNELS = {**_SINGLE, "gma": _gma_kernel, "gma_forward": _gma_forward_kernel, "gma_backward": _gma_backward_kernel,
+           "packed gma": _packed_gma_kernel, "packed gma_forward": _packed_gma_forward_kernel}
 _public = boundary.bind(backend(KERNELS), ["gma", "gma_forward", "gma_backward"], module=__name__)
 gma = _public.gma
 gma_forward = _public.gma_forward

@@ -45,41 +45,66 @@ import numpy as np
 from numba import njit, prange
 
 from refimpl import scan as ref_scan
+from refimpl import validation
 from refimpl.scan import FeatureAttentionCache, FeatureAttentionGrads
 
 from ._jit import pick, single_threaded_blas, threaded_and_serial
 
-__all__ = ["prefix_contract", "chunked_forward", "chunked_backward", "scan_forward", "scan_backward"]
+__all__ = ["prefix_contract", "chunked_forward", "chunked_backward", "scan_forward", "scan_backward", "packed_forward",
+           "packed_backward", "head_offsets", "packed_layout", "packed_grad_out"]
 
 COLS = 8
 """Output columns per thread's block: two AVX2 vectors of float64."""
 
 
-def _prefix_contract(b, a, w, reverse, out):
+PREFIX, SUFFIX, WHOLE = 0, 1, 2
+"""The sums of :func:`prefix_contract`'s state: over ``j <= t``, ``j >= t``, or the whole sequence (bidirectional)."""
+
+
+def _prefix_contract(b, a, w, mode, offsets, out):
     # b and out have a multiple of COLS columns: every inner loop has COLS trips, known when compiling
-    n, I = b.shape
+    I = b.shape[1]
     M = a.shape[1]
-    for blk in prange(I // COLS):
-        i0 = blk * COLS
+    blocks = I // COLS
+    # one task per (sequence, block of columns): sequence s is rows offsets[s]:offsets[s + 1], its own state
+    for task in prange((offsets.shape[0] - 1) * blocks):
+        s, i0 = task // blocks, (task % blocks) * COLS
+        start, n = offsets[s], offsets[s + 1] - offsets[s]
         state = np.zeros((M, COLS), b.dtype)
-        for step in range(n):
-            t = n - 1 - step if reverse else step
-            acc = np.zeros(COLS, b.dtype)
-            for m in range(M):
-                am, wm = a[t, m], w[t, m]
+        if mode == WHOLE:
+            for t in range(start, start + n):
+                for m in range(M):
+                    am = a[t, m]
+                    for i in range(COLS):
+                        # the whole sequence's state: sum_j a_j b_j^T
+                        state[m, i] += am * b[t, i0 + i]
+            for t in range(start, start + n):
+                acc = np.zeros(COLS, b.dtype)
+                for m in range(M):
+                    wm = w[t, m]
+                    for i in range(COLS):
+                        acc[i] += wm * state[m, i]
                 for i in range(COLS):
-                    # the state after token t: sum_{j <= t} a_j b_j^T (j >= t in reverse), then its product with w_t
-                    s = state[m, i] + am * b[t, i0 + i]
-                    state[m, i] = s
-                    acc[i] += wm * s
-            for i in range(COLS):
-                out[t, i0 + i] = acc[i]
+                    out[t, i0 + i] = acc[i]
+        else:
+            for step in range(n):
+                t = start + (n - 1 - step if mode == SUFFIX else step)
+                acc = np.zeros(COLS, b.dtype)
+                for m in range(M):
+                    am, wm = a[t, m], w[t, m]
+                    for i in range(COLS):
+                        # the state after token t: sum_{j <= t} a_j b_j^T (j >= t in reverse), then its product with w_t
+                        s_mi = state[m, i] + am * b[t, i0 + i]
+                        state[m, i] = s_mi
+                        acc[i] += wm * s_mi
+                for i in range(COLS):
+                    out[t, i0 + i] = acc[i]
 
 
 _PREFIX_CONTRACT = threaded_and_serial(_prefix_contract)
 
 
-def prefix_contract(b, a, w, *, reverse=False):
+def prefix_contract(b, a, w, *, reverse=False, offsets=None, whole=False):
     """Core: ``out_t = (sum_{j <= t} b_j a_j^T) w_t`` for every token ``t`` (``j >= t`` when ``reverse``).
 
     Parameters
@@ -89,6 +114,11 @@ def prefix_contract(b, a, w, *, reverse=False):
         One float dtype for the three.
     reverse : bool
         Suffix sums instead of prefix sums.
+    offsets : ndarray of int64, shape (S + 1,), optional
+        Sequences one after another (``cu_seqlens``): ``j`` runs over the
+        rows of ``t``'s sequence only; one sequence of ``N`` rows by default.
+    whole : bool
+        ``j`` over the whole sequence (the bidirectional form).
 
     Returns
     -------
@@ -96,10 +126,12 @@ def prefix_contract(b, a, w, *, reverse=False):
     """
     a, w = np.ascontiguousarray(a), np.ascontiguousarray(w)
     n, I = b.shape
+    offsets = np.array([0, n], dtype=np.int64) if offsets is None else offsets
     padded = np.zeros((n, -(-I // COLS) * COLS), dtype=b.dtype)  # zero columns up to a multiple of COLS
     padded[:, :I] = b
     out = np.empty_like(padded)
-    pick(_PREFIX_CONTRACT, n * padded.shape[1] * a.shape[1])(padded, a, w, bool(reverse), out)
+    mode = WHOLE if whole else SUFFIX if reverse else PREFIX
+    pick(_PREFIX_CONTRACT, n * padded.shape[1] * a.shape[1])(padded, a, w, mode, offsets, out)
     return out[:, :I]
 
 
@@ -231,6 +263,77 @@ def _ones_column(v):
     return v1
 
 
+def _normalised(num, eps):
+    """``(out, den)`` from ``[num, den - eps]`` (N, d_v + 1); no raise (den = 0 only with eps = 0: the caller refuses it)."""
+    den = num[:, -1] + num.dtype.type(eps)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = num[:, :-1] / den[:, None]
+    return out, den
+
+
+def _grad_columns(g, out, den):
+    """``g1 = [g / den, -(g . out) / den]`` (N, d_v + 1), the gradient of ``[num, den]``.
+
+    ``out_t = num_t / den_t``: ``dnum_t = g_t / den_t``, ``dden_t = -(g_t . out_t) / den_t``.
+    """
+    g1 = np.empty((g.shape[0], g.shape[1] + 1), dtype=g.dtype)
+    g1[:, :-1] = g / den[:, None]
+    g1[:, -1] = -np.sum(g * out, axis=1) / den
+    return g1
+
+
+def _contracted_backward(g1, phi_q, phi_k, v, offsets=None, whole=False):
+    """The three contractions of the backward, token by token (:func:`prefix_contract`)."""
+    v1 = _ones_column(v)
+    # dphi_q_t = [S, z]_t g1_t, the prefix sums of phi_k_j [v_j, 1]^T
+    dphi_q = prefix_contract(phi_k, v1, g1, offsets=offsets, whole=whole)
+    # dphi_k_t = [R, r]_t [v_t, 1], the suffix sums of phi_q_j g1_j^T
+    dphi_k = prefix_contract(phi_q, g1, v1, reverse=True, offsets=offsets, whole=whole)
+    # dv_t = R_t^T phi_k_t, R the suffix sums of phi_q_j (g_j / den_j)^T
+    dv = prefix_contract(g1[:, :-1], phi_q, phi_k, reverse=True, offsets=offsets, whole=whole)
+    return FeatureAttentionGrads(phi_q=dphi_q, phi_k=dphi_k, v=dv)
+
+
+def head_offsets(offsets, heads, T):
+    """The offsets of every (head, sequence) when ``heads`` heads' ``T`` packed rows are laid one head after another."""
+    starts = (offsets[None, :-1] + T * np.arange(heads, dtype=np.int64)[:, None]).reshape(-1)
+    return np.append(starts, heads * T)
+
+
+def packed_layout(x, leading):
+    """Rows ``(H T, w)`` or ``(H, T, w)``, heads first, back in the packed layout: ``(T, w)``, or ``(T, H, w)`` with heads."""
+    H = int(np.prod(leading))
+    x = x.reshape(H, -1, x.shape[-1])
+    return x.transpose(1, 0, 2).reshape((x.shape[1],) + tuple(leading) + x.shape[-1:])
+
+
+def packed_grad_out(grad_out, out_shape, dtype):
+    """The checked ``grad_out`` of a packed output of ``out_shape``, heads first as rows ``(H T, d_v)``.
+
+    The checks and messages of :func:`refimpl.varlen.packed_backward`: no batch dimension, then the shape and dtype.
+    """
+    labels = ("T", "H", "d_v") if len(out_shape) == 3 else ("T", "d_v")
+    validation.check_packed_tokens(grad_out, "grad_out", grad_out)
+    g = validation.check_grad_out(grad_out, tuple(out_shape), labels, dtype)
+    g = g if g.ndim == 2 else g.transpose(1, 0, 2)
+    return np.ascontiguousarray(g).reshape(-1, g.shape[-1])
+
+
+def packed_forward(phi_q, phi_k, v, causal, eps, offsets):
+    """Core: ``(out, den)`` of every sequence of packed rows (``offsets``, int64 ``(S + 1,)``) in one kernel call.
+
+    Causal: each sequence's prefix sums start at zero; bidirectional: each
+    sequence writes and reads its own state (sums over its rows only).  Token
+    by token (:func:`prefix_contract`), in an order fixed by the data; no raise.
+    """
+    return _normalised(prefix_contract(_ones_column(v), phi_k, phi_q, offsets=offsets, whole=not causal), eps)
+
+
+def packed_backward(g, phi_q, phi_k, v, out, den, causal, offsets):
+    """Core: ``(dphi_q, dphi_k, dv)`` of :func:`packed_forward` (``g`` checked, ``(T, d_v)``; no raise)."""
+    return _contracted_backward(_grad_columns(g, out, den), phi_q, phi_k, v, offsets, not causal)
+
+
 def scan_forward(phi_q, phi_k, v, causal, eps, chunk_size):
     """Core: :func:`refimpl.scan.scan_forward` with the causal form as one kernel; ``(out, cache)``, no raise.
 
@@ -243,9 +346,7 @@ def scan_forward(phi_q, phi_k, v, causal, eps, chunk_size):
         num = chunked_forward(phi_q, phi_k, _ones_column(v))
     else:
         num = prefix_contract(_ones_column(v), phi_k, phi_q)
-    den = num[:, -1] + phi_q.dtype.type(eps)
-    with np.errstate(divide="ignore", invalid="ignore"):  # den = 0 only with eps = 0: the caller refuses it
-        out = num[:, :-1] / den[:, None]
+    out, den = _normalised(num, eps)
     chunk = max(1, min(chunk_size, phi_q.shape[0]))
     return out, FeatureAttentionCache(phi_q, phi_k, v, out, den, True, eps, chunk)
 
@@ -254,18 +355,8 @@ def scan_backward(g, cache):
     """Core: :func:`refimpl.scan.scan_backward` with the causal sweeps as kernels (``g`` checked; no raise)."""
     if not cache.causal:
         return ref_scan.scan_backward(g, cache)
-    # out_t = num_t / den_t: dnum_t = g_t / den_t, dden_t = -(g_t . out_t) / den_t
-    g1 = np.empty((g.shape[0], g.shape[1] + 1), dtype=g.dtype)
-    g1[:, :-1] = g / cache.den[:, None]
-    g1[:, -1] = -np.sum(g * cache.out, axis=1) / cache.den
+    g1 = _grad_columns(g, cache.out, cache.den)
     if g.shape[0] * cache.phi_q.shape[1] * g1.shape[1] > CHUNK_WORK:
         dphi_q, dphi_k, dv = chunked_backward(cache.phi_q, cache.phi_k, cache.v, g1)
         return FeatureAttentionGrads(phi_q=dphi_q, phi_k=dphi_k, v=dv)
-    v1 = _ones_column(cache.v)
-    # dphi_q_t = [S, z]_t g1_t, the prefix sums of phi_k_j [v_j, 1]^T
-    dphi_q = prefix_contract(cache.phi_k, v1, g1)
-    # dphi_k_t = [R, r]_t [v_t, 1], the suffix sums of phi_q_j g1_j^T
-    dphi_k = prefix_contract(cache.phi_q, g1, v1, reverse=True)
-    # dv_t = R_t^T phi_k_t, R the suffix sums of phi_q_j (g_j / den_j)^T
-    dv = prefix_contract(g1[:, :-1], cache.phi_q, cache.phi_k, reverse=True)
-    return FeatureAttentionGrads(phi_q=dphi_q, phi_k=dphi_k, v=dv)
+    return _contracted_backward(g1, cache.phi_q, cache.phi_k, cache.v)

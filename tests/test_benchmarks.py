@@ -39,6 +39,7 @@ EXPECTED = {
         "peak memory",
         "ns per entry",
         "causal GMA padded / packed:",
+        "causal GMA loop / packed:",
         "peak memory, causal GMA",
     ],
 }

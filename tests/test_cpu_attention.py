@@ -101,3 +101,32 @@ def test_forward_and_backward_make_no_n_by_n_allocation():
     assert grew < square / 16, f"the backward grew the resident memory by {grew} bytes (N x N float64 is {square})"
     # the measurement sees an N x N array when there is one
     assert _peak_rss_increase(lambda: np.ones((N, N)).sum()) > square * 0.9
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_packed_linear_attention_call_is_one_scan_call_whatever_the_number_of_sequences(causal, monkeypatch):
+    """The packed kernel: one token-by-token contraction over every (head, sequence) forward, three backward, never
+    the unpacked kernel per sequence; the loop's results (the same bits when causal: the same sums in the same order)."""
+    from cpu import scan as cpu_scan
+    from refimpl import varlen
+
+    offsets = np.array([0, 0, 5, 6, 6, 8, 16, 16, 23])
+    rng = np.random.default_rng(14)
+    q, k, v = (rng.normal(size=(23, 2, n)) for n in (3, 3, 4))
+    calls = []
+    contract = cpu_scan.prefix_contract
+    monkeypatch.setattr(cpu_scan, "prefix_contract", lambda *a, **kw: (calls.append("prefix_contract"), contract(*a, **kw))[1])
+    kernels = C.linear_attention_forward.backend.kernels
+    for key in ("linear_attention_forward", "packed linear_attention_forward"):
+        monkeypatch.setitem(kernels, key, lambda *a, _k=key, _f=kernels[key]: (calls.append(_k), _f(*a))[1])
+    out, cache = C.linear_attention_forward(q, k, v, causal=causal, cu_seqlens=offsets)
+    assert calls == ["packed linear_attention_forward", "prefix_contract"]
+    calls.clear()
+    grads = C.linear_attention_backward(np.ones_like(out), cache)
+    assert calls == ["prefix_contract"] * 3
+    monkeypatch.delitem(kernels, "packed linear_attention_forward")  # the loop: one unpacked call per sequence
+    calls.clear()
+    out_loop, cache_loop = C.linear_attention_forward(q, k, v, causal=causal, cu_seqlens=offsets)
+    assert isinstance(cache_loop, varlen.PackedCache) and calls.count("linear_attention_forward") == 5
+    for got, want in zip([out, *grads], [out_loop, *C.linear_attention_backward(np.ones_like(out), cache_loop)], strict=True):
+        assert np.array_equal(got, want) if causal else np.allclose(got, want, rtol=1e-13, atol=1e-15)

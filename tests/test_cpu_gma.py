@@ -65,12 +65,14 @@ def test_the_causal_scan_agrees(n, F, d_v, dtype, path, monkeypatch):
 def test_prefix_contract_is_its_definition():
     rng = np.random.default_rng(5)
     b, a, w = rng.normal(size=(9, 3)), rng.normal(size=(9, 4)), rng.normal(size=(9, 4))
-    for reverse in (False, True):
-        got = cpu_scan.prefix_contract(b, a, w, reverse=reverse)
-        for t in range(9):
-            js = range(t, 9) if reverse else range(t + 1)
-            state = sum(np.outer(b[j], a[j]) for j in js)
-            np.testing.assert_allclose(got[t], state @ w[t], rtol=1e-14, atol=1e-14)
+    for offsets in ([0, 9], [0, 0, 3, 4, 4, 9]):  # one sequence, or packed ones (empty, of length 1): j in t's own
+        for reverse, whole in ((False, False), (True, False), (False, True)):
+            got = cpu_scan.prefix_contract(b, a, w, reverse=reverse, whole=whole, offsets=np.array(offsets, dtype=np.int64))
+            for start, stop in zip(offsets[:-1], offsets[1:]):
+                for t in range(start, stop):
+                    js = range(start, stop) if whole else range(t, stop) if reverse else range(start, t + 1)
+                    state = sum(np.outer(b[j], a[j]) for j in js)
+                    np.testing.assert_allclose(got[t], state @ w[t], rtol=1e-14, atol=1e-14)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -135,3 +137,54 @@ def test_a_batch_equals_its_sequences_one_by_one(causal):
                 np.testing.assert_allclose(getattr(grads, f)[b, h], getattr(one, f), rtol=1e-12, atol=1e-14)
             dmeans[h] += one.means
     np.testing.assert_allclose(grads.means, dmeans, rtol=1e-12, atol=1e-13)
+
+
+def test_a_packed_call_is_one_call_of_each_kernel_whatever_the_number_of_sequences(monkeypatch):
+    """cpu.gma's packed kernel: the responsibilities one call per head and token array, the mixing one scan call
+    (three in the backward), never the unpacked kernel per sequence; the loop's results, the same bits with one
+    thread or two."""
+    from conformance_backends import _numba_threads
+    from cpu import gma as cpu_gma
+    from cpu import _jit as cpu_jit
+    from cpu import gmm as cpu_gmm_module
+    from refimpl import varlen
+
+    offsets = np.array([0, 0, 5, 6, 6, 8, 16, 16, 23])
+    rng = np.random.default_rng(13)
+    x_q, x_k, v = (rng.normal(size=(23, 2, n)) for n in (3, 3, 4))
+    means, raw, logits = rng.normal(size=(2, 5, 3)), rng.normal(size=(2, 5, 3)), rng.normal(size=(2, 5))
+    calls = []
+    monkeypatch.setattr(cpu_jit, "SERIAL_WORK", 0)  # the threaded builds, even at this size
+
+    def counted(module, name):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **k: (calls.append(name), original(*a, **k))[1])
+
+    counted(cpu_scan, "prefix_contract")
+    counted(cpu_gmm_module, "posterior")
+    counted(cpu_gma, "responsibility_backward")
+    kernels = cpu_gma.gma_forward.backend.kernels
+    for key in ("gma_forward", "packed gma_forward"):
+        original = kernels[key]
+        monkeypatch.setitem(kernels, key, lambda *a, _k=key, _f=original: (calls.append(_k), _f(*a))[1])
+    packed = kernels["packed gma_forward"]
+    for causal in (True, False):
+        runs = []
+        for threads in (1, 2):
+            calls.clear()
+            with _numba_threads(threads):
+                out, cache = cpu_gma.gma_forward(x_q, x_k, v, means, raw, logits, causal=causal, cu_seqlens=offsets)
+                assert sorted(calls) == ["packed gma_forward"] + ["posterior"] * 4 + ["prefix_contract"], calls
+                calls.clear()
+                grads = cpu_gma.gma_backward(np.ones_like(out), cache)
+                assert sorted(calls) == ["prefix_contract"] * 3 + ["responsibility_backward"] * 4, calls
+            runs.append([out, *grads])
+        assert all(np.array_equal(a, b) for a, b in zip(*runs, strict=True))
+        monkeypatch.delitem(kernels, "packed gma_forward")  # the loop over the sequences, one unpacked call each
+        calls.clear()
+        out_loop, cache_loop = cpu_gma.gma_forward(x_q, x_k, v, means, raw, logits, causal=causal, cu_seqlens=offsets)
+        assert isinstance(cache_loop, varlen.PackedCache) and calls.count("gma_forward") == 5
+        np.testing.assert_allclose(out, out_loop, rtol=1e-13, atol=1e-15)
+        for got, want in zip(grads, cpu_gma.gma_backward(np.ones_like(out), cache_loop), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13)
+        monkeypatch.setitem(kernels, "packed gma_forward", packed)
