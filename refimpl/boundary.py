@@ -65,6 +65,7 @@ class Backend(NamedTuple):
     #: How it computes, one sentence: the start of the docstrings' second paragraph.
     summary: str
     #: The cores by public name (:data:`FUNCTIONS` says what each is given); a name without one is a function it has not.
+    #: ``"packed " + name``, optionally: the kernel of a packed call (``cu_seqlens``) in one call, else the loop (:func:`_packed`).
     kernels: Mapping[str, Callable]
     #: Which arrays it takes and gives, one sentence for the docstrings.
     arrays: str = "NumPy arrays in, NumPy arrays out; the dtype follows the inputs."
@@ -106,8 +107,21 @@ def log_responsibilities(b, x, means, variances, weights):
     return b.kernels["posterior"](xp, _gmm_arguments(b, x, means, variances, weights), (x, means, variances, weights), True)
 
 
-def _packed(b, definition, tokens, names, cu_seqlens, check, forward, *rest, **options):
-    """A packed call of ``definition`` on ``b``: every sequence by its unpacked call (:func:`refimpl.varlen.packed`)."""
+def _packed(b, definition, tokens, names, cu_seqlens, check, forward, *rest, kernel=None, **options):
+    """A packed call of ``definition`` on ``b``: the backend's packed kernel ``"packed " + kernel`` where it has one
+    and takes the call, else every sequence by its unpacked call (:func:`refimpl.varlen.packed`).
+
+    A packed kernel is called ``native(xp, checked, given, offsets)``, ``checked`` what the checker returned for the
+    whole packed arrays (heads first), ``offsets`` the checked ``cu_seqlens`` (int64); it returns what the public
+    function returns, or ``NotImplemented`` to leave the call to the loop (which checks again and computes).
+    """
+    native = b.kernels.get(f"packed {kernel}")
+    if native is not None:
+        checked = []
+        offsets = varlen.check_packed(cu_seqlens, tokens, names, lambda *x: checked.append(check(*x)), b.view)
+        result = native(b.module(*tokens), checked[0], tokens, offsets)
+        if result is not NotImplemented:
+            return result
     out, extras = varlen.packed(lambda s, *seq: definition(b, *seq, *rest, **options, cu_seqlens=None), tokens, cu_seqlens, names,
                                 check, b.view, forward)
     return (out, extras) if forward else out
@@ -119,8 +133,8 @@ def gma(b, x_q, x_k, v, means, variances, weights, *, causal, eps, chunk_size, c
     params = (b.view(means, "parameter"), b.view(variances, "positive"), b.view(weights, "probability"))
     check = lambda q, k, v1: spec_gma.check_gma_arguments(q, k, v1, *params, causal, eps, chunk_size)  # noqa: E731
     if cu_seqlens is not None:
-        return _packed(b, gma, given[:3], ("x_q", "x_k", "v"), cu_seqlens, check, False, *given[3:], causal=causal, eps=eps,
-                       chunk_size=chunk_size)
+        return _packed(b, gma, given[:3], ("x_q", "x_k", "v"), cu_seqlens, check, False, *given[3:], kernel="gma", causal=causal,
+                       eps=eps, chunk_size=chunk_size)
     return b.kernels["gma"](xp, check(b.view(x_q), b.view(x_k), b.view(v)), given)
 
 
@@ -130,8 +144,8 @@ def gma_forward(b, x_q, x_k, v, means, raw_variances, logits, *, causal, eps, mi
     params = tuple(b.view(a, "parameter") for a in given[3:])
     check = lambda q, k, v1: spec_gma.check_gma_forward_arguments(q, k, v1, *params, causal, eps, min_variance, chunk_size)  # noqa: E731
     if cu_seqlens is not None:
-        return _packed(b, gma_forward, given[:3], ("x_q", "x_k", "v"), cu_seqlens, check, True, *given[3:], causal=causal, eps=eps,
-                       min_variance=min_variance, chunk_size=chunk_size)
+        return _packed(b, gma_forward, given[:3], ("x_q", "x_k", "v"), cu_seqlens, check, True, *given[3:], kernel="gma_forward",
+                       causal=causal, eps=eps, min_variance=min_variance, chunk_size=chunk_size)
     return b.kernels["gma_forward"](xp, check(b.view(x_q), b.view(x_k), b.view(v)), given)
 
 
@@ -140,7 +154,7 @@ def _attention(name, checker, forward):
         xp = b.module(q, k, v)
         check = lambda q1, k1, v1: checker(q1, k1, v1, *options.values())  # noqa: E731
         if cu_seqlens is not None:
-            return _packed(b, definition, (q, k, v), ("q", "k", "v"), cu_seqlens, check, forward, **options)
+            return _packed(b, definition, (q, k, v), ("q", "k", "v"), cu_seqlens, check, forward, kernel=name, **options)
         return b.kernels[name](xp, check(b.view(q), b.view(k), b.view(v)), (q, k, v))
 
     return definition
