@@ -494,7 +494,7 @@ def attention_device(q, k, v, scale, causal, cu_seqlens=None):
     if BH * N_q == 0:
         return out, row_max
     if cu_seqlens is None:
-        cu = ends = cuda.device_array(1, dtype=np.int64)  # no packed sequences (S = 0), never read
+        cu = ends = cuda.device_array(0, dtype=np.int64)  # no packed sequences (S = 0): empty, never read
         S, tiles = 0, None
     else:
         ends = packed_tiles(cu_seqlens, dtype)
