@@ -166,3 +166,51 @@ def test_a_device_call_across_tiles_copies_to_the_host_once(host_copies):
     q, k, v = (cuda.to_device(a) for a in qkv((2,), 2 * TILE + 1, 2 * TILE + 1, DTILE + 1, COLS + 1, seed=11))
     out = G.softmax_attention(q, k, v, causal=True)
     assert host_copies["n"] == 1 and hasattr(out, "copy_to_host")
+
+
+@pytest.fixture
+def flash_launches(monkeypatch):
+    """The launches of :func:`G._flash_forward`, each logged as its grid."""
+    log, build = [], G._flash_kernel
+
+    def counted(dtype):
+        kernel = build(dtype)
+
+        class Counted:
+            def __getitem__(self, config):
+                log.append(config[0])
+                return kernel[config]
+
+        return Counted()
+
+    monkeypatch.setattr(G, "_flash_kernel", counted)
+    return log
+
+
+@pytest.mark.parametrize("cu_seqlens, heads", [([0, 0, 5, 6, 6, 9], 2), ([0, 3, 4, 9], 0)],
+                         ids=["5 sequences, 2 heads", "3 sequences"])
+def test_a_packed_call_is_one_launch_for_all_its_sequences(flash_launches, cu_seqlens, heads):
+    """One launch whatever the number of sequences (the loop launched once per sequence); each computed on its own."""
+    shape = (9, heads) if heads else (9,)
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.normal(size=shape + (w,)) for w in (3, 3, 5))
+    out = G.softmax_attention(q, k, v, causal=True, cu_seqlens=np.array(cu_seqlens))
+    assert len(flash_launches) == 1
+    # grid x: every sequence's query tiles (a sequence of 5 rows owns two tiles of 4) by the 2 groups of 5 > 4 value
+    # columns, and nothing more
+    tiles = sum(-(-(b - a) // TILE) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+    assert flash_launches[0][0] == tiles * -(-5 // COLS)
+    np.testing.assert_allclose(out, R.softmax_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens), rtol=1e-12, atol=1e-13)
+
+
+def test_a_packed_call_whose_scores_overflow_is_refused_as_the_loop_refuses_it():
+    """The launch's row maxima find the overflow; the loop then words it for the sequence's own rows."""
+    rng = np.random.default_rng(13)
+    q, k, v = (rng.normal(size=(6, w)) for w in (2, 2, 2))
+    q[4], k[3:] = 1e300, 1e10  # row 1 of sequence 1 overflows: "row 1", not the packed row 4
+    cu_seqlens = np.array([0, 3, 6])
+    with quiet(), pytest.raises(ValueError, match="first: row 1") as expected:
+        R.softmax_attention(q, k, v, cu_seqlens=cu_seqlens)
+    with quiet(), pytest.raises(ValueError) as got:
+        G.softmax_attention(q, k, v, cu_seqlens=cu_seqlens)
+    assert str(got.value) == str(expected.value)

@@ -271,3 +271,36 @@ def test_launch_geometry_is_inside_every_hardware_limit(B, N, K, d_r, H):
         assert launches["_responsibility_rows q"][0] == min(B * -(-N // gpu_gma.ROW_TILE), 2**31 - 1)
         # static shared memory of dL/dx's kernel in float64: at most 48 KiB
         assert 8 * (gpu_gma.SH_RED + gpu_gma.SH_CR + gpu_gma.SH_MP) <= 48 * 1024
+
+
+@pytest.fixture
+def simulated_launches(monkeypatch):
+    """The name of every kernel launched in the CUDA simulator, in order."""
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+    log, launch = [], FakeCUDAKernel.__getitem__
+
+    def logged(self, configuration):
+        log.append(self.fn.__name__)
+        return launch(self, configuration)
+
+    monkeypatch.setattr(FakeCUDAKernel, "__getitem__", logged)
+    return log
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="counts the simulator's launches")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_a_packed_call_launches_each_kernel_as_one_call_on_its_longest_sequence_does(simulated_launches, causal):
+    """One launch per stage for all the sequences and heads: the launches of the longest sequence's own call, in order,
+    whether 2 or 4 sequences are packed (the loop made those of every sequence); each sequence computed on its own."""
+    rng = np.random.default_rng(14)
+    x_q, x_k, v = (rng.normal(size=(7, 2, w)) for w in (2, 2, 3))  # 7 packed tokens of 2 heads
+    params = (rng.normal(size=(2, 2, 2)), rng.uniform(0.5, 2.0, size=(2, 2, 2)), np.full((2, 2), 0.5))  # a GMM per head
+    kw = dict(causal=causal, chunk_size=2)
+    gpu_gma.gma(*(a[3:].transpose(1, 0, 2) for a in (x_q, x_k, v)), *params, **kw)  # the longest sequence: 4 tokens
+    alone = list(simulated_launches)
+    for cu_seqlens in ([0, 3, 7], [0, 0, 1, 1, 2, 3, 7]):
+        simulated_launches.clear()
+        out = gpu_gma.gma(x_q, x_k, v, *params, **kw, cu_seqlens=np.array(cu_seqlens))
+        assert simulated_launches == alone
+        np.testing.assert_allclose(out, gma.gma(x_q, x_k, v, *params, **kw, cu_seqlens=cu_seqlens), **F64)

@@ -134,8 +134,9 @@ def test_gpu_geometry_chunk_states_cross_every_tile(dtype, rtol, f_tiles):
     with gpu_tiles():
         grid, block = S.launch_geometry(B, N, F, E, chunk, dtype)["states"]
         assert grid[0] == n * f_tiles * 2 and block == (16, 16)
+        none = cuda.device_array(0, dtype=np.int64)  # no packed sequences: B sequences of N tokens
         S._states_kernel(dtype)[grid, block](S._flat(cuda.to_device(y)), S._flat(cuda.to_device(z)), (B, N, F, E, chunk, n),
-                                     S._flat(partial))
+                                     S._flat(partial), none, none)
     np.testing.assert_allclose(partial.copy_to_host(), _states_formula(y, z, chunk), rtol=rtol, atol=rtol)
 
 

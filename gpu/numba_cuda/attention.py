@@ -68,6 +68,13 @@ and head dimensions flattened to ``BH``), with the geometry of
   every axis within the hardware's limits (x up to ``2^31 - 1`` tiles, that
   is ``N`` up to about ``2^37``; ``y z`` up to ``65,535^2`` sequences).
 
+A packed call (``cu_seqlens``) is the same single launch: grid ``x`` runs
+over the query tiles of all its sequences (:func:`packed_tiles`, built once
+per call from the offsets), ``y``, ``z`` over the heads; a block finds its
+sequence by bisection over the tiles' ends and reads the rows and keys of
+that sequence only, so nothing crosses a boundary and each sequence is
+computed as on its own (``docs/derivations/varlen.md``).
+
 Per key tile a block passes two barriers per ``D_CHUNK`` of ``d``, one
 after the row maxima and two per ``V_CHUNK`` of value columns: 7 per 64
 keys for ``d, d_v <= 64`` in float32 (against about 160 for 8 x 8 tiles).  Causal: key tiles past the
@@ -166,8 +173,9 @@ GEOMETRY = SIMULATOR_GEOMETRY if SIMULATOR else GPU_GEOMETRY
 
 
 def _flash_signature(f):
-    # q, k, v, out flattened (C order), row_max [BH N_q]; then BH, N_q, N_k, d, d_v
-    return (f[::1], f[::1], f[::1], f, boolean, f[::1], f[::1], int64, int64, int64, int64, int64)
+    # q, k, v, out flattened (C order), row_max [BH N_q]; then BH, N_q, N_k, d, d_v; then the packed sequences' offsets
+    # cu [S + 1] and their query tiles' ends [S] (S = 0: BH sequences of N_q rows)
+    return (f[::1], f[::1], f[::1], f, boolean, f[::1], f[::1], int64, int64, int64, int64, int64, int64[::1], int64[::1], int64)
 
 
 def _build_flash_forward(g: Geometry, f=None):
@@ -211,7 +219,7 @@ def _build_flash_forward(g: Geometry, f=None):
     # coordinates, then meet 4-way bank conflicts in float32, against the loads' 64 coordinates a tile).  The arrays
     # come flat (C order): a flat index holds fewer registers than a 3-D one.
     @kernel(_flash_signature, threads=g.threads, tags=("attention",), options=options, dtypes=dtypes)
-    def _flash_forward(q, k, v, scale, causal, out, row_max_out, BH, N_q, N_k, d, d_v):
+    def _flash_forward(q, k, v, scale, causal, out, row_max_out, BH, N_q, N_k, d, d_v, cu, tile_end, S):
         dt = q.dtype
         qT = cuda.shared.array(SH_Q, dtype=dt, alignment=ALIGN)  # [D_CHUNK, QW], flat
         kp = cuda.shared.array(SH_KP, dtype=dt, alignment=ALIGN)  # [KP, KW], flat
@@ -238,13 +246,31 @@ def _build_flash_forward(g: Geometry, f=None):
         ok = u32(tx * u32(RK))  # its first key in a row of k^T (kp), S and P
         op = u32(oq * u32(KW))
         ov = u32(tx * u32(GC))  # its first value column in a row of vs
-        n_qt = (N_q + TILE_Q - 1) // TILE_Q
         n_cg = max(1, (d_v + COLS - 1) // COLS)
         w = cuda.blockIdx.x
-        q0 = (n_qt - 1 - w // n_cg) * TILE_Q  # the last query tiles (the most keys when causal) first
+        tile = w // n_cg
         c0 = (w % n_cg) * COLS
         q_row = b * N_q  # the sequence's first query row, and its first key row (of k and v alike)
         k_row = b * N_k
+        if S > 0:
+            # packed: b is a head of N_q = T rows; the block's sequence s is the first whose query tiles end past its
+            # tile (bisection over tile_end, empty sequences own no tile), its rows cu[s]:cu[s + 1], its keys the same
+            lo = 0
+            hi = S - 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if tile_end[mid] > tile:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            if lo > 0:
+                tile -= tile_end[lo - 1]
+            q_row += cu[lo]
+            k_row = q_row
+            N_q = cu[lo + 1] - cu[lo]
+            N_k = N_q
+        n_qt = (N_q + TILE_Q - 1) // TILE_Q
+        q0 = (n_qt - 1 - tile) * TILE_Q  # the last query tiles (the most keys when causal) first
         resident = d <= D_CHUNK
         # the running maxima live in shared memory (the same on the TX threads of a row), in two halves: a key tile
         # reads the half at mb and its lane tx = 0 writes the other, which the next tile reads (barriers between)
@@ -368,9 +394,9 @@ def _build_flash_forward(g: Geometry, f=None):
                     for gg in range(GC):
                         col = c0 + h * V_CHUNK + ov + gg
                         if col < d_v:
-                            out[(b * N_q + row) * d_v + col] = acc[i, h * GC + gg] / l
+                            out[(q_row + row) * d_v + col] = acc[i, h * GC + gg] / l
                 if tx == 0 and c0 == 0:
-                    row_max_out[b * N_q + row] = mrow[mb + oq + u32(i)]
+                    row_max_out[q_row + row] = mrow[mb + oq + u32(i)]
 
     return _flash_forward
 
@@ -396,7 +422,7 @@ def _flash_kernel(dtype):
     return _FLASH[key]
 
 
-def launch_geometry(BH: int, N_q: int, d_v: int, dtype) -> tuple:
+def launch_geometry(BH: int, N_q: int, d_v: int, dtype, tiles: int | None = None) -> tuple:
     """``(grid, block)`` of :func:`_flash_forward` for ``BH`` sequences of ``N_q`` queries and ``d_v`` value columns.
 
     A pure function of the shapes: grid ``x`` counts (query tile, column
@@ -404,10 +430,12 @@ def launch_geometry(BH: int, N_q: int, d_v: int, dtype) -> tuple:
     65,535 each (:func:`~gpu.numba_cuda._primitives.sequence_axes`; blocks
     past the last sequence return at once); a shape beyond them (``N_q``
     over about ``2^37``) is refused.  ``block`` is ``(TX TY,)`` threads, at
-    most 1,024.
+    most 1,024.  A packed call gives ``tiles``, the query tiles of all its
+    sequences together (:func:`packed_tiles`): grid ``x`` counts those by
+    column group, ``y`` and ``z`` the ``BH`` heads.
     """
     g = GEOMETRY[np.dtype(dtype)]
-    work = blocks(N_q, g.tile_q) * blocks(d_v, g.COLS)
+    work = (blocks(N_q, g.tile_q) if tiles is None else max(1, tiles)) * blocks(d_v, g.COLS)
     y, z = sequence_axes(BH)
     if work > MAX_GRID_X or y * z < BH:
         raise ValueError(f"softmax_attention: {BH} sequences of {N_q} queries exceed the grid's limits")
@@ -420,7 +448,18 @@ if not SIMULATOR:
         _flash_kernel(_dt)
 
 
-def attention_device(q, k, v, scale, causal):
+def packed_tiles(cu_seqlens, dtype) -> np.ndarray:
+    """The end of each packed sequence's query tiles, int64 ``(S,)``: the running sum of ``ceil(n_s / TILE_Q)``.
+
+    Tile ``w`` of a packed launch belongs to the first sequence ``s`` with
+    ``ends[s] > w`` (an empty sequence owns none), the ``w - ends[s - 1]``-th
+    of its own.
+    """
+    lengths = np.diff(np.asarray(cu_seqlens, dtype=np.int64))
+    return np.cumsum(-(-lengths // GEOMETRY[np.dtype(dtype)].tile_q), dtype=np.int64)
+
+
+def attention_device(q, k, v, scale, causal, cu_seqlens=None):
     """Core: softmax attention of ``BH`` sequences on the device; no validation, no raise.
 
     Parameters
@@ -433,6 +472,11 @@ def attention_device(q, k, v, scale, causal):
         Multiplies the scores.
     causal : bool
         Query ``i`` attends to keys ``j <= i`` (``N_q == N_k``).
+    cu_seqlens : ndarray, shape (S + 1,), optional
+        int64 offsets of ``S`` packed sequences along ``N_q == N_k`` (on the
+        host): rows ``cu_seqlens[s]:cu_seqlens[s + 1]`` of every head are
+        sequence ``s``, computed as on its own (its queries see its keys
+        only), all in the same launch.
 
     Returns
     -------
@@ -449,10 +493,17 @@ def attention_device(q, k, v, scale, causal):
     row_max = cuda.device_array((BH, N_q), dtype=dtype)
     if BH * N_q == 0:
         return out, row_max
-    grid, block = launch_geometry(BH, N_q, d_v, dtype)
+    if cu_seqlens is None:
+        cu = ends = cuda.device_array(0, dtype=np.int64)  # no packed sequences (S = 0): empty, never read
+        S, tiles = 0, None
+    else:
+        ends = packed_tiles(cu_seqlens, dtype)
+        S, tiles = len(ends), int(ends[-1])
+        cu, ends = cuda.to_device(np.asarray(cu_seqlens, dtype=np.int64)), cuda.to_device(ends)
+    grid, block = launch_geometry(BH, N_q, d_v, dtype, tiles)
     N_k, d = k.shape[1], q.shape[2]
     fq, fk, fv, fo, fm = (a.reshape(a.size) for a in (q, k, v, out, row_max))
-    _flash_kernel(dtype)[grid, block](fq, fk, fv, dtype.type(scale), bool(causal), fo, fm, BH, N_q, N_k, d, d_v)
+    _flash_kernel(dtype)[grid, block](fq, fk, fv, dtype.type(scale), bool(causal), fo, fm, BH, N_q, N_k, d, d_v, cu, ends, S)
     return out, row_max
 
 
@@ -479,5 +530,32 @@ def _softmax_attention_kernel(xp, checked, given):
     return result(out.reshape(batch_shape + (N_q, d_v)), on_device)
 
 
+def _packed_softmax_attention_kernel(xp, checked, given, offsets):
+    """A packed call (``cu_seqlens``) in one launch: refimpl's checked arguments (heads first) and the checked offsets.
+
+    Every (head, sequence) pair runs in the launch of :func:`attention_device`,
+    each as on its own; the result is laid back in the packed rows.  A score
+    overflow, or a batch with no token, is left to the per-sequence loop
+    (``NotImplemented``), which words the reference's error for the
+    sequence's own rows.
+    """
+    qh, kh, vh, scale, causal, batch_shape = checked
+    (T, d), d_v = qh.shape[-2:], vh.shape[-1]
+    H = int(np.prod(batch_shape, dtype=np.int64))
+    if T == 0:
+        return NotImplemented
+    dtype = qh.dtype
+    q, k, v = (to_device(a, dtype).reshape(H, T, a.shape[-1]) for a in (qh, kh, vh))
+    out, row_max = attention_device(q, k, v, scale, causal, cu_seqlens=offsets)
+    checks = Checks(dtype)
+    checks.finite(row_max, "row_max")
+    if checks.fetch().failed("row_max"):
+        return NotImplemented
+    out = out.copy_to_host()
+    # (H, T, d_v) back to the packed rows (T, H, d_v), or (T, d_v)
+    return np.ascontiguousarray(out.transpose(1, 0, 2)) if batch_shape else out.reshape(T, d_v)
+
+
 #: softmax_attention bound to refimpl's boundary, which writes its signature, docstring and checks once.
-softmax_attention = boundary.bind(backend({"softmax_attention": _softmax_attention_kernel}), module=__name__).softmax_attention
+_KERNELS = {"softmax_attention": _softmax_attention_kernel, "packed softmax_attention": _packed_softmax_attention_kernel}
+softmax_attention = boundary.bind(backend(_KERNELS), module=__name__).softmax_attention

@@ -50,6 +50,12 @@ when there are more).
    and sequences in a fixed order): 5 launches besides the scan's.  No
    atomics: the results are deterministic for a given launch geometry.
 
+A packed call of :func:`gma` (``cu_seqlens``) makes the launches of one
+call: the responsibilities of every packed row at once (they are row by
+row), then the packed scan of :func:`gpu.numba_cuda.scan.scan_forward_device`,
+each sequence's chunks and keys its own; :func:`gma_forward` and
+:func:`gma_backward` still run packed calls as the loop over the sequences.
+
 The tile sizes are module constants (:data:`GPU_GEOMETRY` on a GPU,
 :data:`SIMULATOR_GEOMETRY` in the simulator); :func:`geometry` runs the
 GPU's tiles in the simulator, for tests.
@@ -693,7 +699,7 @@ def _mixture_from_raw(raw, logits, min_variance, variances, log_weights, sigmoid
             log_weights[h, m] = (logits[h, m] - top) - log_total
 
 
-def _forward(x_q, x_k, v, m, var, lw, causal, eps, chunk_size, leading, checks, params, recheck):
+def _forward(x_q, x_k, v, m, var, lw, causal, eps, chunk_size, leading, checks, params, recheck, cu_seqlens=None):
     """Responsibilities and scan on the device; checks the inputs, the parameters, min_quad and the denominators as refimpl does.
 
     ``m``, ``var``, ``lw``: the mixture on the device, ``(H, K, d_r)`` and
@@ -703,7 +709,10 @@ def _forward(x_q, x_k, v, m, var, lw, causal, eps, chunk_size, leading, checks, 
     Every check is gathered on the device and copied to the host once
     (:class:`~gpu.numba_cuda._device.Checks`); only a failing one copies more,
     to word refimpl's error, in refimpl's order (the tokens, the parameters,
-    then the computed quantities).
+    then the computed quantities).  With ``cu_seqlens`` (a packed call: the
+    sequences along ``N``, :func:`gpu.numba_cuda.scan.scan_forward_device`)
+    a failing computed quantity returns None instead, for the per-sequence
+    loop to word its error for the sequence's own rows.
     """
     dtype = checks.dtype
     inputs = ((x_q, "x_q"), (x_k, "x_k"), (v, "v"))
@@ -714,7 +723,7 @@ def _forward(x_q, x_k, v, m, var, lw, causal, eps, chunk_size, leading, checks, 
             checks.finite(dev, name)
     gamma_q, min_quad_q = posterior_device(xq, m, var, lw)
     gamma_k, min_quad_k = posterior_device(xk, m, var, lw)
-    out, scan = scan_forward_device(gamma_q, gamma_k, vd, causal, eps, chunk_size)
+    out, scan = scan_forward_device(gamma_q, gamma_k, vd, causal, eps, chunk_size, cu_seqlens)
     checks.finite(min_quad_q, "min_quad_q")
     checks.finite(min_quad_k, "min_quad_k")
     if eps == 0:
@@ -723,13 +732,27 @@ def _forward(x_q, x_k, v, m, var, lw, causal, eps, chunk_size, leading, checks, 
     if any(checks.failed(name) for name in params):
         recheck()
     den_bad = eps == 0 and not np.all(checks.part("den") > 0) if "den" in checks.host else False
+    if (checks.failed("min_quad_q") or checks.failed("min_quad_k") or den_bad) and cu_seqlens is not None:
+        return None
     if checks.failed("min_quad_q") or checks.failed("min_quad_k") or den_bad:
         check_gma_results(to_host(min_quad_q).ravel(), to_host(min_quad_k).ravel(), to_host(scan.den).ravel(), eps)
     return xq, xk, out, scan
 
 
-def _gma_kernel(xp, checked, given):
-    """:func:`refimpl.gma.gma` on refimpl's checked arguments: the responsibilities and the scan on the device."""
+def _gma_kernel(xp, checked, given, cu_seqlens=None):
+    """:func:`refimpl.gma.gma` on refimpl's checked arguments: the responsibilities and the scan on the device.
+
+    With ``cu_seqlens`` (the checked offsets of a packed call, whose checked
+    token arrays are ``(T, d)`` or heads first ``(H, T, d)``), every sequence
+    in the same launches, the result laid back in the packed rows; a
+    failing result check, a batch with no token, or GMM parameters on the
+    device (which ``checked`` holds as zero-stride stand-ins) returns
+    ``NotImplemented`` (the per-sequence loop words the error, or computes).
+    """
+    if cu_seqlens is not None:
+        if checked[0].shape[-2] == 0 or any(a.size > 1 and not any(a.strides) for a in checked[3:6]):
+            return NotImplemented
+        given = tuple(given) + tuple(checked[3:6])  # the token arrays, then the parameters (on the host)
     x_q, x_k, v, means, variances, weights = given
     on_device = any_device(*given)
     hq, _, _, hm, hv, hw, causal, eps, chunk_size = checked
@@ -753,8 +776,16 @@ def _gma_kernel(xp, checked, given):
         check_gma_arguments(host_view(x_q), host_view(x_k), host_view(v), *parameters_to_host(means, variances, weights),
                             causal, eps, chunk_size)
 
-    out = _forward(x_q, x_k, v, m, var, lw, causal, eps, chunk_size, leading, checks, params, recheck)[2]
-    return result(out.reshape(leading + tuple(out.shape)[1:]), on_device)
+    if cu_seqlens is None:
+        out = _forward(x_q, x_k, v, m, var, lw, causal, eps, chunk_size, leading, checks, params, recheck)[2]
+        return result(out.reshape(leading + tuple(out.shape)[1:]), on_device)
+    # the checked (heads-first) host arrays; packed calls take host token arrays
+    done = _forward(hq, checked[1], checked[2], m, var, lw, causal, eps, chunk_size, leading, checks, params, recheck, cu_seqlens)
+    if done is None:
+        return NotImplemented
+    out = done[2].copy_to_host()
+    # (H, T, d_v) back to the packed rows (T, H, d_v), or (T, d_v)
+    return np.ascontiguousarray(out.transpose(1, 0, 2)) if leading else out.reshape(out.shape[1:])
 
 
 def _gma_forward_kernel(xp, checked, given):
@@ -857,8 +888,9 @@ def _gma_backward_kernel(xp, grad_out, cache) -> GMAGrads:
 
 
 #: GMA bound to refimpl's boundary, which writes the signatures, docstrings and checks once.
-_public = boundary.bind(backend({"gma": _gma_kernel, "gma_forward": _gma_forward_kernel, "gma_backward": _gma_backward_kernel}),
-                        module=__name__)
+_KERNELS = {"gma": _gma_kernel, "packed gma": _gma_kernel, "gma_forward": _gma_forward_kernel,
+            "gma_backward": _gma_backward_kernel}
+_public = boundary.bind(backend(_KERNELS), module=__name__)
 gma = _public.gma
 gma_forward = _public.gma_forward
 gma_backward = _public.gma_backward

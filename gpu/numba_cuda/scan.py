@@ -83,6 +83,15 @@ hardware's limits for any ``N`` and ``B``.
    held in registers.
 5. :func:`_normalise` and :func:`_scaled_grads`: one thread per entry.
 
+A packed forward (``cu_seqlens``, :func:`scan_forward_device`) makes the
+same launches: the product kernels take every nonempty (head, sequence)
+pair as a sequence of their batch, from a table of each one's first flat
+row and length built once per call (:func:`packed_sequences`), so its chunks
+start at its first token and its keys are its own; every sequence gets the
+longest one's count of chunks (those past its end hold zeros, which add
+exact zeros to the prefix sums), so a packed sequence computes the same sums
+in the same order as its own call.
+
 Launches: the forward makes ``4 + (2 L - 1)`` (causal) or ``3 + L_seg``
 (bidirectional, over segments of :data:`SEGMENT` tokens); the backward
 ``5 + (2 L - 1)`` or ``5 + L_seg``.  Every sum runs in an order fixed by the
@@ -299,6 +308,15 @@ def _unpack(g):
                                 "TILE_KEYS", "S_STRIDE", "SH_S", "LOADS_A", "LOADS_B", "LOADS_Y", "UNROLL"))
 
 
+@cuda.jit(device=True)
+def _sequence(b, N, first, length):
+    """``(first flat row, tokens)`` of sequence ``b``: ``(b N, N)``, or a packed sequence's from the tables ``first``,
+    ``length`` (:func:`packed_sequences`) when they are not empty."""
+    if first.shape[0] > 0:
+        return first[b], length[b]
+    return b * N, N
+
+
 # s1 += pk.T @ vc (refimpl.scan._causal_forward), and s = phi_k.T @ v, z = phi_k.sum(axis=0) per segment
 # (refimpl.scan._bidirectional_forward); the backward's r1 += pq.T @ gc and ds, dz = phi_q.T @ [gn, delta] likewise:
 #     partial[b, c, f, e] = sum_{j in chunk c} y[b, j, f] z[b, j, e]   (Y_c^T Z_c),
@@ -323,8 +341,9 @@ def _build_chunk_states(g: Geometry, f=None):
      UNROLL) = _unpack(g)
     dtypes = None if f is None else (f,)
 
-    @kernel(lambda f: (f[::1], f[::1], UniTuple(int64, 6), f[::1]), threads=NT, tags=("gma",), dtypes=dtypes)
-    def _chunk_states(y, z, dims, partial):
+    @kernel(lambda f: (f[::1], f[::1], UniTuple(int64, 6), f[::1], int64[::1], int64[::1]), threads=NT, tags=("gma",),
+            dtypes=dtypes)
+    def _chunk_states(y, z, dims, partial, first, length):
         sh_y = cuda.shared.array(SH_A, dtype=y.dtype)  # [DC tokens, TILE_ROWS features]
         sh_z = cuda.shared.array(SH_B, dtype=y.dtype)  # [DC tokens, TILE_COLS columns]
         acc = cuda.local.array((RM, RN), dtype=y.dtype)  # the register tile of partial[b, c]
@@ -335,6 +354,7 @@ def _build_chunk_states(g: Geometry, f=None):
         b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
         if b >= B:
             return
+        base, n_b = _sequence(b, N, first, length)
         # shared and register offsets are unsigned 32-bit: below DC * TILE_ROWS and DC * TILE_COLS, bounded by the
         # geometry (a few hundred), and unsigned indices skip Numba's negative-index wraparound
         tx = u32(cuda.threadIdx.x)
@@ -347,11 +367,11 @@ def _build_chunk_states(g: Geometry, f=None):
         f0 = (rest // e_tiles) * TILE_ROWS
         e0 = (rest - (rest // e_tiles) * e_tiles) * TILE_COLS
         j_start = c * chunk
-        j_end = min(j_start + chunk, N)
+        j_end = min(j_start + chunk, n_b)
         # flat offsets of the tile's first token, 64-bit (one sequence's N x F entries can pass 2^32), advanced by a
         # stage's DC rows at each stage; the thread's entries of a stage are at fixed offsets from them
-        y_at = (b * N + j_start) * F + f0
-        z_at = (b * N + j_start) * E + e0
+        y_at = (base + j_start) * F + f0
+        z_at = (base + j_start) * E + e0
         for a in range(RM):
             for k in range(RN):
                 acc[a, k] = zero
@@ -474,13 +494,14 @@ def _build_chunk_rows(g: Geometry, f=None):
     dtypes = None if f is None else (f,)
 
     @kernel(
-        lambda f: (f[::1], f[::1], f[::1], f[::1], f[::1], f[::1], UniTuple(int64, 10), boolean, boolean, boolean),
+        lambda f: (f[::1], f[::1], f[::1], f[::1], f[::1], f[::1], UniTuple(int64, 10), boolean, boolean, boolean, int64[::1],
+                   int64[::1]),
         threads=NT,
         tags=("gma",),
         options=_rows_options(f),
         dtypes=dtypes,
     )
-    def _chunk_rows(p, states, x, y, z, out, dims, transposed, within, lower):
+    def _chunk_rows(p, states, x, y, z, out, dims, transposed, within, lower, first, length):
         sh_a = cuda.shared.array(SH_A, dtype=p.dtype)  # [TILE_ROWS rows, DC]: p or x of the rows
         sh_b = cuda.shared.array(SH_B, dtype=p.dtype)  # [DC, TILE_COLS]: state, y (keys on the columns) or z
         sh_s = cuda.shared.array(SH_S, dtype=p.dtype)  # [TILE_ROWS rows, TILE_KEYS + 1]: the masked scores
@@ -493,6 +514,7 @@ def _build_chunk_rows(g: Geometry, f=None):
         b = cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z
         if b >= B:
             return
+        base, n_b = _sequence(b, N, first, length)
         # shared and register offsets are unsigned 32-bit: below TILE_ROWS * (TILE_COLS + 1), bounded by the geometry
         # (a few thousand), and unsigned indices skip Numba's negative-index wraparound
         tx = u32(cuda.threadIdx.x)
@@ -505,14 +527,14 @@ def _build_chunk_rows(g: Geometry, f=None):
         rt = rest // col_tiles
         row0 = c * chunk + rt * TILE_ROWS
         o0 = (rest - rt * col_tiles) * TILE_COLS
-        chunk_end = min((c + 1) * chunk, N)
+        chunk_end = min((c + 1) * chunk, n_b)
         row_end = min(row0 + TILE_ROWS, chunk_end)
         if row0 >= row_end:
             return
         # flat offsets, 64-bit (one sequence's N x F entries can pass 2^32): the tile's first row of p and x, its
         # chunk's state; the thread's entries of a stage are at fixed offsets from them
-        p_at = (b * N + row0) * n_in
-        x_at = (b * N + row0) * n_pair
+        p_at = (base + row0) * n_in
+        x_at = (base + row0) * n_pair
         s_at = (b * n_st + c) * st_rows * st_cols
         for a in range(RM):
             for k in range(RN):
@@ -556,7 +578,7 @@ def _build_chunk_rows(g: Geometry, f=None):
                 j_start = row0
                 j_end = chunk_end
             for j0 in range(j_start, j_end, TILE_KEYS):
-                y_at = (b * N + j0) * n_pair
+                y_at = (base + j0) * n_pair
                 for a in range(RM):
                     for k in range(RS):
                         sc[a, k] = zero
@@ -601,7 +623,7 @@ def _build_chunk_rows(g: Geometry, f=None):
                         # masked entries are set to 0, not multiplied (inf * 0 is NaN)
                         sh_s[rr * u32(S_STRIDE) + kk] = sc[a, k] if keep else zero
                 for k0 in range(0, min(TILE_KEYS, j_end - j0), DC):
-                    z_at = (b * N + j0 + k0) * n_z + o0
+                    z_at = (base + j0 + k0) * n_z + o0
                     for u in range(LOADS_B):
                         e = tid + u32(u * NT)
                         kk = e // u32(TILE_COLS)
@@ -622,7 +644,7 @@ def _build_chunk_rows(g: Geometry, f=None):
                     cuda.syncthreads()
         for a in range(RM):
             r = row0 + (ty + u32(a * TY))
-            out_at = (b * N + r) * n_out + o0
+            out_at = (base + r) * n_out + o0
             for k in range(RN):
                 oo = tx + u32(k * TX)
                 if r < row_end and o0 + oo < n_out:
@@ -807,31 +829,64 @@ def _prefix(x, exclusive, reverse, total, levels, offsets):
             _add_offsets[grid, block](x, sums, reverse)
 
 
-def _states(y, z, chunk, exclusive, reverse):
-    """``Y_c^T Z_c`` per chunk of ``chunk`` tokens: ``(prefixes, total)``, exclusive prefixes in place when asked."""
-    B, N, F = y.shape
-    E = z.shape[2]
+class PackedSequences(NamedTuple):
+    """The sequences of a packed call as the product kernels' batch: ``length[b]`` tokens from flat row ``first[b]``."""
+
+    count: int  # B: the nonempty (head, sequence) pairs
+    longest: int  # N: the most tokens of one
+    first: object  # device int64 (B,): the flat row of its first token in the (H, T, ...) arrays, h T + cu_seqlens[s]
+    length: object  # device int64 (B,): its tokens
+
+
+def packed_sequences(cu_seqlens, heads: int) -> PackedSequences:
+    """The nonempty sequences of ``heads`` heads of ``T = cu_seqlens[-1]`` packed tokens, head by head, built once per call."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    starts, lengths = cu[:-1], np.diff(cu)
+    keep = lengths > 0
+    first = (np.arange(heads, dtype=np.int64)[:, None] * cu[-1] + starts[keep]).ravel()
+    length = np.tile(lengths[keep], heads)
+    return PackedSequences(len(first), int(lengths.max(initial=0)), cuda.to_device(first), cuda.to_device(length))
+
+
+def _batch(B, N, packed):
+    """``(B, N, first, length)`` of the product kernels: ``B`` sequences of ``N`` tokens, or the packed ones."""
+    if packed is None:
+        none = cuda.device_array(0, dtype=np.int64)
+        return B, N, none, none
+    return packed.count, packed.longest, packed.first, packed.length
+
+
+def _states(y, z, chunk, exclusive, reverse, packed=None):
+    """``Y_c^T Z_c`` per chunk of ``chunk`` tokens: ``(prefixes, total)``, exclusive prefixes in place when asked.
+
+    ``packed`` (:class:`PackedSequences`): the chunks of each packed sequence,
+    from its first token (the longest one's count for every sequence: those
+    past a sequence's end hold zeros).
+    """
+    B, N, first, length = _batch(*y.shape[:2], packed)
+    F, E = y.shape[2], z.shape[2]
     n_chunks = blocks(N, chunk)
     plan = launch_geometry(B, N, F, E, chunk, y.dtype)
     partial = cuda.device_array((B, n_chunks, F, E), dtype=y.dtype)
     total = cuda.device_array((B, 1, F, E), dtype=y.dtype)
     grid, block = plan["states"]
-    _states_kernel(y.dtype)[grid, block](_flat(y), _flat(z), (B, N, F, E, chunk, n_chunks), _flat(partial))
+    _states_kernel(y.dtype)[grid, block](_flat(y), _flat(z), (B, N, F, E, chunk, n_chunks), _flat(partial), first, length)
     _prefix(partial.reshape(B, n_chunks, F * E), exclusive, reverse, total.reshape(B, 1, F * E), plan["scan"], plan["offsets"])
     return partial, total
 
 
-def _rows(p, states, transposed, x, y, z, chunk, within, lower, n_out):
-    """Launch :func:`_chunk_rows` over the rows of ``p``: a new ``(B, N, n_out)`` array."""
-    B, N, _ = p.shape
-    out = cuda.device_array((B, N, n_out), dtype=p.dtype)
+def _rows(p, states, transposed, x, y, z, chunk, within, lower, n_out, packed=None):
+    """Launch :func:`_chunk_rows` over the rows of ``p``: a new ``(B, N, n_out)`` array (over each packed sequence's rows)."""
+    out = cuda.device_array(p.shape[:2] + (n_out,), dtype=p.dtype)
+    B, N, first, length = _batch(*p.shape[:2], packed)
     grid, block = _rows_geometry(B, N, chunk, n_out, p.dtype)
     dims = (B, N, chunk, p.shape[2], x.shape[2], z.shape[2], n_out) + tuple(states.shape[1:])
-    _rows_kernel(p.dtype)[grid, block](_flat(p), _flat(states), _flat(x), _flat(y), _flat(z), _flat(out), dims, transposed, within, lower)
+    flat = (_flat(a) for a in (p, states, x, y, z, out))
+    _rows_kernel(p.dtype)[grid, block](*flat, dims, transposed, within, lower, first, length)
     return out
 
 
-def scan_forward_device(phi_q, phi_k, v, causal, eps, chunk_size):
+def scan_forward_device(phi_q, phi_k, v, causal, eps, chunk_size, cu_seqlens=None):
     """Core: the forward of :func:`refimpl.scan.scan_forward` for ``B`` sequences; no validation, no raise.
 
     Parameters
@@ -844,6 +899,10 @@ def scan_forward_device(phi_q, phi_k, v, causal, eps, chunk_size):
         Needs ``N_q == N_k``.
     eps : float
     chunk_size : int
+    cu_seqlens : ndarray, shape (S + 1,), optional
+        int64 offsets (on the host) of ``S`` sequences packed along ``N_q ==
+        N_k``: each computed as on its own, its chunks from its first token,
+        every (head, sequence) pair in the same launches (``B`` the heads).
 
     Returns
     -------
@@ -857,14 +916,16 @@ def scan_forward_device(phi_q, phi_k, v, causal, eps, chunk_size):
     dtype = phi_q.dtype
     v1 = cuda.device_array((B, n_k, d_v + 1), dtype=dtype)
     _per_entry(_ones_column, B, n_k * (d_v + 1), v, v1)
+    packed = None if cu_seqlens is None else packed_sequences(cu_seqlens, B)
+    longest = n_k if packed is None else packed.longest
     if causal:
-        chunk = min(int(chunk_size), n_k)
-        states, _ = _states(phi_k, v1, chunk, True, False)
-        num = _rows(phi_q, states, False, phi_q, phi_k, v1, chunk, True, True, d_v + 1)
+        chunk = min(int(chunk_size), longest)
+        states, _ = _states(phi_k, v1, chunk, True, False, packed)
+        num = _rows(phi_q, states, False, phi_q, phi_k, v1, chunk, True, True, d_v + 1, packed)
     else:
-        chunk = n_q
-        _, states = _states(phi_k, v1, SEGMENT, False, False)
-        num = _rows(phi_q, states, False, phi_q, phi_k, v1, n_q, False, True, d_v + 1)
+        chunk = longest
+        _, states = _states(phi_k, v1, SEGMENT, False, False, packed)
+        num = _rows(phi_q, states, False, phi_q, phi_k, v1, chunk, False, True, d_v + 1, packed)
     out = cuda.device_array((B, n_q, d_v), dtype=dtype)
     den = cuda.device_array((B, n_q), dtype=dtype)
     _per_entry(_normalise, B, n_q * (d_v + 1), num, dtype.type(eps), out, den)
