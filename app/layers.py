@@ -101,6 +101,7 @@ class MultiheadGMACache(NamedTuple):
     params: MultiheadGMAParams
     heads: np.ndarray  # (B, N, H d_v) concatenated head outputs
     gma: tuple  # gma[b][h] is the refimpl.gma.GMACache of sequence b, head h; packed, the cache of gma_forward's packed call
+    packed: bool = False  # a packed batch (cu_seqlens): gma is the packed call's cache
 
 
 def init_multihead_gma(
@@ -258,9 +259,9 @@ def multihead_gma_forward(
     options = dict(causal=causal, eps=eps, min_variance=min_variance, chunk_size=chunk_size)
     if cu_seqlens is not None:
         # packed: the T tokens (T, H, d), each sequence on its own (refimpl.varlen)
-        out, packed = gma_forward(xq[0], xk[0], vv[0], *mixture, **options, cu_seqlens=cu_seqlens)
+        out, packed_cache = gma_forward(xq[0], xk[0], vv[0], *mixture, **options, cu_seqlens=cu_seqlens)
         heads = out.reshape(B, N, H * d_v)
-        return heads @ params.W_o, MultiheadGMACache(x, params, heads, packed)
+        return heads @ params.W_o, MultiheadGMACache(x, params, heads, packed_cache, packed=True)
     # every (sequence, head) in one call, (B, H, N, d), head h with its own GMM: the batch rule of refimpl.gma
     out, batch = gma_forward(*(np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (xq, xk, vv)), *mixture, **options)
     heads = out.transpose(0, 2, 1, 3)
@@ -297,9 +298,8 @@ def multihead_gma_backward(grad_out, cache) -> MultiheadGMAGrads:
     dW_o = heads.reshape(B * N, H * d_v).T @ g.reshape(B * N, d_model)
     dheads = (g @ p.W_o.T).reshape(B, N, H, d_v)
     gma_backward = backend.kernels().gma_backward
-    if type(cache.gma) is not tuple:
-        # packed: the gradients (T, H, d) of every sequence, from the backend's cache of the packed call (padded: a
-        # plain tuple of rows of caches)
+    if cache.packed:
+        # packed: the gradients (T, H, d) of every sequence, from the backend's cache of the packed call
         gr = gma_backward(dheads[0], cache.gma)
         dxq, dxk, dvv = (a[None] for a in (gr.x_q, gr.x_k, gr.v))
     else:
