@@ -161,19 +161,21 @@ def _attention(name, checker, forward):
 
 
 def _softmax_attention(name):
+    attention_call = _attention(name, validation.check_softmax_attention_any, name.endswith("_forward"))
+
     # options in the checker's order: scale, causal
     def definition(b, q, k, v, *, scale, causal, cu_seqlens):
-        return _attention(name, validation.check_softmax_attention_any, name.endswith("_forward"))(
-            b, q, k, v, scale=scale, causal=causal, cu_seqlens=cu_seqlens)
+        return attention_call(b, q, k, v, scale=scale, causal=causal, cu_seqlens=cu_seqlens)
 
     return definition
 
 
 def _linear_attention(name):
+    attention_call = _attention(name, validation.check_linear_attention_any, name.endswith("_forward"))
+
     # options in the checker's order: causal, eps, chunk_size
     def definition(b, q, k, v, *, causal, eps, chunk_size, cu_seqlens):
-        return _attention(name, validation.check_linear_attention_any, name.endswith("_forward"))(
-            b, q, k, v, causal=causal, eps=eps, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
+        return attention_call(b, q, k, v, causal=causal, eps=eps, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
 
     return definition
 
