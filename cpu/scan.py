@@ -45,7 +45,7 @@ import numpy as np
 from numba import njit, prange
 
 from refimpl import scan as ref_scan
-from refimpl import validation
+from refimpl import varlen
 from refimpl.scan import FeatureAttentionCache, FeatureAttentionGrads
 
 from ._jit import pick, single_threaded_blas, threaded_and_serial
@@ -300,11 +300,8 @@ def head_offsets(offsets, heads, T):
     return np.append(starts, heads * T)
 
 
-def packed_layout(x, leading):
-    """Rows ``(H T, w)`` or ``(H, T, w)``, heads first, back in the packed layout: ``(T, w)``, or ``(T, H, w)`` with heads."""
-    H = int(np.prod(leading))
-    x = x.reshape(H, -1, x.shape[-1])
-    return x.transpose(1, 0, 2).reshape((x.shape[1],) + tuple(leading) + x.shape[-1:])
+#: Heads-first rows back in the packed layout (one definition, beside the loop's).
+packed_layout = varlen.packed_layout
 
 
 def packed_grad_out(grad_out, out_shape, dtype):
@@ -312,9 +309,7 @@ def packed_grad_out(grad_out, out_shape, dtype):
 
     The checks and messages of :func:`refimpl.varlen.packed_backward`: no batch dimension, then the shape and dtype.
     """
-    labels = ("T", "H", "d_v") if len(out_shape) == 3 else ("T", "d_v")
-    validation.check_packed_tokens(grad_out, "grad_out", grad_out)
-    g = validation.check_grad_out(grad_out, tuple(out_shape), labels, dtype)
+    g = varlen.checked_grad_out(grad_out, out_shape, dtype)
     g = g if g.ndim == 2 else g.transpose(1, 0, 2)
     return np.ascontiguousarray(g).reshape(-1, g.shape[-1])
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import validation
 
-__all__ = ["PackedCache", "check_packed", "packed", "packed_backward", "sequence_rows"]
+__all__ = ["PackedCache", "check_packed", "checked_grad_out", "packed", "packed_backward", "packed_layout", "sequence_rows"]
 
 
 class PackedCache(NamedTuple):
@@ -124,6 +124,21 @@ def packed(function, tokens, cu_seqlens, names, check, view=_same, forward=False
     return out, extras
 
 
+def checked_grad_out(grad_out, out_shape, dtype, view=_same):
+    """``grad_out`` of a packed output of ``out_shape``, ``(T, d_v)`` or ``(T, H, d_v)``, checked: no batch dimension,
+    then the shape and dtype."""
+    labels = ("T", "H", "d_v") if len(out_shape) == 3 else ("T", "d_v")
+    validation.check_packed_tokens(view(grad_out), "grad_out", grad_out)
+    return validation.check_grad_out(view(grad_out), tuple(out_shape), labels, dtype)
+
+
+def packed_layout(x, leading):
+    """Rows ``(H T, w)`` or ``(H, T, w)``, heads first, back in the packed layout: ``(T, w)``, or ``(T, H, w)`` with heads."""
+    H = int(np.prod(leading))
+    x = x.reshape(H, -1, x.shape[-1])
+    return x.transpose(1, 0, 2).reshape((x.shape[1],) + tuple(leading) + x.shape[-1:])
+
+
 def packed_backward(backward, grad_out, cache, view=_same):
     """The backward of a packed forward: ``backward(grad_out of sequence s, its cache)`` for every sequence.
 
@@ -131,9 +146,7 @@ def packed_backward(backward, grad_out, cache, view=_same):
     many as the forward had token arrays) are laid back in their rows; the
     others (a GMM's parameters) are summed over the sequences, in order.
     """
-    labels = ("T", "H", "d_v") if len(cache.out_shape) == 3 else ("T", "d_v")
-    validation.check_packed_tokens(view(grad_out), "grad_out", grad_out)
-    g = validation.check_grad_out(view(grad_out), cache.out_shape, labels, cache.dtype)
+    g = checked_grad_out(grad_out, cache.out_shape, cache.dtype, view)
     rows = sequence_rows(cache.cu_seqlens)
     grads = [backward(_heads_first(g[r]), c) if c is not None else None for r, c in zip(rows, cache.caches)]
     first = next(x for x in grads if x is not None)

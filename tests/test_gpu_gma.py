@@ -304,3 +304,29 @@ def test_a_packed_call_launches_each_kernel_as_one_call_on_its_longest_sequence_
         out = gpu_gma.gma(x_q, x_k, v, *params, **kw, cu_seqlens=np.array(cu_seqlens))
         assert simulated_launches == alone
         np.testing.assert_allclose(out, gma.gma(x_q, x_k, v, *params, **kw, cu_seqlens=cu_seqlens), **F64)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="counts the simulator's launches")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_a_packed_forward_and_its_backward_launch_each_kernel_as_the_longest_sequence_alone_does(simulated_launches, causal):
+    """gma_forward and gma_backward of a packed call: the launches of the longest sequence's own forward and backward,
+    whatever the number of sequences; the cache is the device cache, and the results are the reference's loop."""
+    rng = np.random.default_rng(15)
+    x_q, x_k, v = (rng.normal(size=(7, 2, w)) for w in (2, 2, 3))  # 7 packed tokens of 2 heads
+    params = (rng.normal(size=(2, 2, 2)), rng.normal(size=(2, 2, 2)), rng.normal(size=(2, 2)))  # a GMM per head
+    kw = dict(causal=causal, chunk_size=2)
+    grad_out = rng.normal(size=(7, 2, 3))
+    out, cache = gpu_gma.gma_forward(*(a[3:].transpose(1, 0, 2) for a in (x_q, x_k, v)), *params, **kw)  # 4 tokens
+    forward = list(simulated_launches)
+    simulated_launches.clear()
+    gpu_gma.gma_backward(grad_out[3:].transpose(1, 0, 2), cache)
+    backward = list(simulated_launches)
+    for cu_seqlens in ([0, 3, 7], [0, 0, 1, 1, 2, 3, 7]):
+        simulated_launches.clear()
+        out, cache = gpu_gma.gma_forward(x_q, x_k, v, *params, **kw, cu_seqlens=np.array(cu_seqlens))
+        assert simulated_launches == forward and isinstance(cache, gpu_gma.GMADeviceCache)
+        simulated_launches.clear()
+        grads = gpu_gma.gma_backward(grad_out, cache)
+        assert simulated_launches == backward
+        ref_out, ref_cache = gma.gma_forward(x_q, x_k, v, *params, **kw, cu_seqlens=cu_seqlens)
+        assert_matches(out, grads, ref_out, gma.gma_backward(grad_out, ref_cache), F64)

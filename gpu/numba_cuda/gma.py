@@ -50,11 +50,15 @@ when there are more).
    and sequences in a fixed order): 5 launches besides the scan's.  No
    atomics: the results are deterministic for a given launch geometry.
 
-A packed call of :func:`gma` (``cu_seqlens``) makes the launches of one
-call: the responsibilities of every packed row at once (they are row by
-row), then the packed scan of :func:`gpu.numba_cuda.scan.scan_forward_device`,
-each sequence's chunks and keys its own; :func:`gma_forward` and
-:func:`gma_backward` still run packed calls as the loop over the sequences.
+A packed call of :func:`gma` or :func:`gma_forward` (``cu_seqlens``)
+makes the launches of one call: the responsibilities of every packed row at
+once (they are row by row), then the packed scan of
+:func:`gpu.numba_cuda.scan.scan_forward_device`, each sequence's chunks and
+keys its own.  The backward of its cache makes the launches of one
+backward: the packed scan backward, then the responsibility and parameter
+kernels over every packed row (the parameters' partial sums run over
+segments of the packed rows, so they add the sequences' terms in another
+order than the loop: equal to rounding).
 
 The tile sizes are module constants (:data:`GPU_GEOMETRY` on a GPU,
 :data:`SIMULATOR_GEOMETRY` in the simulator); :func:`geometry` runs the
@@ -84,7 +88,7 @@ import numpy as np
 from numba import boolean, cuda, int64, uint32, uint64
 from scipy.special import expit
 
-from refimpl import boundary, numerics, validation
+from refimpl import boundary, numerics, validation, varlen
 from refimpl.gma import (
     GMAGrads,
     check_gma_arguments,
@@ -280,6 +284,7 @@ class GMADeviceCache(NamedTuple):
     precisions: object  # (H, K, d_r): 1 / variances
     sigmoid_raw: object  # (H, K, d_r): dsigma2/ds = sigmoid(s)
     scan: ScanDeviceCache  # gamma_q, gamma_k, [V, 1], out, den, the chunk states
+    packed: tuple | None = None  # a packed call's output shape, (T, d_v) or (T, H, d_v) (the arrays heads first), else None
 
 
 #: Resident blocks per multiprocessor that ptxas must allow for :func:`_responsibility_rows` on a GPU (its launch
@@ -750,9 +755,9 @@ def _gma_kernel(xp, checked, given, cu_seqlens=None):
     ``NotImplemented`` (the per-sequence loop words the error, or computes).
     """
     if cu_seqlens is not None:
-        if checked[0].shape[-2] == 0 or any(a.size > 1 and not any(a.strides) for a in checked[3:6]):
+        given = _packed_call(checked, given, 3)
+        if given is None:
             return NotImplemented
-        given = tuple(given) + tuple(checked[3:6])  # the token arrays, then the parameters (on the host)
     x_q, x_k, v, means, variances, weights = given
     on_device = any_device(*given)
     hq, _, _, hm, hv, hw, causal, eps, chunk_size = checked
@@ -780,16 +785,35 @@ def _gma_kernel(xp, checked, given, cu_seqlens=None):
         out = _forward(x_q, x_k, v, m, var, lw, causal, eps, chunk_size, leading, checks, params, recheck)[2]
         return result(out.reshape(leading + tuple(out.shape)[1:]), on_device)
     # the checked (heads-first) host arrays; packed calls take host token arrays
-    done = _forward(hq, checked[1], checked[2], m, var, lw, causal, eps, chunk_size, leading, checks, params, recheck, cu_seqlens)
-    if done is None:
-        return NotImplemented
-    out = done[2].copy_to_host()
-    # (H, T, d_v) back to the packed rows (T, H, d_v), or (T, d_v)
-    return np.ascontiguousarray(out.transpose(1, 0, 2)) if leading else out.reshape(out.shape[1:])
+    done = _forward(x_q, x_k, v, m, var, lw, causal, eps, chunk_size, leading, checks, params, recheck, cu_seqlens)
+    return NotImplemented if done is None else _packed_layout(done[2], leading)
 
 
-def _gma_forward_kernel(xp, checked, given):
-    """:func:`refimpl.gma.gma_forward` on refimpl's checked arguments: ``(out, GMADeviceCache)``."""
+def _packed_call(checked, given, n_params):
+    """The token arrays of a packed call (refimpl's checked ones, heads first) and its GMM parameters (on the host), or
+    None where the call goes to the per-sequence loop: no token, or GMM parameters on the device (which ``checked``
+    holds as zero-stride stand-ins)."""
+    params = checked[3:3 + n_params]
+    if checked[0].shape[-2] == 0 or any(a.size > 1 and not any(a.strides) for a in params):
+        return None
+    return tuple(checked[:3]) + tuple(params)
+
+
+def _packed_layout(out, leading):
+    """A packed call's ``(H, T, w)`` device result on the host, in the packed rows: ``(T, H, w)``, or ``(T, w)``."""
+    return np.ascontiguousarray(varlen.packed_layout(out.copy_to_host(), leading))
+
+
+def _gma_forward_kernel(xp, checked, given, cu_seqlens=None):
+    """:func:`refimpl.gma.gma_forward` on refimpl's checked arguments: ``(out, GMADeviceCache)``.
+
+    With ``cu_seqlens``, every sequence in the launches of one call, as in
+    :func:`_gma_kernel`; the cache holds the packed output's shape.
+    """
+    if cu_seqlens is not None:
+        given = _packed_call(checked, given, 3)
+        if given is None:
+            return NotImplemented
     x_q, x_k, v, means, raw_variances, logits = given
     on_device = any_device(*given)
     hq, _, _, hm, hraw, hlogits, causal, eps, min_variance, chunk_size = checked
@@ -823,9 +847,15 @@ def _gma_forward_kernel(xp, checked, given):
         check_gma_forward_arguments(host_view(x_q), host_view(x_k), host_view(v),
                                     *parameters_to_host(means, raw_variances, logits), causal, eps, min_variance, chunk_size)
 
-    xq, xk, out, scan = _forward(x_q, x_k, v, m, var, lw, causal, eps, chunk_size, leading, checks, params, recheck)
-    cache = GMADeviceCache(leading, per_head, on_device, xq, xk, m, var, prec, sig, scan)
-    return result(out.reshape(leading + tuple(out.shape)[1:]), on_device), cache
+    done = _forward(x_q, x_k, v, m, var, lw, causal, eps, chunk_size, leading, checks, params, recheck, cu_seqlens)
+    if done is None:
+        return NotImplemented
+    xq, xk, out, scan = done
+    if cu_seqlens is None:
+        cache = GMADeviceCache(leading, per_head, on_device, xq, xk, m, var, prec, sig, scan)
+        return result(out.reshape(leading + tuple(out.shape)[1:]), on_device), cache
+    packed = _packed_layout(out, leading)
+    return packed, GMADeviceCache(leading, per_head, False, xq, xk, m, var, prec, sig, scan, packed.shape)
 
 
 def _gma_backward_kernel(xp, grad_out, cache) -> GMAGrads:
@@ -833,8 +863,13 @@ def _gma_backward_kernel(xp, grad_out, cache) -> GMAGrads:
     validation.check_instance(cache, "cache", GMADeviceCache, "the GMADeviceCache from gpu.numba_cuda.gma.gma_forward")
     scan = cache.scan
     dtype = scan.out.dtype
-    out_shape = cache.leading + tuple(scan.out.shape)[1:]
-    check_gma_grad_out(host_view(grad_out), out_shape, dtype)
+    if cache.packed is None:
+        out_shape = cache.leading + tuple(scan.out.shape)[1:]
+        check_gma_grad_out(host_view(grad_out), out_shape, dtype)
+    else:
+        # a packed forward's grad_out (T, H, d_v) or (T, d_v), checked as the loop checks it, heads first on the device
+        grad_out = varlen.checked_grad_out(grad_out, cache.packed, dtype)
+        grad_out = grad_out.transpose(1, 0, 2) if grad_out.ndim == 3 else grad_out
     on_device = cache.on_device or is_device_array(grad_out)
     g = _flat(grad_out, dtype, cache.leading)
     checks = Checks(dtype)
@@ -877,10 +912,12 @@ def _gma_backward_kernel(xp, grad_out, cache) -> GMAGrads:
     lead = cache.leading
     if not cache.per_head:
         dmeans, draw, dlogits = dmeans.reshape(K, d), draw.reshape(K, d), dlogits.reshape(K)
+    if cache.packed is None:
+        tokens = (result(x.reshape(lead + tuple(x.shape)[1:]), on_device) for x in (dxs[0], dxs[1], dv))
+    else:
+        tokens = (_packed_layout(x, lead) for x in (dxs[0], dxs[1], dv))
     return GMAGrads(
-        x_q=result(dxs[0].reshape(lead + tuple(dxs[0].shape)[1:]), on_device),
-        x_k=result(dxs[1].reshape(lead + tuple(dxs[1].shape)[1:]), on_device),
-        v=result(dv.reshape(lead + tuple(dv.shape)[1:]), on_device),
+        *tokens,
         means=result(dmeans, on_device),
         raw_variances=result(draw, on_device),
         logits=result(dlogits, on_device),
@@ -889,7 +926,7 @@ def _gma_backward_kernel(xp, grad_out, cache) -> GMAGrads:
 
 #: GMA bound to refimpl's boundary, which writes the signatures, docstrings and checks once.
 _KERNELS = {"gma": _gma_kernel, "packed gma": _gma_kernel, "gma_forward": _gma_forward_kernel,
-            "gma_backward": _gma_backward_kernel}
+            "packed gma_forward": _gma_forward_kernel, "gma_backward": _gma_backward_kernel}
 _public = boundary.bind(backend(_KERNELS), module=__name__)
 gma = _public.gma
 gma_forward = _public.gma_forward

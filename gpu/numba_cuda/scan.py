@@ -83,8 +83,9 @@ hardware's limits for any ``N`` and ``B``.
    held in registers.
 5. :func:`_normalise` and :func:`_scaled_grads`: one thread per entry.
 
-A packed forward (``cu_seqlens``, :func:`scan_forward_device`) makes the
-same launches: the product kernels take every nonempty (head, sequence)
+A packed forward (``cu_seqlens``, :func:`scan_forward_device`), and the
+backward of its cache (:func:`scan_backward_device`), make the same
+launches as an unpacked call: the product kernels take every nonempty (head, sequence)
 pair as a sequence of their batch, from a table of each one's first flat
 row and length built once per call (:func:`packed_sequences`), so its chunks
 start at its first token and its keys are its own; every sequence gets the
@@ -282,6 +283,7 @@ class ScanDeviceCache(NamedTuple):
     causal: bool
     eps: float
     chunk: int  # tokens per chunk (causal: min(chunk_size, N)); bidirectional: unused
+    packed: object = None  # PackedSequences of a packed call (B the heads, N = T), else None
 
 
 # buf[:, -1] = 1 and vc[:, :-1] = v[a:b] (refimpl.scan._ones_column_buffer): [v_c, 1].
@@ -929,7 +931,7 @@ def scan_forward_device(phi_q, phi_k, v, causal, eps, chunk_size, cu_seqlens=Non
     out = cuda.device_array((B, n_q, d_v), dtype=dtype)
     den = cuda.device_array((B, n_q), dtype=dtype)
     _per_entry(_normalise, B, n_q * (d_v + 1), num, dtype.type(eps), out, den)
-    return out, ScanDeviceCache(phi_q, phi_k, v1, out, den, states, bool(causal), float(eps), chunk)
+    return out, ScanDeviceCache(phi_q, phi_k, v1, out, den, states, bool(causal), float(eps), chunk, packed)
 
 
 def scan_backward_device(g, cache):
@@ -951,17 +953,20 @@ def scan_backward_device(g, cache):
     n_k, E = v1.shape[1], v1.shape[2]
     g1 = cuda.device_array((B, n_q, E), dtype=g.dtype)
     _per_entry(_scaled_grads, B, n_q * E, g, cache.out, cache.den, g1)
+    packed = cache.packed  # a packed call's sequences, each its own chunks and states, as in the forward
     if cache.causal:
         chunk = cache.chunk
         # forward sweep with [S, z] before each chunk; backward sweep with [R, r] over the later chunks
-        r_states, _ = _states(phi_q, g1, chunk, True, True)
-        dphi_q = _rows(g1, cache.states, True, g1, v1, phi_k, chunk, True, True, F)
-        dphi_k = _rows(v1, r_states, True, v1, g1, phi_q, chunk, True, False, F)
-        dv = _rows(phi_k, r_states, False, phi_k, phi_q, g1, chunk, True, False, E - 1)
+        r_states, _ = _states(phi_q, g1, chunk, True, True, packed)
+        dphi_q = _rows(g1, cache.states, True, g1, v1, phi_k, chunk, True, True, F, packed)
+        dphi_k = _rows(v1, r_states, True, v1, g1, phi_q, chunk, True, False, F, packed)
+        dv = _rows(phi_k, r_states, False, phi_k, phi_q, g1, chunk, True, False, E - 1, packed)
     else:
         # ds, dz = phi_q^T [gn, delta]
-        _, r_states = _states(phi_q, g1, SEGMENT, False, False)
-        dphi_q = _rows(g1, cache.states, True, g1, v1, phi_k, n_q, False, True, F)
-        dphi_k = _rows(v1, r_states, True, v1, g1, phi_q, n_k, False, False, F)
-        dv = _rows(phi_k, r_states, False, phi_k, phi_q, g1, n_k, False, False, E - 1)
+        _, r_states = _states(phi_q, g1, SEGMENT, False, False, packed)
+        if packed is not None:
+            n_q = n_k = packed.longest  # one chunk: a whole sequence, the longest's rows
+        dphi_q = _rows(g1, cache.states, True, g1, v1, phi_k, n_q, False, True, F, packed)
+        dphi_k = _rows(v1, r_states, True, v1, g1, phi_q, n_k, False, False, F, packed)
+        dv = _rows(phi_k, r_states, False, phi_k, phi_q, g1, n_k, False, False, E - 1, packed)
     return dphi_q, dphi_k, dv
