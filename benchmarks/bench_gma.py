@@ -6,23 +6,26 @@ in ``docs/performance_gma.md``)::
 
     python benchmarks/bench_gma.py                # N = 16384, K = 64, d_r = d_v = 64, float64
     python benchmarks/bench_gma.py --backward     # also time forward + backward
-    python benchmarks/bench_gma.py --quick        # small sizes, a few seconds
+    python benchmarks/bench_gma.py --quick        # small sizes, one process: a smoke test, not a measurement
 
-Timing: the best of ``--repeats`` calls (``--softmax-repeats`` for the dense
-baseline, which takes seconds per call), measured with ``time.perf_counter``
-and no tracing active.  Memory: the peak that ``tracemalloc`` reports during
-one call (NumPy reports its array buffers to it), inputs excluded because
-they are created before tracing starts.  GMA runs on :mod:`refimpl.tuned`,
-the fast path that training and the experiments use (``bench_cpu.py`` times
-the plain reference beside it).
+Timing (:mod:`isolated`, as ``bench_cpu.py``): every variant (a mechanism,
+causal or not, forward or forward + backward) runs in its own fresh Python
+process, which builds its inputs, makes one untimed call and times
+``--repeats`` calls (``--softmax-repeats`` for the dense baseline, which
+takes seconds per call); each variant gets ``--processes`` processes,
+started in turns with the others (the order reversed every other round).  A
+time is the best call over all its processes; a ratio is of best times.
+Memory: the peak that ``tracemalloc`` reports during one call (NumPy reports
+its array buffers to it), inputs excluded because they are created before
+tracing starts; measured in this process (no timing).  GMA runs on
+:mod:`refimpl.tuned`, the fast path that training and the experiments use
+(``bench_cpu.py`` times the plain reference beside it).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import os
-import platform
 import sys
 import time
 import tracemalloc
@@ -31,7 +34,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from isolated import child_main, machine, run_variants  # noqa: E402  (this directory is on sys.path)
 from refimpl import attention, scan  # noqa: E402
 from refimpl import tuned as gma  # noqa: E402  (the fast path; refimpl.gma is the plain reference)
 
@@ -75,16 +80,6 @@ def linear_call(inp, causal, backward, chunk_size):
     attention.linear_attention(inp["x_q"], inp["x_k"], inp["v"], causal=causal, chunk_size=chunk_size)
 
 
-def best_time(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        gc.collect()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def peak_bytes(fn):
     gc.collect()
     tracemalloc.start()
@@ -102,12 +97,40 @@ def fmt_bytes(b):
         b /= 1024
 
 
-def machine():
-    threads = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ}
-    return (
-        f"{platform.machine()}, {os.cpu_count()} logical CPUs, Python {platform.python_version()}, "
-        f"NumPy {np.__version__}" + (f", {threads}" if threads else "")
-    )
+MECHANISMS = ("softmax", "gma", "linear")
+
+
+def variant(mechanism, causal, backward):
+    """The name of one timed variant, e.g. ``"gma causal forward + backward"``."""
+    return f"{mechanism} {'causal' if causal else 'bidirectional'} {'forward + backward' if backward else 'forward'}"
+
+
+def variants(n, K, d, chunk_size):
+    """name -> factory of the zero-argument call to time (its inputs built by the factory, in the child)."""
+
+    def factory(mechanism, causal, backward):
+        def build():
+            inp = make_inputs(n, K, d, d)
+            if mechanism == "softmax":
+                return lambda: softmax_call(inp, causal, backward)
+            call = gma_call if mechanism == "gma" else linear_call
+            return lambda: call(inp, causal, backward, chunk_size)
+
+        return build
+
+    return {variant(m, c, b): factory(m, c, b) for m in MECHANISMS for c in (False, True) for b in (False, True)}
+
+
+def timed(names, args, calls):
+    """Best times of ``names``: each in its own processes, or in this one with ``--quick`` (not a measurement)."""
+    same = variants(args.n, args.k, args.d, args.chunk_size) if args.quick else None
+
+    def argv(name, calls):
+        return [sys.executable, str(Path(__file__).resolve()), "--child", name, "--n", str(args.n), "--k", str(args.k),
+                "--d", str(args.d), "--chunk-size", str(args.chunk_size), "--repeats", str(calls)]
+
+    t = run_variants(names, argv, processes=args.processes, calls=calls, same_process=same)
+    return {name: t.time(name) for name in names}
 
 
 def main(argv=None):
@@ -122,24 +145,35 @@ def main(argv=None):
     p.add_argument("--mem-small", type=int, default=8192, help="short N of the linear-memory ratio")
     p.add_argument("--mem-large", type=int, default=65536, help="long N of the linear-memory ratio")
     p.add_argument("--backward", action="store_true", help="also time and measure forward + backward")
+    p.add_argument("--processes", type=int, default=3, help="fresh processes per variant (1 with --quick)")
+    p.add_argument("--child", metavar="VARIANT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child:
+        return child_main(variants(args.n, args.k, args.d, args.chunk_size), args.child, args.repeats)
     if args.quick:
-        args.n, args.mem_small, args.mem_large, args.repeats = 2048, 512, 4096, 2
+        args.n, args.mem_small, args.mem_large, args.repeats, args.processes = 2048, 512, 4096, 2, 1
 
     n, K, d, C = args.n, args.k, args.d, args.chunk_size
     print(f"# GMA benchmark: N = {n}, K = {K}, d_r = d_v = {d}, float64, chunk size {C}")
     print(f"machine: {machine()}")
+    print(time.strftime("date: %Y-%m-%d %H:%M"))
+    how = ("every variant in this one process (a smoke test, not a measurement)" if args.quick else
+           f"every variant in its own process: {args.processes} processes, the best call of all")
+    print(f"how: {how}")
     inp = make_inputs(n, K, d, d)
     passes = [("forward", False)] + ([("forward + backward", True)] if args.backward else [])
 
     for label, bwd in passes:
-        print(f"\n## time, {label} (best of {args.repeats}; softmax best of {args.softmax_repeats})\n")
+        print(f"\n## time, {label} (best of {args.processes} x {args.repeats} calls; softmax {args.processes} x "
+              f"{args.softmax_repeats})\n")
+        linear_time = timed([variant(m, c, bwd) for c in (False, True) for m in ("gma", "linear")], args, args.repeats)
+        dense = timed([variant("softmax", c, bwd) for c in (False, True)], args, args.softmax_repeats)
         t = {}
         for causal in (False, True):
             name = "causal" if causal else "bidirectional"
-            t["softmax", causal] = best_time(lambda: softmax_call(inp, causal, bwd), args.softmax_repeats)
-            t["gma", causal] = best_time(lambda: gma_call(inp, causal, bwd, C), args.repeats)
-            t["linear", causal] = best_time(lambda: linear_call(inp, causal, bwd, C), args.repeats)
+            t["softmax", causal] = dense[variant("softmax", causal, bwd)]
+            t["gma", causal] = linear_time[variant("gma", causal, bwd)]
+            t["linear", causal] = linear_time[variant("linear", causal, bwd)]
             print(f"{name:14s} softmax {t['softmax', causal]:9.3f} s   gma {t['gma', causal]:8.4f} s   linear {t['linear', causal]:8.4f} s")
         print()
         print(f"speed-up, bidirectional GMA vs softmax attention:      {t['softmax', False] / t['gma', False]:8.1f}x  (target >= 20x)")

@@ -26,14 +26,20 @@ What is measured and what is extrapolated
   buffers to it), at two values of ``T``.  The peak includes the ``(T, d_v)``
   output, which is also shown subtracted.
 
-Timings are the best of ``--repeats`` runs.  Nothing here is asserted.
+Timing (:mod:`isolated`, as ``bench_cpu.py``): every timed variant (OVQ at
+one ``T``, softmax at one ``T``, the blocked softmax) runs in its own fresh
+Python process, which builds the inputs, makes one untimed call and times
+``--repeats`` calls (one for softmax above ``T = 4096`` and for the blocked
+softmax); each variant gets ``--processes`` processes, started in turns
+with the others of its group (the order reversed every other round).  A
+time is the best call over all its processes.  ``--quick`` runs every
+variant in this process instead: a smoke test, not a measurement.  Memory
+is measured in this process (no timing).  Nothing here is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import time
 import tracemalloc
@@ -42,19 +48,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from isolated import child_main, machine, run_variants  # noqa: E402  (this directory is on sys.path)
 from refimpl import ovq  # noqa: E402  (after the path set-up above)
 from refimpl.attention import softmax_attention  # noqa: E402
 from refimpl.gmm import softmax  # noqa: E402
-
-
-def best_time(fn, repeats):
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def blocked_causal_softmax(q, k, v, scale, rows=1024):
@@ -85,52 +84,100 @@ def mib(x):
     return f"{x / 2**20:9.2f} MiB"
 
 
+def sizes(quick):
+    """``(T_target, N, C, d, ovq_sizes, softmax_sizes, memory_sizes)``."""
+    if quick:
+        return 8192, 256, 64, 32, [1024, 2048, 8192], [512, 1024, 2048], [1024, 8192]
+    return 65536, 1024, 256, 64, [8192, 16384, 65536], [2048, 4096, 8192, 16384], [8192, 65536]
+
+
+def inputs(T_target, d):
+    """The one set of inputs every size reads the first rows of: ``q, k, v, beta, q / |q|, k / |k|``."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(T_target, n)) for n in (d, d, d))
+    return q, k, v, float(np.sqrt(d)), ovq.unit_rows(q), ovq.unit_rows(k)
+
+
+def variants(quick):
+    """name -> factory of the zero-argument call to time (the inputs built by the factory, in the child)."""
+    T_target, N, C, d, ovq_sizes, softmax_sizes, _ = sizes(quick)
+
+    def ovq_at(T):
+        def build():
+            q, k, v, _, _, _ = inputs(T_target, d)
+            return lambda: ovq.ovq_attention(q[:T], k[:T], v[:T], max_size=N, chunk_size=C)
+
+        return build
+
+    def softmax_at(T):
+        def build():
+            _, _, v, beta, qn, kn = inputs(T_target, d)
+            # the inputs OVQ sees: unit queries and keys, scale beta
+            return lambda: softmax_attention(qn[:T], kn[:T], v[:T], scale=beta, causal=True)
+
+        return build
+
+    def blocked():
+        _, _, v, beta, qn, kn = inputs(T_target, d)
+        return lambda: blocked_causal_softmax(qn, kn, v, beta)
+
+    found = {f"ovq T={T}": ovq_at(T) for T in ovq_sizes}
+    found.update({f"softmax T={T}": softmax_at(T) for T in softmax_sizes})
+    found[f"blocked softmax T={T_target}"] = blocked
+    return found
+
+
+def timed(names, args, calls):
+    """Best times (s) of ``names``: each in its own processes, or in this one with ``--quick`` (not a measurement)."""
+    same = variants(args.quick) if args.quick else None
+
+    def argv(name, calls):
+        return [sys.executable, str(Path(__file__).resolve()), "--child", name, "--repeats", str(calls)]
+
+    t = run_variants(names, argv, processes=args.processes, calls=calls, same_process=same)
+    return {name: t.time(name) for name in names}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (seconds)")
     parser.add_argument("--blocked-softmax", action="store_true", help="also measure causal softmax at the target T in row blocks")
-    parser.add_argument("--repeats", type=int, default=3, help="best of this many runs for OVQ and the small softmax sizes")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per process for OVQ and the small softmax sizes")
+    parser.add_argument("--processes", type=int, default=3, help="fresh processes per variant (1 with --quick)")
+    parser.add_argument("--child", metavar="VARIANT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-
+    if args.child:
+        return child_main(variants(False), args.child, args.repeats)
     if args.quick:
-        T_target, N, C, d = 8192, 256, 64, 32
-        ovq_sizes = [1024, 2048, 8192]
-        softmax_sizes = [512, 1024, 2048]
-        memory_sizes = [1024, 8192]
-    else:
-        T_target, N, C, d = 65536, 1024, 256, 64
-        ovq_sizes = [8192, 16384, 65536]
-        softmax_sizes = [2048, 4096, 8192, 16384]
-        memory_sizes = [8192, 65536]
+        args.processes = 1
+
+    T_target, N, C, d, ovq_sizes, softmax_sizes, memory_sizes = sizes(args.quick)
     d_v = d
 
     print("OVQ attention vs causal softmax attention (refimpl, NumPy, float64)")
-    print(f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs")
-    print(f"python {platform.python_version()}, numpy {np.__version__}")
-    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (other work on the machine slows every timing)")
+    print(f"machine: {machine()}")
+    print(time.strftime("date: %Y-%m-%d %H:%M"))
+    how = ("every variant in this one process (a smoke test, not a measurement)" if args.quick else
+           f"every variant in its own process: {args.processes} processes, the best call of all")
+    print(f"how: {how}")
     print(f"sizes: T_target = {T_target}, N = {N}, C = {C}, d = d_v = {d}, growth = plateau, init = spread")
     print()
 
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.normal(size=(T_target, n)) for n in (d, d, d_v))
-    beta = float(np.sqrt(d))
-    qn, kn = ovq.unit_rows(q), ovq.unit_rows(k)
-
-    def run_ovq(T):
-        return ovq.ovq_attention(q[:T], k[:T], v[:T], max_size=N, chunk_size=C)
+    q, k, v, beta, qn, kn = inputs(T_target, d)
 
     def run_softmax(T):
         # the inputs OVQ sees: unit queries and keys, scale beta
         return softmax_attention(qn[:T], kn[:T], v[:T], scale=beta, causal=True)
 
-    print("time (best of runs)")
-    ovq_times = {}
+    print(f"time (best of {args.processes} processes x {args.repeats} calls; softmax above T = 4096 and blocked: x 1)")
+    found = timed([f"ovq T={T}" for T in ovq_sizes], args, args.repeats)
+    ovq_times = {T: found[f"ovq T={T}"] for T in ovq_sizes}
     for T in ovq_sizes:
-        ovq_times[T] = best_time(lambda: run_ovq(T), args.repeats)
         print(f"  OVQ                 T = {T:6d}   {ovq_times[T]:9.3f} s   measured   ({ovq_times[T] / T * 1e6:.2f} us/token)")
-    sm_times = {}
+    small, large = [T for T in softmax_sizes if T <= 4096], [T for T in softmax_sizes if T > 4096]
+    found = {**timed([f"softmax T={T}" for T in small], args, args.repeats), **timed([f"softmax T={T}" for T in large], args, 1)}
+    sm_times = {T: found[f"softmax T={T}"] for T in softmax_sizes}
     for T in softmax_sizes:
-        sm_times[T] = best_time(lambda: run_softmax(T), args.repeats if T <= 4096 else 1)
         print(f"  softmax (causal)    T = {T:6d}   {sm_times[T]:9.3f} s   measured")
 
     # time = a T^2 fitted (relative least squares) on the two largest sizes, where the T x T
@@ -153,7 +200,7 @@ def main(argv=None):
         got = blocked_causal_softmax(qn[:small], kn[:small], v[:small], beta, rows=300)
         err = float(np.max(np.abs(got - ref)))
         print(f"  blocked causal softmax == softmax_attention at T = {small}: max abs difference {err:.1e}")
-        sm_blocked = best_time(lambda: blocked_causal_softmax(qn, kn, v, beta), 1)
+        sm_blocked = timed([f"blocked softmax T={T_target}"], args, 1)[f"blocked softmax T={T_target}"]
         print(f"  softmax (causal, row blocks of 1024, keys j <= i only)  T = {T_target:6d}   {sm_blocked:9.3f} s   measured")
     print()
 
@@ -183,8 +230,8 @@ def main(argv=None):
     print(f"  peak minus output ratio: {(p1 - o1) / (p0 - o0):.3f}")
     dense = T_target * T_target * 8
     print(f"  for comparison, causal softmax's T x T float64 scores at T = {T_target}: {mib(dense)}; its KV cache: {mib(T_target * (d + d_v) * 8)}")
-    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"machine at end: {machine()}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
