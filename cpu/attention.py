@@ -455,11 +455,13 @@ def _dkdv_kernel(q, k, v, g, qt, gt, delta, row_max, row_sum, q_offsets, k_offse
                                    dv[b, ck + jb], dk[b, ck + jb])
 
 
-@njit(parallel=True, cache=True, fastmath=False, error_model="numpy")
+@njit(cache=True, fastmath=False, error_model="numpy")
 def _transpose_tiles(a, offsets, out):
-    """``out``: the rows of ``a`` ``(H, T, w)``, each sequence's tiles of TILE rows (the last shorter) transposed in place."""
+    """``out``: the rows of ``a`` ``(H, T, w)``, each sequence's tiles of TILE rows (the last shorter) transposed in place.
+
+    One thread: a pass over memory, too short to gain from waking the others."""
     S = offsets.size - 1
-    for p in prange(a.shape[0] * S):
+    for p in range(a.shape[0] * S):
         b, s = p // S, p % S
         end = offsets[s + 1]
         for j0 in range(offsets[s], end, TILE):
