@@ -457,9 +457,11 @@ def _dkdv_kernel(q, k, v, g, qt, gt, delta, row_max, row_sum, q_offsets, k_offse
 
 @njit(cache=True, fastmath=False, error_model="numpy")
 def _transpose_tiles(a, offsets, out):
-    """``out``: the rows of ``a`` ``(H, T, w)``, each sequence's tiles of TILE rows (the last shorter) transposed in place.
+    """``out``: the rows of ``a`` ``(H, T, w)``, each sequence's tiles of TILE rows (the last shorter) transposed, each
+    where its rows were.
 
-    One thread: a pass over memory, too short to gain from waking the others."""
+    One thread: a pass over memory, too short to gain from waking the others.
+    """
     S = offsets.size - 1
     for p in range(a.shape[0] * S):
         b, s = p // S, p % S
