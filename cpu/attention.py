@@ -45,27 +45,44 @@ can be formed again tile by tile.  With :math:`G = \partial L/\partial O`
 
 How the work maps onto the loops
 --------------------------------
-The leading (batch, head) dimensions are flattened to ``BH`` sequences.
+The kernels take ``H`` heads of rows, each holding sequences one after
+another at offsets: the leading (batch, head) dimensions of an unpacked
+call flattened to ``H = BH`` heads of one sequence each, or a packed call's
+heads of ``S`` sequences (``cu_seqlens``), left packed.
 
-* Forward, and ``dQ``: ``prange`` over (sequence, block of :data:`ROWS`
-  query rows); each thread owns its rows, and takes the keys in tiles of
-  :data:`TILE`.  ``dK`` and ``dV`` sum over query rows: a second ``prange``
-  over (sequence, block of :data:`ROWS` key rows), each thread owning its
-  key rows and taking all query rows in tiles.  No two threads write one
+* Forward, and ``dQ``: ``prange`` over a flat list of work items (head,
+  sequence, block of :data:`ROWS` query rows); each thread owns its rows,
+  and takes its sequence's keys in tiles of :data:`TILE`.  ``dK`` and ``dV``
+  sum over query rows: a second kernel, its ``prange`` over (head, sequence,
+  block of :data:`ROWS` key rows), each thread owning its key rows and
+  taking all its sequence's query rows in tiles.  No two threads write one
   entry and every sum has a fixed order: the results are the same bits
   whatever the number of threads.
 * A tile of scores is formed with the coordinates outside and the keys
-  inside, from the keys stored transposed tile by tile (a ``d x TILE``
-  block contiguous per tile): the inner loop runs
+  inside, from the keys stored transposed tile by tile (each tile's
+  ``d x n`` block contiguous where its rows were, the tiles counted from
+  each sequence's first row, nothing padded): the inner loop runs
   over contiguous memory with independent lanes and vectorises without
   reordering any sum.  Every score is summed over the coordinates in
   ascending order in all three passes, so the backward recomputes the
   forward's scores bit for bit.
 * Causal: a row takes the keys ``j <= i`` only; the tiles past the diagonal
-  are not visited.  The blocks are interleaved (light, heavy, light, ...)
-  so that the threads' contiguous shares of the ``prange`` carry equal work.
+  are not visited.  A sequence's blocks are interleaved (light, heavy,
+  light, ...) so that the threads' contiguous shares of the ``prange``
+  carry equal work.
 * float32 inputs are computed in float32 (every constant is cast to the
   input's dtype).
+
+Packed sequences
+----------------
+A packed call (``cu_seqlens``) computes every (head, sequence) in one call
+of the forward kernel, and of each backward kernel: many short sequences
+make as many work items, shared by the threads, with no Python call per
+sequence and no row padded to the longest sequence (memory linear in the
+``T`` packed tokens).  Each row is computed with the same sums in the same
+order as by the unpacked call of its sequence, so the packed call gives the
+loop's results (:mod:`refimpl.varlen`) bit for bit.  Where a score overflows
+the loop computes the call, and refuses it naming the row in its sequence.
 
 Linear attention
 ----------------
@@ -98,6 +115,7 @@ __all__ = [
     "softmax_attention_forward",
     "softmax_attention_backward",
     "OnlineSoftmaxCache",
+    "SoftmaxPackedCache",
     "linear_attention",
     "linear_attention_forward",
     "linear_attention_backward",
@@ -134,21 +152,46 @@ class OnlineSoftmaxCache(NamedTuple):
     batch_shape: tuple  # the leading dimensions, () for 2-D inputs
 
 
-@njit(cache=True, fastmath=False, error_model="numpy")
-def _dots(x, yt, b, ia, ib, j0, n, row_a, row_b):
-    """Two rows of a tile of dot products, ``row_a[jj] = sum_c x[b, ia, c] y[b, j0 + jj, c]`` and ``row_b`` for ``ib``.
+class SoftmaxPackedCache(NamedTuple):
+    """What :func:`softmax_attention_backward` needs of a packed forward computed in one call (every (head, sequence)).
 
-    ``yt`` is ``y`` transposed tile by tile (:func:`_tiles_transposed`),
-    and ``j0 .. j0 + n - 1`` lie in one tile.  For ``jj < n``, each sum over
-    ``c`` in ascending order.  ``ia == ib``
+    The tokens stay packed, the heads' rows one after another with no
+    padding: ``O(T (d + d_v))`` per head.  ``out`` is the output the forward
+    returned: write into neither before the backward.
+    """
+
+    offsets: np.ndarray  # cu_seqlens, int64 (S + 1,)
+    q: np.ndarray  # (H, T, d): heads first and C-contiguous (H = 1 without heads)
+    k: np.ndarray  # (H, T, d)
+    v: np.ndarray  # (H, T, d_v)
+    out: np.ndarray  # (T, d_v) or (T, H, d_v): the packed output, the shape of grad_out
+    row_max: np.ndarray  # (H, T) the maximum score m_i of every row
+    row_sum: np.ndarray  # (H, T) s_i = sum_j exp(l_ij - m_i)
+    scale: float
+    causal: bool
+    leading: tuple  # () without heads, (H,) with
+
+
+@njit(cache=True, fastmath=False, error_model="numpy")
+def _tile(yt, b, j0, w):
+    """The ``w`` rows from row ``j0`` of head ``b`` of ``yt`` (:func:`_tiles_transposed`), one tile: their ``d x w`` block, a view."""
+    d = yt.shape[2]
+    return yt[b].reshape((yt.shape[1] * d,))[j0 * d : (j0 + w) * d].reshape((d, w))
+
+
+@njit(cache=True, fastmath=False, error_model="numpy")
+def _dots(x, tile, b, ia, ib, o, n, row_a, row_b):
+    """Two rows of a tile of dot products, ``row_a[jj] = sum_c x[b, ia, c] y_{o + jj, c}`` and ``row_b`` for ``ib``.
+
+    ``tile`` is a tile of rows ``y`` transposed, ``d x w`` (:func:`_tile`),
+    and ``o + n <= w``.  For ``jj < n``, each sum over ``c`` in ascending
+    order.  ``ia == ib``
     is allowed (``row_b`` is then a copy).  The rows share every load of
-    ``yt``, and four coordinates are added per pass over the rows (the same
+    ``tile``, and four coordinates are added per pass over the rows (the same
     additions in the same order as one at a time); the inner loop runs over
     contiguous ``jj`` with independent lanes, so it vectorises exactly.
     """
     d = x.shape[2]
-    t = j0 // TILE
-    o = j0 - t * TILE
     for jj in range(n):
         row_a[jj] = 0
         row_b[jj] = 0
@@ -156,7 +199,7 @@ def _dots(x, yt, b, ia, ib, j0, n, row_a, row_b):
     while c + 4 <= d:
         a0, a1, a2, a3 = x[b, ia, c], x[b, ia, c + 1], x[b, ia, c + 2], x[b, ia, c + 3]
         b0, b1, b2, b3 = x[b, ib, c], x[b, ib, c + 1], x[b, ib, c + 2], x[b, ib, c + 3]
-        y0, y1, y2, y3 = yt[b, t, c, o : o + n], yt[b, t, c + 1, o : o + n], yt[b, t, c + 2, o : o + n], yt[b, t, c + 3, o : o + n]
+        y0, y1, y2, y3 = tile[c, o : o + n], tile[c + 1, o : o + n], tile[c + 2, o : o + n], tile[c + 3, o : o + n]
         for jj in range(n):
             u0, u1, u2, u3 = y0[jj], y1[jj], y2[jj], y3[jj]
             row_a[jj] = (((row_a[jj] + a0 * u0) + a1 * u1) + a2 * u2) + a3 * u3
@@ -164,7 +207,7 @@ def _dots(x, yt, b, ia, ib, j0, n, row_a, row_b):
         c += 4
     while c < d:
         ac, bc = x[b, ia, c], x[b, ib, c]
-        y = yt[b, t, c, o : o + n]
+        y = tile[c, o : o + n]
         for jj in range(n):
             row_a[jj] += ac * y[jj]
             row_b[jj] += bc * y[jj]
@@ -193,15 +236,6 @@ def _add_rows(w, n, y, b, j0, out):
         for c in range(m):
             out[c] += wj * yj[c]
         jj += 1
-
-
-@njit(cache=True, fastmath=False, error_model="numpy")
-def _block(t, n_blocks):
-    """Sequence and block of ``prange`` item ``t``: blocks interleaved 0, n-1, 1, n-2, ... (equal work per share when causal)."""
-    b = t // n_blocks
-    r = t % n_blocks
-    blk = r // 2 if r % 2 == 0 else n_blocks - 1 - r // 2
-    return b, blk
 
 
 @njit(cache=True, fastmath=False, error_model="numpy")
@@ -239,34 +273,41 @@ def _online_step(s, n, scale, v, b, j0, r, m, l, nan_seen, acc):
 
 
 @njit(parallel=True, cache=True, fastmath=False, error_model="numpy")
-def _forward_kernel(q, kt, v, scale, causal, out, row_max, row_sum):
-    """Core: the online-softmax forward of ``BH`` sequences; never raises.
+def _forward_kernel(q, kt, v, q_offsets, k_offsets, work, scale, causal, out, row_max, row_sum):
+    """Core: the online-softmax forward of every (head, sequence), one block of query rows per item of ``work``; never raises.
 
     Parameters
     ----------
-    q : ndarray, shape (BH, N_q, d)
-    kt : ndarray, shape (BH, ceil(N_k / TILE), d, TILE)
-        The keys, transposed tile by tile (:func:`_tiles_transposed`).
-    v : ndarray, shape (BH, N_k, d_v)
+    q : ndarray, shape (H, T_q, d)
+        Every head's query rows, sequence ``s`` at rows
+        ``q_offsets[s] .. q_offsets[s + 1] - 1`` (an unpacked batch: ``H``
+        sequences, ``q_offsets = [0, N_q]``).
+    kt : ndarray, shape (H, T_k, d)
+        The keys, transposed tile by tile (:func:`_tiles_transposed` at ``k_offsets``).
+    v : ndarray, shape (H, T_k, d_v)
+    q_offsets, k_offsets : ndarray of int64, shape (S + 1,)
+        Where the query and the key rows of each sequence start.
+    work : ndarray of int64, shape (n_work, 3)
+        ``(head, sequence, block of ROWS query rows)``, one per ``prange`` iteration (:func:`_work`).
     scale : scalar of the inputs' dtype
     causal : bool
-        Row ``i`` takes the keys ``j <= i`` (``N_q == N_k``).
-    out : ndarray, shape (BH, N_q, d_v)
-        Written: ``softmax(scale q k^T) v``.
-    row_max, row_sum : ndarray, shape (BH, N_q)
+        Row ``i`` of a sequence takes its keys ``j <= i`` (``N_q == N_k``).
+    out : ndarray, shape (H, T_q, d_v), any strides
+        Written: ``softmax(scale q k^T) v`` of each sequence in its rows.
+    row_max, row_sum : ndarray, shape (H, T_q)
         Written: the maximum score ``m_i`` of every row (NaN when a score
         is NaN, as :func:`numpy.max` gives) and ``s_i = sum_j exp(l_ij - m_i)``.
         A row whose maximum is not finite has a meaningless output: the
         caller refuses it.
     """
-    BH, N_q, d = q.shape
-    N_k = v.shape[1]
     d_v = v.shape[2]
-    n_blocks = (N_q + ROWS - 1) // ROWS
-    for t in prange(BH * n_blocks):
-        b, blk = _block(t, n_blocks)
+    for t in prange(work.shape[0]):
+        b, s, blk = work[t, 0], work[t, 1], work[t, 2]
+        # rows counted from the sequence's first: query i is row cq + i of q, key j row ck + j of k and v
+        cq, ck = q_offsets[s], k_offsets[s]
+        N_k = k_offsets[s + 1] - ck
         i0 = blk * ROWS
-        rows = min(ROWS, N_q - i0)
+        rows = min(ROWS, q_offsets[s + 1] - cq - i0)
         s_a = np.empty(TILE, dtype=q.dtype)
         s_b = np.empty(TILE, dtype=q.dtype)
         acc = np.zeros((ROWS, d_v), dtype=q.dtype)
@@ -275,6 +316,7 @@ def _forward_kernel(q, kt, v, scale, causal, out, row_max, row_sum):
         nan_seen = np.zeros(ROWS, dtype=np.bool_)
         k_end = i0 + rows if causal else N_k
         for j0 in range(0, k_end, TILE):
+            tile = _tile(kt, b, ck + j0, min(TILE, N_k - j0))
             # rows in pairs (ia, ib), sharing the loads of the key tile; the last of an odd count alone (ib = ia)
             for r in range(0, rows, 2):
                 ia = i0 + r
@@ -282,14 +324,14 @@ def _forward_kernel(q, kt, v, scale, causal, out, row_max, row_sum):
                 n = min(TILE, k_end - j0, ib + 1 - j0) if causal else min(TILE, k_end - j0)
                 if n <= 0:
                     continue
-                _dots(q, kt, b, ia, ib, j0, n, s_a, s_b)
+                _dots(q, tile, b, cq + ia, cq + ib, 0, n, s_a, s_b)
                 n_a = min(n, ia + 1 - j0) if causal else n
                 if n_a > 0:
-                    _online_step(s_a, n_a, scale, v, b, j0, r, m, l, nan_seen, acc)
+                    _online_step(s_a, n_a, scale, v, b, ck + j0, r, m, l, nan_seen, acc)
                 if ib > ia:
-                    _online_step(s_b, n, scale, v, b, j0, r + 1, m, l, nan_seen, acc)
+                    _online_step(s_b, n, scale, v, b, ck + j0, r + 1, m, l, nan_seen, acc)
         for r in range(rows):
-            i = i0 + r
+            i = cq + i0 + r
             for c in range(d_v):
                 out[b, i, c] = acc[r, c] / l[r]
             row_max[b, i] = np.nan if nan_seen[r] else m[r]
@@ -320,58 +362,72 @@ def _dkdv_step(s, dp, n, scale, lo, row_max, row_sum, delta, g, q, b, dv_row, dk
 
 
 @njit(parallel=True, cache=True, fastmath=False, error_model="numpy")
-def _backward_kernel(q, k, v, g, qt, kt, vt, gt, delta, row_max, row_sum, scale, causal, dq, dk, dv):
-    """Core: the gradients of the online-softmax forward, the probabilities recomputed tile by tile; never raises.
+def _dq_kernel(q, k, g, kt, vt, delta, row_max, row_sum, q_offsets, k_offsets, work, scale, causal, dq):
+    """Core: ``dQ`` of the online-softmax forward, the probabilities recomputed tile by tile; never raises.
+
+    A thread per item of ``work`` (a block of query rows, as the forward),
+    the keys in tiles, the rows in pairs.
 
     Parameters
     ----------
-    q, qt : ndarray, shape (BH, N_q, d) and transposed tile by tile (:func:`_tiles_transposed`)
-    k, kt : ndarray, shape (BH, N_k, d) and transposed tile by tile
-    v, vt : ndarray, shape (BH, N_k, d_v) and transposed tile by tile
-    g, gt : ndarray, shape (BH, N_q, d_v) and transposed tile by tile
-        ``dL/d out``.
-    delta : ndarray, shape (BH, N_q)
+    q, k, g : ndarray, shapes (H, T_q, d), (H, T_k, d), (H, T_q, d_v)
+        ``g`` is ``dL/d out``.
+    kt, vt : ndarray, shapes of k and v
+        The keys and values transposed tile by tile (:func:`_tiles_transposed` at ``k_offsets``).
+    delta : ndarray, shape (H, T_q)
         ``D_i = sum_c G_ic O_ic``.
-    row_max, row_sum : ndarray, shape (BH, N_q)
+    row_max, row_sum : ndarray, shape (H, T_q)
         From the forward.
-    scale : scalar of the inputs' dtype
-    causal : bool
-    dq, dk, dv : ndarray, shapes of q, k, v
+    q_offsets, k_offsets, work, scale, causal
+        As the forward's (:func:`_forward_kernel`).
+    dq : ndarray, shape of q
         Written (zeros on entry).
     """
-    BH, N_q, d = q.shape
-    N_k = k.shape[1]
-    # dQ: a thread per block of query rows, the keys in tiles, the rows in pairs (as the forward)
-    n_blocks = (N_q + ROWS - 1) // ROWS
-    for t in prange(BH * n_blocks):
-        b, blk = _block(t, n_blocks)
+    for t in prange(work.shape[0]):
+        b, s, blk = work[t, 0], work[t, 1], work[t, 2]
+        cq, ck = q_offsets[s], k_offsets[s]
+        N_k = k_offsets[s + 1] - ck
         i0 = blk * ROWS
-        rows = min(ROWS, N_q - i0)
+        rows = min(ROWS, q_offsets[s + 1] - cq - i0)
         s_a = np.empty(TILE, dtype=q.dtype)
         s_b = np.empty(TILE, dtype=q.dtype)
         dp_a = np.empty(TILE, dtype=q.dtype)
         dp_b = np.empty(TILE, dtype=q.dtype)
         k_end = i0 + rows if causal else N_k
         for j0 in range(0, k_end, TILE):
+            w = min(TILE, N_k - j0)
+            k_tile, v_tile = _tile(kt, b, ck + j0, w), _tile(vt, b, ck + j0, w)
             for r in range(0, rows, 2):
                 ia = i0 + r
                 ib = min(ia + 1, i0 + rows - 1)
                 n = min(TILE, k_end - j0, ib + 1 - j0) if causal else min(TILE, k_end - j0)
                 if n <= 0:
                     continue
-                _dots(q, kt, b, ia, ib, j0, n, s_a, s_b)  # the forward's dot products, bit for bit
-                _dots(g, vt, b, ia, ib, j0, n, dp_a, dp_b)  # dP_ij = G_i . v_j
+                qa, qb = cq + ia, cq + ib
+                _dots(q, k_tile, b, qa, qb, 0, n, s_a, s_b)  # the forward's dot products, bit for bit
+                _dots(g, v_tile, b, qa, qb, 0, n, dp_a, dp_b)  # dP_ij = G_i . v_j
                 n_a = min(n, ia + 1 - j0) if causal else n
                 if n_a > 0:
-                    _dq_step(s_a, dp_a, n_a, scale, row_max[b, ia], row_sum[b, ia], delta[b, ia], k, b, j0, dq[b, ia])
+                    _dq_step(s_a, dp_a, n_a, scale, row_max[b, qa], row_sum[b, qa], delta[b, qa], k, b, ck + j0, dq[b, qa])
                 if ib > ia:
-                    _dq_step(s_b, dp_b, n, scale, row_max[b, ib], row_sum[b, ib], delta[b, ib], k, b, j0, dq[b, ib])
-    # dK, dV: a thread per block of key rows, the query rows in tiles, the key rows in pairs
-    n_blocks = (N_k + ROWS - 1) // ROWS
-    for t in prange(BH * n_blocks):
-        b, blk = _block(t, n_blocks)
+                    _dq_step(s_b, dp_b, n, scale, row_max[b, qb], row_sum[b, qb], delta[b, qb], k, b, ck + j0, dq[b, qb])
+
+
+@njit(parallel=True, cache=True, fastmath=False, error_model="numpy")
+def _dkdv_kernel(q, k, v, g, qt, gt, delta, row_max, row_sum, q_offsets, k_offsets, work, scale, causal, dk, dv):
+    """Core: ``dK`` and ``dV`` of the online-softmax forward; never raises.
+
+    A thread per item of ``work`` (a block of key rows), the query rows in
+    tiles, the key rows in pairs.  ``qt``, ``gt``: ``q`` and ``g`` transposed
+    tile by tile (:func:`_tiles_transposed` at ``q_offsets``); ``dk``, ``dv``
+    written (zeros on entry); the rest as :func:`_dq_kernel`'s.
+    """
+    for t in prange(work.shape[0]):
+        b, s, blk = work[t, 0], work[t, 1], work[t, 2]
+        cq, ck = q_offsets[s], k_offsets[s]
+        N_q = q_offsets[s + 1] - cq
         j0 = blk * ROWS
-        rows = min(ROWS, N_k - j0)
+        rows = min(ROWS, k_offsets[s + 1] - ck - j0)
         s_a = np.empty(TILE, dtype=q.dtype)
         s_b = np.empty(TILE, dtype=q.dtype)
         dp_a = np.empty(TILE, dtype=q.dtype)
@@ -379,6 +435,7 @@ def _backward_kernel(q, k, v, g, qt, kt, vt, gt, delta, row_max, row_sum, scale,
         # causal: key j is seen by the query rows i >= j
         for i0 in range((j0 // TILE) * TILE if causal else 0, N_q, TILE):
             i_end = min(i0 + TILE, N_q)
+            q_tile, g_tile = _tile(qt, b, cq + i0, i_end - i0), _tile(gt, b, cq + i0, i_end - i0)
             for r in range(0, rows, 2):
                 ja = j0 + r
                 jb = min(ja + 1, j0 + rows - 1)
@@ -387,14 +444,71 @@ def _backward_kernel(q, k, v, g, qt, kt, vt, gt, delta, row_max, row_sum, scale,
                 if n <= 0:
                     continue
                 # the scores of rows ja and jb for the query rows lo..i_end (the same products, the same order)
-                _dots(k, qt, b, ja, jb, lo, n, s_a, s_b)
-                _dots(v, gt, b, ja, jb, lo, n, dp_a, dp_b)  # dP_ij = G_i . v_j
-                _dkdv_step(s_a, dp_a, n, scale, lo, row_max, row_sum, delta, g, q, b, dv[b, ja], dk[b, ja])
+                _dots(k, q_tile, b, ck + ja, ck + jb, lo - i0, n, s_a, s_b)
+                _dots(v, g_tile, b, ck + ja, ck + jb, lo - i0, n, dp_a, dp_b)  # dP_ij = G_i . v_j
+                _dkdv_step(s_a, dp_a, n, scale, cq + lo, row_max, row_sum, delta, g, q, b, dv[b, ck + ja], dk[b, ck + ja])
                 if jb > ja:
                     # causal: row jb sees the query rows from max(i0, jb), one fewer when lo = ja
                     off = max(i0, jb) - lo if causal else 0
                     if n > off:
-                        _dkdv_step(s_b[off:], dp_b[off:], n - off, scale, lo + off, row_max, row_sum, delta, g, q, b, dv[b, jb], dk[b, jb])
+                        _dkdv_step(s_b[off:], dp_b[off:], n - off, scale, cq + lo + off, row_max, row_sum, delta, g, q, b,
+                                   dv[b, ck + jb], dk[b, ck + jb])
+
+
+@njit(cache=True, fastmath=False, error_model="numpy")
+def _transpose_tiles(a, offsets, out):
+    """``out``: the rows of ``a`` ``(H, T, w)``, each sequence's tiles of TILE rows (the last shorter) transposed, each
+    where its rows were.
+
+    One thread: a pass over memory, too short to gain from waking the others.
+    """
+    S = offsets.size - 1
+    for p in range(a.shape[0] * S):
+        b, s = p // S, p % S
+        end = offsets[s + 1]
+        for j0 in range(offsets[s], end, TILE):
+            tile = _tile(out, b, j0, min(TILE, end - j0))
+            for c in range(tile.shape[0]):
+                for o in range(tile.shape[1]):
+                    tile[c, o] = a[b, j0 + o, c]
+
+
+def _tiles_transposed(a, offsets):
+    """``(H, T, w)`` rows, the sequences at ``offsets``, with each sequence's tiles transposed: the same size, no padding.
+
+    The tile of rows ``j0 .. j0 + n - 1`` (``n <= TILE``, tiles counted from
+    each sequence's first row) is stored as its ``w x n`` transpose, one
+    stretch of memory where the rows were (:func:`_tile` reads it back): a
+    tile's scores are formed over contiguous memory, whatever the lengths.
+    """
+    out = np.empty(a.shape, dtype=a.dtype)
+    _transpose_tiles(a, offsets, out)
+    return out
+
+
+@njit(cache=True, fastmath=False, error_model="numpy")
+def _work(offsets, heads):
+    """The items of the kernels' ``prange``: ``(head, sequence, block)`` for every block of :data:`ROWS` rows of every
+    (head, sequence), int64 ``(n_work, 3)``; a sequence's blocks interleaved 0, n-1, 1, n-2, ... (equal work per share
+    when causal), an empty sequence none."""
+    S = offsets.size - 1
+    total = 0
+    for s in range(S):
+        total += (offsets[s + 1] - offsets[s] + ROWS - 1) // ROWS
+    work = np.empty((heads * total, 3), dtype=np.int64)
+    t = 0
+    for b in range(heads):
+        for s in range(S):
+            n = (offsets[s + 1] - offsets[s] + ROWS - 1) // ROWS
+            for r in range(n):
+                work[t, 0], work[t, 1], work[t, 2] = b, s, (r // 2 if r % 2 == 0 else n - 1 - r // 2)
+                t += 1
+    return work
+
+
+def _whole(a):
+    """The offsets ``[0, N]`` of an unpacked batch ``(BH, N, d)``: one sequence per head."""
+    return np.array([0, a.shape[1]], dtype=np.int64)
 
 
 def _sequences(a):
@@ -402,29 +516,32 @@ def _sequences(a):
     return np.ascontiguousarray(a.reshape((-1,) + a.shape[-2:]))
 
 
-def _tiles_transposed(a):
-    """``(BH, N, d)`` as ``(BH, ceil(N / TILE), d, TILE)``: each tile of rows transposed, zero-padded, and contiguous.
-
-    A tile's ``d x TILE`` block is one stretch of memory, whatever ``N`` is
-    (a plain ``(d, N)`` transpose puts each of its ``d`` rows ``N`` entries apart).
-    """
-    BH, N, d = a.shape
-    n_tiles = -(-N // TILE)
-    padded = np.zeros((BH, n_tiles * TILE, d), dtype=a.dtype)
-    padded[:, :N] = a
-    return np.ascontiguousarray(padded.reshape(BH, n_tiles, TILE, d).transpose(0, 1, 3, 2))
+def _forward(q, k, v, scale, causal, q_offsets, k_offsets, out):
+    """Core: ``out`` ``(H, T_q, d_v)`` written, ``(row_max, row_sum)`` returned, of checked heads-first rows; never raises."""
+    row_max = np.empty(q.shape[:2], dtype=q.dtype)
+    row_sum = np.empty(q.shape[:2], dtype=q.dtype)
+    work = _work(q_offsets, q.shape[0])
+    if work.size:
+        _forward_kernel(q, _tiles_transposed(k, k_offsets), v, q_offsets, k_offsets, work, q.dtype.type(scale), causal, out, row_max, row_sum)
+    return row_max, row_sum
 
 
-def _forward(q, k, v, scale, causal):
-    """Core: ``(out, row_max, row_sum)`` of checked ``(BH, N, d)`` arrays; never raises."""
-    BH, N_q, _ = q.shape
-    dtype = q.dtype
-    out = np.empty((BH, N_q, v.shape[2]), dtype=dtype)
-    row_max = np.empty((BH, N_q), dtype=dtype)
-    row_sum = np.empty((BH, N_q), dtype=dtype)
-    if BH:
-        _forward_kernel(q, _tiles_transposed(k), v, dtype.type(scale), causal, out, row_max, row_sum)
-    return out, row_max, row_sum
+def _backward(g, out, q, k, v, row_max, row_sum, scale, causal, q_offsets, k_offsets):
+    """Core: ``(dq, dk, dv)`` of checked heads-first rows (``out`` any strides); the two passes each with the tiles
+    it reads, two arrays at a time; never raises."""
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    H, scale = q.shape[0], q.dtype.type(scale)
+    # D_i = sum_c G_ic O_ic (= sum_j P_ij dP_ij)
+    delta = np.einsum("bic,bic->bi", g, out)
+    work = _work(q_offsets, H)
+    if work.size:
+        kt, vt = _tiles_transposed(k, k_offsets), _tiles_transposed(v, k_offsets)
+        _dq_kernel(q, k, g, kt, vt, delta, row_max, row_sum, q_offsets, k_offsets, work, scale, causal, dq)
+        del kt, vt
+        work = _work(k_offsets, H)
+        qt, gt = _tiles_transposed(q, q_offsets), _tiles_transposed(g, q_offsets)
+        _dkdv_kernel(q, k, v, g, qt, gt, delta, row_max, row_sum, q_offsets, k_offsets, work, scale, causal, dk, dv)
+    return dq, dk, dv
 
 
 def _softmax_attention_forward_kernel(xp, checked, given):
@@ -432,24 +549,47 @@ def _softmax_attention_forward_kernel(xp, checked, given):
     refused."""
     q, k, v, scale, causal, batch_shape = checked
     q, k, v = _sequences(q), _sequences(k), _sequences(v)
-    out, row_max, row_sum = _forward(q, k, v, scale, causal)
+    out = np.empty(q.shape[:2] + v.shape[2:], dtype=q.dtype)
+    row_max, row_sum = _forward(q, k, v, scale, causal, _whole(q), _whole(k), out)
     validation.check_score_maxima(row_max)
     cache = OnlineSoftmaxCache(q, k, v, out, row_max, row_sum, scale, causal, batch_shape)
     return out.reshape(batch_shape + out.shape[1:]), cache
 
 
+def _packed_softmax_forward_kernel(xp, checked, given, offsets):
+    """Softmax attention of packed sequences (checked, heads first): every (head, sequence) in one call of the forward
+    kernel, the rows left packed; ``NotImplemented`` (the loop) where a score overflows."""
+    q, k, v, scale, causal, leading = checked
+    H, (T, d_v) = int(np.prod(leading)), v.shape[-2:]
+    q, k, v = (np.ascontiguousarray(x).reshape(H, T, x.shape[-1]) for x in (q, k, v))
+    out = np.empty((T,) + tuple(leading) + (d_v,), dtype=q.dtype)
+    row_max, row_sum = _forward(q, k, v, scale, causal, offsets, offsets, out.reshape(T, H, d_v).transpose(1, 0, 2))
+    try:
+        validation.check_score_maxima(row_max)
+    except ValueError:
+        return NotImplemented  # the loop refuses it, naming the sequence's row as it always has
+    return out, SoftmaxPackedCache(offsets, q, k, v, out, row_max, row_sum, scale, causal, tuple(leading))
+
+
+def _packed_softmax_backward(grad_out, cache):
+    """The backward of :func:`_packed_softmax_forward_kernel`: every (head, sequence) in one call of each pass."""
+    H, T, _ = cache.q.shape
+    g = cpu_scan.packed_grad_out(grad_out, cache.out.shape, cache.out.dtype).reshape(H, T, -1)
+    out = cache.out.reshape(T, H, -1).transpose(1, 0, 2)
+    c = cache
+    grads = _backward(g, out, c.q, c.k, c.v, c.row_max, c.row_sum, c.scale, c.causal, c.offsets, c.offsets)
+    return SoftmaxAttentionGrads(*(cpu_scan.packed_layout(x, cache.leading) for x in grads))
+
+
 def _softmax_attention_backward_kernel(xp, grad_out, cache) -> SoftmaxAttentionGrads:
     """Core of :func:`softmax_attention_backward`: the probabilities recomputed tile by tile; new arrays."""
+    if isinstance(cache, SoftmaxPackedCache):
+        return _packed_softmax_backward(grad_out, cache)
     validation.check_instance(cache, "cache", OnlineSoftmaxCache, "the OnlineSoftmaxCache from cpu.attention.softmax_attention_forward")
     q, k, v, out, row_max, row_sum, scale, causal, batch_shape = cache
     labels = ("...", "N_q", "d_v") if batch_shape else ("N_q", "d_v")
     g = validation.check_grad_out(grad_out, batch_shape + out.shape[1:], labels, out.dtype)
-    g = _sequences(g)
-    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
-    if q.shape[0]:
-        # D_i = sum_c G_ic O_ic (= sum_j P_ij dP_ij)
-        delta = np.einsum("bic,bic->bi", g, out)
-        _backward_kernel(q, k, v, g, *(_tiles_transposed(a) for a in (q, k, v, g)), delta, row_max, row_sum, q.dtype.type(scale), causal, dq, dk, dv)
+    dq, dk, dv = _backward(_sequences(g), out, q, k, v, row_max, row_sum, scale, causal, _whole(q), _whole(k))
     return SoftmaxAttentionGrads(
         q=dq.reshape(batch_shape + dq.shape[1:]),
         k=dk.reshape(batch_shape + dk.shape[1:]),
@@ -493,9 +633,14 @@ def _packed_linear_forward_kernel(xp, checked, given, offsets):
     return packed, LinearPackedCache(offsets, q, k, v, phi_q, phi_k, out, den, causal, leading, packed.shape)
 
 
-def _packed_linear_attention_kernel(xp, checked, given, offsets):
-    result = _packed_linear_forward_kernel(xp, checked, given, offsets)
-    return result if result is NotImplemented else result[0]
+def _output_of(packed_forward):
+    """The packed kernel of the function without a cache: ``packed_forward``'s output, or its ``NotImplemented``."""
+
+    def kernel(xp, checked, given, offsets):
+        result = packed_forward(xp, checked, given, offsets)
+        return result if result is NotImplemented else result[0]
+
+    return kernel
 
 
 def _linear_attention_backward_kernel(xp, grad_out, cache):
@@ -516,7 +661,8 @@ _SOFTMAX_NOTES = (
     "An online softmax (module docstring): the keys are taken tile by tile with a running maximum and sum, so no "
     "``N_q x N_k`` matrix is formed, in the forward or in the backward, which recomputes the probabilities from the "
     "per-row maximum and sum.  The cache, an :class:`OnlineSoftmaxCache`, holds the inputs, the output and those two "
-    "numbers per row: memory ``O(N (d + d_v))`` per sequence."
+    "numbers per row: memory ``O(N (d + d_v))`` per sequence.  A packed call (``cu_seqlens``) computes every (head, "
+    "sequence) in one call of each kernel, the tokens left packed (its cache a :class:`SoftmaxPackedCache`)."
 )
 _LINEAR_NOTES = "The reference's computation, with the causal scan and its two sweeps of :mod:`cpu.scan`."
 
@@ -527,9 +673,11 @@ _public = boundary.bind(
             "softmax_attention": lambda xp, checked, given: _softmax_attention_forward_kernel(xp, checked, given)[0],
             "softmax_attention_forward": _softmax_attention_forward_kernel,
             "softmax_attention_backward": _softmax_attention_backward_kernel,
+            "packed softmax_attention": _output_of(_packed_softmax_forward_kernel),
+            "packed softmax_attention_forward": _packed_softmax_forward_kernel,
             **boundary.linear_attention_kernels(cpu_scan.scan_forward, cpu_scan.scan_backward),
             "linear_attention_backward": _linear_attention_backward_kernel,
-            "packed linear_attention": _packed_linear_attention_kernel,
+            "packed linear_attention": _output_of(_packed_linear_forward_kernel),
             "packed linear_attention_forward": _packed_linear_forward_kernel,
         },
         replace={"SoftmaxAttentionCache": "OnlineSoftmaxCache"},

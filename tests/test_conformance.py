@@ -1024,6 +1024,11 @@ def _threaded_results(b):
                 out, cache = b.softmax_attention_forward(q, k, v, causal=causal)
                 g = np.random.default_rng(16).normal(size=out.shape).astype(dtype)
                 results += [out, *b.softmax_attention_backward(g, cache), b.softmax_attention(q, k, v, causal=causal)]
+            # packed: sequences of several blocks and tiles, empty and of length 1, two heads
+            offsets = [0, 0, 70, 71, 71, 200]
+            x = packed_problem(offsets, True, dtype, d=5, d_v=3, seed=18)
+            out, cache = b.softmax_attention_forward(*x, causal=True, cu_seqlens=offsets)
+            results += [out, *b.softmax_attention_backward(np.ones_like(out), cache)]
     if hasattr(b, "ovq_attention_forward"):
         for lead in ((), (3,)):
             q, k, v = ovq_qkv(21, 150, d=6, d_v=4, lead=lead)

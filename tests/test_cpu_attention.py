@@ -130,3 +130,73 @@ def test_a_packed_linear_attention_call_is_one_scan_call_whatever_the_number_of_
     assert isinstance(cache_loop, varlen.PackedCache) and calls.count("linear_attention_forward") == 5
     for got, want in zip([out, *grads], [out_loop, *C.linear_attention_backward(np.ones_like(out), cache_loop)], strict=True):
         assert np.array_equal(got, want) if causal else np.allclose(got, want, rtol=1e-13, atol=1e-15)
+
+
+def _softmax_packed_and_loop(q, k, v, g, offsets, monkeypatch, **kw):
+    """The packed forward, output and backward of cpu.attention's softmax attention, then the same by the loop (the
+    packed kernels set aside); the names of the kernels each ran."""
+    calls = []
+    for name in ("_forward_kernel", "_dq_kernel", "_dkdv_kernel"):
+        kernel = getattr(C, name)
+        monkeypatch.setattr(C, name, lambda *a, _k=name, _f=kernel: (calls.append(_k), _f(*a))[1])
+    kernels = C.softmax_attention_forward.backend.kernels
+    for key in ("softmax_attention", "softmax_attention_forward", "packed softmax_attention", "packed softmax_attention_forward"):
+        monkeypatch.setitem(kernels, key, lambda *a, _k=key, _f=kernels[key]: (calls.append(_k), _f(*a))[1])
+    results = []
+    for packed in (True, False):
+        if not packed:  # the loop: one unpacked call per sequence
+            monkeypatch.delitem(kernels, "packed softmax_attention")
+            monkeypatch.delitem(kernels, "packed softmax_attention_forward")
+        out, cache = C.softmax_attention_forward(q, k, v, **kw, cu_seqlens=offsets)
+        arrays = [out, C.softmax_attention(q, k, v, **kw, cu_seqlens=offsets), *C.softmax_attention_backward(g, cache)]
+        results.append((list(calls), arrays))
+        calls.clear()
+    return results
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("heads", [False, True], ids=["2d", "heads"])
+def test_a_packed_softmax_attention_call_is_one_kernel_call_the_loops_results_bit_for_bit(heads, dtype, causal, monkeypatch):
+    """The packed kernels: every (head, sequence) in one call of the forward kernel, and of each backward pass, never
+    the unpacked call per sequence, the tokens left packed; the loop's outputs and gradients to the last bit (each row
+    the same sums in the same order).  Empty sequences, one of length 1, one of two tiles and one of two blocks."""
+    offsets = np.array([0, 0, 5, 6, 6, 6 + TILE + 3, 6 + TILE + 3, 6 + TILE + 3 + 40])
+    rng = np.random.default_rng(15)
+    lead = (offsets[-1], 3) if heads else (offsets[-1],)
+    q, k, v, g = (rng.normal(size=lead + (n,)).astype(dtype) for n in (5, 5, 3, 3))
+    (calls, packed), (loop_calls, loop) = _softmax_packed_and_loop(q, k, v, g, offsets, monkeypatch, causal=causal, scale=0.8)
+    assert calls == ["packed softmax_attention_forward", "_forward_kernel", "packed softmax_attention", "_forward_kernel",
+                     "_dq_kernel", "_dkdv_kernel"], calls
+    assert loop_calls.count("softmax_attention_forward") == 4 and loop_calls.count("_dq_kernel") == 4, loop_calls
+    for got, want in zip(packed, loop, strict=True):
+        assert got.dtype == dtype and got.shape == want.shape and np.array_equal(got, want)
+
+
+def test_a_packed_call_whose_scores_overflow_is_refused_as_the_loop_refuses_it(monkeypatch):
+    """An overflowed row: the packed kernel leaves the call to the loop, whose message names the row in its sequence."""
+    offsets = [0, 3, 7, 9]
+    q, k, v = qkv((), 9, 9, 2, 2, seed=16)
+    q[5], k[4] = [1e200, 0.0], [1e200, 0.0]  # row 2 of sequence 1 scores inf against its key 1
+    messages = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.delitem(C.softmax_attention_forward.backend.kernels, "packed softmax_attention_forward")
+        with np.errstate(over="ignore", invalid="ignore"), pytest.raises(ValueError) as got:
+            C.softmax_attention_forward(q, k, v, cu_seqlens=offsets)
+        messages.append(str(got.value))
+    assert messages[0] == messages[1] and "row 2" in messages[0], messages
+
+
+def test_a_packed_backward_refuses_grad_out_as_the_loop_does(monkeypatch):
+    q, k, v = qkv((), 9, 9, 4, 3, seed=17)
+    messages = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.delitem(C.softmax_attention_forward.backend.kernels, "packed softmax_attention_forward")
+        _, cache = C.softmax_attention_forward(q, k, v, cu_seqlens=[0, 4, 9])
+        for bad in (np.ones((9, 4)), np.ones((1, 9, 3)), np.ones((9, 1, 3)), "g"):
+            with pytest.raises((TypeError, ValueError)) as got:
+                C.softmax_attention_backward(bad, cache)
+            messages.append(f"{got.type.__name__}: {got.value}")
+    assert messages[:4] == messages[4:], messages
