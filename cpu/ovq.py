@@ -15,6 +15,26 @@ Leading dimensions
 ``(..., N, d)`` arrays as the reference's do: every sequence is independent
 and starts from an empty dictionary; here one kernel runs them all.
 
+Packed sequences
+----------------
+A packed call (``cu_seqlens``, :mod:`refimpl.varlen`) of
+:func:`ovq_attention` or :func:`ovq_attention_forward` runs every (head,
+sequence) pair in one call of one ``prange`` kernel, one thread per pair
+running its whole chunk loop, the arithmetic of the unpacked call on that
+sequence, so the result is the loop over the sequences bit for bit.  Each
+pair has its own chunk plan (its length and its incoming state's size and
+tokens decide it), the plans concatenated with a table of where each pair's
+part lies; its own dictionary, empty or the state given for its sequence;
+and its rows of the packed arrays as they are, no padding.
+:func:`ovq_attention` returns one state per sequence; the cache of
+:func:`ovq_attention_forward` is an :class:`OVQPackedCache` (which holds
+the same states, without heads), whose backward is one call over every pair.
+The boundary's loop, one unpacked call per sequence, runs instead where that
+is not the same arithmetic or the loop refuses the call on the way: a
+sequence of one head (or none) long enough for the BLAS path below, a state
+of a wider dtype than the tokens, a state refused for its own sequence's
+first chunk, a row that overflows (the loop names it).
+
 How the work maps onto loops and threads
 ----------------------------------------
 Every size of the chunk plan is known before the data is read: the number
@@ -56,12 +76,13 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import threadpoolctl
 from numba import njit, prange
 
-from refimpl import boundary, validation
+from refimpl import boundary, validation, varlen
 from refimpl import ovq as _ovq
 from refimpl.ovq import (
     GROWTHS,
@@ -83,6 +104,7 @@ from .vexp import exp
 # dictionary_size and unit_rows, which its functions take and return (documented there)
 __all__ = [
     "ChunkRecords",
+    "OVQPackedCache",
     "ovq_attention",
     "ovq_attention_forward",
     "ovq_attention_backward",
@@ -380,6 +402,15 @@ def _forward_sequence(b, q, k, v, qhat, khat, starts, lengths, ns, nadd, seed_of
                          seeded, seeds, counts_mid, added, record, eta, constant_rate, sums, sums_v, cnt, cf)
 
 
+@njit(cache=True)
+def _forward_work(q, B, Cm, n_max, dv):
+    """The work arrays of ``B`` chunk loops, one row each (``q``'s dtype): ``(sc, log_c, sums, sums_v, cnt, cf)``."""
+    dt = q.dtype
+    d = q.shape[-1]
+    return (np.empty((B, Cm), dt), np.zeros((B, n_max), dt), np.empty((B, n_max, d), dt), np.empty((B, n_max, dv), dt),
+            np.zeros((B, n_max), np.int64), np.empty((B, 2), dt))
+
+
 @njit(parallel=True, cache=True)
 def _forward_kernel(q, k, v, starts, lengths, ns, nadd, seed_off, drawn, use_drawn, snap_off, beta, eps, eta,
                     count_bias, constant_rate, record, blas, Dk, Dv, counts, out, bad, rows, seeded, seeds,
@@ -393,12 +424,7 @@ def _forward_kernel(q, k, v, starts, lengths, ns, nadd, seed_off, drawn, use_dra
     qhat = np.empty_like(q)
     khat = np.empty_like(k)
     rowsum = np.empty((B, Cm), dt)
-    sc = np.empty((B, Cm), dt)
-    log_c = np.zeros((B, n_max), dt)
-    sums = np.empty((B, n_max, d), dt)
-    sums_v = np.empty((B, n_max, dv), dt)
-    cnt = np.zeros((B, n_max), np.int64)
-    cf = np.empty((B, 2), dt)
+    sc, log_c, sums, sums_v, cnt, cf = _forward_work(q, B, Cm, n_max, dv)
     if not blas:
         # many sequences (or short ones): one thread per sequence runs its whole chunk loop, one parallel region
         for b in prange(B):
@@ -606,6 +632,22 @@ def _backward_sequence(b, q, k, v, G, starts, lengths, ns, nadd, seed_off, snap_
                 gv[b, s + i, c] = g_vc[b, i, c]
 
 
+@njit(cache=True)
+def _backward_work(q, B, lengths, n_max, dv):
+    """The work arrays of ``B`` backwards of chunk loops whose chunks have ``lengths``, one row each (``q``'s dtype):
+    ``(gDk, gDv, g_khat, g_vc, Kb, Vb, log_c, ranks, cf)``."""
+    dt = q.dtype
+    d = q.shape[-1]
+    Cm = 0
+    for j in range(lengths.shape[0]):
+        Cm = max(Cm, lengths[j])
+    # adjoint of the state after the chunk being visited; the loss does not read the final state
+    gDk = np.zeros((B, n_max, d), dt)
+    gDv = np.zeros((B, n_max, dv), dt)
+    return (gDk, gDv, np.empty((B, Cm, d), dt), np.empty((B, Cm, dv), dt), np.empty((B, n_max + Cm, d), dt),
+            np.empty((B, n_max + Cm, dv), dt), np.zeros((B, n_max), dt), np.empty((B, n_max), np.int64), np.empty((B, 2), dt))
+
+
 @njit(parallel=True, cache=True)
 def _backward_kernel(q, k, v, G, starts, lengths, ns, nadd, seed_off, snap_off, beta, eps, eta, count_bias,
                      constant_rate, blas, rows, seeded, seeds, counts_mid, added, snapK, snapV, gq, gk, gv):
@@ -614,24 +656,12 @@ def _backward_kernel(q, k, v, G, starts, lengths, ns, nadd, seed_off, snap_off, 
     B, N, d = q.shape
     dv = v.shape[2]
     n_max = counts_mid.shape[2]
-    Cm = 0
-    for j in range(lengths.shape[0]):
-        Cm = max(Cm, lengths[j])
     dt = q.dtype
     qhat = np.empty_like(q)
     khat = np.empty_like(k)
     qn = np.empty((B, N), dt)
     kn = np.empty((B, N), dt)
-    # adjoint of the state after the chunk being visited; the loss does not read the final state
-    gDk = np.zeros((B, n_max, d), dt)
-    gDv = np.zeros((B, n_max, dv), dt)
-    g_khat = np.empty((B, Cm, d), dt)
-    g_vc = np.empty((B, Cm, dv), dt)
-    Kb = np.empty((B, n_max + Cm, d), dt)
-    Vb = np.empty((B, n_max + Cm, dv), dt)
-    log_c = np.zeros((B, n_max), dt)
-    ranks = np.empty((B, n_max), np.int64)
-    cf = np.empty((B, 2), dt)
+    gDk, gDv, g_khat, g_vc, Kb, Vb, log_c, ranks, cf = _backward_work(q, B, lengths, n_max, dv)
     # one compile of the sequence's backward: its index typed alike in both calls, ``blas`` a value, not a literal
     if blas:
         _backward_sequence(np.int64(0), q, k, v, G, starts, lengths, ns, nadd, seed_off, snap_off, beta, eps, eta,
@@ -642,6 +672,85 @@ def _backward_kernel(q, k, v, G, starts, lengths, ns, nadd, seed_off, snap_off, 
         _backward_sequence(np.int64(b), q, k, v, G, starts, lengths, ns, nadd, seed_off, snap_off, beta, eps, eta,
                            count_bias, constant_rate, blas, rows, seeded, seeds, counts_mid, added, snapK, snapV, gq,
                            gk, gv, qhat, khat, qn, kn, gDk, gDv, g_khat, g_vc, Kb, Vb, log_c, ranks, cf)
+
+
+# ---------------------------------------------------------------------------
+# Packed sequences (cu_seqlens): every (head, sequence) pair in one kernel call
+# ---------------------------------------------------------------------------
+
+
+@njit(parallel=True, cache=True)
+def _packed_forward_kernel(q, k, v, tokens, chunks, seeds_at, snaps_at, starts, lengths, ns, nadd, seed_off, snap_off, drawn,
+                           use_drawn, beta, eps, eta, count_bias, constant_rate, record, Dk, Dv, counts, out, bad, rows,
+                           seeded, seeds, counts_mid, added, snapK, snapV):
+    """The chunk loop of every (head, sequence) pair ``p`` of a packed call, one thread per pair, each its own batch
+    of one sequence for :func:`_forward_sequence`: its rows ``tokens[p]:tokens[p + 1]`` of ``q, k (H T, d)`` and
+    ``v (H T, d_v)`` (heads first), its plan and records where the tables of :class:`_PackedPlan` say, its state
+    ``Dk[p], Dv[p], counts[p]``."""
+    P = counts.shape[0]
+    d = q.shape[1]
+    dv = v.shape[1]
+    n_max = counts.shape[1]
+    Cm = Dk.shape[1] - n_max
+    qhat = np.empty_like(q)
+    khat = np.empty_like(k)
+    sc, log_c, sums, sums_v, cnt, cf = _forward_work(q, P, Cm, n_max, dv)
+    for i in prange(P):
+        p = np.int64(i)  # signed, so that the offsets below stay integers
+        a, e = tokens[p], tokens[p + 1]
+        if e == a:
+            continue  # an empty sequence: no chunk, its state as it came
+        N, j0, J, r0, r1 = e - a, chunks[p], chunks[p + 1] - chunks[p], seeds_at[p], seeds_at[p + 1]
+        # the views have the types of _forward_kernel's arrays (C-contiguous slices reshaped): one compile of the sequence
+        if record:
+            mid, add = counts_mid[j0 : j0 + J].reshape((1, J, n_max)), added[j0 : j0 + J].reshape((1, J, n_max))
+        else:
+            mid, add = counts_mid[0:1].reshape((1, 1, n_max)), added[0:1].reshape((1, 1, n_max))
+        m0, m1 = snaps_at[p], snaps_at[p + 1]
+        _forward_sequence(np.int64(0), q[a:e].reshape((1, N, d)), k[a:e].reshape((1, N, d)), v[a:e].reshape((1, N, dv)),
+                          qhat[a:e].reshape((1, N, d)), khat[a:e].reshape((1, N, d)), starts[j0 : j0 + J],
+                          lengths[j0 : j0 + J], ns[j0 : j0 + J], nadd[j0 : j0 + J], seed_off[j0 + p : j0 + p + J + 1],
+                          drawn[r0:r1], use_drawn, snap_off[j0 + p : j0 + p + J + 1], beta, eps, eta, count_bias,
+                          constant_rate, record, Dk[p : p + 1], Dv[p : p + 1], counts[p : p + 1],
+                          out[a:e].reshape((1, N, dv)), bad[a:e].reshape((1, N)), rows[a:e].reshape((1, N)),
+                          seeded[a:e].reshape((1, N)), seeds[r0:r1].reshape((1, r1 - r0)), mid, add,
+                          snapK[m0:m1].reshape((1, m1 - m0, d)), snapV[m0:m1].reshape((1, m1 - m0, dv)), sc[p : p + 1],
+                          log_c[p : p + 1], sums[p : p + 1], sums_v[p : p + 1], cnt[p : p + 1], cf[p : p + 1])
+
+
+@njit(parallel=True, cache=True)
+def _packed_backward_kernel(q, k, v, G, tokens, chunks, seeds_at, snaps_at, starts, lengths, ns, nadd, seed_off, snap_off,
+                            beta, eps, eta, count_bias, constant_rate, blas, rows, seeded, seeds, counts_mid, added, snapK,
+                            snapV, gq, gk, gv):
+    """Gradients of every (head, sequence) pair of a packed call, one thread per pair (:func:`_backward_sequence` by
+    loops, ``blas`` false); the arrays and tables of :func:`_packed_forward_kernel`, ``G (H T, d_v)`` is ``dL/d out``."""
+    P = tokens.shape[0] - 1
+    d = q.shape[1]
+    dv = v.shape[1]
+    n_max = counts_mid.shape[1]
+    dt = q.dtype
+    qhat = np.empty_like(q)
+    khat = np.empty_like(k)
+    qn = np.empty(q.shape[0], dt)
+    kn = np.empty(q.shape[0], dt)
+    gDk, gDv, g_khat, g_vc, Kb, Vb, log_c, ranks, cf = _backward_work(q, P, lengths, n_max, dv)
+    for i in prange(P):
+        p = np.int64(i)  # signed, so that the offsets below stay integers
+        a, e = tokens[p], tokens[p + 1]
+        if e == a:
+            continue
+        N, j0, J, r0, r1, m0, m1 = e - a, chunks[p], chunks[p + 1] - chunks[p], seeds_at[p], seeds_at[p + 1], snaps_at[p], snaps_at[p + 1]
+        _backward_sequence(np.int64(0), q[a:e].reshape((1, N, d)), k[a:e].reshape((1, N, d)), v[a:e].reshape((1, N, dv)),
+                           G[a:e].reshape((1, N, dv)), starts[j0 : j0 + J], lengths[j0 : j0 + J], ns[j0 : j0 + J],
+                           nadd[j0 : j0 + J], seed_off[j0 + p : j0 + p + J + 1], snap_off[j0 + p : j0 + p + J + 1], beta,
+                           eps, eta, count_bias, constant_rate, blas, rows[a:e].reshape((1, N)),
+                           seeded[a:e].reshape((1, N)), seeds[r0:r1].reshape((1, r1 - r0)),
+                           counts_mid[j0 : j0 + J].reshape((1, J, n_max)), added[j0 : j0 + J].reshape((1, J, n_max)),
+                           snapK[m0:m1].reshape((1, m1 - m0, d)), snapV[m0:m1].reshape((1, m1 - m0, dv)),
+                           gq[a:e].reshape((1, N, d)), gk[a:e].reshape((1, N, d)), gv[a:e].reshape((1, N, dv)),
+                           qhat[a:e].reshape((1, N, d)), khat[a:e].reshape((1, N, d)), qn[a:e].reshape((1, N)),
+                           kn[a:e].reshape((1, N)), gDk[p : p + 1], gDv[p : p + 1], g_khat[p : p + 1], g_vc[p : p + 1],
+                           Kb[p : p + 1], Vb[p : p + 1], log_c[p : p + 1], ranks[p : p + 1], cf[p : p + 1])
 
 
 # ---------------------------------------------------------------------------
@@ -831,6 +940,18 @@ class ChunkRecords(Sequence):
                                  self.seeds[0, p.seed_off[j] : p.seed_off[j + 1]], self.counts_mid[0, j], self.added[0, j])
 
 
+def _new_state(Dk, Dv, counts, state, plan):
+    """The state after a 2-D call from ``state`` (``None``: a new stream): the first ``n_max`` rows of ``Dk, Dv``."""
+    n_max = counts.shape[0]
+    keys, values = Dk[:n_max].copy(), Dv[:n_max].copy()
+    # rows the stream never reached keep what the incoming state held there (zeros for a new stream)
+    if state is None:
+        keys[plan.n_final :], values[plan.n_final :] = 0, 0
+    else:
+        keys[plan.n_final :], values[plan.n_final :] = state.keys[plan.n_final :], state.values[plan.n_final :]
+    return OVQState(keys, values, counts, plan.n_final, plan.t_final)
+
+
 def _run(a, q3, k3, v3, lead, batched, record):
     """The forward of checked arguments ``a`` on ``(B, N, .)`` arrays: ``(out, new_state or None, records or None, inputs, params)``."""
     state = a.state
@@ -868,15 +989,7 @@ def _run(a, q3, k3, v3, lead, batched, record):
         n_bad = int(np.count_nonzero(bad[b]))
         if n_bad:
             check_overflow((n_bad, int(np.argmax(bad[b]))), state, dtype)
-    new_state = None
-    if not batched:
-        keys, values = Dk[0, :n_max].copy(), Dv[0, :n_max].copy()
-        # rows the stream never reached keep what the incoming state held there (zeros for a new stream)
-        if state is None:
-            keys[plan.n_final :], values[plan.n_final :] = 0, 0
-        else:
-            keys[plan.n_final :], values[plan.n_final :] = state.keys[plan.n_final :], state.values[plan.n_final :]
-        new_state = OVQState(keys, values, counts[0], plan.n_final, plan.t_final)
+    new_state = None if batched else _new_state(Dk[0], Dv[0], counts[0], state, plan)
     records = ChunkRecords(plan, rows, seeded, seeds, counts_mid, added, snapK, snapV, p.count_bias) if record else None
     out = out.reshape(lead + (N, d_v)) if batched else out[0]
     inputs = (q3.reshape(lead + (N, d)), k3.reshape(lead + (N, d)), v3.reshape(lead + (N, d_v))) if batched else (a.q, a.k, a.v)
@@ -900,6 +1013,8 @@ def _ovq_attention_forward_kernel(xp, a, given):
 
 def _ovq_attention_backward_kernel(xp, grad_out, cache: OVQCache) -> OVQGrads:
     """Core of :func:`ovq_attention_backward`: every sequence of a batch in one kernel (a reference cache to refimpl's)."""
+    if isinstance(cache, OVQPackedCache):
+        return _packed_backward(grad_out, cache)
     validation.check_instance(cache, "cache", OVQCache, "the OVQCache from ovq_attention_forward")
     if not isinstance(cache.records, ChunkRecords):
         return _ovq.ovq_attention_backward(grad_out, cache)
@@ -922,6 +1037,157 @@ def _ovq_attention_backward_kernel(xp, grad_out, cache: OVQCache) -> OVQGrads:
     return OVQGrads(q=gq.reshape(q.shape), k=gk.reshape(k.shape), v=gv.reshape(v.shape))
 
 
+class _PackedPlan:
+    """The chunk plans of a packed call's ``P = H S`` (head, sequence) pairs, concatenated in pair order.
+
+    Pair ``p = h S + s`` is sequence ``s`` of head ``h`` (its plan that of the sequence, from its own state): its
+    token rows ``tokens[p]:tokens[p + 1]`` of the heads-first rows ``(H T, .)``; its chunks
+    ``chunks[p]:chunks[p + 1]`` of ``starts, lengths, ns, nadd`` and its ``J + 1`` entries of ``seed_off, snap_off``
+    from ``chunks[p] + p`` (each pair's own, from 0); its seeds ``seeds_at[p]:seeds_at[p + 1]`` of ``drawn`` and of
+    the recorded seeds; its dictionaries read ``snaps_at[p]:snaps_at[p + 1]`` (none unless recorded).  ``sequences``
+    holds each sequence's :class:`_Plan` (``None`` for an empty one).
+    """
+
+    def __init__(self, offsets, H, p, states, record):
+        made, self.sequences = {}, []
+        for n, st in zip(np.diff(offsets).tolist(), states):
+            # a plan depends on the length and the incoming state's size and tokens only: made once for each
+            key = (n,) + ((0, 0) if st is None else (st.size, st.tokens_seen))
+            if n and key not in made:
+                made[key] = _Plan(n, p, *key[1:])
+            self.sequences.append(made[key] if n else None)
+        pairs = self.sequences * H
+        none = np.zeros(0, np.int64)
+
+        def joined(part):
+            return np.concatenate([none] + [part(x) for x in pairs]).astype(np.int64)
+
+        self.starts, self.lengths = joined(lambda x: x.starts if x else none), joined(lambda x: x.lengths if x else none)
+        self.ns, self.nadd = joined(lambda x: x.ns if x else none), joined(lambda x: x.nadd if x else none)
+        self.seed_off, self.snap_off = joined(lambda x: x.seed_off if x else [0]), joined(lambda x: x.snap_off if x else [0])
+        self.drawn = joined(lambda x: x.drawn[: x.seed_off[-1]] if x else none)
+        T = int(offsets[-1])
+        self.tokens = np.concatenate([h * T + offsets[:-1] for h in range(H)] + [[H * T]]).astype(np.int64)
+
+        def at(size):
+            return np.concatenate([[0], np.cumsum([size(x) if x else 0 for x in pairs])]).astype(np.int64)
+
+        self.chunks, self.seeds_at = at(lambda x: x.starts.size), at(lambda x: x.seed_off[-1])
+        self.snaps_at = at(lambda x: x.snap_off[-1] if record else 0)
+        self.use_drawn = p.init == "random"
+        self.C = max(x.C for x in made.values())
+
+
+class OVQPackedCache(NamedTuple):
+    """What :func:`ovq_attention_backward` needs of a packed forward computed in one call (every (head, sequence) pair).
+
+    The inputs (cast to the common dtype) and the records of
+    :class:`ChunkRecords` are rows heads first (``H = 1`` without heads),
+    every pair's part one after another where ``plan`` says; ``states`` is
+    the state after each sequence, as a packed :func:`ovq_attention`
+    returns them (``None`` with heads, where each sequence is a batch of its
+    heads).  Read by this module's backward only; where the loop over the
+    sequences ran instead, the cache is a :class:`refimpl.varlen.PackedCache`.
+    """
+
+    offsets: np.ndarray  # cu_seqlens, int64 (S + 1,)
+    q: np.ndarray  # (H T, d), heads first
+    k: np.ndarray
+    v: np.ndarray  # (H T, d_v)
+    params: _ovq.OVQParams
+    plan: _PackedPlan
+    rows: np.ndarray  # (H T,) the row each key went to (held fixed by the backward)
+    seeded: np.ndarray  # (H T,)
+    seeds: np.ndarray  # (seeds_at[-1],)
+    counts_mid: np.ndarray  # (chunks[-1], n_max)
+    added: np.ndarray
+    dict_keys: np.ndarray  # (snaps_at[-1], d)
+    dict_values: np.ndarray  # (snaps_at[-1], d_v)
+    states: tuple  # the state after each sequence (what ovq_attention returns), without heads; None with heads
+    leading: tuple  # () without heads, (H,) with
+    out_shape: tuple  # (T, d_v) or (T, H, d_v): the shape of grad_out
+
+
+def _packed_run(a, offsets, states, record):
+    """The forward of a packed call (``a`` checked on the whole arrays, heads first; ``offsets`` checked; ``states``
+    one per sequence or ``None``) in one kernel call: ``(out (T, d_v) or (T, H, d_v), OVQPackedCache)``, the cache's
+    records empty unless ``record``.  ``NotImplemented`` where the loop over the sequences is not this arithmetic or
+    refuses the call: a state that raises the dtype, a sequence long enough for the BLAS path, a state refused for its
+    own sequence's first chunk, an overflowed row."""
+    p, dtype, leading = a.params, a.dtype, a.q.shape[:-2]
+    (T, d), d_v, H, n_max = a.q.shape[-2:], a.v.shape[-1], int(np.prod(leading)), p.max_size
+    lengths = np.diff(offsets)
+    if any(st is not None and validation.common_float_dtype(a.q, st.keys) != dtype for st in states):
+        return NotImplemented  # the loop computes that sequence in the state's dtype
+    if H == 1 and int(np.minimum(lengths, p.chunk_size).max()) * n_max * max(d, d_v) >= BLAS_WORK:
+        return NotImplemented  # the loop's call on one long sequence takes the BLAS path
+    try:
+        for n, st in zip(lengths.tolist(), states):
+            if n and st is not None:
+                # the loop checks each sequence's first chunk against its state again, on its own length
+                validation.check_ovq_stream_state(st, OVQState, p, n, d, d_v, _ovq._growth)
+    except ValueError:
+        return NotImplemented  # the loop refuses it, with the sequences before it computed as it always has
+    plan = _PackedPlan(offsets, H, p, states, record)
+    q, k, v = (np.ascontiguousarray(x.reshape(-1, x.shape[-1])) for x in (a.q, a.k, a.v))
+    P, rows_total = H * (offsets.size - 1), H * T
+    Dk, Dv = np.zeros((P, n_max + plan.C, d), dtype), np.zeros((P, n_max + plan.C, d_v), dtype)
+    counts = np.zeros((P, n_max), np.int64)
+    for s, st in enumerate(states):
+        if st is not None:
+            Dk[s, :n_max], Dv[s, :n_max], counts[s] = st.keys, st.values, st.counts
+    out = np.empty((rows_total, d_v), dtype)
+    bad, seeded = np.zeros(rows_total, np.bool_), np.zeros(rows_total, np.bool_)
+    rows, seeds = np.zeros(rows_total, np.int64), np.zeros(int(plan.seeds_at[-1]), np.int64)
+    n_rec = int(plan.chunks[-1]) if record else 1
+    counts_mid, added = np.zeros((n_rec, n_max), np.int64), np.zeros((n_rec, n_max), np.int64)
+    snapK, snapV = np.zeros((int(plan.snaps_at[-1]), d), dtype), np.zeros((int(plan.snaps_at[-1]), d_v), dtype)
+    f = np.dtype(dtype).type
+    _packed_forward_kernel(q, k, v, plan.tokens, plan.chunks, plan.seeds_at, plan.snaps_at, plan.starts, plan.lengths,
+                           plan.ns, plan.nadd, plan.seed_off, plan.snap_off, plan.drawn, plan.use_drawn, f(p.beta),
+                           f(NORM_EPS), f(1 if p.eta is None else p.eta), p.count_bias, p.eta is not None, record, Dk, Dv,
+                           counts, out, bad, rows, seeded, seeds, counts_mid, added, snapK, snapV)
+    if bad.any():
+        return NotImplemented  # the loop refuses it, naming the sequence's row as it always has
+    new = None
+    if not leading:
+        new = _ovq.sequence_states([_new_state(Dk[s], Dv[s], counts[s], st, x) if x else None
+                                    for s, (st, x) in enumerate(zip(states, plan.sequences))], states, n_max, a.q, a.v, dtype)
+    packed = varlen.packed_layout(out, leading)
+    return packed, OVQPackedCache(offsets, q, k, v, p, plan, rows, seeded, seeds, counts_mid, added, snapK, snapV, new,
+                                  leading, packed.shape)
+
+
+def _packed_ovq_attention_kernel(xp, a, given, offsets, states, return_state):
+    """Core of a packed :func:`ovq_attention`: every sequence in one kernel call (:func:`_packed_run`)."""
+    result = _packed_run(a, offsets, states, record=False)
+    if result is NotImplemented:
+        return result
+    out, cache = result
+    return (out, cache.states) if return_state else out
+
+
+def _packed_ovq_attention_forward_kernel(xp, a, given, offsets, states):
+    """Core of a packed :func:`ovq_attention_forward`: every (head, sequence) in one kernel call, an
+    :class:`OVQPackedCache`."""
+    return _packed_run(a, offsets, states, record=True)
+
+
+def _packed_backward(grad_out, cache):
+    """The backward of :func:`_packed_run`: every (head, sequence) pair in one kernel call."""
+    g = varlen.checked_grad_out(grad_out, cache.out_shape, cache.q.dtype)
+    g = np.ascontiguousarray(g if g.ndim == 2 else g.transpose(1, 0, 2)).reshape(-1, g.shape[-1])
+    p, plan = cache.params, cache.plan
+    gq, gk, gv = np.empty_like(cache.q), np.empty_like(cache.k), np.empty_like(cache.v)
+    f = np.dtype(cache.q.dtype).type
+    _packed_backward_kernel(cache.q, cache.k, cache.v, g, plan.tokens, plan.chunks, plan.seeds_at, plan.snaps_at,
+                            plan.starts, plan.lengths, plan.ns, plan.nadd, plan.seed_off, plan.snap_off, f(p.beta),
+                            f(NORM_EPS), f(1 if p.eta is None else p.eta), p.count_bias, p.eta is not None, False,
+                            cache.rows, cache.seeded, cache.seeds, cache.counts_mid, cache.added, cache.dict_keys,
+                            cache.dict_values, gq, gk, gv)
+    return OVQGrads(*(varlen.packed_layout(x, cache.leading) for x in (gq, gk, gv)))
+
+
 def _vq_attention_kernel(xp, a, given):
     """Core of :func:`vq_attention` on refimpl's checked arguments: one kernel, overflowed rows refused."""
     q, k, v, codebook, C, beta = a
@@ -939,7 +1205,8 @@ def _vq_attention_kernel(xp, a, given):
 _NOTES = (
     "The chunk loop of every sequence runs in one kernel (module docstring), a batch's sequences in parallel; the "
     "records the backward needs are kept in arrays (a :class:`ChunkRecords`).  A cache of "
-    ":func:`refimpl.ovq.ovq_attention_forward` is handed to :func:`refimpl.ovq.ovq_attention_backward`."
+    ":func:`refimpl.ovq.ovq_attention_forward` is handed to :func:`refimpl.ovq.ovq_attention_backward`.  A packed "
+    "call runs every (head, sequence) pair in one kernel call, its cache an :class:`OVQPackedCache` (module docstring)."
 )
 
 #: The public functions that refimpl's boundary writes once, bound to this module's kernels.
@@ -950,6 +1217,8 @@ _public = boundary.bind(
             "ovq_attention_forward": _ovq_attention_forward_kernel,
             "ovq_attention_backward": _ovq_attention_backward_kernel,
             "vq_attention": _vq_attention_kernel,
+            "packed ovq_attention": _packed_ovq_attention_kernel,
+            "packed ovq_attention_forward": _packed_ovq_attention_forward_kernel,
         },
         notes={"ovq_attention_forward": _NOTES, "ovq_attention_backward": _NOTES},
     ),

@@ -65,7 +65,8 @@ class Backend(NamedTuple):
     #: How it computes, one sentence: the start of the docstrings' second paragraph.
     summary: str
     #: The cores by public name (:data:`FUNCTIONS` says what each is given); a name without one is a function it has not.
-    #: ``"packed " + name``, optionally: the kernel of a packed call (``cu_seqlens``) in one call, else the loop (:func:`_packed`).
+    #: ``"packed " + name``, optionally: the kernel of a packed call (``cu_seqlens``) in one call, else the loop (:func:`_packed`;
+    #: OVQ's are also given the incoming state of each sequence, and ``ovq_attention``'s ``return_state``).
     kernels: Mapping[str, Callable]
     #: Which arrays it takes and gives, one sentence for the docstrings.
     arrays: str = "NumPy arrays in, NumPy arrays out; the dtype follows the inputs."
@@ -107,6 +108,18 @@ def log_responsibilities(b, x, means, variances, weights):
     return b.kernels["posterior"](xp, _gmm_arguments(b, x, means, variances, weights), (x, means, variances, weights), True)
 
 
+def _native(b, kernel, tokens, names, cu_seqlens, check, *rest):
+    """``native(xp, checked, given, offsets, *rest)``, the backend's packed kernel ``"packed " + kernel``, called once
+    every check of the packed call has passed; ``NotImplemented`` where the backend has none (or it leaves the call
+    to the loop)."""
+    native = b.kernels.get(f"packed {kernel}")
+    if native is None:
+        return NotImplemented
+    checked = []
+    offsets = varlen.check_packed(cu_seqlens, tokens, names, lambda *x: checked.append(check(*x)), b.view)
+    return native(b.module(*tokens), checked[0], tokens, offsets, *rest)
+
+
 def _packed(b, definition, tokens, names, cu_seqlens, check, forward, *rest, kernel=None, **options):
     """A packed call of ``definition`` on ``b``: the backend's packed kernel ``"packed " + kernel`` where it has one
     and takes the call, else every sequence by its unpacked call (:func:`refimpl.varlen.packed`).
@@ -115,13 +128,9 @@ def _packed(b, definition, tokens, names, cu_seqlens, check, forward, *rest, ker
     whole packed arrays (heads first), ``offsets`` the checked ``cu_seqlens`` (int64); it returns what the public
     function returns, or ``NotImplemented`` to leave the call to the loop (which checks again and computes).
     """
-    native = b.kernels.get(f"packed {kernel}")
-    if native is not None:
-        checked = []
-        offsets = varlen.check_packed(cu_seqlens, tokens, names, lambda *x: checked.append(check(*x)), b.view)
-        result = native(b.module(*tokens), checked[0], tokens, offsets)
-        if result is not NotImplemented:
-            return result
+    result = _native(b, kernel, tokens, names, cu_seqlens, check)
+    if result is not NotImplemented:
+        return result
     out, extras = varlen.packed(lambda s, *seq: definition(b, *seq, *rest, **options, cu_seqlens=None), tokens, cu_seqlens, names,
                                 check, b.view, forward)
     return (out, extras) if forward else out
@@ -197,6 +206,9 @@ def ovq_attention(b, q, k, v, *, max_size, chunk_size, beta, growth, init, count
         states, check = ovq.packed_states(state, cu_seqlens, options, ovq.check_ovq_arguments)
         return_state = validation.check_bool(return_state, "return_state")
         b.module(q, k, v)
+        result = _native(b, "ovq_attention", (q, k, v), ("q", "k", "v"), cu_seqlens, check, states, return_state)
+        if result is not NotImplemented:
+            return result
         one = lambda s, q1, k1, v1: ovq_attention(b, q1, k1, v1, **options, state=states[s], return_state=return_state, cu_seqlens=None)  # noqa: E731
         out, extras = varlen.packed(one, (q, k, v), cu_seqlens, ("q", "k", "v"), check, b.view)
         return (out, ovq.sequence_states(extras, states, max_size, b.view(q), b.view(v), out.dtype)) if return_state else out
@@ -213,6 +225,9 @@ def ovq_attention_forward(b, q, k, v, *, max_size, chunk_size, beta, growth, ini
                        learning_rate=learning_rate, seed=seed)
         states, check = ovq.packed_states(state, cu_seqlens, options, ovq.check_ovq_forward_arguments)
         b.module(q, k, v)
+        result = _native(b, "ovq_attention_forward", (q, k, v), ("q", "k", "v"), cu_seqlens, check, states)
+        if result is not NotImplemented:
+            return result
         one = lambda s, q1, k1, v1: ovq_attention_forward(b, q1, k1, v1, **options, state=states[s], cu_seqlens=None)  # noqa: E731
         return varlen.packed(one, (q, k, v), cu_seqlens, ("q", "k", "v"), check, b.view, forward=True)
     xp = b.module(q, k, v)

@@ -632,13 +632,13 @@ def packed_states(state, cu_seqlens, options, checker):
     """``(states, check)`` of a packed OVQ call: one incoming state per sequence, and the checks of every argument.
 
     ``check(q, k, v)`` is ``checker`` (the function's own) on the whole packed
-    arrays, once without a state and once with each state given.
+    arrays, once without a state and once with each state given; it returns
+    what the call without a state returned.
     """
     states = validation.check_packed_states(state, validation.check_cu_seqlens(cu_seqlens), "OVQState")
 
     def check(q, k, v):
-        for st in (None,) + tuple(s for s in states if s is not None):
-            checker(q, k, v, *options.values(), st)
+        return [checker(q, k, v, *options.values(), st) for st in (None,) + tuple(s for s in states if s is not None)][0]
 
     return states, check
 

@@ -41,6 +41,7 @@ EXPECTED = {
         "causal GMA padded / packed:",
         "causal GMA loop / packed:",
         "peak memory, causal GMA",
+        "causal OVQ (n_max = 16, C = 16) loop / packed:",
     ],
 }
 

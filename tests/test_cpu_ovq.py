@@ -4,7 +4,8 @@ The default path (the loop nests, which every call below ``BLAS_WORK`` takes)
 is held to refimpl.ovq in tests/test_conformance.py: outputs, states,
 records, gradients, batches, streaming, refusals, thread counts.  Here the
 same comparisons run through the BLAS path (forced), and the ties on both
-paths.
+paths; and packed calls in one kernel against cpu's own loop over the
+sequences, bit for bit.
 """
 
 import numba
@@ -173,3 +174,148 @@ def test_ties_go_to_the_lowest_index(path, batched):
         out, cache = cpu_ovq.ovq_attention_forward(q, k, v, max_size=9, chunk_size=6, growth="linear")
         assert_records_equal(cache.records, ref_cache.records)
     np.testing.assert_allclose(out, ref_out, **TOL64)
+
+
+# ---------------------------------------------------------------------------
+# Packed sequences (cu_seqlens): every (head, sequence) in one kernel call, the bits of cpu's own loop
+# ---------------------------------------------------------------------------
+
+PACKED = ("packed ovq_attention", "packed ovq_attention_forward")
+# an empty sequence first, one of length 1, boundaries inside a chunk and on a chunk edge (C = 3), an empty one between
+OFFSETS = [0, 0, 1, 4, 9, 9, 16]
+
+
+def by_the_loop(call):
+    """``call()`` with cpu's packed OVQ kernels set aside: the boundary's loop of one unpacked call per sequence."""
+    kernels = cpu_ovq.ovq_attention.backend.kernels
+    aside = {key: kernels.pop(key) for key in PACKED}
+    try:
+        return call()
+    finally:
+        kernels.update(aside)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The names of the packed kernels called, in order."""
+    calls = []
+    for name in ("_packed_forward_kernel", "_packed_backward_kernel"):
+        def counted(*args, kernel=getattr(cpu_ovq, name), name=name):
+            calls.append(name)
+            return kernel(*args)
+        monkeypatch.setattr(cpu_ovq, name, counted)
+    return calls
+
+
+def assert_states_equal(got, want):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert (a.size, a.tokens_seen, a.dtype) == (b.size, b.tokens_seen, b.dtype)
+        for f in ("keys", "values", "counts"):
+            assert np.array_equal(getattr(a, f), getattr(b, f)), f
+
+
+@pytest.mark.parametrize("kw", [{}, {"init": "random", "seed": 3, "count_bias": False},
+                                {"init": "random", "growth": "linear", "learning_rate": 0.3}], ids=["spread", "random-nobias", "random-rate"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("heads", [False, True], ids=["2d", "heads"])
+def test_packed_calls_in_one_kernel_are_cpus_loop_bit_for_bit(kernel_calls, heads, dtype, kw):
+    lead = (2,) if heads else ()
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.normal(size=(OFFSETS[-1],) + lead + (n,)).astype(dtype) for n in (3, 3, 2))
+    options = dict(max_size=4, chunk_size=3, **kw)
+    states = None
+    if not heads:
+        # some sequences continue streams of their own (two of them empty: their states come back as given)
+        prior = [cpu_ovq.ovq_attention(*qkv(s, n, dtype=dtype), **options, return_state=True)[1] for s, n in ((1, 5), (2, 2))]
+        # rows past its size hold something (never read): the rows a sequence never reaches come back as they were
+        unused = np.arange(prior[1].max_size)[:, None] >= prior[1].size
+        prior[1] = ovq.OVQState(np.where(unused, 0.5, prior[1].keys).astype(dtype), np.where(unused, -2.0, prior[1].values).astype(dtype),
+                                prior[1].counts, prior[1].size, prior[1].tokens_seen)
+        states = [prior[0], None, prior[1], prior[0], prior[1], None]
+        out, got = cpu_ovq.ovq_attention(q, k, v, **options, state=states, return_state=True, cu_seqlens=OFFSETS)
+        assert kernel_calls == ["_packed_forward_kernel"]
+        want_out, want = by_the_loop(lambda: cpu_ovq.ovq_attention(q, k, v, **options, state=states, return_state=True, cu_seqlens=OFFSETS))
+        assert out.dtype == dtype and np.array_equal(out, want_out)
+        assert_states_equal(got, want)
+        assert got[0] is states[0] and got[4] is states[4]
+        assert np.array_equal(cpu_ovq.ovq_attention(q, k, v, **options, state=states, cu_seqlens=OFFSETS), out)
+        kernel_calls.clear()
+    out, cache = cpu_ovq.ovq_attention_forward(q, k, v, **options, state=states, cu_seqlens=OFFSETS)
+    g = rng.normal(size=out.shape).astype(dtype)
+    grads = cpu_ovq.ovq_attention_backward(g, cache)
+    assert kernel_calls == ["_packed_forward_kernel", "_packed_backward_kernel"]
+    assert isinstance(cache, cpu_ovq.OVQPackedCache) and isinstance(grads, ovq.OVQGrads)
+    want_out, want_cache = by_the_loop(lambda: cpu_ovq.ovq_attention_forward(q, k, v, **options, state=states, cu_seqlens=OFFSETS))
+    want = cpu_ovq.ovq_attention_backward(g, want_cache)
+    assert out.dtype == dtype and np.array_equal(out, want_out)
+    for a, b, x in zip(grads, want, (q, k, v)):
+        assert a.dtype == dtype and a.shape == x.shape and np.array_equal(a, b)
+    if heads:
+        assert cache.states is None
+    else:
+        # the state after each sequence, as ovq_attention returns it (and as the loop's caches hold it)
+        assert_states_equal(cache.states, got)
+        assert all(c is None or (c.state is not None and np.array_equal(c.state.keys, s.keys))
+                   for c, s in zip(want_cache.caches, cache.states))
+    assert kernel_calls == ["_packed_forward_kernel", "_packed_backward_kernel"]
+
+
+def test_packed_grad_out_is_checked_as_by_the_loop():
+    q, k, v = qkv(3, 9)
+    offsets = [0, 4, 9]
+    _, cache = cpu_ovq.ovq_attention_forward(q, k, v, max_size=3, chunk_size=2, cu_seqlens=offsets)
+    _, loop_cache = by_the_loop(lambda: cpu_ovq.ovq_attention_forward(q, k, v, max_size=3, chunk_size=2, cu_seqlens=offsets))
+    for bad in (np.ones((9, 3)), np.full((9, 2), np.nan), np.ones((1, 9, 2)), np.ones((9, 1, 2))):
+        with pytest.raises((TypeError, ValueError)) as native:
+            cpu_ovq.ovq_attention_backward(bad, cache)
+        with pytest.raises(type(native.value)) as loop:
+            cpu_ovq.ovq_attention_backward(bad, loop_cache)
+        assert str(native.value) == str(loop.value)
+
+
+def _packed_problem(N=12, dtype=np.float64):
+    return qkv(9, N, dtype=dtype), [0, 5, N]
+
+
+def test_packed_calls_the_one_kernel_cannot_match_are_left_to_the_loop(kernel_calls, monkeypatch):
+    (q, k, v), offsets = _packed_problem(dtype=np.float32)
+    # a float64 state makes its sequence float64 in the loop
+    state = cpu_ovq.ovq_attention(*qkv(1, 4), max_size=4, chunk_size=3, return_state=True)[1]
+    out, got = cpu_ovq.ovq_attention(q, k, v, max_size=4, chunk_size=3, state=[None, state], return_state=True, cu_seqlens=offsets)
+    assert kernel_calls == [] and got[1].dtype == np.float64
+    # a sequence long enough for the BLAS path
+    monkeypatch.setattr(cpu_ovq, "BLAS_WORK", 0)
+    _, cache = cpu_ovq.ovq_attention_forward(q, k, v, max_size=4, chunk_size=3, cu_seqlens=offsets)
+    assert kernel_calls == [] and not isinstance(cache, cpu_ovq.OVQPackedCache)
+    # with two heads the loop's calls are batches, which never take it
+    q2, k2, v2 = (np.stack([x, x], axis=1) for x in (q, k, v))
+    _, cache = cpu_ovq.ovq_attention_forward(q2, k2, v2, max_size=4, chunk_size=3, cu_seqlens=offsets)
+    assert kernel_calls == ["_packed_forward_kernel"] and isinstance(cache, cpu_ovq.OVQPackedCache)
+
+
+def refusals(call):
+    """The exception a packed call raises with cpu's packed kernels, and the loop's."""
+    with pytest.raises(ValueError) as native:
+        call()
+    with pytest.raises(ValueError) as loop:
+        by_the_loop(call)
+    return str(native.value), str(loop.value)
+
+
+def test_packed_refusals_found_per_sequence_are_the_loops(kernel_calls):
+    (q, k, v), offsets = _packed_problem()
+    # logits that overflow in the second sequence only (its state's keys are huge): computed, then refused as the loop
+    # refuses them
+    huge = ovq.OVQState(np.full((4, 3), 1e308), np.zeros((4, 2)), [2, 1, 0, 0], 2, 3)
+    call = lambda: cpu_ovq.ovq_attention(q, k, v, max_size=4, chunk_size=3, state=[None, huge], cu_seqlens=offsets)  # noqa: E731
+    native, loop = refusals(call)
+    assert native == loop and "overflow" in native and kernel_calls == ["_packed_forward_kernel"]
+    kernel_calls.clear()
+    # a state that lets a chunk of 3 tokens seed what growth asks for, but not its own sequence's single token
+    state = ovq.OVQState(np.eye(4, 3), np.zeros((4, 2)), [2, 1, 0, 0], 2, 3)
+    (q, k, v), offsets = _packed_problem(N=6)
+    call = lambda: cpu_ovq.ovq_attention(q, k, v, max_size=4, chunk_size=3, growth="linear", state=[None, state],  # noqa: E731
+                                         cu_seqlens=[0, 5, 6])
+    native, loop = refusals(call)
+    assert native == loop and "too small for growth" in native and kernel_calls == []
