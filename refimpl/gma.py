@@ -197,6 +197,15 @@ def mixture_from_raw(raw_variances, logits, min_variance):
     return variances, numerics.log_softmax(logits, axis=-1)
 
 
+def _laid(whole, idx, part):
+    """Sequence ``idx``'s ``part`` laid in its rows of ``whole``, a batch's array; a 2-D call's ``part`` itself
+    (``whole`` None: no copy)."""
+    if whole is None:
+        return part
+    whole[idx] = part
+    return whole
+
+
 def forward_with(
     responsibilities, x_q, x_k, v, means, variances, log_weights, causal, eps, chunk_size, raw_variances=None, keep=True, scan=scan_forward
 ):
@@ -213,14 +222,17 @@ def forward_with(
     :class:`GMABatchCache` otherwise, ``None`` when ``keep`` is false.
     """
     leading = x_q.shape[:-2]
-    out = np.empty(x_q.shape[:-1] + v.shape[-1:], dtype=x_q.dtype)
+    # a batch's sequences laid in one array; a 2-D call with no cache returns the scan's own output (no second copy;
+    # a cache keeps the scan's output for the backward, so the caller gets a copy to write into)
+    out = np.empty(x_q.shape[:-1] + v.shape[-1:], dtype=x_q.dtype) if leading or keep else None
     caches, checks = [], []
     for idx in np.ndindex(leading):
         h = idx[-1:] if means.ndim == 3 else ()  # the head's GMM, or the shared one
         gamma_q, min_quad_q = responsibilities(x_q[idx], means[h], variances[h], log_weights[h])
         gamma_k, min_quad_k = responsibilities(x_k[idx], means[h], variances[h], log_weights[h])
         # write V~ = Gamma_K^T V and Z = Gamma_K^T 1, read O = Gamma_Q V~ / (Gamma_Q Z + eps); causal: prefix sums
-        out[idx], mixing = scan(gamma_q, gamma_k, v[idx], causal, eps, chunk_size)
+        seq_out, mixing = scan(gamma_q, gamma_k, v[idx], causal, eps, chunk_size)
+        out = _laid(out, idx, seq_out)
         checks.append((min_quad_q, min_quad_k, mixing.den))
         if keep:
             raw = None if raw_variances is None else raw_variances[h]
@@ -429,9 +441,9 @@ def backward_with(responsibility_backward, grad_out, cache, scan=scan_backward) 
     leading, caches = (cache.leading, cache.caches) if batched else ((), (cache,))
     per_head, first = batched and cache.per_head, caches[0]
     g = check_gma_grad_out(grad_out, leading + first.mixing.out.shape, first.gamma_q.dtype)
-    dx_q = np.empty(leading + first.x_q.shape, dtype=g.dtype)
-    dx_k = np.empty(leading + first.x_k.shape, dtype=g.dtype)
-    dv = np.empty(leading + first.mixing.v.shape, dtype=g.dtype)
+    # a batch's sequences laid in one array each; a 2-D call returns its sequence's own arrays (no second copy)
+    dx_q, dx_k, dv = ((np.empty(leading + shape, dtype=g.dtype) if batched else None)
+                      for shape in (first.x_q.shape, first.x_k.shape, first.mixing.v.shape))
     heads = leading[-1:] if per_head else ()
     dmeans = np.zeros(heads + first.means.shape, dtype=g.dtype)
     draw = np.zeros(heads + first.means.shape, dtype=g.dtype)
@@ -439,9 +451,9 @@ def backward_with(responsibility_backward, grad_out, cache, scan=scan_backward) 
     for idx, c in zip(np.ndindex(leading), caches):
         # through the mixing: dL/dGamma_Q, dL/dGamma_K and dL/dV (the scan's backward)
         dgamma = scan(g[idx], c.mixing)
-        dx_q[idx], dmu_q, dvar_q, da_q = responsibility_backward(c.x_q, c.gamma_q, dgamma.phi_q, c.means, c.variances)
-        dx_k[idx], dmu_k, dvar_k, da_k = responsibility_backward(c.x_k, c.gamma_k, dgamma.phi_k, c.means, c.variances)
-        dv[idx] = dgamma.v
+        seq_dx_q, dmu_q, dvar_q, da_q = responsibility_backward(c.x_q, c.gamma_q, dgamma.phi_q, c.means, c.variances)
+        seq_dx_k, dmu_k, dvar_k, da_k = responsibility_backward(c.x_k, c.gamma_k, dgamma.phi_k, c.means, c.variances)
+        dx_q, dx_k, dv = _laid(dx_q, idx, seq_dx_q), _laid(dx_k, idx, seq_dx_k), _laid(dv, idx, dgamma.v)
         h = idx[-1:] if per_head else ()  # the GMM this sequence used
         dmeans[h] += dmu_q + dmu_k
         # sigma2 = softplus(s) + sigma2_min: dsigma2/ds = sigmoid(s)
