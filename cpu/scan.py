@@ -35,8 +35,13 @@ order fixed by the data):
   ``sum_j a_j b_j^T`` (``M x I``) in a thread's block of :data:`COLS` output
   columns; one kernel call with no BLAS call, run in the calling thread.
 
-The bidirectional form is two matrix products (write, then read) and stays
-with :mod:`refimpl.scan`.
+The bidirectional form is two matrix products, write then read,
+``Phi_Q (Phi_K^T [V, 1])``: the forward by blocks of :data:`BLOCK_ROWS`
+rows (:func:`blocked_forward`), each block's share of the state a
+single-threaded product in a ``prange``, added in block order, then each
+block of queries read in place, for the reason the chunked form has (BLAS's
+own threads and Numba's would share the cores); its backward stays with
+:mod:`refimpl.scan`.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from refimpl.scan import FeatureAttentionCache, FeatureAttentionGrads
 
 from ._jit import pick, single_threaded_blas, threaded_and_serial
 
-__all__ = ["prefix_contract", "chunked_forward", "chunked_backward", "scan_forward", "scan_backward", "packed_forward",
+__all__ = ["prefix_contract", "blocked_forward", "chunked_forward", "chunked_backward", "scan_forward", "scan_backward", "packed_forward",
            "packed_backward", "head_offsets", "packed_layout", "packed_grad_out"]
 
 COLS = 8
@@ -141,6 +146,10 @@ CHUNK = 64
 CHUNK_WORK = 1 << 20
 """Multiply-adds (``N F (d_v + 1)``) up to which the causal scan runs token by token (:func:`prefix_contract`)."""
 
+BLOCK_ROWS = 1024
+"""Rows per block of the bidirectional write and read (:func:`blocked_forward`): a fixed number, so the order of the
+state's sum is fixed."""
+
 FAST = {"fastmath": {"contract"}, "error_model": "numpy"}
 
 
@@ -222,6 +231,25 @@ def _chunked_backward(Q, K, V, V1, Gn, G1, dq, dk, dv):
         _sum_into(dv[a:b], np.dot(K[a:b], R), np.dot(B.T, Gn[a:b]))
 
 
+def _blocked_forward(Q, K, V1, num):
+    n_k, n_q = K.shape[0], Q.shape[0]
+    m = (n_k + BLOCK_ROWS - 1) // BLOCK_ROWS
+    parts = np.empty((m, K.shape[1], V1.shape[1]), Q.dtype)
+    for c in prange(m):
+        a, b = c * BLOCK_ROWS, min(n_k, (c + 1) * BLOCK_ROWS)
+        # the block's share of the state: Phi_K,c^T [V_c, 1]
+        parts[c] = np.dot(K[a:b].T, V1[a:b])
+    # [S, z] = Phi_K^T [V, 1], the blocks' shares added in block order
+    total = np.zeros((K.shape[1], V1.shape[1]), Q.dtype)
+    for c in range(m):
+        _sum_into(total, total, parts[c])
+    for c in prange((n_q + BLOCK_ROWS - 1) // BLOCK_ROWS):
+        a, b = c * BLOCK_ROWS, min(n_q, (c + 1) * BLOCK_ROWS)
+        # [num, den - eps] = Phi_Q [S, z], written in place (a temporary this size would be a fresh mapping each time)
+        np.dot(Q[a:b], total, num[a:b])
+
+
+_BLOCKED_FORWARD = threaded_and_serial(_blocked_forward, **FAST)
 _CHUNKED_FORWARD = threaded_and_serial(_chunked_forward, **FAST)
 _CHUNKED_BACKWARD = threaded_and_serial(_chunked_backward, **FAST)
 
@@ -243,6 +271,32 @@ def chunked_forward(phi_q, phi_k, v1):
     num = np.empty_like(v1)
     with single_threaded_blas():
         pick(_CHUNKED_FORWARD, phi_q.size * v1.shape[1])(phi_q, phi_k, v1, num)
+    return num
+
+
+def blocked_forward(phi_q, phi_k, v1):
+    """Core: ``num = Phi_Q (Phi_K^T [V, 1])``, the bidirectional write and read, by blocks of :data:`BLOCK_ROWS` rows.
+
+    The products are single-threaded BLAS calls made from a kernel that runs
+    ``prange`` over the blocks, as the chunked form's are: BLAS's own thread
+    pool, left spinning between calls, would hold the cores that the next
+    Numba kernel (the responsibilities) wants.
+
+    Parameters
+    ----------
+    phi_q : ndarray, shape (N_q, F)
+    phi_k : ndarray, shape (N_k, F)
+    v1 : ndarray, shape (N_k, W)
+        One float dtype for the three.
+
+    Returns
+    -------
+    ndarray, shape (N_q, W)
+    """
+    phi_q, phi_k, v1 = (np.ascontiguousarray(a) for a in (phi_q, phi_k, v1))
+    num = np.empty((phi_q.shape[0], v1.shape[1]), dtype=v1.dtype)
+    with single_threaded_blas():
+        pick(_BLOCKED_FORWARD, (phi_q.shape[0] + phi_k.shape[0]) * phi_k.shape[1] * v1.shape[1])(phi_q, phi_k, v1, num)
     return num
 
 
@@ -334,15 +388,17 @@ def scan_forward(phi_q, phi_k, v, causal, eps, chunk_size):
 
     The caller checks ``cache.den`` (:func:`refimpl.validation.check_denominators`).
     """
+    chunk = max(1, min(chunk_size, phi_q.shape[0]))
     if not causal:
-        return ref_scan.scan_forward(phi_q, phi_k, v, causal, eps, chunk_size)
+        # write the keys into the state, then read it with the queries: [num, den - eps] = Phi_Q (Phi_K^T [V, 1])
+        out, den = _normalised(blocked_forward(phi_q, phi_k, _ones_column(v)), eps)
+        return out, FeatureAttentionCache(phi_q, phi_k, v, out, den, False, eps, chunk)
     # [num, den - eps]_t = (sum_{j <= t} [v_j, 1] phi_k_j^T) phi_q_t
     if phi_q.shape[0] * phi_q.shape[1] * (v.shape[1] + 1) > CHUNK_WORK:
         num = chunked_forward(phi_q, phi_k, _ones_column(v))
     else:
         num = prefix_contract(_ones_column(v), phi_k, phi_q)
     out, den = _normalised(num, eps)
-    chunk = max(1, min(chunk_size, phi_q.shape[0]))
     return out, FeatureAttentionCache(phi_q, phi_k, v, out, den, True, eps, chunk)
 
 

@@ -62,6 +62,28 @@ def test_the_causal_scan_agrees(n, F, d_v, dtype, path, monkeypatch):
         np.testing.assert_allclose(getattr(got, name), getattr(ref, name), rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"] * scale, err_msg=name)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_q, n_k", [(1, 1), (7, 3), (1100, 2500), (2049, 1024)])
+def test_the_bidirectional_write_and_read_by_blocks_agree(n_q, n_k, dtype):
+    """cpu.scan's bidirectional form by blocks of BLOCK_ROWS rows (one, several, a short last one, of queries or keys)
+    against the reference; the same bits with one thread or two."""
+    from conformance_backends import _numba_threads
+
+    rng = np.random.default_rng(n_q + n_k)
+    phi_q, phi_k = rng.uniform(0, 1, size=(n_q, 32)).astype(dtype), rng.uniform(0, 1, size=(n_k, 32)).astype(dtype)
+    v = rng.normal(size=(n_k, 3)).astype(dtype)
+    want, want_cache = scan.scan_forward(phi_q, phi_k, v, False, 1e-6, 16)
+    runs = []
+    for threads in (1, 2):
+        with _numba_threads(threads):
+            runs.append(cpu_scan.scan_forward(phi_q, phi_k, v, False, 1e-6, 16))
+    (out, cache), (out_two, cache_two) = runs
+    assert out.dtype == dtype and isinstance(cache, scan.FeatureAttentionCache) and not cache.causal
+    assert np.array_equal(out, out_two) and np.array_equal(cache.den, cache_two.den)
+    np.testing.assert_allclose(out, want, **TOL[dtype])
+    np.testing.assert_allclose(cache.den, want_cache.den, **TOL[dtype])
+
+
 def test_prefix_contract_is_its_definition():
     rng = np.random.default_rng(5)
     b, a, w = rng.normal(size=(9, 3)), rng.normal(size=(9, 4)), rng.normal(size=(9, 4))
