@@ -29,7 +29,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import prange
+import numba
+from numba import get_thread_id, prange
 
 from scipy.special import expit
 
@@ -40,7 +41,7 @@ from refimpl.scan import FeatureAttentionCache
 
 from . import gmm as cpu_gmm
 from . import scan as cpu_scan
-from ._jit import pick, threaded_and_serial
+from ._jit import pick, single_threaded_blas, threaded_and_serial
 from ._lanes import sum8
 from ._record import backend
 
@@ -87,44 +88,56 @@ GEMM_WORK = 1 << 20
 FAST = {"fastmath": {"contract"}, "error_model": "numpy"}
 
 
-def _softmax_backward_kernel(x, centre, gamma, grad, c, xx, part_c):
+def _by_products_kernel(x, centre, gamma, grad, weights, rows, c_buf, xx_buf, prod_buf, dx, part_c, part_sums):
     n, d = x.shape
     K = gamma.shape[1]
-    for blk in prange(part_c.shape[0]):
-        for i in range(blk * BLOCK, min(n, (blk + 1) * BLOCK)):
-            gam, g, ci = gamma[i], grad[i], c[i]
+    for blk in prange((n + rows - 1) // rows):
+        a = blk * rows
+        m = min(n, a + rows) - a
+        # the thread's work arrays, reused from block to block (fresh ones would be fresh pages every block)
+        t = get_thread_id()
+        c = c_buf[t, : m * K].reshape((m, K))
+        xx = xx_buf[t, : m * 2 * d].reshape((m, 2 * d))
+        prod = prod_buf[t, : m * 2 * d].reshape((m, 2 * d))
+        for r in range(m):
+            i = a + r
+            gam, g, ci = gamma[i], grad[i], c[r]
             for k in range(K):
                 ci[k] = gam[k] * g[k]
             gbar = sum8(ci, K)
             for k in range(K):
                 # c_im = gamma_im (g_im - sum_m gamma_im g_im): the softmax backward
                 ci[k] = gam[k] * (g[k] - gbar)
-                part_c[blk, k] += ci[k]
+                part_c[i // BLOCK, k] += ci[k]
             for j in range(d):
                 # [xc, xc^2], xc = x - centre: the operands of the two products
-                t = x[i, j] - centre[j]
-                xx[i, j] = t
-                xx[i, d + j] = t * t
+                u = x[i, j] - centre[j]
+                xx[r, j] = u
+                xx[r, d + j] = u * u
+        # the block's [c^T xc, c^T xc^2] (K, 2 d_r), and [c (mc p), c p] (m, 2 d_r): single-threaded products
+        np.dot(c.T, xx, part_sums[blk])
+        np.dot(c, weights, prod)
+        for r in range(m):
+            for j in range(d):
+                # dL/dx_i = sum_m c_im (mu_m - x_i) / sigma_m^2 = (c (mc p))_i - xc_i (c p)_i
+                dx[a + r, j] = prod[r, j] - xx[r, j] * prod[r, d + j]
 
 
-def _dx_kernel(xx, prod, dx):
-    n, d = dx.shape
-    for i in prange(n):
-        for j in range(d):
-            # dL/dx_i = sum_m c_im (mu_m - x_i) / sigma_m^2 = (c (mc p))_i - xc_i (c p)_i
-            dx[i, j] = prod[i, j] - xx[i, j] * prod[i, d + j]
-
-
-_SOFTMAX_BACKWARD = threaded_and_serial(_softmax_backward_kernel, **FAST)
-_DX = threaded_and_serial(_dx_kernel, **FAST)
+_BY_PRODUCTS = threaded_and_serial(_by_products_kernel, **FAST)
 
 
 def _backward_by_products(x, gamma, grad_gamma, means, variances):
     """The sums of :func:`responsibility_backward` as two matrix products on centred data, the rest fused.
 
-    In blocks of rows whose work arrays fit the cache (:func:`refimpl.numerics.block_rows`, reused from block
-    to block): on whole arrays the fresh ``N x 2 d_r`` temporaries cost more in page faults and cache misses
-    than the products themselves.
+    One kernel, ``prange`` over blocks of rows whose work arrays fit the cache
+    (:func:`refimpl.numerics.block_rows`; each thread's reused from block to
+    block: on whole arrays the fresh ``N x 2 d_r`` temporaries cost more in
+    page faults and cache misses than the products themselves): per block the
+    softmax backward and the centred operands, the block's two products as
+    single-threaded BLAS calls (BLAS held at one thread meanwhile, as the
+    causal scan's chunks are: BLAS's own threads, left spinning after a call,
+    would hold the cores the next Numba kernel wants), and ``dx``; the
+    blocks' sums added in block order.
     """
     n, d = x.shape
     K = means.shape[0]
@@ -133,24 +146,20 @@ def _backward_by_products(x, gamma, grad_gamma, means, variances):
     centre = means.mean(axis=0)
     mc = means - centre
     prec = 1.0 / variances
-    weights = np.concatenate([mc * prec, prec], axis=1)  # [mc p, p] (K, 2 d_r)
+    weights = np.ascontiguousarray(np.concatenate([mc * prec, prec], axis=1))  # [mc p, p] (K, 2 d_r)
     rows = max(BLOCK, numerics.block_rows((2 * K + 6 * d) * dtype.itemsize) // BLOCK * BLOCK)
-    c = np.empty((rows, K), dtype=dtype)
-    xx = np.empty((rows, 2 * d), dtype=dtype)
-    prod = np.empty((rows, 2 * d), dtype=dtype)
+    threads = numba.config.NUMBA_NUM_THREADS  # get_thread_id's range
+    c_buf = np.empty((threads, rows * K), dtype=dtype)
+    xx_buf = np.empty((threads, rows * 2 * d), dtype=dtype)
+    prod_buf = np.empty((threads, rows * 2 * d), dtype=dtype)
     part_c = np.zeros(((n + BLOCK - 1) // BLOCK, K), dtype=dtype)
-    sums = np.zeros((K, 2 * d), dtype=dtype)
+    part_sums = np.empty(((n + rows - 1) // rows, K, 2 * d), dtype=dtype)
     dx = np.empty_like(x)
-    for a in range(0, n, rows):
-        b = min(n, a + rows)
-        m = b - a
-        # the fused kernels in this thread: Numba's pool woken between BLAS calls fights BLAS's spinning threads
-        _SOFTMAX_BACKWARD[1](x[a:b], centre, gamma[a:b], grad_gamma[a:b], c[:m], xx[:m], part_c[a // BLOCK :])
-        # the products: [c^T xc, c^T xc^2] (K, 2 d_r), summed block by block, and [c (mc p), c p] (rows, 2 d_r)
-        sums += c[:m].T @ xx[:m]
-        np.matmul(c[:m], weights, out=prod[:m])
-        _DX[1](xx[:m], prod[:m], dx[a:b])
-    csum = part_c.sum(axis=0)  # the partial sums added in block order
+    with single_threaded_blas():
+        pick(_BY_PRODUCTS, gamma.size * d)(x, centre, gamma, grad_gamma, weights, rows, c_buf, xx_buf, prod_buf, dx, part_c,
+                                           part_sums)
+    # the partial sums added in block order (NumPy's reduction over the first axis is sequential)
+    csum, sums = part_c.sum(axis=0), part_sums.sum(axis=0)
     ctx, ctx2 = sums[:, :d], sums[:, d:]
     # dL/dmu_m = sum_i c_im (x_i - mu_m) / sigma_m^2
     dmeans = (ctx - csum[:, None] * mc) * prec

@@ -40,8 +40,8 @@ The bidirectional form is two matrix products, write then read,
 rows (:func:`blocked_forward`), each block's share of the state a
 single-threaded product in a ``prange``, added in block order, then each
 block of queries read in place, for the reason the chunked form has (BLAS's
-own threads and Numba's would share the cores); its backward stays with
-:mod:`refimpl.scan`.
+own threads and Numba's would share the cores); its backward likewise
+(:func:`blocked_backward`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from refimpl.scan import FeatureAttentionCache, FeatureAttentionGrads
 
 from ._jit import pick, single_threaded_blas, threaded_and_serial
 
-__all__ = ["prefix_contract", "blocked_forward", "chunked_forward", "chunked_backward", "scan_forward", "scan_backward", "packed_forward",
+__all__ = ["prefix_contract", "blocked_forward", "blocked_backward", "chunked_forward", "chunked_backward", "scan_forward", "scan_backward", "packed_forward",
            "packed_backward", "head_offsets", "packed_layout", "packed_grad_out"]
 
 COLS = 8
@@ -249,7 +249,40 @@ def _blocked_forward(Q, K, V1, num):
         np.dot(Q[a:b], total, num[a:b])
 
 
+def _blocked_backward(Q, K, V1, G1, dq, dk, dv):
+    n_k, n_q = K.shape[0], Q.shape[0]
+    F, w = K.shape[1], V1.shape[1]
+    m_k, m_q = (n_k + BLOCK_ROWS - 1) // BLOCK_ROWS, (n_q + BLOCK_ROWS - 1) // BLOCK_ROWS
+    parts = np.empty((m_k + m_q, F, w), Q.dtype)
+    for c in prange(m_k + m_q):
+        if c < m_k:
+            a, b = c * BLOCK_ROWS, min(n_k, (c + 1) * BLOCK_ROWS)
+            # the block's share of [S, z] = Phi_K^T [V, 1], the forward's state again
+            parts[c] = np.dot(K[a:b].T, V1[a:b])
+        else:
+            a, b = (c - m_k) * BLOCK_ROWS, min(n_q, (c - m_k + 1) * BLOCK_ROWS)
+            # the block's share of [dS, dz] = Phi_Q^T [gn, delta]
+            parts[c] = np.dot(Q[a:b].T, G1[a:b])
+    state, dstate = np.zeros((F, w), Q.dtype), np.zeros((F, w), Q.dtype)
+    for c in range(m_k):  # the blocks' shares added in block order
+        _sum_into(state, state, parts[c])
+    for c in range(m_q):
+        _sum_into(dstate, dstate, parts[m_k + c])
+    state_t, dstate_t = np.ascontiguousarray(state.T), np.ascontiguousarray(dstate.T)
+    ds = np.ascontiguousarray(dstate[:, : w - 1])
+    for c in prange(m_q):
+        a, b = c * BLOCK_ROWS, min(n_q, (c + 1) * BLOCK_ROWS)
+        # dphi_q = gn S^T + delta z^T = [gn, delta] [S, z]^T
+        np.dot(G1[a:b], state_t, dq[a:b])
+    for c in prange(m_k):
+        a, b = c * BLOCK_ROWS, min(n_k, (c + 1) * BLOCK_ROWS)
+        # dphi_k = v dS^T + 1 dz^T = [v, 1] [dS, dz]^T, dv = phi_k dS
+        np.dot(V1[a:b], dstate_t, dk[a:b])
+        np.dot(K[a:b], ds, dv[a:b])
+
+
 _BLOCKED_FORWARD = threaded_and_serial(_blocked_forward, **FAST)
+_BLOCKED_BACKWARD = threaded_and_serial(_blocked_backward, **FAST)
 _CHUNKED_FORWARD = threaded_and_serial(_chunked_forward, **FAST)
 _CHUNKED_BACKWARD = threaded_and_serial(_chunked_backward, **FAST)
 
@@ -298,6 +331,21 @@ def blocked_forward(phi_q, phi_k, v1):
     with single_threaded_blas():
         pick(_BLOCKED_FORWARD, (phi_q.shape[0] + phi_k.shape[0]) * phi_k.shape[1] * v1.shape[1])(phi_q, phi_k, v1, num)
     return num
+
+
+def blocked_backward(phi_q, phi_k, v, g1):
+    """Core: ``(dphi_q, dphi_k, dv)`` of :func:`blocked_forward`'s attention, ``g1 = [g / den, -(g . out) / den]``, by blocks.
+
+    The forward's state ``[S, z]`` again and ``[dS, dz] = Phi_Q^T g1``, each
+    the blocks' shares added in block order, then each block of rows'
+    products in place, as :func:`blocked_forward` computes.
+    """
+    phi_q, phi_k, v, g1 = (np.ascontiguousarray(a) for a in (phi_q, phi_k, v, g1))
+    dq, dk, dv = np.empty_like(phi_q), np.empty_like(phi_k), np.empty_like(v)
+    with single_threaded_blas():
+        pick(_BLOCKED_BACKWARD, (phi_q.shape[0] + phi_k.shape[0]) * phi_k.shape[1] * g1.shape[1])(
+            phi_q, phi_k, _ones_column(v), g1, dq, dk, dv)
+    return dq, dk, dv
 
 
 def chunked_backward(phi_q, phi_k, v, g1):
@@ -404,9 +452,10 @@ def scan_forward(phi_q, phi_k, v, causal, eps, chunk_size):
 
 def scan_backward(g, cache):
     """Core: :func:`refimpl.scan.scan_backward` with the causal sweeps as kernels (``g`` checked; no raise)."""
-    if not cache.causal:
-        return ref_scan.scan_backward(g, cache)
     g1 = _grad_columns(g, cache.out, cache.den)
+    if not cache.causal:
+        dphi_q, dphi_k, dv = blocked_backward(cache.phi_q, cache.phi_k, cache.v, g1)
+        return FeatureAttentionGrads(phi_q=dphi_q, phi_k=dphi_k, v=dv)
     if g.shape[0] * cache.phi_q.shape[1] * g1.shape[1] > CHUNK_WORK:
         dphi_q, dphi_k, dv = chunked_backward(cache.phi_q, cache.phi_k, cache.v, g1)
         return FeatureAttentionGrads(phi_q=dphi_q, phi_k=dphi_k, v=dv)

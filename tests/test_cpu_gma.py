@@ -65,23 +65,30 @@ def test_the_causal_scan_agrees(n, F, d_v, dtype, path, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_q, n_k", [(1, 1), (7, 3), (1100, 2500), (2049, 1024)])
 def test_the_bidirectional_write_and_read_by_blocks_agree(n_q, n_k, dtype):
-    """cpu.scan's bidirectional form by blocks of BLOCK_ROWS rows (one, several, a short last one, of queries or keys)
-    against the reference; the same bits with one thread or two."""
+    """cpu.scan's bidirectional form and its backward by blocks of BLOCK_ROWS rows (one, several, a short last one, of
+    queries or keys) against the reference; the same bits with one thread or two."""
     from conformance_backends import _numba_threads
 
     rng = np.random.default_rng(n_q + n_k)
     phi_q, phi_k = rng.uniform(0, 1, size=(n_q, 32)).astype(dtype), rng.uniform(0, 1, size=(n_k, 32)).astype(dtype)
     v = rng.normal(size=(n_k, 3)).astype(dtype)
     want, want_cache = scan.scan_forward(phi_q, phi_k, v, False, 1e-6, 16)
+    g = rng.normal(size=(n_q, 3)).astype(dtype)
     runs = []
     for threads in (1, 2):
         with _numba_threads(threads):
-            runs.append(cpu_scan.scan_forward(phi_q, phi_k, v, False, 1e-6, 16))
-    (out, cache), (out_two, cache_two) = runs
-    assert out.dtype == dtype and isinstance(cache, scan.FeatureAttentionCache) and not cache.causal
-    assert np.array_equal(out, out_two) and np.array_equal(cache.den, cache_two.den)
-    np.testing.assert_allclose(out, want, **TOL[dtype])
-    np.testing.assert_allclose(cache.den, want_cache.den, **TOL[dtype])
+            out, cache = cpu_scan.scan_forward(phi_q, phi_k, v, False, 1e-6, 16)
+            runs.append((out, cache.den, *cpu_scan.scan_backward(g, cache)))
+    assert runs[0][0].dtype == dtype and isinstance(cache, scan.FeatureAttentionCache) and not cache.causal
+    for one, two in zip(*runs, strict=True):
+        assert one.dtype == dtype and np.array_equal(one, two)
+    np.testing.assert_allclose(runs[0][0], want, **TOL[dtype])
+    np.testing.assert_allclose(runs[0][1], want_cache.den, **TOL[dtype])
+    ref = scan.scan_backward(g, want_cache)
+    # the gradients are sums of terms of either sign: the tolerance is relative to the size of the terms
+    scale = np.max(np.abs(g)) * max(1.0, np.max(np.abs(v))) * 32 / np.min(want_cache.den)
+    for name, got in zip(ref._fields, runs[0][2:], strict=True):
+        np.testing.assert_allclose(got, getattr(ref, name), rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"] * scale, err_msg=name)
 
 
 def test_prefix_contract_is_its_definition():
@@ -117,6 +124,29 @@ def test_the_backward_through_the_responsibilities_agrees_both_ways(n, K, d, dty
             assert g.dtype == dtype and g.shape == w.shape
             scale = max(1.0, float(np.max(np.abs(w)))) if w.size else 1.0
             np.testing.assert_allclose(g, w, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"] * scale)
+
+
+def test_the_backward_by_products_gives_the_same_bits_with_one_thread_or_two(monkeypatch):
+    """Many blocks of rows shared by the threads, each thread with its own work arrays: the same bits, and the
+    reference's values."""
+    from conformance_backends import _numba_threads
+    from cpu import gma as cpu_gma
+    from refimpl import gma as ref_gma
+
+    monkeypatch.setattr(cpu_gma, "GEMM_WORK", -1)
+    means, variances, weights = mixture(16, 9, seed=8)
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(20000, 9))
+    gamma = gmm.responsibilities(x, means, variances, weights)
+    grad = rng.normal(size=gamma.shape)
+    runs = []
+    for threads in (1, 2):
+        with _numba_threads(threads):
+            runs.append(cpu_gma.responsibility_backward(x, gamma, grad, means, variances))
+    want = ref_gma._responsibility_backward(x, gamma, grad, means, variances)
+    for one, two, w in zip(*runs, want, strict=True):
+        assert np.array_equal(one, two)
+        np.testing.assert_allclose(one, w, rtol=TOL[np.float64]["rtol"], atol=TOL[np.float64]["atol"] * max(1.0, np.max(np.abs(w))))
 
 
 def test_the_large_paths_give_the_same_bits_with_one_thread_or_two(monkeypatch):
