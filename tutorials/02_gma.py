@@ -476,10 +476,11 @@ plt.show()
 # responsibilities from the differences $x - \mu$, as they are defined, a block
 # of rows at a time: the $B \times K \times d_r$ differences of one block take
 # at most 2 MiB (`refimpl.numerics.BLOCK_BYTES`; less when all $N$ rows fit
-# in one block). At the peak GMA holds about five arrays of $N \times 32$
-# numbers: the output ($d_v = 32$), the queries' responsibilities, and the
-# keys' logits while their softmax is formed (the shifted logits, their
-# exponentials and the result). Below $N \approx 4000$ the 2 MiB of the block
+# in one block). At the peak GMA holds about four arrays of $N \times 32$
+# numbers: the queries' responsibilities, and the keys' logits while their
+# softmax is formed (the shifted logits, their exponentials and the result);
+# the output ($d_v = 32$) comes later, from the scan, when the logits are
+# gone. Below $N \approx 4000$ the 2 MiB of the block
 # outweigh them, and near there GMA's local log-log slope falls well below 1.
 # GMA is cheap, so its series runs a few doublings beyond the explicit form's
 # (whose $N \times N$ matrix limits it), far enough for the linear term to
@@ -574,9 +575,9 @@ for i, n in enumerate(Ns_gma):  # the explicit form's columns stop at its larges
 #   relative error), each over its own series. For the explicit form, $a$
 #   should be 8 bytes: exactly one float64 $N\times N$ matrix is alive at the
 #   peak. For GMA the fit runs over its sizes from $N = 4096$ on, where its
-#   five $N \times K$ arrays hold the peak: below that the block of
+#   four $N \times K$ arrays hold the peak: below that the block of
 #   differences does, and no single smooth curve follows the switch
-#   from one to the other. There $b$ should be about five $N \times K$
+#   from one to the other. There $b$ should be about four $N \times K$
 #   arrays per token, $c$ small, and the quadratic term should explain (almost)
 #   nothing of the peak at GMA's largest $N$.
 
@@ -602,13 +603,13 @@ assert 0.9 <= slope_gma <= 1.02
 assert 1.9 <= slope_dense <= 2.02
 assert abs(a_d - 8.0) <= 0.08  # one N x N float64 matrix, within 1%
 assert abs(a_g) * Ns_gma[-1] ** 2 <= 0.02 * peak_gma[-1]
-assert 4.5 <= b_g / (8 * K_c) <= 5.5  # about five N x K float64 arrays per token
+assert 3.5 <= b_g / (8 * K_c) <= 4.5  # about four N x K float64 arrays per token
 assert peak_dense[-1] >= 8.0 * Ns[-1] ** 2 > 10 * peak_gma[i_c]
 
 # %% [markdown]
 # What this does and does not show. Memory is deterministic and the asserted
 # numbers are the same on every machine with the same NumPy: GMA's peak grows
-# linearly (about five $N\times K$ arrays per token), the explicit form's
+# linearly (about four $N\times K$ arrays per token), the explicit form's
 # quadratically, with exactly one $N \times N$ matrix at its peak. **Times are
 # printed, not asserted**: they depend on the machine, on the BLAS and its
 # threads, and on whatever else runs; on a shared machine a single slow call
