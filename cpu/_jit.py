@@ -8,7 +8,7 @@ import types
 import threadpoolctl
 from numba import njit
 
-__all__ = ["SERIAL_WORK", "threaded_and_serial", "pick", "single_threaded_blas"]
+__all__ = ["SERIAL_WORK", "threaded_and_serial", "pick", "single_threaded_blas", "call_with_one_blas_thread"]
 
 SERIAL_WORK = 1 << 18
 """Below this many inner-loop steps a kernel runs in the calling thread.
@@ -45,3 +45,11 @@ def single_threaded_blas():
         _BLAS.append(threadpoolctl.ThreadpoolController())
     with _BLAS[0].limit(limits=1, user_api="blas"):
         yield
+
+
+def call_with_one_blas_thread(kernels, work, *args):
+    """Call the kernel :func:`pick` chooses for ``work`` on ``args``, BLAS held at one thread: for kernels that make
+    BLAS calls from their own threads (two pools on the same cores would fight, and BLAS's spin after each call)."""
+    with single_threaded_blas():
+        return pick(kernels, work)(*args)
+

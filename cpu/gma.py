@@ -41,7 +41,7 @@ from refimpl.scan import FeatureAttentionCache
 
 from . import gmm as cpu_gmm
 from . import scan as cpu_scan
-from ._jit import pick, single_threaded_blas, threaded_and_serial
+from ._jit import call_with_one_blas_thread, pick, threaded_and_serial
 from ._lanes import sum8
 from ._record import backend
 
@@ -155,9 +155,8 @@ def _backward_by_products(x, gamma, grad_gamma, means, variances):
     part_c = np.zeros(((n + BLOCK - 1) // BLOCK, K), dtype=dtype)
     part_sums = np.empty(((n + rows - 1) // rows, K, 2 * d), dtype=dtype)
     dx = np.empty_like(x)
-    with single_threaded_blas():
-        pick(_BY_PRODUCTS, gamma.size * d)(x, centre, gamma, grad_gamma, weights, rows, c_buf, xx_buf, prod_buf, dx, part_c,
-                                           part_sums)
+    call_with_one_blas_thread(_BY_PRODUCTS, gamma.size * d, x, centre, gamma, grad_gamma, weights, rows, c_buf, xx_buf,
+                              prod_buf, dx, part_c, part_sums)
     # the partial sums added in block order (NumPy's reduction over the first axis is sequential)
     csum, sums = part_c.sum(axis=0), part_sums.sum(axis=0)
     ctx, ctx2 = sums[:, :d], sums[:, d:]

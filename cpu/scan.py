@@ -49,11 +49,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from refimpl import scan as ref_scan
 from refimpl import varlen
 from refimpl.scan import FeatureAttentionCache, FeatureAttentionGrads
 
-from ._jit import pick, single_threaded_blas, threaded_and_serial
+from ._jit import call_with_one_blas_thread, pick, threaded_and_serial
 
 __all__ = ["prefix_contract", "blocked_forward", "blocked_backward", "chunked_forward", "chunked_backward", "scan_forward", "scan_backward", "packed_forward",
            "packed_backward", "head_offsets", "packed_layout", "packed_grad_out"]
@@ -231,6 +230,15 @@ def _chunked_backward(Q, K, V, V1, Gn, G1, dq, dk, dv):
         _sum_into(dv[a:b], np.dot(K[a:b], R), np.dot(B.T, Gn[a:b]))
 
 
+@njit(inline="always")
+def _blocks_sum(parts, first, count):
+    """``parts[first] + ... + parts[first + count - 1]``, added in block order by loops (see :func:`_running_sums`)."""
+    total = np.zeros(parts.shape[1:], parts.dtype)
+    for c in range(first, first + count):
+        _sum_into(total, total, parts[c])
+    return total
+
+
 def _blocked_forward(Q, K, V1, num):
     n_k, n_q = K.shape[0], Q.shape[0]
     m = (n_k + BLOCK_ROWS - 1) // BLOCK_ROWS
@@ -240,9 +248,7 @@ def _blocked_forward(Q, K, V1, num):
         # the block's share of the state: Phi_K,c^T [V_c, 1]
         parts[c] = np.dot(K[a:b].T, V1[a:b])
     # [S, z] = Phi_K^T [V, 1], the blocks' shares added in block order
-    total = np.zeros((K.shape[1], V1.shape[1]), Q.dtype)
-    for c in range(m):
-        _sum_into(total, total, parts[c])
+    total = _blocks_sum(parts, 0, m)
     for c in prange((n_q + BLOCK_ROWS - 1) // BLOCK_ROWS):
         a, b = c * BLOCK_ROWS, min(n_q, (c + 1) * BLOCK_ROWS)
         # [num, den - eps] = Phi_Q [S, z], written in place (a temporary this size would be a fresh mapping each time)
@@ -263,11 +269,7 @@ def _blocked_backward(Q, K, V1, G1, dq, dk, dv):
             a, b = (c - m_k) * BLOCK_ROWS, min(n_q, (c - m_k + 1) * BLOCK_ROWS)
             # the block's share of [dS, dz] = Phi_Q^T [gn, delta]
             parts[c] = np.dot(Q[a:b].T, G1[a:b])
-    state, dstate = np.zeros((F, w), Q.dtype), np.zeros((F, w), Q.dtype)
-    for c in range(m_k):  # the blocks' shares added in block order
-        _sum_into(state, state, parts[c])
-    for c in range(m_q):
-        _sum_into(dstate, dstate, parts[m_k + c])
+    state, dstate = _blocks_sum(parts, 0, m_k), _blocks_sum(parts, m_k, m_q)
     state_t, dstate_t = np.ascontiguousarray(state.T), np.ascontiguousarray(dstate.T)
     ds = np.ascontiguousarray(dstate[:, : w - 1])
     for c in prange(m_q):
@@ -302,8 +304,7 @@ def chunked_forward(phi_q, phi_k, v1):
     """
     phi_q, phi_k, v1 = (np.ascontiguousarray(a) for a in (phi_q, phi_k, v1))
     num = np.empty_like(v1)
-    with single_threaded_blas():
-        pick(_CHUNKED_FORWARD, phi_q.size * v1.shape[1])(phi_q, phi_k, v1, num)
+    call_with_one_blas_thread(_CHUNKED_FORWARD, phi_q.size * v1.shape[1], phi_q, phi_k, v1, num)
     return num
 
 
@@ -328,8 +329,8 @@ def blocked_forward(phi_q, phi_k, v1):
     """
     phi_q, phi_k, v1 = (np.ascontiguousarray(a) for a in (phi_q, phi_k, v1))
     num = np.empty((phi_q.shape[0], v1.shape[1]), dtype=v1.dtype)
-    with single_threaded_blas():
-        pick(_BLOCKED_FORWARD, (phi_q.shape[0] + phi_k.shape[0]) * phi_k.shape[1] * v1.shape[1])(phi_q, phi_k, v1, num)
+    work = (phi_q.shape[0] + phi_k.shape[0]) * phi_k.shape[1] * v1.shape[1]
+    call_with_one_blas_thread(_BLOCKED_FORWARD, work, phi_q, phi_k, v1, num)
     return num
 
 
@@ -342,9 +343,8 @@ def blocked_backward(phi_q, phi_k, v, g1):
     """
     phi_q, phi_k, v, g1 = (np.ascontiguousarray(a) for a in (phi_q, phi_k, v, g1))
     dq, dk, dv = np.empty_like(phi_q), np.empty_like(phi_k), np.empty_like(v)
-    with single_threaded_blas():
-        pick(_BLOCKED_BACKWARD, (phi_q.shape[0] + phi_k.shape[0]) * phi_k.shape[1] * g1.shape[1])(
-            phi_q, phi_k, _ones_column(v), g1, dq, dk, dv)
+    work = (phi_q.shape[0] + phi_k.shape[0]) * phi_k.shape[1] * g1.shape[1]
+    call_with_one_blas_thread(_BLOCKED_BACKWARD, work, phi_q, phi_k, _ones_column(v), g1, dq, dk, dv)
     return dq, dk, dv
 
 
@@ -353,8 +353,7 @@ def chunked_backward(phi_q, phi_k, v, g1):
     phi_q, phi_k, v = (np.ascontiguousarray(a) for a in (phi_q, phi_k, v))
     gn = np.ascontiguousarray(g1[:, :-1])
     dq, dk, dv = np.empty_like(phi_q), np.empty_like(phi_k), np.empty_like(v)
-    with single_threaded_blas():
-        pick(_CHUNKED_BACKWARD, phi_q.size * g1.shape[1])(phi_q, phi_k, v, _ones_column(v), gn, g1, dq, dk, dv)
+    call_with_one_blas_thread(_CHUNKED_BACKWARD, phi_q.size * g1.shape[1], phi_q, phi_k, v, _ones_column(v), gn, g1, dq, dk, dv)
     return dq, dk, dv
 
 
