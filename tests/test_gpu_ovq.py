@@ -6,12 +6,13 @@ to refimpl.ovq in tests/test_conformance.py.
 Without a GPU the kernels run in the CUDA simulator (tests/conftest.py), which
 runs every thread as a Python thread: the cases are tiny and few, most at the
 simulator's block sizes, a few at the GPU's (``gpu_ovq.block_sizes``).  Also
-counted: the launches per chunk (two), the copies to the host per call (one),
+counted: the launches per call (the chunk loop in one), the copies to the host per call (one),
 and the launch geometry at T = 2^24 and B H = 2^20 (computed, not launched).
 """
 
 import contextlib
 import inspect
+import warnings
 
 import numpy as np
 import pytest
@@ -229,19 +230,22 @@ class _CountedKernel:
 def launches(monkeypatch):
     """Every launch of a kernel of gpu.numba_cuda.ovq, by name, in order."""
     log = []
-    for name in ("_unit_rows_kernel", "_codes_kernel", "_predict_kernel", "_merge_kernel", "_pack_counts_kernel"):
+    for name in ("_unit_rows_kernel", "_codes_kernel", "_predict_kernel", "_merge_kernel", "_chunk_loop_kernel",
+                 "_pack_counts_kernel"):
         monkeypatch.setattr(gpu_ovq, name, _CountedKernel(getattr(gpu_ovq, name), name, log))
     return log
 
 
 @pytest.mark.parametrize("kw", [{}, {"init": "random", "seed": 2, "growth": "linear", "learning_rate": 0.5}], ids=ids)
-def test_ovq_launches_two_kernels_per_chunk(launches, kw):
+def test_ovq_runs_its_whole_chunk_loop_in_one_launch(launches, kw):
+    """8 chunks, one launch of the loop kernel (the unit rows before it, the counts packed after it), however many
+    chunks; a packed call of five sequences (one empty) makes the same three launches."""
     q, k, v = qkv(3, 22)
     gpu_ovq.ovq_attention(q, k, v, max_size=6, chunk_size=3, return_state=True, **kw)
-    chunks = -(-22 // 3)
-    per_call = [x for x in launches if x not in ("_predict_kernel", "_merge_kernel")]
-    assert per_call == ["_unit_rows_kernel", "_pack_counts_kernel"]
-    assert [x for x in launches if x in ("_predict_kernel", "_merge_kernel")] == ["_predict_kernel", "_merge_kernel"] * chunks
+    assert launches == ["_unit_rows_kernel", "_chunk_loop_kernel", "_pack_counts_kernel"]
+    launches.clear()
+    gpu_ovq.ovq_attention(q, k, v, max_size=6, chunk_size=3, return_state=True, cu_seqlens=[0, 4, 4, 13, 14, 22], **kw)
+    assert launches == ["_unit_rows_kernel", "_chunk_loop_kernel", "_pack_counts_kernel"]
 
 
 def test_vq_launches_two_kernels_per_chunk(launches):
@@ -308,20 +312,171 @@ def test_launch_geometry_refuses_more_heads_than_two_grid_axes_hold():
         gpu_ovq.launch_geometry(8, 65535**2, 4, 4, 8, 4)
 
 
+def by_chunk_launches(q, k, v, p, Dk, Dv, counts, n, t):
+    """OVQ's chunk loop as two launches per chunk (:func:`_predict_kernel`, then :func:`_merge_kernel`, the kernels VQ
+    runs) for the H sequences of device arrays ``(H, N, .)``, all from ``(n, t)``: ``out (H, N, d_v)``, the states
+    updated in place."""
+    H, N, d = q.shape
+    d_v = v.shape[2]
+    f = q.dtype.type
+    g = gpu_ovq.launch_geometry(N, H, d, d_v, p.max_size, p.chunk_size)
+    plans, draws, _, _ = gpu_ovq._chunk_plans(N, p, n, t)
+    draws = cuda.to_device(np.concatenate(draws) if draws else np.zeros(1, np.int64))
+    qhat, khat = gpu_ovq._normalise(q, k, g)
+    w = gpu_ovq._scratch(g, H, d_v, q.dtype)
+    out, rowmax = cuda.device_array((H, N, d_v), q.dtype), cuda.device_array((H, N), q.dtype)
+    eta = f(0 if p.eta is None else p.eta)
+    for s, L, n, n_add, offset, use in plans:
+        grid, threads, tiles, ctiles = g.predict_for(n, L)
+        gpu_ovq._predict(q.dtype)[grid, threads](
+            qhat, khat, v, cuda.device_array((1, 1), np.int64), s, L, Dk, Dv, counts, n, f(p.beta), f(-np.inf),
+            np.int32(p.count_bias), tiles, ctiles, w.pmax, w.psum, w.pnum, w.abest, w.aarg, w.ticket, w.rows, w.seeded,
+            w.order, w.srow, w.cbase, w.scores, n_add, draws, offset, np.int32(use), H)
+        gpu_ovq._merge_kernel[g.merge_for(L)](
+            khat, v, s, L, w.pmax, w.psum, w.pnum, n, out, rowmax, Dk, Dv, w.order, w.srow, w.seeded, w.cbase, eta,
+            np.int32(1 | (2 if p.eta is not None else 0)), f(-np.inf), H)
+    return out.copy_to_host()
+
+
 def test_heads_launched_together_equal_one_call_each():
-    """The kernels take H sequences at once (heads on the grid's y, z); each head is refimpl's call on its own."""
+    """The chunk kernels take H sequences at once (heads on the grid's y, z); each head is refimpl's call on its own."""
     N, n_max, C, d, d_v = 10, 5, 3, 3, 2
     seqs = [qkv(40 + h, N, d=d, d_v=d_v) for h in range(3)]
     p = ovq.check_ovq_arguments(*seqs[0], n_max, C, None, "linear", "random", True, None, 1, None).params
     q, k, v = (cuda.to_device(np.stack([s[i] for s in seqs])) for i in range(3))
     Dk, Dv = cuda.to_device(np.zeros((3, n_max, d))), cuda.to_device(np.zeros((3, n_max, d_v)))
     counts = cuda.to_device(np.zeros((3, n_max), np.int64))
-    out, n, t, _, _ = gpu_ovq._ovq_run(q, k, v, p, Dk, Dv, counts, 0, 0)
-    out, Dk, counts = out.copy_to_host(), Dk.copy_to_host(), counts.copy_to_host()
+    out = by_chunk_launches(q, k, v, p, Dk, Dv, counts, 0, 0)
+    Dk, counts = Dk.copy_to_host(), counts.copy_to_host()
     for h, (qh, kh, vh) in enumerate(seqs):
         ref_out, ref_state = ovq.ovq_attention(qh, kh, vh, max_size=n_max, chunk_size=C, growth="linear", init="random",
                                                seed=1, return_state=True)
-        assert (n, t) == (ref_state.size, ref_state.tokens_seen)
         np.testing.assert_allclose(out[h], ref_out, **TOL64)
         np.testing.assert_allclose(Dk[h], ref_state.keys, **TOL64)
         assert np.array_equal(counts[h], ref_state.counts)
+
+
+# (options, dtype, N, C, max_size, from a state of so many tokens): spread and random seeding, both updates, the count
+# bias off, chunks longer than the sorting network (comparing every pair), a stream continued from a state
+LOOP_CASES = [
+    ({}, np.float64, 22, 3, 6, 0),
+    ({"init": "random", "seed": 2, "growth": "linear", "learning_rate": 0.5}, np.float32, 22, 3, 6, 0),
+    ({"count_bias": False, "growth": "linear"}, np.float64, 20, 10, 6, 0),
+    ({"init": "random", "seed": 5}, np.float64, 13, 4, 9, 7),
+]
+
+
+def _state_arrays(state, n_max, d, d_v, dtype):
+    if state is None:
+        return np.zeros((1, n_max, d), dtype), np.zeros((1, n_max, d_v), dtype), np.zeros((1, n_max), np.int64), 0, 0
+    return (state.keys[None].astype(dtype), state.values[None].astype(dtype), state.counts[None].copy(), state.size,
+            state.tokens_seen)
+
+
+@pytest.mark.parametrize("kw, dtype, N, C, n_max, before", LOOP_CASES, ids=[f"{ids(c[0])}-{np.dtype(c[1])}-{c[2]}/{c[3]}" for c in LOOP_CASES])
+def test_the_loop_in_one_launch_gives_the_bits_of_two_launches_per_chunk(kw, dtype, N, C, n_max, before):
+    """Output and state of the one-launch loop equal, bit for bit, those of the chunk loop as two launches per chunk
+    (the same items, plans and merges, each computed as in its own launch)."""
+    q, k, v = qkv(sum(map(ord, ids(kw))), before + N, dtype=dtype)
+    opts = dict(max_size=n_max, chunk_size=C, **kw)
+    state = ovq.ovq_attention(q[:before], k[:before], v[:before], return_state=True, **opts)[1] if before else None
+    q, k, v = q[before:], k[before:], v[before:]
+    out, new = gpu_ovq.ovq_attention(q, k, v, state=state, return_state=True, **opts)
+    defaults = inspect.signature(ovq.ovq_attention).parameters
+    p = ovq.check_ovq_arguments(q, k, v, n_max, C, None, *(opts.get(x, defaults[x].default) for x in
+                                ("growth", "init", "count_bias", "learning_rate", "seed")), state).params
+    Dk, Dv, counts, n, t = _state_arrays(state, n_max, q.shape[1], v.shape[1], dtype)
+    Dk, Dv, counts = cuda.to_device(Dk), cuda.to_device(Dv), cuda.to_device(counts)
+    ref = by_chunk_launches(*(cuda.to_device(x[None]) for x in (q, k, v)), p, Dk, Dv, counts, n, t)
+    assert out.dtype == dtype and np.array_equal(out, ref[0])
+    assert np.array_equal(new.keys, Dk.copy_to_host()[0]) and np.array_equal(new.values, Dv.copy_to_host()[0])
+    assert np.array_equal(new.counts, counts.copy_to_host()[0])
+
+
+def test_the_loop_at_the_gpu_block_sizes_gives_the_bits_of_two_launches_per_chunk():
+    """At the GPU's tiles, from a state of 72 tokens (n = 72 > KEYS = 64: two key tiles of centroids), a chunk of 33 > ROWS
+    = 32 positions (two position tiles), d = 9 > DC = 8 coordinates (two stages, the last ragged)."""
+    q, k, v = qkv(9, 105, d=9, d_v=3)
+    opts = dict(max_size=110, chunk_size=33, growth="linear")
+    state = ovq.ovq_attention(q[:72], k[:72], v[:72], return_state=True, **opts)[1]
+    q, k, v = q[72:], k[72:], v[72:]
+    with _gpu_block_sizes():
+        out, new = gpu_ovq.ovq_attention(q, k, v, state=state, return_state=True, **opts)
+        p = ovq.check_ovq_arguments(q, k, v, 110, 33, None, "linear", "spread", True, None, 0, state).params
+        Dk, Dv, counts, n, t = _state_arrays(state, 110, 9, 3, np.float64)
+        Dk, Dv, counts = cuda.to_device(Dk), cuda.to_device(Dv), cuda.to_device(counts)
+        ref = by_chunk_launches(*(cuda.to_device(x[None]) for x in (q, k, v)), p, Dk, Dv, counts, n, t)
+    assert _gpu_tiles()["KEYS"] < state.size and _gpu_tiles()["ROWS"] < 33 < 2 * _gpu_tiles()["ROWS"]
+    assert np.array_equal(out, ref[0]) and np.array_equal(new.keys, Dk.copy_to_host()[0])
+    assert np.array_equal(new.values, Dv.copy_to_host()[0]) and np.array_equal(new.counts, counts.copy_to_host()[0])
+
+
+PACKED = [0, 5, 5, 6, 15, 23]  # five sequences: 5 tokens, none, 1, 9, 8
+
+
+@pytest.mark.parametrize("kw", [{}, {"init": "random", "seed": 3, "learning_rate": 0.5, "growth": "linear"}], ids=ids)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_packed_call_runs_every_sequence_in_the_one_launch_as_its_own_call(kw, dtype, host_copies):
+    """Each sequence of a packed call (states given to some) equals its own call bit for bit, output and state; an
+    empty sequence keeps the state it was given; one copy to the host."""
+    q, k, v = qkv(21, 30, dtype=dtype)
+    opts = dict(max_size=6, chunk_size=3, **kw)
+    given = ovq.ovq_attention(q[23:], k[23:], v[23:], return_state=True, **opts)[1]
+    states = [None, given, given, None, given]
+    host_copies["n"] = 0
+    out, new = gpu_ovq.ovq_attention(q[:23], k[:23], v[:23], cu_seqlens=PACKED, state=states, return_state=True, **opts)
+    assert host_copies["n"] == 1 and out.dtype == dtype and len(new) == 5
+    assert new[1] is given
+    for i, (a, b) in enumerate(zip(PACKED[:-1], PACKED[1:])):
+        if a == b:
+            continue
+        one, st = gpu_ovq.ovq_attention(q[a:b], k[a:b], v[a:b], state=states[i], return_state=True, **opts)
+        assert np.array_equal(out[a:b], one)
+        assert (new[i].size, new[i].tokens_seen) == (st.size, st.tokens_seen) and np.array_equal(new[i].counts, st.counts)
+        assert np.array_equal(new[i].keys, st.keys) and np.array_equal(new[i].values, st.values)
+    ref_out = ovq.ovq_attention(q[:23], k[:23], v[:23], cu_seqlens=PACKED, state=states, **opts)
+    np.testing.assert_allclose(out, ref_out, **(TOL64 if dtype == np.float64 else TOL32))
+
+
+def test_a_packed_call_leaves_a_refusal_to_the_loop_with_its_words():
+    """A float32 call whose logits overflow (beta beyond float32), and a state refused for its own sequence (too small
+    for the 2 centroids its one token's chunk would need, though the whole call's chunk of 3 could seed them), are refused
+    as the per-sequence loop refuses them, word for word."""
+    q, k, v = qkv(22, 12, dtype=np.float32)
+    opts = dict(max_size=4, chunk_size=3)
+    small = ovq.OVQState(np.eye(4, 3, dtype=np.float32), np.zeros((4, 2), np.float32), np.array([11, 0, 0, 0]), 1, 11)
+    for extra, cuts, says in (({"beta": 1e39}, [0, 4, 12], "first: row 0"), ({"state": [None, small]}, [0, 11, 12], "first chunk of 1")):
+        words = []
+        for impl in (gpu_ovq, ovq):
+            with pytest.raises(ValueError) as err, warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                impl.ovq_attention(q, k, v, cu_seqlens=cuts, **opts, **extra)
+            words.append(str(err.value))
+        assert words[0] == words[1] and says in words[0]
+
+
+def test_the_loop_table_deals_each_sequence_its_own_chunks():
+    """loop_plans: each sequence's chunks from its own first row, size and tokens seen; rounds past its end are empty;
+    the drawn seeds of every sequence in one array, each chunk pointing at its own."""
+    p = ovq.check_ovq_arguments(*qkv(0, 4), 6, 3, None, "linear", "random", True, None, 1, None).params
+    plans, draws, ends = gpu_ovq.loop_plans([(0, 7, 0, 0), (7, 2, 5, 5), (9, 4, 2, 2)], p)
+    assert plans.shape == (3, 3, 6)
+    assert plans[0, :, :2].tolist() == [[0, 3], [3, 3], [6, 1]]
+    assert plans[1, :, :2].tolist() == [[7, 2], [0, 0], [0, 0]]
+    assert plans[2, :, :3].tolist() == [[9, 3, 2], [12, 1, 5], [0, 0, 0]]
+    for j, (first, N, n, t) in enumerate([(0, 7, 0, 0), (7, 2, 5, 5), (9, 4, 2, 2)]):
+        mine, drawn, n_end, t_end = gpu_ovq._chunk_plans(N, p, n, t)
+        assert ends[j] == (n_end, t_end)
+        for r, (s, L, n0, n_add, off, use) in enumerate(mine):
+            assert plans[j, r, :4].tolist() == [first + s, L, n0, n_add] and plans[j, r, 5] == use
+            if use:
+                assert np.array_equal(draws[plans[j, r, 4]:plans[j, r, 4] + n_add], drawn[sum(x[5] for x in mine[:r])])
+    reads, merges = gpu_ovq.loop_items(plans, 7)
+    for r in range(3):
+        # the running sums of the round's items over the sequences: predict items as the geometry counts them, merge
+        # items 7 a key
+        assert reads[r].tolist() == np.cumsum([-(-L // gpu_ovq.ROWS) * (-(-(n + L) // gpu_ovq.KEYS) + -(-n // gpu_ovq.KEYS))
+                                               for _, L, n, *_ in plans[:, r]]).tolist()
+        assert merges[r].tolist() == np.cumsum(7 * plans[:, r, 1]).tolist()
+    g = gpu_ovq.launch_geometry(7, 1, 3, 2, 6, 3)
+    assert reads[0, 0] == g.predict_for(0, 3)[0][0] and reads[1, 0] - 0 == g.predict_for(3, 3)[0][0]

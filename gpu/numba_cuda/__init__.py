@@ -20,9 +20,10 @@ and held to the reference by ``tests/test_conformance.py``:
   responsibilities above, then the scan of :mod:`gpu.numba_cuda.scan`, whose
   chunk states are prefix-summed by a work-efficient tree);
 * :func:`~gpu.numba_cuda.ovq.ovq_attention` and
-  :func:`~gpu.numba_cuda.ovq.vq_attention` mirror :mod:`refimpl.ovq` (two
-  launches per chunk, the read-out split over key tiles and merged; the state
-  stays on the device).
+  :func:`~gpu.numba_cuda.ovq.vq_attention` mirror :mod:`refimpl.ovq` (OVQ's
+  chunk loop in one cooperative launch for all the sequences of a call, VQ's
+  two launches per chunk; the read-out split over key tiles and merged; the
+  state stays on the device).
 
 The device functions several kernels share (the online softmax's running
 pair, ordered block reductions, the tree scan) are written once, in

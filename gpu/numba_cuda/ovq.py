@@ -7,26 +7,37 @@ with ties to the lowest index, the running-mean or constant-rate update in
 token order, streaming through :class:`refimpl.ovq.OVQState`, and the same
 checks and messages (the checkers are :mod:`refimpl.ovq`'s own).
 
-Launch plan: two launches per chunk
------------------------------------
-The kernels take ``H`` independent sequences (heads) of the same length at
-once, arrays ``(H, N, d)``; the public functions pass ``H = 1``.  The host
-walks the chunks ``[s, e)``, ``L = e - s``, in order; the state (``D_k``,
-``D_v``, the counts) lives on the device from the first chunk to the last.
-Every size the plan needs (``n``, ``t``, ``n' = max(n, growth(t + L))``) and,
-for ``init="random"``, every chunk's seeds (refimpl's generator) are known on
-the host before the first launch: they are computed once and the seeds
-uploaded together, so chunks follow each other without a synchronisation.
+Launch plan: OVQ's chunk loop in one launch
+-------------------------------------------
+The kernels take ``H`` independent sequences at once.  Every size the plan
+needs (``n``, ``t``, ``n' = max(n, growth(t + L))``) and, for
+``init="random"``, every chunk's seeds (refimpl's generator) are known on
+the host before the first launch: they are computed once per call, for every
+sequence, and uploaded together (:func:`loop_plans`), so that nothing waits
+for the host between chunks.
 
 * once per call: :func:`_unit_rows_kernel` (``q^``, ``k^``); for VQ
   :func:`_codes_kernel` (every key's code: the codebook is fixed);
-* per chunk, exactly two launches:
+* OVQ: the whole chunk loop of every sequence in **one cooperative launch**,
+  :func:`_chunk_loop_kernel`: a 2-D call's one sequence, or a packed call's
+  sequences (``cu_seqlens``: each its own chunk plan, dictionary and state),
+  with as many blocks as the GPU holds at once.  Round ``r`` is every
+  sequence's ``r``-th chunk, in the three steps below, each ended by a
+  grid-wide barrier (``cuda.cg.this_grid().sync()``: Numba-CUDA launches the
+  kernel cooperatively and links the device runtime); the simulator runs a
+  cooperative grid of one block, whose barrier is a block barrier;
+* VQ: per chunk, the same steps as two launches, :func:`_predict_kernel`
+  (predict, then the plan by the last block of a head to finish) and
+  :func:`_merge_kernel`.
 
-  1. :func:`_predict_kernel`, flash-decoding style, every product register
+The steps of a chunk:
+
+  1. *predict*, flash-decoding style, every product register
      tiled.  The key axis of the chunk, ``u < n + L`` (the centroids, then
      the chunk's keys), is cut into ``splits`` tiles of ``KEYS`` keys and the
      chunk's positions into ``row_tiles`` tiles of ``ROWS``.  A block of
-     ``TY x TX`` threads takes one work item at a time: a *read-out* item
+     ``TY x TX`` threads takes one work item at a time (:func:`_predict_item`):
+     a *read-out* item
      (row tile, key tile) computes the tile's logits as a product of the
      positions' ``q^`` against the tile's keys, each thread an ``RQ x RK``
      register tile, and writes for each of its positions the tile's
@@ -35,20 +46,21 @@ uploaded together, so chunks follow each other without a synchronisation.
      weights against the tile's values); an *assignment* item (row tile,
      centroid tile; OVQ only) computes the chunk keys' similarities to the
      tile's centroids the same way, and the argmax epilogue writes each key's
-     best centroid of the tile.  The last block of a head to finish (an
-     integer ticket: which block it is does not change any result) makes the
-     chunk's plan: the nearest centroids (tiles combined in centroid order),
-     the seeds, the keys sorted stably by their row (bucketed by centroid)
-     and the new counts;
-  2. :func:`_merge_kernel`: the partial softmaxes combined in key-tile order
-     into ``o_a`` (one thread per output entry) and, in other threads of the
-     same launch, the update of the touched centroids: one thread per
-     (centroid, column) walking only that centroid's members, in token order.
+     best centroid of the tile;
+  2. the chunk's *plan*, by one block per sequence (:func:`_plan_chunk`): the
+     nearest centroids (tiles combined in centroid order), the seeds, the
+     keys sorted stably by their row (bucketed by centroid) and the new
+     counts;
+  3. *merge* (:func:`_merge_item`): the partial softmaxes combined in key-tile
+     order into ``o_a`` (one thread per output entry) and, in other threads,
+     the update of the touched centroids: one thread per (centroid, column)
+     walking only that centroid's members, in token order.
 
-  Launch 2 reads no array launch 1 of the same chunk still writes, and the
-  next chunk's launch 1 reads the state launch 2 wrote: the stream's order
-  is the only synchronisation.  No float atomics: every sum has one owner
-  and a fixed order, so two runs with the same geometry give the same bits.
+Each step reads no array the step before it still writes, and the next
+chunk's predict reads the state the merge wrote: the barriers (VQ: the
+stream's order) are the only synchronisation.  No float atomics: every sum
+has one owner and a fixed order, whichever block computes it, so the one
+launch and the launches per chunk give the same bits, and so do two runs.
 
 The geometry of every launch is :func:`launch_geometry`, a pure function of
 the shapes (each chunk's predict and merge grids are cut to the tiles it has,
@@ -60,7 +72,11 @@ value columns per stage; smaller in the simulator, where every thread is a
 Python thread: :func:`block_sizes` switches the simulator to the GPU's).
 Grids stay within the hardware's limits for any ``N`` and ``H``: the heads
 go to ``(gridDim.y, gridDim.z)``, the work to ``gridDim.x``, with grid-stride
-loops when it is larger.
+loops when it is larger.  The loop kernel's grid is one-dimensional: the
+blocks one cooperative launch can hold resident (``max_cooperative_grid_blocks``
+at its launch bounds, :data:`LOOP_MIN_BLOCKS` per multiprocessor), at most
+the most predict items of a round; each step deals its items to them in turn
+(:func:`loop_items` counts them per round and sequence).
 
 Cost per chunk: the read-out and the assignment ``O(L (n + L) (d + d_v))``
 spread over ``ceil(L / ROWS) (ceil((n + L) / KEYS) + ceil(n / KEYS))``
@@ -166,6 +182,12 @@ PLAN_SORT = _T["PLAN_SORT"]
 #: them for the epilogue's inlined double-precision exponentials); float32 at 6 blocks (80 registers) spills 8 bytes,
 #: at 8 (64) 116; float64 at 3 blocks 60.
 MIN_BLOCKS = {np.dtype(np.float32): 5, np.dtype(np.float64): 2}
+#: The same for :func:`_chunk_loop_kernel`: float32 4 blocks (at most 128 registers, 25% occupancy: 4 warps a
+#: scheduler), float64 2.  Its grid barrier is a call into the device runtime, and what stays live across a call follows
+#: the calling convention: ptxas -v (sm_90, ptxas 13.0 and 13.5 on the PTX of NVVM 13.0 and 13.5) gives float32 123 to
+#: 127 registers and no spill at 4 blocks (76 bytes of spill stores at 5), float64 no spill at 2.  With the grid's
+#: handle asked once and kept across the loop, float32 spilled 20 to 24 bytes at 4 blocks (the handle and the round).
+LOOP_MIN_BLOCKS = {np.dtype(np.float32): 4, np.dtype(np.float64): 2}
 _BOUNDED = {}
 
 
@@ -174,15 +196,33 @@ def _launch_bounds(f):
     return {"launch_bounds": (tile_sizes(GPU_GEOMETRY)["NT"], MIN_BLOCKS[np.dtype(str(f))])}
 
 
-def _predict(dtype):
-    """:func:`_predict_kernel` for ``dtype``: on a GPU compiled with its launch bounds, once per dtype (the registry holds
-    the same options, so the PTX and resource checks compile what runs); the simulator has no launch bounds."""
+def _loop_bounds(f):
+    """The compile options of :func:`_chunk_loop_kernel` for the float type ``f``: its launch bounds."""
+    return {"launch_bounds": (tile_sizes(GPU_GEOMETRY)["NT"], LOOP_MIN_BLOCKS[np.dtype(str(f))])}
+
+
+def _bounded(fn, bounds, dtype):
+    """Kernel ``fn`` for ``dtype``: on a GPU compiled with its launch bounds ``bounds(dtype)``, once per dtype (the
+    registry holds the same options, so the PTX and resource checks compile what runs); the simulator has none."""
     if SIMULATOR:
-        return _predict_kernel
-    key = np.dtype(dtype)
+        return fn
+    key = (fn.py_func.__name__, np.dtype(dtype))
     if key not in _BOUNDED:
-        _BOUNDED[key] = cuda.jit(_predict_kernel.py_func, **_launch_bounds(key))
+        _BOUNDED[key] = cuda.jit(fn.py_func, **bounds(np.dtype(dtype)))
     return _BOUNDED[key]
+
+
+def _predict(dtype):
+    """:func:`_predict_kernel` for ``dtype``, with its launch bounds on a GPU."""
+    return _bounded(_predict_kernel, _launch_bounds, dtype)
+
+
+def _loop(dtype):
+    """:func:`_chunk_loop_kernel` for ``dtype``, with its launch bounds on a GPU."""
+    return _bounded(_chunk_loop_kernel, _loop_bounds, dtype)
+
+#: The alignment of the loop kernel's shared arrays on a GPU (128-bit loads); the simulator takes none.
+SHARED_ALIGN = None if SIMULATOR else 16
 
 # Unsigned offsets skip Numba's negative-index wraparound (and 32-bit ones are single instructions); plain ints in
 # the simulator.
@@ -402,7 +442,8 @@ def _sort_pairs(key, idx, P, tid, nth):
         k *= 2
 
 
-# The chunk's plan, by the last block of launch 1 (all the tiles' assignments are written), for head h:
+# The chunk's plan, by one block once every tile's assignment is written (OVQ: after the loop's barrier; VQ: the last
+# block of its predict launch), for the sequence whose tokens are head ht and whose state and work arrays are head h:
 #   rows[b] = argmax_m k^_b . D_k[m] (m < n): the tiles' winners combined in centroid order with a strict '>' (np.argmax's
 #             first maximum); scores[b] its similarity.  First chunk (n = 0): rows = 0, scores[b] = k^_b . k^_0.  VQ:
 #             rows[b] = z[s + b].
@@ -421,7 +462,7 @@ def _sort_pairs(key, idx, P, tid, nth):
 # key_i) are the predict kernel's weights, lanes and sort-key arrays, free by then.  The block's threads stride over
 # the keys; each phase ends with a barrier (global writes of a block are visible to its threads after it).
 @cuda.jit(device=True)
-def _plan_chunk(h, khat, s, L, n, n_add, vq, z, abest, aarg, rows, seeded, order, srow, cbase, scores, counts,
+def _plan_chunk(ht, h, khat, s, L, n, n_add, vq, z, abest, aarg, rows, seeded, order, srow, cbase, scores, counts,
                 draws, draw_off, use_draws, stage_f, stage_i, key_i):
     tid = cuda.threadIdx.x
     nth = cuda.blockDim.x
@@ -433,12 +474,12 @@ def _plan_chunk(h, khat, s, L, n, n_add, vq, z, abest, aarg, rows, seeded, order
     tiles = (n + KEYS - 1) // KEYS
     for b in range(tid, L, nth):
         if vq:
-            rows[h, b] = z[h, s + b]
+            rows[h, b] = z[ht, s + b]
         elif n == 0:
             rows[h, b] = 0
-            acc = khat[h, s + b, 0] * khat[h, s, 0]
+            acc = khat[ht, s + b, 0] * khat[ht, s, 0]
             for c in range(1, d):
-                acc += khat[h, s + b, c] * khat[h, s, c]
+                acc += khat[ht, s + b, c] * khat[ht, s, c]
             scores[h, b] = acc
         else:
             best = abest[h, 0, b]
@@ -542,7 +583,7 @@ def _plan_chunk(h, khat, s, L, n, n_add, vq, z, abest, aarg, rows, seeded, order
             counts[h, m] = c + added
 
 
-# Launch 1 of a chunk, predict before the chunk touches the state: position a (row s + a) attends, in one softmax, to
+# The predict step of a chunk, before the chunk touches the state: position a (row s + a) attends, in one softmax, to
 #   l_{a,u} = beta q^_a . D_k[u] + log c_u (u < n)       a centroid of count c stands for c tokens: weight pi ~ c, logit + log c
 #   l_{a,u} = beta q^_a . k^_b, b = u - n <= a           causal inside the chunk: position a sees the chunk keys b <= a only
 #   o_a = softmax(l_a) [D_v[:n]; v_0..v_a]
@@ -567,8 +608,222 @@ def _plan_chunk(h, khat, s, L, n, n_add, vq, z, abest, aarg, rows, seeded, order
 # key-major [KEYS, ROWS] for the same reason.  The lanes' pairs of the two trees live in the weights' array
 # (2 ROWS TX <= ROWS KEYS: RK >= 2), the indices in [ROWS, TX] int32.  Shared offsets are below KEYS ROWS and KEYS VC
 # (a few thousand: 32-bit), global ones 64-bit; all unsigned (no negative-index wraparound).
-# At the end each block takes a ticket (integer atomic, after a fence); the last block of the head makes the plan
-# (_plan_chunk) and resets the ticket.
+# _predict_item is one work item w: the sequence's tokens are head ``ht`` of ``qhat, khat, v, z`` (rows from ``s``), its
+# dictionary and partials head ``hs`` of the state and work arrays.  Every thread of the block calls it (it has
+# barriers); the shared arrays are the caller's.
+@cuda.jit(device=True)
+def _predict_item(w, ht, hs, qhat, khat, v, z, s, L, Dk, Dv, counts, n, beta, ninf, count_bias, vq, splits, ctiles,
+                  pmax, psum, pnum, abest, aarg, sa, sb, sp, sv, sarg):
+    acc = cuda.local.array((RQ, RK), dtype=qhat.dtype)  # the register tile: similarities, then logits
+    num = cuda.local.array((RQ, RV), dtype=qhat.dtype)  # the register tile of the numerator
+    ra = cuda.local.array(RQ, dtype=qhat.dtype)
+    rb = cuda.local.array(RK, dtype=qhat.dtype)
+    rv = cuda.local.array(RV, dtype=qhat.dtype)
+    rm = cuda.local.array(RQ, dtype=qhat.dtype)  # the positions' tile maxima
+    cf = cuda.local.array(1, dtype=qhat.dtype)  # a count in the float dtype
+    th = u64(ht)
+    hh = u64(hs)
+    tid = u32(cuda.threadIdx.x)
+    ty = u32(tid // u32(TX))
+    tx = u32(tid - ty * u32(TX))
+    orow = u32(ty * u32(RQ))  # the thread's first position in a tile, its first key, its first value column
+    okey = u32(tx * u32(RK))
+    ocol = u32(tx * u32(RV))
+    d = qhat.shape[2]
+    dv = v.shape[2]
+    zero = beta - beta
+    U = n + L
+    lanes = u32(ROWS * TX)  # the pairs' second array starts here in sp
+    row_tiles = (L + ROWS - 1) // ROWS
+    reads = row_tiles * splits
+    assign = w >= reads  # an assignment item: the tile's centroids against the chunk's keys
+    item = w - reads if assign else w
+    per = ctiles if assign else splits
+    a0 = (item // per) * ROWS
+    kt = item % per
+    u0 = kt * KEYS
+    if not assign and u0 > n + min(L, a0 + ROWS) - 1:
+        return  # no position of the tile sees a key of it (block-uniform)
+    ukeys = n if assign else U  # the keys of the product: centroids only for the assignment
+    x_rows = khat if assign else qhat
+    for i in range(RQ):
+        for c in range(RK):
+            acc[i, c] = zero
+    for d0 in range(0, d, DC):
+        # stage the positions and the keys: entry e is (row e // DC, coordinate e % DC), read along the
+        # coordinates, stored coordinate-major
+        e = tid
+        while e < u32(ROWS * DC):
+            r = u32(e // u32(DC))
+            t = u32(e - r * u32(DC))
+            x = zero
+            if a0 + r < L and d0 + t < d:
+                x = x_rows[th, u64(s + a0 + r), u64(d0 + t)]
+            sa[u32(t * u32(ROWS) + r)] = x
+            e = u32(e + u32(NT))
+        e = tid
+        while e < u32(KEYS * DC):
+            r = u32(e // u32(DC))
+            t = u32(e - r * u32(DC))
+            u = u0 + r
+            y = zero
+            if u < ukeys and d0 + t < d:
+                if u < n:
+                    y = Dk[hh, u64(u), u64(d0 + t)]
+                elif vq:
+                    y = Dk[hh, u64(z[th, u64(s + u - n)]), u64(d0 + t)]
+                else:
+                    y = khat[th, u64(s + u - n), u64(d0 + t)]
+            sb[u32(t * u32(KEYS) + r)] = y
+            e = u32(e + u32(NT))
+        cuda.syncthreads()
+        # the register tile of the product: RQ + RK shared loads (two 128-bit ones on a GPU) for RQ RK
+        # multiply-adds per coordinate, STEP coordinates per unrolled step, offsets advanced by constants
+        oa = orow
+        ob = okey
+        for t0 in range(DC // STEP):
+            for t in range(STEP):
+                for i in range(RQ):
+                    ra[i] = sa[oa + u32(t * ROWS + i)]
+                for c in range(RK):
+                    rb[c] = sb[ob + u32(t * KEYS + c)]
+                for i in range(RQ):
+                    for c in range(RK):
+                        acc[i, c] += ra[i] * rb[c]
+            oa = u32(oa + u32(STEP * ROWS))
+            ob = u32(ob + u32(STEP * KEYS))
+        cuda.syncthreads()
+    if assign:
+        # the first maximum over the tile's centroids: per thread in index order, then the lanes by a tree
+        for i in range(RQ):
+            best = ninf
+            arg = -1
+            for c in range(RK):
+                u = u0 + okey + c
+                if u < n and (arg < 0 or acc[i, c] > best):
+                    best = acc[i, c]
+                    arg = u
+            slot = u32((orow + u32(i)) * u32(TX) + tx)
+            sp[slot] = best
+            sarg[slot] = arg
+        cuda.syncthreads()
+        stride = u32(TX // 2)
+        while stride > 0:
+            if tx < stride:
+                for i in range(RQ):
+                    slot = u32((orow + u32(i)) * u32(TX) + tx)
+                    other = sarg[slot + stride]
+                    mine = sarg[slot]
+                    y = sp[slot + stride]
+                    x = sp[slot]
+                    if other >= 0 and (mine < 0 or y > x or (y == x and other < mine)):
+                        sp[slot] = y
+                        sarg[slot] = other
+            cuda.syncthreads()
+            stride = u32(stride // u32(2))
+        if tx == 0:
+            for i in range(RQ):
+                r = u32(orow + u32(i))
+                a = a0 + r
+                if a < L:
+                    abest[hh, u64(kt), u64(a)] = sp[u32(r * u32(TX))]
+                    aarg[hh, u64(kt), u64(a)] = sarg[u32(r * u32(TX))]
+        cuda.syncthreads()  # the pairs are read before the next item writes its own
+        return
+    # the logits, masked, and each thread's pair (m, s) per position
+    for i in range(RQ):
+        a = a0 + orow + i
+        m = ninf
+        for c in range(RK):
+            u = u0 + okey + c
+            lg = ninf
+            if a < L:
+                if u < n:
+                    lg = acc[i, c] * beta
+                    if count_bias:
+                        cnt = counts[hh, u64(u)]
+                        if cnt > 0:
+                            cf[0] = cnt
+                            lg += math.log(cf[0])
+                        else:
+                            lg = ninf
+                elif u < U and u - n <= a:
+                    lg = acc[i, c] * beta
+            acc[i, c] = lg
+            m = max_keep_nan(m, lg)  # NaN, once met, stays (as np.max keeps it)
+        tot = zero
+        for c in range(RK):
+            tot += exp_shifted(acc[i, c], m)
+        slot = u32((orow + u32(i)) * u32(TX) + tx)
+        sp[slot] = m
+        sp[lanes + slot] = tot
+    cuda.syncthreads()
+    # (m, s) of the lanes combined by an ordered tree: lane t absorbs lane t + stride
+    stride = u32(TX // 2)
+    while stride > 0:
+        if tx < stride:
+            for i in range(RQ):
+                slot = u32((orow + u32(i)) * u32(TX) + tx)
+                m_new, s_new = softmax_combine(sp[slot], sp[lanes + slot], sp[slot + stride], sp[lanes + slot + stride])
+                sp[slot] = m_new
+                sp[lanes + slot] = s_new
+        cuda.syncthreads()
+        stride = u32(stride // u32(2))
+    for i in range(RQ):
+        r = u32(orow + u32(i))
+        a = a0 + r
+        rm[i] = sp[u32(r * u32(TX))]
+        if tx == 0 and a < L and u0 <= n + a:
+            pmax[hh, u64(kt), u64(a)] = rm[i]
+            psum[hh, u64(kt), u64(a)] = sp[lanes + u32(r * u32(TX))]
+    cuda.syncthreads()  # every thread has its maxima before the weights overwrite the pairs
+    # the weights, key-major [KEYS, ROWS]: the thread's RQ positions of a key are adjacent
+    for c in range(RK):
+        for i in range(RQ):
+            sp[u32((okey + u32(c)) * u32(ROWS)) + orow + u32(i)] = exp_shifted(acc[i, c], rm[i])
+    # the partial numerator: weights [KEYS, ROWS]^T times the tile's values [KEYS, VC], a stage at a time
+    for c0 in range(0, dv, VC):
+        e = tid
+        while e < u32(KEYS * VC):
+            r = u32(e // u32(VC))
+            col = c0 + (e - r * u32(VC))
+            u = u0 + r
+            y = zero
+            if u < U and col < dv:
+                y = Dv[hh, u64(u), u64(col)] if u < n else v[th, u64(s + u - n), u64(col)]
+            sv[e] = y
+            e = u32(e + u32(NT))
+        cuda.syncthreads()
+        for i in range(RQ):
+            for c in range(RV):
+                num[i, c] = zero
+        op = orow
+        ov = ocol
+        for t0 in range(KEYS // STEP):
+            for t in range(STEP):
+                for i in range(RQ):
+                    ra[i] = sp[op + u32(t * ROWS + i)]
+                for c in range(RV):
+                    rv[c] = sv[ov + u32(t * VC + c)]
+                for i in range(RQ):
+                    for c in range(RV):
+                        num[i, c] += ra[i] * rv[c]
+            op = u32(op + u32(STEP * ROWS))
+            ov = u32(ov + u32(STEP * VC))
+        for i in range(RQ):
+            a = a0 + orow + i
+            if a < L and u0 <= n + a:
+                for c in range(RV):
+                    col = c0 + ocol + c
+                    if col < dv:
+                        pnum[hh, u64(kt), u64(a), u64(col)] = num[i, c]
+        cuda.syncthreads()  # the stage is read before the next one is written
+
+
+
+# VQ's predict launch of a chunk: its items grid-stride over the blocks (heads on y, z); at the end each block takes a
+# ticket (integer atomic, after a fence), and the last block of the head makes the plan (_plan_chunk) and resets the
+# ticket.
 @kernel(
     lambda f: (
         f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], int64[:, ::1], int64, int64, f[:, :, ::1], f[:, :, ::1], int64[:, ::1],
@@ -588,215 +843,13 @@ def _predict_kernel(qhat, khat, v, z, s, L, Dk, Dv, counts, n, beta, ninf, flags
     sarg = cuda.shared.array(SH_LANES, dtype=int32)  # [ROWS, TX] the lanes' best centroid
     skey = cuda.shared.array(SH_LANES, dtype=int32)  # the plan's sort keys (rows)
     last = cuda.shared.array(1, dtype=int32)
-    acc = cuda.local.array((RQ, RK), dtype=qhat.dtype)  # the register tile: similarities, then logits
-    num = cuda.local.array((RQ, RV), dtype=qhat.dtype)  # the register tile of the numerator
-    ra = cuda.local.array(RQ, dtype=qhat.dtype)
-    rb = cuda.local.array(RK, dtype=qhat.dtype)
-    rv = cuda.local.array(RV, dtype=qhat.dtype)
-    rm = cuda.local.array(RQ, dtype=qhat.dtype)  # the positions' tile maxima
-    cf = cuda.local.array(1, dtype=qhat.dtype)  # a count in the float dtype
     h = cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y
     if h >= H:
         return
-    hh = u64(h)
-    count_bias = (flags & 1) != 0
-    vq = (flags & 2) != 0
     tid = u32(cuda.threadIdx.x)
-    ty = u32(tid // u32(TX))
-    tx = u32(tid - ty * u32(TX))
-    orow = u32(ty * u32(RQ))  # the thread's first position in a tile, its first key, its first value column
-    okey = u32(tx * u32(RK))
-    ocol = u32(tx * u32(RV))
-    d = qhat.shape[2]
-    dv = v.shape[2]
-    zero = beta - beta
-    U = n + L
-    lanes = u32(ROWS * TX)  # the pairs' second array starts here in sp
-    row_tiles = (L + ROWS - 1) // ROWS
-    reads = row_tiles * splits
-    for w in range(cuda.blockIdx.x, row_tiles * (splits + ctiles), cuda.gridDim.x):
-        assign = w >= reads  # an assignment item: the tile's centroids against the chunk's keys
-        item = w - reads if assign else w
-        per = ctiles if assign else splits
-        a0 = (item // per) * ROWS
-        kt = item % per
-        u0 = kt * KEYS
-        if not assign and u0 > n + min(L, a0 + ROWS) - 1:
-            continue  # no position of the tile sees a key of it (block-uniform)
-        ukeys = n if assign else U  # the keys of the product: centroids only for the assignment
-        x_rows = khat if assign else qhat
-        for i in range(RQ):
-            for c in range(RK):
-                acc[i, c] = zero
-        for d0 in range(0, d, DC):
-            # stage the positions and the keys: entry e is (row e // DC, coordinate e % DC), read along the
-            # coordinates, stored coordinate-major
-            e = tid
-            while e < u32(ROWS * DC):
-                r = u32(e // u32(DC))
-                t = u32(e - r * u32(DC))
-                x = zero
-                if a0 + r < L and d0 + t < d:
-                    x = x_rows[hh, u64(s + a0 + r), u64(d0 + t)]
-                sa[u32(t * u32(ROWS) + r)] = x
-                e = u32(e + u32(NT))
-            e = tid
-            while e < u32(KEYS * DC):
-                r = u32(e // u32(DC))
-                t = u32(e - r * u32(DC))
-                u = u0 + r
-                y = zero
-                if u < ukeys and d0 + t < d:
-                    if u < n:
-                        y = Dk[hh, u64(u), u64(d0 + t)]
-                    elif vq:
-                        y = Dk[hh, u64(z[hh, u64(s + u - n)]), u64(d0 + t)]
-                    else:
-                        y = khat[hh, u64(s + u - n), u64(d0 + t)]
-                sb[u32(t * u32(KEYS) + r)] = y
-                e = u32(e + u32(NT))
-            cuda.syncthreads()
-            # the register tile of the product: RQ + RK shared loads (two 128-bit ones on a GPU) for RQ RK
-            # multiply-adds per coordinate, STEP coordinates per unrolled step, offsets advanced by constants
-            oa = orow
-            ob = okey
-            for t0 in range(DC // STEP):
-                for t in range(STEP):
-                    for i in range(RQ):
-                        ra[i] = sa[oa + u32(t * ROWS + i)]
-                    for c in range(RK):
-                        rb[c] = sb[ob + u32(t * KEYS + c)]
-                    for i in range(RQ):
-                        for c in range(RK):
-                            acc[i, c] += ra[i] * rb[c]
-                oa = u32(oa + u32(STEP * ROWS))
-                ob = u32(ob + u32(STEP * KEYS))
-            cuda.syncthreads()
-        if assign:
-            # the first maximum over the tile's centroids: per thread in index order, then the lanes by a tree
-            for i in range(RQ):
-                best = ninf
-                arg = -1
-                for c in range(RK):
-                    u = u0 + okey + c
-                    if u < n and (arg < 0 or acc[i, c] > best):
-                        best = acc[i, c]
-                        arg = u
-                slot = u32((orow + u32(i)) * u32(TX) + tx)
-                sp[slot] = best
-                sarg[slot] = arg
-            cuda.syncthreads()
-            stride = u32(TX // 2)
-            while stride > 0:
-                if tx < stride:
-                    for i in range(RQ):
-                        slot = u32((orow + u32(i)) * u32(TX) + tx)
-                        other = sarg[slot + stride]
-                        mine = sarg[slot]
-                        y = sp[slot + stride]
-                        x = sp[slot]
-                        if other >= 0 and (mine < 0 or y > x or (y == x and other < mine)):
-                            sp[slot] = y
-                            sarg[slot] = other
-                cuda.syncthreads()
-                stride = u32(stride // u32(2))
-            if tx == 0:
-                for i in range(RQ):
-                    r = u32(orow + u32(i))
-                    a = a0 + r
-                    if a < L:
-                        abest[hh, u64(kt), u64(a)] = sp[u32(r * u32(TX))]
-                        aarg[hh, u64(kt), u64(a)] = sarg[u32(r * u32(TX))]
-            cuda.syncthreads()  # the pairs are read before the next item writes its own
-            continue
-        # the logits, masked, and each thread's pair (m, s) per position
-        for i in range(RQ):
-            a = a0 + orow + i
-            m = ninf
-            for c in range(RK):
-                u = u0 + okey + c
-                lg = ninf
-                if a < L:
-                    if u < n:
-                        lg = acc[i, c] * beta
-                        if count_bias:
-                            cnt = counts[hh, u64(u)]
-                            if cnt > 0:
-                                cf[0] = cnt
-                                lg += math.log(cf[0])
-                            else:
-                                lg = ninf
-                    elif u < U and u - n <= a:
-                        lg = acc[i, c] * beta
-                acc[i, c] = lg
-                m = max_keep_nan(m, lg)  # NaN, once met, stays (as np.max keeps it)
-            tot = zero
-            for c in range(RK):
-                tot += exp_shifted(acc[i, c], m)
-            slot = u32((orow + u32(i)) * u32(TX) + tx)
-            sp[slot] = m
-            sp[lanes + slot] = tot
-        cuda.syncthreads()
-        # (m, s) of the lanes combined by an ordered tree: lane t absorbs lane t + stride
-        stride = u32(TX // 2)
-        while stride > 0:
-            if tx < stride:
-                for i in range(RQ):
-                    slot = u32((orow + u32(i)) * u32(TX) + tx)
-                    m_new, s_new = softmax_combine(sp[slot], sp[lanes + slot], sp[slot + stride], sp[lanes + slot + stride])
-                    sp[slot] = m_new
-                    sp[lanes + slot] = s_new
-            cuda.syncthreads()
-            stride = u32(stride // u32(2))
-        for i in range(RQ):
-            r = u32(orow + u32(i))
-            a = a0 + r
-            rm[i] = sp[u32(r * u32(TX))]
-            if tx == 0 and a < L and u0 <= n + a:
-                pmax[hh, u64(kt), u64(a)] = rm[i]
-                psum[hh, u64(kt), u64(a)] = sp[lanes + u32(r * u32(TX))]
-        cuda.syncthreads()  # every thread has its maxima before the weights overwrite the pairs
-        # the weights, key-major [KEYS, ROWS]: the thread's RQ positions of a key are adjacent
-        for c in range(RK):
-            for i in range(RQ):
-                sp[u32((okey + u32(c)) * u32(ROWS)) + orow + u32(i)] = exp_shifted(acc[i, c], rm[i])
-        # the partial numerator: weights [KEYS, ROWS]^T times the tile's values [KEYS, VC], a stage at a time
-        for c0 in range(0, dv, VC):
-            e = tid
-            while e < u32(KEYS * VC):
-                r = u32(e // u32(VC))
-                col = c0 + (e - r * u32(VC))
-                u = u0 + r
-                y = zero
-                if u < U and col < dv:
-                    y = Dv[hh, u64(u), u64(col)] if u < n else v[hh, u64(s + u - n), u64(col)]
-                sv[e] = y
-                e = u32(e + u32(NT))
-            cuda.syncthreads()
-            for i in range(RQ):
-                for c in range(RV):
-                    num[i, c] = zero
-            op = orow
-            ov = ocol
-            for t0 in range(KEYS // STEP):
-                for t in range(STEP):
-                    for i in range(RQ):
-                        ra[i] = sp[op + u32(t * ROWS + i)]
-                    for c in range(RV):
-                        rv[c] = sv[ov + u32(t * VC + c)]
-                    for i in range(RQ):
-                        for c in range(RV):
-                            num[i, c] += ra[i] * rv[c]
-                op = u32(op + u32(STEP * ROWS))
-                ov = u32(ov + u32(STEP * VC))
-            for i in range(RQ):
-                a = a0 + orow + i
-                if a < L and u0 <= n + a:
-                    for c in range(RV):
-                        col = c0 + ocol + c
-                        if col < dv:
-                            pnum[hh, u64(kt), u64(a), u64(col)] = num[i, c]
-            cuda.syncthreads()  # the stage is read before the next one is written
+    for w in range(cuda.blockIdx.x, (L + ROWS - 1) // ROWS * (splits + ctiles), cuda.gridDim.x):
+        _predict_item(w, h, h, qhat, khat, v, z, s, L, Dk, Dv, counts, n, beta, ninf, (flags & 1) != 0, (flags & 2) != 0,
+                      splits, ctiles, pmax, psum, pnum, abest, aarg, sa, sb, sp, sv, sarg)
     # the last block of the head to finish makes the plan
     cuda.threadfence()
     cuda.syncthreads()
@@ -806,13 +859,13 @@ def _predict_kernel(qhat, khat, v, z, s, L, Dk, Dv, counts, n, beta, ninf, flags
     if last[0] == 0:
         return
     cuda.threadfence()
-    _plan_chunk(h, khat, s, L, n, n_add, vq, z, abest, aarg, rows, seeded, order, srow, cbase, scores, counts,
-                draws, draw_off, use_draws, sp, sarg, skey)  # the products' shared arrays stage the plan's comparisons
+    _plan_chunk(h, h, khat, s, L, n, n_add, (flags & 2) != 0, z, abest, aarg, rows, seeded, order, srow, cbase, scores,
+                counts, draws, draw_off, use_draws, sp, sarg, skey)  # the products' shared arrays stage the plan's comparisons
     if tid == 0:
         ticket[h] = 0
 
 
-# Launch 2 of a chunk.  Work items w < L d_v: the read-out of position a = w // d_v, column c = w % d_v, the partial
+# The merge step of a chunk.  Work items w < L d_v: the read-out of position a = w // d_v, column c = w % d_v, the partial
 # pairs of the key tiles that row a sees (tile < (n + a) // KEYS + 1) combined in tile order:
 #   M = max_tile m_tile (NaN kept),  o_a[c] = sum_tile e^{m_tile - M} num_tile[c] / sum_tile e^{m_tile - M} l_tile,
 # rowmax[s + a] = M (non-finite: the row overflowed, refused on the host).
@@ -822,7 +875,77 @@ def _predict_kernel(qhat, khat, v, z, s, L, Dk, Dv, counts, n, beta, ninf, flags
 #   exact running mean: (c D + sum_S x) / (c + |S|), sums in token order;
 #   or D[m] <- D[m] + eta (x_i - D[m]) for each i in S_m, token by token in token order.
 # VQ: U_m / L_m: running mean of the values each code summarises (gmm.running_mean_update).  Each entry has one
-# owner: no atomics, no barrier, no shared memory.  Blocks of FLAT threads, grid-stride; heads on y, z.
+# owner: no atomics, no barrier, no shared memory.  One item: the sequence's tokens are head ``ht`` of ``khat, v, out,
+# rowmax`` (rows from ``s``), its partials and dictionary head ``hs`` of the work and state arrays.
+@cuda.jit(device=True)
+def _merge_item(w, ht, hs, khat, v, s, L, pmax, psum, pnum, n, out, rowmax, Dk, Dv, order, srow, seeded, cbase, eta,
+                with_keys, constant_rate, ninf):
+    cf = cuda.local.array(2, dtype=Dv.dtype)  # the counts c and c' in the float dtype
+    dv = Dv.shape[2]
+    wk = Dk.shape[2] if with_keys else 0
+    width = wk + dv
+    zero = eta - eta
+    reads = L * dv
+    if w < reads:
+        a = w // dv
+        c = w % dv
+        if a >= L:
+            return
+        tiles = (n + a) // KEYS + 1
+        M = ninf
+        for tile in range(tiles):
+            x = pmax[hs, tile, a]
+            if x > M or x != x:
+                M = x
+        if c == 0:
+            rowmax[ht, s + a] = M
+        if math.isfinite(M):
+            den = zero
+            num = zero
+            for tile in range(tiles):
+                e = exp_shifted(pmax[hs, tile, a], M)
+                den += e * psum[hs, tile, a]
+                num += e * pnum[hs, tile, a, c]
+            out[ht, s + a, c] = num / den
+        else:
+            out[ht, s + a, c] = M
+        return
+    p = (w - reads) // width
+    if p >= L:
+        return
+    m = srow[hs, p]
+    if p > 0 and srow[hs, p - 1] == m:
+        return  # not the first member of its centroid
+    col = (w - reads) % width
+    key = col < wk
+    c = col if key else col - wk
+    D = Dk[hs, m, c] if key else Dv[hs, m, c]
+    acc = zero
+    cnt = 0
+    r = p
+    while r < L and srow[hs, r] == m:
+        b = order[hs, r]
+        x = khat[ht, s + b, c] if key else v[ht, s + b, c]
+        if seeded[hs, b] != 0:
+            D = x
+        else:
+            cnt += 1
+            if constant_rate:
+                D = D + eta * (x - D)
+            else:
+                acc += x
+        r += 1
+    if cnt > 0 and not constant_rate:
+        cf[0] = cbase[hs, p]
+        cf[1] = cbase[hs, p] + cnt
+        D = (cf[0] * D + acc) / cf[1]
+    if key:
+        Dk[hs, m, c] = D
+    else:
+        Dv[hs, m, c] = D
+
+
+# VQ's merge launch of a chunk: its items grid-stride (blocks of FLAT threads), heads on y, z.
 @kernel(
     lambda f: (
         f[:, :, ::1], f[:, :, ::1], int64, int64, f[:, :, ::1], f[:, :, ::1], f[:, :, :, ::1], int64,
@@ -833,75 +956,87 @@ def _predict_kernel(qhat, khat, v, z, s, L, Dk, Dv, counts, n, beta, ninf, flags
 )
 def _merge_kernel(khat, v, s, L, pmax, psum, pnum, n, out, rowmax, Dk, Dv, order, srow, seeded, cbase, eta,
                   flags, ninf, H):
-    cf = cuda.local.array(2, dtype=Dv.dtype)  # the counts c and c' in the float dtype
     h = cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y
     if h >= H:
         return
     with_keys = (flags & 1) != 0
-    constant_rate = (flags & 2) != 0
-    dv = Dv.shape[2]
-    wk = Dk.shape[2] if with_keys else 0
-    width = wk + dv
-    zero = eta - eta
-    reads = L * dv
-    for w in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, reads + L * width, cuda.gridDim.x * cuda.blockDim.x):
-        if w < reads:
-            a = w // dv
-            c = w % dv
-            if a >= L:
-                continue
-            tiles = (n + a) // KEYS + 1
-            M = ninf
-            for tile in range(tiles):
-                x = pmax[h, tile, a]
-                if x > M or x != x:
-                    M = x
-            if c == 0:
-                rowmax[h, s + a] = M
-            if math.isfinite(M):
-                den = zero
-                num = zero
-                for tile in range(tiles):
-                    e = exp_shifted(pmax[h, tile, a], M)
-                    den += e * psum[h, tile, a]
-                    num += e * pnum[h, tile, a, c]
-                out[h, s + a, c] = num / den
-            else:
-                out[h, s + a, c] = M
-            continue
-        p = (w - reads) // width
-        if p >= L:
-            continue
-        m = srow[h, p]
-        if p > 0 and srow[h, p - 1] == m:
-            continue  # not the first member of its centroid
-        col = (w - reads) % width
-        key = col < wk
-        c = col if key else col - wk
-        D = Dk[h, m, c] if key else Dv[h, m, c]
-        acc = zero
-        cnt = 0
-        r = p
-        while r < L and srow[h, r] == m:
-            b = order[h, r]
-            x = khat[h, s + b, c] if key else v[h, s + b, c]
-            if seeded[h, b] != 0:
-                D = x
-            else:
-                cnt += 1
-                if constant_rate:
-                    D = D + eta * (x - D)
-                else:
-                    acc += x
-            r += 1
-        if cnt > 0 and not constant_rate:
-            cf[0] = cbase[h, p]
-            cf[1] = cbase[h, p] + cnt
-            D = (cf[0] * D + acc) / cf[1]
-        if key:
-            Dk[h, m, c] = D
+    total = L * (Dv.shape[2] + (Dk.shape[2] if with_keys else 0) + Dv.shape[2])
+    for w in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, total, cuda.gridDim.x * cuda.blockDim.x):
+        _merge_item(w, h, h, khat, v, s, L, pmax, psum, pnum, n, out, rowmax, Dk, Dv, order, srow, seeded, cbase, eta,
+                    with_keys, (flags & 2) != 0, ninf)
+
+
+# OVQ's whole chunk loop in one cooperative launch, for J sequences at once (one call's sequence, or a packed call's).
+# Sequence j's tokens are rows of head 0 of qhat, khat, v, out, rowmax; its dictionary, counts and work arrays are head j
+# of theirs.  plans[j, r] = (s, L, n, n_add, draw offset, uses draws) of its r-th chunk (s the chunk's first token row,
+# L = 0 past its last chunk).  Round r is every sequence's r-th chunk, in three steps, each ended by a grid-wide barrier
+# (this_grid().sync(): launched cooperatively, every block resident):
+#   1. predict: the work items of every sequence (those of _predict_kernel's launch, sequence after sequence) dealt to the
+#      blocks in turn (item g of the round to block g mod G; reads[r, j] counts the items of sequences <= j);
+#   2. plan: sequence j's by block j mod G (_plan_chunk: its tiles' assignments are all written, the barrier says so);
+#   3. merge: the items of every sequence (those of _merge_kernel's launch; merges[r, j] counts them) dealt to the G NT
+#      threads in turn.
+# Every item and every plan computes what it computes in the two launches of the chunk, whichever block takes it, and
+# reads only what an earlier step wrote: the bits are those of the launches.
+@kernel(
+    lambda f: (
+        f[:, :, ::1], f[:, :, ::1], f[:, :, ::1], int64[:, ::1], int64[:, :, ::1], int64[:, ::1], int64[:, ::1],
+        f[:, :, ::1], f[:, :, ::1], int64[:, ::1], f, f, int32, f, int32, f[:, :, ::1], f[:, :, ::1], f[:, :, :, ::1], f[:, :, ::1],
+        int64[:, :, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], f[:, ::1],
+        int64[::1], f[:, :, ::1], f[:, ::1],
+    ),
+    threads=tile_sizes(GPU_GEOMETRY)["NT"],
+    options=_loop_bounds,
+)
+def _chunk_loop_kernel(qhat, khat, v, z, plans, reads, merges, Dk, Dv, counts, beta, ninf, read_flags, eta, merge_flags,
+                       pmax, psum, pnum, abest, aarg, rows, seeded, order, srow, cbase, scores, draws, out, rowmax):
+    # the predict kernel's shared arrays, 16-byte aligned: relocatable code leaves their placement to the linker, so
+    # ptxas reads them 128 bits at a time only where the declaration promises the alignment
+    sa = cuda.shared.array(SH_ROWS, dtype=qhat.dtype, alignment=SHARED_ALIGN)
+    sb = cuda.shared.array(SH_KEYS, dtype=qhat.dtype, alignment=SHARED_ALIGN)
+    sp = cuda.shared.array(SH_P, dtype=qhat.dtype, alignment=SHARED_ALIGN)
+    sv = cuda.shared.array(SH_V, dtype=qhat.dtype, alignment=SHARED_ALIGN)
+    sarg = cuda.shared.array(SH_LANES, dtype=int32)
+    skey = cuda.shared.array(SH_LANES, dtype=int32)
+    J = plans.shape[0]
+    for r in range(plans.shape[1]):
+        # predict: item g of the round is item g - reads[r, j - 1] of the sequence j that holds it
+        for g in range(cuda.blockIdx.x, reads[r, J - 1], cuda.gridDim.x):
+            j = _holder(reads, r, g)
+            L = plans[j, r, 1]
+            n = plans[j, r, 2]
+            _predict_item(g - (reads[r, j - 1] if j > 0 else 0), 0, j, qhat, khat, v, z, plans[j, r, 0], L, Dk, Dv, counts,
+                          n, beta, ninf, (read_flags & 1) != 0, False, (n + L + KEYS - 1) // KEYS, (n + KEYS - 1) // KEYS,
+                          pmax, psum, pnum, abest, aarg, sa, sb, sp, sv, sarg)
+        cuda.cg.this_grid().sync()  # the grid's handle asked at each barrier: none is kept live across the loop
+        for j in range(cuda.blockIdx.x, J, cuda.gridDim.x):
+            if plans[j, r, 1] > 0:
+                _plan_chunk(0, j, khat, plans[j, r, 0], plans[j, r, 1], plans[j, r, 2], plans[j, r, 3], False, z, abest,
+                            aarg, rows, seeded, order, srow, cbase, scores, counts, draws, plans[j, r, 4], plans[j, r, 5],
+                            sp, sarg, skey)
+        cuda.cg.this_grid().sync()
+        for g in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, merges[r, J - 1],
+                       cuda.gridDim.x * cuda.blockDim.x):
+            j = _holder(merges, r, g)
+            _merge_item(g - (merges[r, j - 1] if j > 0 else 0), 0, j, khat, v, plans[j, r, 0], plans[j, r, 1], pmax, psum,
+                        pnum, plans[j, r, 2], out, rowmax, Dk, Dv, order, srow, seeded, cbase, eta, True,
+                        (merge_flags & 2) != 0, ninf)
+        cuda.cg.this_grid().sync()
+
+
+# The sequence holding item g of round r: the first j with ends[r, j] > g (ends the running sums of the sequences' items
+# in the round), by bisection.
+@cuda.jit(device=True)
+def _holder(ends, r, g):
+    lo = 0
+    hi = ends.shape[1] - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ends[r, mid] > g:
+            hi = mid
         else:
-            Dv[h, m, c] = D
+            lo = mid + 1
+    return lo
 
 
 # counts[m] = p0 + 2^24 p1 + 2^48 p2 with 0 <= p_i < 2^24: each piece exact in float32, so the counts share the
@@ -950,7 +1085,8 @@ def _scratch(g, H, d_v, dtype):
 
 
 def _chunk_plans(N, p, n, t):
-    """Per chunk ``(s, L, n, n_add, draw offset, uses draws)``, and every drawn seed of ``init="random"`` in one array."""
+    """Per chunk ``(s, L, n, n_add, draw offset, uses draws)``, the drawn seeds of ``init="random"`` (a list of arrays,
+    chunk after chunk), and ``(n, t)`` after the last chunk."""
     plans, draws = [], []
     offset = 0
     for s in range(0, N, p.chunk_size):
@@ -965,7 +1101,44 @@ def _chunk_plans(N, p, n, t):
         plans.append((s, L, n, n_add, offset, use))
         offset += n_add if use else 0
         n, t = n_next, t + L
-    return plans, (np.concatenate(draws) if draws else np.zeros(1, np.int64)), n, t
+    return plans, draws, n, t
+
+
+def loop_plans(sequences, p):
+    """The chunk table of :func:`_chunk_loop_kernel` for ``sequences``, ``[(first token row, length >= 1, n, t)]``.
+
+    Returns
+    -------
+    plans : ndarray of int64, shape (J, R, 6)
+        ``plans[j, r] = (s, L, n, n_add, draw offset, uses draws)`` of the
+        ``r``-th chunk of sequence ``j`` (``s`` its first token row), ``R``
+        the most chunks of a sequence; zeros (``L = 0``) past a sequence's
+        last chunk.
+    draws : ndarray of int64
+        Every drawn seed of every sequence, in one array (one zero if none).
+    ends : list of tuple
+        ``(n, t)`` of each sequence after its last chunk.
+    """
+    per, draws, ends = [], [], []
+    offset = 0
+    for start, N, n, t in sequences:
+        plans, drawn, n_end, t_end = _chunk_plans(N, p, n, t)
+        per.append([(start + s, L, n0, n_add, offset + off, use) for s, L, n0, n_add, off, use in plans])
+        draws += drawn
+        offset += sum(x.size for x in drawn)
+        ends.append((n_end, t_end))
+    table = np.zeros((len(per), max(len(x) for x in per), 6), np.int64)
+    for j, chunks in enumerate(per):
+        table[j, : len(chunks)] = chunks
+    return table, (np.concatenate(draws) if draws else np.zeros(1, np.int64)), ends
+
+
+def loop_items(plans, per_key):
+    """``(reads, merges)``, int64 ``(R, J)``: the running sums over the sequences of each round's predict items (read-out
+    and assignment tiles, as :meth:`Geometry.predict_for` counts them) and merge items (``per_key`` a key)."""
+    L, n = plans[:, :, 1].T, plans[:, :, 2].T
+    reads = -(-L // ROWS) * (-(-(n + L) // KEYS) + -(-n // KEYS))
+    return np.ascontiguousarray(np.cumsum(reads, axis=1)), np.ascontiguousarray(np.cumsum(L * per_key, axis=1))
 
 
 def _normalise(q, k, g):
@@ -975,36 +1148,37 @@ def _normalise(q, k, g):
     return qhat, khat
 
 
-def _ovq_run(q, k, v, p, Dk, Dv, counts, n, t):
-    """Core: ``(out, n, t, rowmax)`` from device arrays ``q, k (H, N, d)``, ``v (H, N, d_v)``; ``Dk, Dv, counts`` updated in place."""
-    H, N, d = q.shape
-    d_v = v.shape[2]
+def _loop_blocks(loop, args, items):
+    """The blocks of a cooperative launch of ``loop`` on ``args``: as many as can be resident at once, at most ``items``.
+
+    The simulator runs a cooperative grid of one block only (its grid barrier is a block barrier)."""
+    if SIMULATOR:
+        return 1
+    compiled = loop.compile(tuple(loop.typeof_pyval(x) for x in args))
+    return max(1, min(compiled.max_cooperative_grid_blocks(NT), items))
+
+
+def _ovq_loop(q, k, v, p, Dk, Dv, counts, sequences):
+    """Core: ``(out, rowmax, ends)`` of the sequences ``[(first row, length, n, t)]`` of device arrays ``q, k (1, T, d)``,
+    ``v (1, T, d_v)``, sequence ``j``'s state in ``Dk[j], Dv[j], counts[j]`` (updated in place); ``ends`` its ``(n, t)``
+    after the call.  The chunk loop of every sequence is one launch of :func:`_chunk_loop_kernel`."""
+    T, d, d_v = q.shape[1], q.shape[2], v.shape[2]
     f = q.dtype.type
-    g = launch_geometry(N, H, d, d_v, p.max_size, p.chunk_size)
-    plans, draws, n_end, t_end = _chunk_plans(N, p, n, t)
-    draws = cuda.to_device(draws)  # every chunk's seeds, one copy to the device
-    qhat, khat = _normalise(q, k, g)
-    w = _scratch(g, H, d_v, q.dtype)
-    no_codes = cuda.device_array((1, 1), np.int64)
-    out = cuda.device_array((H, N, d_v), dtype=q.dtype)
-    rowmax = cuda.device_array((H, N), dtype=q.dtype)
-    beta, ninf = f(p.beta), f(-np.inf)
-    eta = f(0 if p.eta is None else p.eta)
-    read_flags = np.int32(1 if p.count_bias else 0)
-    merge_flags = np.int32(1 | (2 if p.eta is not None else 0))
-    predict = _predict(q.dtype)
-    for s, L, n, n_add, offset, use in plans:
-        grid, threads, tiles, ctiles = g.predict_for(n, L)
-        predict[grid, threads](
-            qhat, khat, v, no_codes, s, L, Dk, Dv, counts, n, beta, ninf, read_flags, tiles, ctiles, w.pmax, w.psum, w.pnum,
-            w.abest, w.aarg, w.ticket, w.rows, w.seeded, w.order, w.srow, w.cbase, w.scores, n_add, draws, offset,
-            np.int32(use), H,
-        )
-        _merge_kernel[g.merge_for(L)](
-            khat, v, s, L, w.pmax, w.psum, w.pnum, n, out, rowmax, Dk, Dv, w.order, w.srow, w.seeded, w.cbase,
-            eta, merge_flags, ninf, H,
-        )
-    return out, n_end, t_end, rowmax, g
+    plans, draws, ends = loop_plans(sequences, p)
+    qhat, khat = _normalise(q, k, launch_geometry(T, 1, d, d_v, p.max_size, p.chunk_size))
+    g = launch_geometry(max(N for _, N, _, _ in sequences), len(sequences), d, d_v, p.max_size, p.chunk_size)
+    w = _scratch(g, len(sequences), d_v, q.dtype)
+    out = cuda.device_array((1, T, d_v), dtype=q.dtype)
+    rowmax = cuda.device_array((1, T), dtype=q.dtype)
+    reads, merges = loop_items(plans, d + 2 * d_v)
+    args = (qhat, khat, v, cuda.device_array((1, 1), np.int64), cuda.to_device(plans), cuda.to_device(reads),
+            cuda.to_device(merges), Dk, Dv, counts, f(p.beta), f(-np.inf),
+            np.int32(1 if p.count_bias else 0), f(0 if p.eta is None else p.eta), np.int32(1 | (2 if p.eta is not None else 0)),
+            w.pmax, w.psum, w.pnum, w.abest, w.aarg, w.rows, w.seeded, w.order, w.srow, w.cbase, w.scores,
+            cuda.to_device(draws), out, rowmax)
+    loop = _loop(q.dtype)
+    loop[_loop_blocks(loop, args, int(reads[:, -1].max())), NT](*args)
+    return out, rowmax, ends
 
 
 def _vq_run(q, k, v, codebook, C, beta):
@@ -1086,12 +1260,13 @@ def _ovq_attention_kernel(xp, a, given, return_state):
         Dv = cuda.to_device(np.array(a.state.values, dtype=a.dtype).reshape(1, n_max, d_v))
         counts = cuda.to_device(np.array(a.state.counts, dtype=np.int64).reshape(1, n_max))
         n, t = a.state.size, a.state.tokens_seen
-    out, n, t, rowmax, g = _ovq_run(_heads(q), _heads(k), _heads(v), a.params, Dk, Dv, counts, n, t)
+    out, rowmax, ((n, t),) = _ovq_loop(_heads(q), _heads(k), _heads(v), a.params, Dk, Dv, counts, [(0, N, n, t)])
     checks.finite(rowmax, "rowmax")
     if not on_device:
         checks.rows(out, "out")
     if return_state:
         packed = cuda.device_array((1, n_max, 3), a.dtype)
+        g = launch_geometry(N, 1, d, d_v, n_max, a.params.chunk_size)
         _pack_counts_kernel[g.pack[0], g.pack[1]](counts, packed, 1)
         for x, name in ((Dk, "keys"), (Dv, "values"), (packed, "counts")):
             checks.rows(x, name)
@@ -1103,6 +1278,64 @@ def _ovq_attention_kernel(xp, a, given, return_state):
         return out
     keys, values = checks.part("keys").reshape(n_max, d), checks.part("values").reshape(n_max, d_v)
     return out, ovq.OVQState(keys, values, _unpack_counts(checks.part("counts")), n, t)
+
+
+def _packed_ovq_attention_kernel(xp, a, given, offsets, states, return_state):
+    """A packed :func:`refimpl.ovq.ovq_attention` (``cu_seqlens``): every sequence's chunk loop in one launch.
+
+    ``a`` is refimpl's check of the whole packed arrays, ``offsets`` the
+    checked ``cu_seqlens``, ``states`` one incoming state (or ``None``) per
+    sequence.  Each sequence is computed as its own call computes it, with its
+    own dictionary; one state per sequence comes back.  Left to the
+    per-sequence loop (``NotImplemented``), which words the reference's
+    refusals for the sequence's own rows: a state that would raise the dtype,
+    a state refused for its own sequence, an overflowed row.
+    """
+    p, dtype = a.params, a.dtype
+    (T, d), d_v, n_max = a.q.shape, a.v.shape[1], p.max_size
+    lengths = np.diff(offsets)
+    if any(st is not None and validation.common_float_dtype(a.q, st.keys) != dtype for st in states):
+        return NotImplemented  # the loop computes that sequence in the state's dtype
+    try:
+        for n, st in zip(lengths.tolist(), states):
+            if n and st is not None:
+                # the loop checks each sequence's first chunk against its state again, on its own length
+                validation.check_ovq_stream_state(st, ovq.OVQState, p, n, d, d_v, ovq._growth)
+    except ValueError:
+        return NotImplemented
+    live = [i for i, n in enumerate(lengths.tolist()) if n]
+    Dk, Dv, counts = np.zeros((len(live), n_max, d), dtype), np.zeros((len(live), n_max, d_v), dtype), np.zeros((len(live), n_max), np.int64)
+    sequences = []
+    for j, i in enumerate(live):
+        st = states[i]
+        if st is not None:
+            Dk[j], Dv[j], counts[j] = st.keys, st.values, st.counts
+        sequences.append((int(offsets[i]), int(lengths[i]), 0 if st is None else st.size, 0 if st is None else st.tokens_seen))
+    Dk, Dv, counts = cuda.to_device(Dk), cuda.to_device(Dv), cuda.to_device(counts)
+    q, k, v = (to_device(x, dtype).reshape(1, T, x.shape[1]) for x in (a.q, a.k, a.v))
+    out, rowmax, ends = _ovq_loop(q, k, v, p, Dk, Dv, counts, sequences)
+    checks = Checks(dtype)
+    checks.finite(rowmax, "rowmax")
+    checks.rows(out, "out")
+    if return_state:
+        packed = cuda.device_array((len(live), n_max, 3), dtype)
+        g = launch_geometry(1, len(live), d, d_v, n_max, p.chunk_size)
+        _pack_counts_kernel[g.pack[0], g.pack[1]](counts, packed, len(live))
+        for x, name in ((Dk, "keys"), (Dv, "values"), (packed, "counts")):
+            checks.rows(x, name)
+    # the one copy of the call: the overflow check, the output and the states at once
+    if checks.fetch().failed("rowmax"):
+        return NotImplemented  # the loop refuses it, naming the sequence's row
+    out = checks.part("out").reshape(T, d_v).copy()
+    if not return_state:
+        return out
+    keys = checks.part("keys").reshape(len(live), n_max, d)
+    values = checks.part("values").reshape(len(live), n_max, d_v)
+    counts = _unpack_counts(checks.part("counts")).reshape(len(live), n_max)
+    new = [None] * len(states)
+    for j, i in enumerate(live):
+        new[i] = ovq.OVQState(keys[j].copy(), values[j].copy(), counts[j].copy(), *ends[j])
+    return out, ovq.sequence_states(new, states, n_max, a.q, a.v, dtype)
 
 
 def _vq_attention_kernel(xp, a, given):
@@ -1133,11 +1366,13 @@ def _vq_attention_kernel(xp, a, given):
 
 #: The public functions, bound to refimpl's boundary (signatures, docstrings and checks written once there).
 _NOTES = {
-    "ovq_attention": "Two launches per chunk (module docstring) and one copy to the host per call: the result checks, with "
+    "ovq_attention": "The chunk loop in one cooperative launch, a packed call's sequences together (module docstring), "
+                     "and one copy to the host per call: the result checks, with "
                      "the state and a host caller's output.",
     "vq_attention": "Two launches per chunk, after one that finds every key's code; one copy to the host per call.",
 }
-_public = boundary.bind(backend({"ovq_attention": _ovq_attention_kernel, "vq_attention": _vq_attention_kernel}, _NOTES),
+_public = boundary.bind(backend({"ovq_attention": _ovq_attention_kernel, "vq_attention": _vq_attention_kernel,
+                                 "packed ovq_attention": _packed_ovq_attention_kernel}, _NOTES),
                         module=__name__)
 ovq_attention = _public.ovq_attention
 vq_attention = _public.vq_attention
