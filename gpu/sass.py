@@ -48,6 +48,8 @@ __all__ = [
     "find_tool",
     "tool_version",
     "parse_ptxas_info",
+    "parse_link_info",
+    "link_device_runtime",
     "occupancy",
     "parse_sass",
     "classify",
@@ -655,7 +657,10 @@ def assemble(ptx: str, arch: str = "sm_90", sass: bool = True, ptxas=None, cuobj
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
         src.write_text(ptx)
-        proc = subprocess.run([str(ptxas), f"-arch={arch}", "-v", "-o", str(cubin), str(src)],
+        # a kernel that calls into the device runtime (a cooperative grid's barrier, in libcudadevrt) is assembled as
+        # relocatable code, as the driver's linker takes it; the others as whole programs
+        relocatable = ["-c"] if re.search(r"^\.extern \.func", ptx, re.MULTILINE) else []
+        proc = subprocess.run([str(ptxas), f"-arch={arch}", "-v", *relocatable, "-o", str(cubin), str(src)],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             isa = re.search(r"^\s*\.version\s+(\S+)", ptx, re.MULTILINE)
@@ -664,12 +669,72 @@ def assemble(ptx: str, arch: str = "sm_90", sass: bool = True, ptxas=None, cuobj
                                    f"use a ptxas of NVVM's CUDA release or later ({proc.stderr.strip().splitlines()[-1]})")
             raise RuntimeError(f"ptxas failed: {proc.stderr[-2000:]}")
         out = {"resources": parse_ptxas_info(proc.stderr + proc.stdout), "sass": None}
+        if relocatable:
+            # linked with the device runtime, as the driver links it before the launch: the linker places the
+            # module's shared arrays (ptxas -c leaves them out of the entry's count), and the linked cubin is the
+            # code that runs
+            linked, log = link_device_runtime(cubin.read_bytes(), arch)
+            cubin.write_bytes(linked)
+            for entry, used in parse_link_info(log).items():
+                if entry in out["resources"]:
+                    out["resources"][entry]["shared"] = used
         if sass:
             cuobjdump = cuobjdump or find_tool("cuobjdump")
             if cuobjdump is None:
                 raise FileNotFoundError(f"cuobjdump not found: install the {TOOL_WHEELS['cuobjdump']} wheel")
             dis = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True)
             out["sass"] = parse_sass(dis.stdout)
+    return out
+
+
+def link_device_runtime(cubin: bytes, arch: str = "sm_90") -> tuple:
+    """``(linked cubin, info log)``: a relocatable cubin linked with the device runtime (``libcudadevrt``) by nvJitLink.
+
+    No GPU and no driver are needed: nvJitLink (the ``nvidia-nvjitlink`` wheel,
+    through ``cuda-bindings``) links for ``arch``; the library is the CUDA
+    wheels' (``cuda.pathfinder``), where Numba-CUDA finds it too.
+    """
+    from cuda.bindings import nvjitlink
+    from cuda.pathfinder import find_static_lib
+
+    handle = nvjitlink.create(2, [f"-arch={arch}", "-verbose"])
+    try:
+        nvjitlink.add_data(handle, nvjitlink.InputType.CUBIN, cubin, len(cubin), "kernel")
+        nvjitlink.add_file(handle, nvjitlink.InputType.LIBRARY, find_static_lib("cudadevrt"))
+        try:
+            nvjitlink.complete(handle)
+        except nvjitlink.nvJitLinkError as err:
+            raise RuntimeError(f"nvJitLink failed: {_link_log(nvjitlink, handle, 'error')[-2000:]}") from err
+        linked = bytearray(nvjitlink.get_linked_cubin_size(handle))
+        nvjitlink.get_linked_cubin(handle, linked)
+        return bytes(linked), _link_log(nvjitlink, handle, "info")
+    finally:
+        nvjitlink.destroy(handle)
+
+
+def _link_log(nvjitlink, handle, kind):
+    size = getattr(nvjitlink, f"get_{kind}_log_size")(handle)
+    text = bytearray(size)
+    getattr(nvjitlink, f"get_{kind}_log")(handle, text)
+    return text.decode(errors="replace").rstrip("\x00")
+
+
+_LINK_FUNCTION = re.compile(r"Function properties for '?([\w$.]+)'?:?")
+_LINK_USED = re.compile(r"used (\d+) registers.*?(\d+) bytes smem")
+
+
+def parse_link_info(text: str) -> dict:
+    """``{function: static shared bytes}`` from nvJitLink's verbose info log (``used N registers, ..., S bytes smem``)."""
+    out, current = {}, None
+    for line in text.splitlines():
+        m = _LINK_FUNCTION.search(line)
+        if m:
+            current = m.group(1)
+            continue
+        m = _LINK_USED.search(line)
+        if m and current is not None:
+            out[current] = int(m.group(2))
+            current = None
     return out
 
 

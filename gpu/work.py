@@ -312,9 +312,13 @@ KERNELS = {
         items=lambda c: _ovq_computed(c) // (_ovq()["ROWS"] * _ovq()["KEYS"] * 2 * _ceil(c["d"], _ovq()["DC"]) * _ovq()["DC"]),
         bytes=lambda c: FLOAT32 * c["H"] * c["T"] * 4 * c["d"],
         what="the read-out's logits (centroids, and the chunk's keys b <= a) and the assignment's similarities: "
-             "sum_c (2 L n_c + L (L + 1)) d + 2 L n_c d (OVQ, T = 65,536)",
+             "sum_c (2 L n_c + L (L + 1)) d + 2 L n_c d (OVQ's work at T = 65,536, as launches per chunk: the kernel "
+             "VQ launches so)",
         launches=lambda c: len(ovq_chunks(c["T"], c["n_max"], c["C"]))),
 }
+# OVQ's loop kernel runs the predict kernel's items (the same device function), every chunk in one launch
+KERNELS["gpu.numba_cuda.ovq._chunk_loop_kernel"] = KERNELS["gpu.numba_cuda.ovq._predict_kernel"]._replace(
+    what="the predict kernel's work, every chunk in the one launch of the loop (OVQ, T = 65,536)", launches=lambda c: 1)
 
 
 def declared(name):

@@ -70,6 +70,7 @@ MIN_FP_SHARES = {
     "gpu.numba_cuda.scan._chunk_rows": 0.4,
     "gpu.numba_cuda.gma._responsibility_rows": 0.4,
     "gpu.numba_cuda.ovq._predict_kernel": 0.4,
+    "gpu.numba_cuda.ovq._chunk_loop_kernel": 0.4,
 }
 
 
@@ -125,6 +126,24 @@ ptxas info    : Function properties for helper
 def test_ptxas_info_is_read_per_entry_function():
     info = sass.parse_ptxas_info(PTXAS_SAMPLE)
     assert info == {"_ZN3gpu4kern": {"registers": 68, "spill_stores": 8, "spill_loads": 12, "stack": 16, "shared": 384}}
+
+
+# nvJitLink's verbose log of a relocatable kernel linked with the device runtime: ptxas's lines for the kernel (no
+# shared bytes: the linker places the arrays), then the linker's per function
+LINK_SAMPLE = """\
+ptxas info    : Function properties for _ZN3gpu4loop
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers
+info    : 13928 bytes gmem
+info    : Function properties for '__nv_static_memcpy_3d':
+info    : used 16 registers, used 1 barriers, 0 stack, 3080 bytes smem, 656 bytes cmem[0], 0 bytes lmem
+info    : Function properties for '_ZN3gpu4loop':
+info    : used 128 registers, used 1 barriers, 16 stack, 24576 bytes smem, 2472 bytes cmem[0], 0 bytes lmem
+"""
+
+
+def test_link_info_gives_each_functions_shared_memory_as_placed_by_the_linker():
+    assert sass.parse_link_info(LINK_SAMPLE) == {"__nv_static_memcpy_3d": 3080, "_ZN3gpu4loop": 24576}
 
 
 SASS_SAMPLE = """\
@@ -393,6 +412,20 @@ def test_the_resource_table_covers_every_kernel(table, compiled, capsys, request
     assert all(r["instructions"] for r in table if r["dtype"] == "float32")
 
 
+def test_the_cooperative_loop_is_linked_with_the_device_runtime_and_counted_as_it_runs(table, compiled):
+    """OVQ's chunk loop calls libcudadevrt (its grid barrier): ptxas assembles it as relocatable code and nvJitLink links
+    it, without a GPU, as the driver will; its row counts the shared arrays where the linker places them (ptxas -c
+    counts none), no fewer than the module declares, and no spill in either float type."""
+    name = "gpu.numba_cuda.ovq._chunk_loop_kernel"
+    rows = [r for r in table if r["kernel"] == name]
+    assert {r["dtype"] for r in rows} == {"float32", "float64"}
+    for r in rows:
+        ptx = compiled["ptx"][name][r["dtype"]]
+        assert "cudaCGSynchronize" in ptx and ".extern .func" in ptx
+        declared = sum(int(n) for n in re.findall(r"^\.visible \.shared .*\[(\d+)\];", ptx, re.MULTILINE))
+        assert r["shared"] >= declared > 0 and r["spill_stores"] == 0
+
+
 def test_every_kernel_compiles_for_sm80_too(compiled):
     """The A100's PTX of every kernel and float type, written by NVVM from the IR lowered for sm_90."""
     sm80 = compiled["also"]["sm_80"]
@@ -604,6 +637,12 @@ GATES = {
                                         "chunk's diagonal)"),
         "ffma_per_wavefront": (2.0, "16 FFMA per 8 wavefronts (two LDS.128) a coordinate"),
         "fp_share": (0.75, "64 FFMA of 82 instructions"),
+    },
+    "gpu.numba_cuda.ovq._chunk_loop_kernel": {
+        "flops_per_instruction": (1.45, "the predict kernel's items, inlined in the loop: its loop, 128 FLOPs per 82 "
+                                        "instructions times the useful fraction 0.96"),
+        "ffma_per_wavefront": (2.0, "16 FFMA per 8 wavefronts (two LDS.128) a coordinate, as the predict kernel"),
+        "fp_share": (0.75, "64 FFMA of 82 instructions, as the predict kernel"),
     },
 }
 
