@@ -56,8 +56,13 @@ The estimate and its assumptions
   launches with the device's work); the small one-thread-per-entry kernels
   (constants, flags, scans of chunk states, merges) count as launches and
   nothing else.
-* OVQ: its chunks are sequential, each a launch of the predict kernel and
-  one of the merge kernel.  A chunk takes the larger of its share of the
+* OVQ: its chunks are sequential, all of them in one cooperative launch
+  (the unit rows before it: two launches a call), each chunk three steps
+  (predict, plan, merge) ended by a grid-wide barrier of :data:`H200`
+  ``"grid_sync_s"`` (3 microseconds, an assumption until a GPU measures it).
+  VQ still launches each chunk (its predict and merge kernels, after the unit
+  rows and the codes).  The merge's work is not counted.  A chunk takes the
+  larger of its share of the
   GPU's issue rate and the time one work item takes alone (its warps on
   their own at one instruction per 4 clocks: the latency bound of a GPU the
   chunk does not fill), plus the plan of its last block: ``log2 P (log2 P
@@ -101,6 +106,7 @@ H200 = {
     "warp": 32,
     "warps_to_issue": 4,  # resident warps a scheduler needs to issue every cycle (the model's assumption)
     "launch_s": 20e-6,
+    "grid_sync_s": 3e-6,  # one grid-wide barrier of a cooperative launch (the model's assumption)
     "plan_step_cycles": 200,
     "pipes": {"issue": 4, "fp32": 4, "fp64": 2, "alu": 2, "mufu": 0.5, "cvt": 0.5, "shared": 1, "mem": 1},
 }
@@ -114,7 +120,8 @@ K_DX = "gpu.numba_cuda.gma._responsibility_rows"
 K_PARTIALS = "gpu.numba_cuda.gma._parameter_partials"
 K_FLASH = "gpu.numba_cuda.attention._flash_forward[float32]"
 K_PV = K_FLASH + " P V"
-K_OVQ = "gpu.numba_cuda.ovq._predict_kernel"
+K_OVQ = "gpu.numba_cuda.ovq._chunk_loop_kernel"
+K_VQ = "gpu.numba_cuda.ovq._predict_kernel"
 
 
 def _gma_parts(N, K, d_r, d_v, backward):
@@ -136,7 +143,7 @@ LAUNCHES = {"responsibilities": 2, "gma_forward": 10, "gma_backward": 16, "softm
 
 def workloads():
     """``[(function, variant, size, (bytes, flops), [(KERNELS key, case, count)], launches, ovq)]`` at the full sizes;
-    ``ovq`` is ``(T, n_max, C, H)`` for OVQ's chunked rows, else ``None``."""
+    ``ovq`` is ``(T, n_max, C, H, kernel)`` for the chunked rows (OVQ's loop kernel, VQ's predict kernel), else ``None``."""
     N, K, d = 1 << 20, 256, 64
     rows = []
     size = f"N={N} K={K} d={d}"
@@ -165,9 +172,9 @@ def workloads():
                          None))
         nbytes, flops = work.ovq_counts(T, d, d, n_dict, C)
         rows.append(("ovq_attention", "causal", f"T={T} N={n_dict} C={C} d={d}" + _bh(BH), (BH * nbytes, BH * flops),
-                     [(K_OVQ, dict(H=BH, T=T, n_max=n_dict, C=C, d=d), 1)], None, (T, n_dict, C, BH)))
+                     [(K_OVQ, dict(H=BH, T=T, n_max=n_dict, C=C, d=d), 1)], None, (T, n_dict, C, BH, K_OVQ)))
     rows.append(("vq_attention", "causal", f"T={T} S={n_dict} C={C} d={d}", vq_counts(T, d, d, n_dict, C),
-                 [(K_OVQ, dict(H=1, T=T, n_max=n_dict, C=C, d=d), 1)], None, (T, n_dict, C, 1)))
+                 [(K_VQ, dict(H=1, T=T, n_max=n_dict, C=C, d=d), 1)], None, (T, n_dict, C, 1, K_VQ)))
     return rows
 
 
@@ -240,20 +247,20 @@ def _plan_steps(L):
     return k * (k + 1) // 2
 
 
-def ovq_estimate(T, n_max, C, H, d, rows, device=H200):
-    """OVQ's chunks one after the other (see the module docstring): ``{"time_s", "device_s", "serial_s", "plan_s",
-    "launches", "launch_s"}``; ``None`` without the predict kernel's static row."""
+def ovq_estimate(T, n_max, C, H, d, rows, device=H200, kernel=K_OVQ):
+    """OVQ's (or, ``kernel=K_VQ``, VQ's) chunks one after the other (see the module docstring): ``{"time_s",
+    "device_s", "serial_s", "plan_s", "launches", "launch_s", "sync_s"}``; ``None`` without the kernel's static row."""
     chunks = work.ovq_chunks(T, n_max, C)
-    whole = kernel_estimate(K_OVQ, dict(H=H, T=T, n_max=n_max, C=C, d=d), rows, device)
+    whole = kernel_estimate(kernel, dict(H=H, T=T, n_max=n_max, C=C, d=d), rows, device)
     if whole is None:
         return None
-    row = rows[work.KERNELS[K_OVQ].kernel or K_OVQ]
+    row = rows[work.KERNELS[kernel].kernel or kernel]
     case = dict(H=H, T=T, n_max=n_max, C=C, d=d)
-    reg = work.region(row, K_OVQ)
+    reg = work.region(row, kernel)
     # one work item alone: each of its warps makes its passes of the region and its epilogue once, at one instruction
     # per warps_to_issue clocks (nothing else to issue on its scheduler)
     warps = row["threads"] / device["warp"]
-    passes = whole["warp_passes"] / max(1, work.KERNELS[K_OVQ].items(case)) / warps
+    passes = whole["warp_passes"] / max(1, work.KERNELS[kernel].items(case)) / warps
     alone = passes * reg["instructions"] + max(0, row["body_pipes"]["total"] - reg["instructions"])
     serial_s = alone * device["warps_to_issue"] / device["clock_Hz"]
     device_s = plan_s = 0.0
@@ -262,10 +269,16 @@ def ovq_estimate(T, n_max, C, H, d, rows, device=H200):
         device_s += max(share, serial_s)
         grows = i + 1 < len(chunks) and chunks[i + 1][1] > n
         plan_s += _plan_steps(L) * (2 if grows else 1) * device["plan_step_cycles"] / device["clock_Hz"]
-    launches = 2 * len(chunks) + 1  # predict and merge per chunk, the unit rows once
+    if kernel == K_OVQ:
+        launches = 2  # the unit rows, then the one launch of the chunk loop
+        sync_s = 3 * len(chunks) * device["grid_sync_s"]  # after each chunk's predict, plan and merge
+    else:
+        launches = 2 * len(chunks) + 2  # VQ: the unit rows and the codes, then predict and merge per chunk
+        sync_s = 0.0
     launch_s = launches * device["launch_s"]
-    return {"time_s": max(device_s, whole["memory_s"]) + plan_s + launch_s, "device_s": device_s, "serial_s": serial_s,
-            "plan_s": plan_s, "launches": launches, "launch_s": launch_s, "kernel": whole}
+    return {"time_s": max(device_s, whole["memory_s"]) + plan_s + launch_s + sync_s, "device_s": device_s,
+            "serial_s": serial_s, "plan_s": plan_s, "launches": launches, "launch_s": launch_s, "sync_s": sync_s,
+            "kernel": whole}
 
 
 def _chunk_share(L, n, chunks):
@@ -293,8 +306,8 @@ def model_rows(kernel_rows, dtype="float32", device=H200):
             kernels.append(dict(k, count=count))
             estimate += count * k["time_s"]
         if ovq is not None and not missing:
-            T, n_max, C, H = ovq
-            chunked = ovq_estimate(T, n_max, C, H, 64, rows, device)
+            T, n_max, C, H, kernel = ovq
+            chunked = ovq_estimate(T, n_max, C, H, 64, rows, device, kernel)
             estimate, launches = chunked["time_s"], chunked["launches"]
         elif launches:
             estimate += launches * device["launch_s"]

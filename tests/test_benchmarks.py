@@ -374,10 +374,11 @@ def test_gpu_model_json_covers_every_public_function_and_measures_nothing(tmp_pa
     # GMA's forward writes and reads the responsibilities and the chunk states: more bytes than its inputs and output
     fwd = next(r for r in rows if r["function"] == "gma_forward" and r["size"].startswith("N=1048576"))
     assert fwd["intermediate_bytes"] > 2 * fwd["bytes"]
-    # OVQ: 256 chunks, a predict and a merge launch each and the unit rows, 20 microseconds each, and the plans
+    # OVQ: 256 chunks in one launch after the unit rows' (20 microseconds each), three grid barriers a chunk (3 each)
     ovq = next(r for r in rows if r["function"] == "ovq_attention" and "BH" not in r["size"])
-    assert ovq["launches"] == 513 and ovq["chunks"]["launch_s"] == pytest.approx(513 * 20e-6)
-    assert ovq["estimate_s"] > ovq["chunks"]["launch_s"] + ovq["chunks"]["plan_s"] > 0
+    assert ovq["launches"] == 2 and ovq["chunks"]["launch_s"] == pytest.approx(2 * 20e-6)
+    assert ovq["chunks"]["sync_s"] == pytest.approx(3 * 256 * 3e-6)
+    assert ovq["estimate_s"] > ovq["chunks"]["launch_s"] + ovq["chunks"]["plan_s"] + ovq["chunks"]["sync_s"] > 0
     # with a slow memory, a kernel's estimate is its memory time
     slow = gm.model_rows(static, device=dict(gm.H200, copy_bandwidth_Bps=1e9))
     resp = next(r for r in slow if r["function"] == "responsibilities")
