@@ -136,9 +136,13 @@ for backend, (usable, why) in gpu.backend_status().items():
 # a cluster barrier (CUDA C++ Programming Guide, "Thread Block Clusters" and
 # "Distributed Shared Memory"); and the blocks of one grid can signal each
 # other through global memory, with a fence and an atomic, as
-# `gpu.numba_cuda.ovq` does: the last block of a head to finish its share of
-# a chunk takes a ticket and merges the partial results of all of them (the
-# second cell below finds it in the source).
+# `gpu.numba_cuda.ovq` does for VQ: the last block of a head to finish its
+# share of a chunk takes a ticket and merges the partial results of all of
+# them. A *cooperative* launch goes further: the GPU holds all its blocks at
+# once, so they may wait for each other at a grid-wide barrier
+# (`cuda.cg.this_grid().sync()`), and OVQ's whole chunk loop is one such
+# launch, a barrier after each step of each chunk (the second cell below
+# finds both in the source).
 #
 # The responsibilities $\gamma_{ik} = \exp(l_{ik} - \operatorname{lse}_m l_{im})$
 # need, per row $i$, a reduction over the $K$ components. The natural mapping:
@@ -211,6 +215,9 @@ import inspect  # noqa: E402
 ovq_source = inspect.getsource(importlib.import_module("gpu.numba_cuda.ovq"))
 assert "cuda.threadfence()" in ovq_source and "cuda.atomic.add(ticket" in ovq_source
 print(next(line.strip() for line in ovq_source.splitlines() if "cuda.atomic.add(ticket" in line))
+# and the blocks of a cooperative launch, which wait for each other at a grid-wide barrier
+assert "cuda.cg.this_grid().sync()" in ovq_source
+print(next(line.strip() for line in ovq_source.splitlines() if line.strip().startswith("cuda.cg.this_grid().sync()")))
 
 # %% [markdown]
 # ### The plain kernel first
