@@ -670,12 +670,10 @@ def assemble(ptx: str, arch: str = "sm_90", sass: bool = True, ptxas=None, cuobj
             raise RuntimeError(f"ptxas failed: {proc.stderr[-2000:]}")
         out = {"resources": parse_ptxas_info(proc.stderr + proc.stdout), "sass": None}
         if relocatable:
-            # linked with the device runtime, as the driver links it before the launch: the linker places the
-            # module's shared arrays (ptxas -c leaves them out of the entry's count), and the linked cubin is the
-            # code that runs
-            linked, log = link_device_runtime(cubin.read_bytes(), arch)
-            cubin.write_bytes(linked)
-            for entry, used in parse_link_info(log).items():
+            # the PTX linked with the device runtime, as Numba-CUDA links it before the launch: the linker places the
+            # module's shared arrays, which ptxas -c leaves out of the entry's count (the SASS read below is ptxas's
+            # own, the kernel's code that the link only relocates)
+            for entry, used in parse_link_info(link_device_runtime(ptx, arch)[1]).items():
                 if entry in out["resources"]:
                     out["resources"][entry]["shared"] = used
         if sass:
@@ -687,8 +685,8 @@ def assemble(ptx: str, arch: str = "sm_90", sass: bool = True, ptxas=None, cuobj
     return out
 
 
-def link_device_runtime(cubin: bytes, arch: str = "sm_90") -> tuple:
-    """``(linked cubin, info log)``: a relocatable cubin linked with the device runtime (``libcudadevrt``) by nvJitLink.
+def link_device_runtime(ptx: str, arch: str = "sm_90") -> tuple:
+    """``(linked cubin, info log)``: a PTX module linked with the device runtime (``libcudadevrt``) by nvJitLink.
 
     No GPU and no driver are needed: nvJitLink (the ``nvidia-nvjitlink`` wheel,
     through ``cuda-bindings``) links for ``arch``; the library is the CUDA
@@ -699,12 +697,13 @@ def link_device_runtime(cubin: bytes, arch: str = "sm_90") -> tuple:
 
     handle = nvjitlink.create(2, [f"-arch={arch}", "-verbose"])
     try:
-        nvjitlink.add_data(handle, nvjitlink.InputType.CUBIN, cubin, len(cubin), "kernel")
-        nvjitlink.add_file(handle, nvjitlink.InputType.LIBRARY, find_static_lib("cudadevrt"))
+        code = ptx.encode()
         try:
+            nvjitlink.add_data(handle, nvjitlink.InputType.PTX, code, len(code), "kernel")
+            nvjitlink.add_file(handle, nvjitlink.InputType.LIBRARY, find_static_lib("cudadevrt"))
             nvjitlink.complete(handle)
         except nvjitlink.nvJitLinkError as err:
-            raise RuntimeError(f"nvJitLink failed: {_link_log(nvjitlink, handle, 'error')[-2000:]}") from err
+            raise RuntimeError(f"nvJitLink failed ({err}): {_link_log(nvjitlink, handle, 'error')[-2000:]}") from err
         linked = bytearray(nvjitlink.get_linked_cubin_size(handle))
         nvjitlink.get_linked_cubin(handle, linked)
         return bytes(linked), _link_log(nvjitlink, handle, "info")
