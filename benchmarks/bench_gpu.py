@@ -27,7 +27,12 @@ What is measured
 * OVQ (``ovq_attention``) at T = 65,536 against dense causal attention (the
   online-softmax kernel, causal).  Targets: OVQ at least 10x faster
   (``gpu.numba_cuda``, at T = 65,536), the CuPy OVQ at least as fast as the
-  Numba one.
+  Numba one.  Then both for B H = 32 sequences: attention with a leading
+  dimension of 32 (one launch), and OVQ's chunk loop for 32 packed
+  sequences in its one cooperative launch, as a packed call (``cu_seqlens``)
+  runs it after copying its host inputs (the sequences are on the device
+  here: ``gpu.numba_cuda.ovq._ovq_loop``, with the call's chunk plans made on
+  the host in the timed call).  Target: OVQ at least 10x faster.
 * Where torch is importable, the same sizes through what a PyTorch user
   would otherwise run (``benchmarks/torch_baselines.py``): torch SDPA for
   softmax attention, GMA and OVQ written in PyTorch eager.  They are
@@ -150,6 +155,7 @@ TARGETS = {
     "numba-gma-gemm": "forward / GEMMs <= 2",
     "cupy-gma-gemm": "forward / GEMMs <= 1.3",
     "numba-ovq-speedup": "causal attention / OVQ >= 10 at T = 65536",
+    "numba-ovq-speedup-bh32": "causal attention / OVQ >= 10 at T = 65536, B H = 32 (one packed call's launch)",
     "cupy-ovq-vs-numba": "Numba OVQ / CuPy OVQ >= 1",
 }
 
@@ -163,6 +169,7 @@ TARGET_SPECS = {
     "numba-gma-gemm": ("ratio_max", 2.0, "gma_forward", "equivalent GEMMs"),
     "cupy-gma-gemm": ("ratio_max", 1.3, "gma_forward", "equivalent GEMMs"),
     "numba-ovq-speedup": ("ratio_min", 10.0, "ovq_attention", "causal attention"),
+    "numba-ovq-speedup-bh32": ("ratio_min", 10.0, "ovq_attention BH=32", "causal attention BH=32"),
     "cupy-ovq-vs-numba": ("ratio_min", 1.0, "ovq_attention", "ovq_attention"),
 }
 
@@ -204,6 +211,8 @@ def full_size_counts(row):
         "equivalent GEMMs": [gemm_counts(n, K_g, d_g, d_g) for n in sizes],
         "ovq_attention": [ovq_counts(T, d, d, n_max, C)],
         "causal attention": [attention_counts(T, d, causal=True)],
+        "ovq_attention BH=32": [tuple(32 * x for x in ovq_counts(T, d, d, n_max, C))],
+        "causal attention BH=32": [tuple(32 * x for x in attention_counts(T, d, causal=True))],
     }[row]
 
 
@@ -554,6 +563,8 @@ def run(args):
     from numba import cuda
 
     import gpu.numba_cuda as nc
+    import gpu.numba_cuda.ovq as nc_ovq
+    import refimpl.ovq as refimpl_ovq
     import torch_baselines as tb
 
     full = not (simulated or args.quick)
@@ -757,6 +768,40 @@ def run(args):
                   bench.time(lambda: tb.ovq_attention(tq, tk, tv, max_size=N_dict, chunk_size=C)), ovq_counts(T, d, d, N_dict, C))
     print(format_rows(bench.rows[start:]))
     print(f"speed-up of OVQ over dense causal attention: {speedup:.1f}x")
+    print()
+
+    # --- OVQ against dense causal attention, B H sequences at once ------------------------
+    BH = 32 if full else 2
+    start = len(bench.rows)
+    # the previous rows' sequence, BH times, copied on the device (a host array of 32 would take seconds to draw)
+    nb = [cuda.device_array((BH, T, d), dtype) for _ in range(3)]
+    for many, one in zip(nb, (hq, hk, hv)):
+        one = cuda.to_device(one)
+        for b in range(BH):
+            many[b].copy_to_device(one)
+    t_causal = bench.time(lambda: nc.softmax_attention(*nb, causal=True))
+    options = (N_dict, C, None, "plateau", "spread", True, None, 0, None)  # ovq_attention's defaults, as timed above
+    params = refimpl_ovq.check_ovq_arguments(hq, hk, hv, *options).params
+    packed = [x.reshape(1, BH * T, d) for x in nb]  # the sequences one after another, as cu_seqlens lays them
+    sequences = [(b * T, T, 0, 0) for b in range(BH)]
+
+    def packed_ovq():
+        # each call from empty dictionaries, as a packed call without states
+        Dk, Dv = cuda.to_device(np.zeros((BH, N_dict, d), dtype)), cuda.to_device(np.zeros((BH, N_dict, d), dtype))
+        counts = cuda.to_device(np.zeros((BH, N_dict), np.int64))
+        nc_ovq._ovq_loop(*packed, params, Dk, Dv, counts, sequences)
+
+    t_ovq = bench.time(packed_ovq)
+    speedup = t_causal / t_ovq
+    bh = f" BH={BH}"
+    bench.add("numba-cuda", "softmax_attention", "causal", f"N={T} d={d}" + bh, t_causal,
+              tuple(BH * x for x in attention_counts(T, d, causal=True)))
+    bench.add("numba-cuda", "ovq_attention", "causal", size + bh, t_ovq,
+              tuple(BH * x for x in ovq_counts(T, d, d, N_dict, C)),
+              **bench.verdict("numba-ovq-speedup-bh32", speedup, speedup >= 10,
+                              None if T == 65536 and BH == 32 else "n/a below T = 65536, B H = 32"))
+    print(format_rows(bench.rows[start:]))
+    print(f"speed-up of OVQ over dense causal attention, {BH} sequences: {speedup:.1f}x")
     print()
     if bench.estimates.proc is not None:
         bench.estimates.finish()

@@ -143,7 +143,8 @@ LAUNCHES = {"responsibilities": 2, "gma_forward": 10, "gma_backward": 16, "softm
 
 def workloads():
     """``[(function, variant, size, (bytes, flops), [(KERNELS key, case, count)], launches, ovq)]`` at the full sizes;
-    ``ovq`` is ``(T, n_max, C, H, kernel)`` for the chunked rows (OVQ's loop kernel, VQ's predict kernel), else ``None``."""
+    ``ovq`` is ``(T, n_max, C, H, kernel)`` for the chunked rows (OVQ's loop kernel, VQ's predict kernel), else
+    ``None``."""
     N, K, d = 1 << 20, 256, 64
     rows = []
     size = f"N={N} K={K} d={d}"

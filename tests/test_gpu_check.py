@@ -98,7 +98,8 @@ def test_the_dry_run_exercises_every_stage_and_writes_both_files(tmp_path):
     assert ("numba-cuda", "responsibilities", "") in functions
     assert ("numba-cuda", "ovq_attention", "causal") in functions
     judged = [r for r in bench["rows"] if r["target"]]
-    assert {r["target_id"] for r in judged} == {"numba-resp-roofline", "numba-gma-gemm", "numba-ovq-speedup"}
+    assert {r["target_id"] for r in judged} == {"numba-resp-roofline", "numba-gma-gemm", "numba-ovq-speedup",
+                                                "numba-ovq-speedup-bh32"}
     assert all(r["met"] is None and r["note"] == "not judged in the simulator" for r in judged)
     report = json.loads((out / "bench-gpu.json").read_text())
     assert report["rows"] == bench["rows"] and {v["status"] for v in report["verdicts"].values()} == {"not run"}
