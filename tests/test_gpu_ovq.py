@@ -225,14 +225,22 @@ class _CountedKernel:
 
         return call
 
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)  # the rest of the kernel's interface (compile, typeof_pyval, ...)
+
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Every launch of a kernel of gpu.numba_cuda.ovq, by name, in order."""
+    """Every launch of a kernel of gpu.numba_cuda.ovq, by name, in order.
+
+    The kernels compiled with launch bounds are taken from their getters (``_predict``, ``_loop``: on a GPU a build
+    of their own, kept per dtype), the others from the module."""
     log = []
-    for name in ("_unit_rows_kernel", "_codes_kernel", "_predict_kernel", "_merge_kernel", "_chunk_loop_kernel",
-                 "_pack_counts_kernel"):
+    for name in ("_unit_rows_kernel", "_codes_kernel", "_merge_kernel", "_pack_counts_kernel"):
         monkeypatch.setattr(gpu_ovq, name, _CountedKernel(getattr(gpu_ovq, name), name, log))
+    for getter, name in (("_predict", "_predict_kernel"), ("_loop", "_chunk_loop_kernel")):
+        build = getattr(gpu_ovq, getter)
+        monkeypatch.setattr(gpu_ovq, getter, lambda dtype, build=build, name=name: _CountedKernel(build(dtype), name, log))
     return log
 
 
