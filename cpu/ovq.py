@@ -1117,17 +1117,10 @@ def _packed_run(a, offsets, states, record):
     p, dtype, leading = a.params, a.dtype, a.q.shape[:-2]
     (T, d), d_v, H, n_max = a.q.shape[-2:], a.v.shape[-1], int(np.prod(leading)), p.max_size
     lengths = np.diff(offsets)
-    if any(st is not None and validation.common_float_dtype(a.q, st.keys) != dtype for st in states):
-        return NotImplemented  # the loop computes that sequence in the state's dtype
+    if _ovq.states_left_to_the_loop(a.q, a.v, dtype, p, lengths, states):
+        return NotImplemented  # a state in a wider dtype, or one the loop refuses for its own sequence
     if H == 1 and int(np.minimum(lengths, p.chunk_size).max()) * n_max * max(d, d_v) >= BLAS_WORK:
         return NotImplemented  # the loop's call on one long sequence takes the BLAS path
-    try:
-        for n, st in zip(lengths.tolist(), states):
-            if n and st is not None:
-                # the loop checks each sequence's first chunk against its state again, on its own length
-                validation.check_ovq_stream_state(st, OVQState, p, n, d, d_v, _ovq._growth)
-    except ValueError:
-        return NotImplemented  # the loop refuses it, with the sequences before it computed as it always has
     plan = _PackedPlan(offsets, H, p, states, record)
     q, k, v = (np.ascontiguousarray(x.reshape(-1, x.shape[-1])) for x in (a.q, a.k, a.v))
     P, rows_total = H * (offsets.size - 1), H * T

@@ -643,6 +643,28 @@ def packed_states(state, cu_seqlens, options, checker):
     return states, check
 
 
+def states_left_to_the_loop(q, v, dtype, params, lengths, states) -> bool:
+    """Whether a backend's packed kernel must leave a packed call to the loop over its sequences because of a state.
+
+    The loop computes a sequence whose state has a wider dtype in that dtype,
+    and checks each sequence's state again on the sequence's own length
+    (:func:`refimpl.validation.check_ovq_stream_state`), refusing it with its
+    words: a packed kernel that computes every sequence in ``dtype`` at once
+    can do neither.  ``q, v`` are the whole packed arrays (2-D), ``lengths``
+    the sequences' lengths, ``states`` one incoming state (or ``None``) each.
+    """
+    d, d_v = np.shape(q)[-1], np.shape(v)[-1]
+    if any(st is not None and validation.common_float_dtype(q, st.keys) != dtype for st in states):
+        return True
+    try:
+        for n, st in zip(np.asarray(lengths).tolist(), states):
+            if n and st is not None:
+                validation.check_ovq_stream_state(st, OVQState, params, n, d, d_v, _growth)
+    except ValueError:
+        return True
+    return False
+
+
 def sequence_states(new, given, max_size, q, v, dtype):
     """The state after each sequence of a packed call: ``new[s]``, or for an empty sequence the state it was given (or empty)."""
     d, d_v = np.shape(q)[-1], np.shape(v)[-1]

@@ -1237,6 +1237,36 @@ def _unpack_counts(packed):
 # ---------------------------------------------------------------------------
 
 
+def _state_arrays(states, n_max, d, d_v, dtype):
+    """``(Dk, Dv, counts)`` on the device, sequence ``j``'s dictionary from ``states[j]`` (an :class:`OVQState`, or
+    ``None``: empty), and the ``(n, t)`` each starts from."""
+    Dk, Dv = np.zeros((len(states), n_max, d), dtype), np.zeros((len(states), n_max, d_v), dtype)
+    counts = np.zeros((len(states), n_max), np.int64)
+    for j, st in enumerate(states):
+        if st is not None:
+            Dk[j], Dv[j], counts[j] = st.keys, st.values, st.counts
+    starts = [(0, 0) if st is None else (st.size, st.tokens_seen) for st in states]
+    return cuda.to_device(Dk), cuda.to_device(Dv), cuda.to_device(counts), starts
+
+
+def _queue_states(checks, Dk, Dv, counts, chunk_size):
+    """The dictionaries and counts as parts of the call's one copy (:meth:`Checks.rows`); the counts in 24-bit pieces."""
+    J, n_max, d = Dk.shape
+    packed = cuda.device_array((J, n_max, 3), Dk.dtype)
+    g = launch_geometry(1, J, d, Dv.shape[2], n_max, chunk_size)
+    _pack_counts_kernel[g.pack[0], g.pack[1]](counts, packed, J)
+    for x, name in ((Dk, "keys"), (Dv, "values"), (packed, "counts")):
+        checks.rows(x, name)
+
+
+def _fetched_states(checks, ends, n_max, d, d_v):
+    """The :class:`OVQState` of each sequence from the call's copy (:func:`_queue_states`), ``ends`` their ``(n, t)``."""
+    J = len(ends)
+    keys, values = checks.part("keys").reshape(J, n_max, d), checks.part("values").reshape(J, n_max, d_v)
+    counts = _unpack_counts(checks.part("counts")).reshape(J, n_max)
+    return [ovq.OVQState(keys[j].copy(), values[j].copy(), counts[j].copy(), *ends[j]) for j in range(J)]
+
+
 def _ovq_attention_kernel(xp, a, given, return_state):
     """:func:`refimpl.ovq.ovq_attention` on refimpl's checked arguments: the chunk loop on the device, the state kept there."""
     q, k, v = given
@@ -1250,34 +1280,20 @@ def _ovq_attention_kernel(xp, a, given, return_state):
         for x, (_, name) in zip((q, k, v), inputs):
             checks.finite(x, name)
     N, d, d_v, n_max = q.shape[0], q.shape[1], v.shape[1], a.params.max_size
-    if a.state is None:
-        Dk = cuda.to_device(np.zeros((1, n_max, d), a.dtype))
-        Dv = cuda.to_device(np.zeros((1, n_max, d_v), a.dtype))
-        counts = cuda.to_device(np.zeros((1, n_max), np.int64))
-        n, t = 0, 0
-    else:
-        Dk = cuda.to_device(np.array(a.state.keys, dtype=a.dtype).reshape(1, n_max, d))
-        Dv = cuda.to_device(np.array(a.state.values, dtype=a.dtype).reshape(1, n_max, d_v))
-        counts = cuda.to_device(np.array(a.state.counts, dtype=np.int64).reshape(1, n_max))
-        n, t = a.state.size, a.state.tokens_seen
-    out, rowmax, ((n, t),) = _ovq_loop(_heads(q), _heads(k), _heads(v), a.params, Dk, Dv, counts, [(0, N, n, t)])
+    Dk, Dv, counts, ((n, t),) = _state_arrays([a.state], n_max, d, d_v, a.dtype)
+    out, rowmax, ends = _ovq_loop(_heads(q), _heads(k), _heads(v), a.params, Dk, Dv, counts, [(0, N, n, t)])
     checks.finite(rowmax, "rowmax")
     if not on_device:
         checks.rows(out, "out")
     if return_state:
-        packed = cuda.device_array((1, n_max, 3), a.dtype)
-        g = launch_geometry(N, 1, d, d_v, n_max, a.params.chunk_size)
-        _pack_counts_kernel[g.pack[0], g.pack[1]](counts, packed, 1)
-        for x, name in ((Dk, "keys"), (Dv, "values"), (packed, "counts")):
-            checks.rows(x, name)
+        _queue_states(checks, Dk, Dv, counts, a.params.chunk_size)
     # the one copy of the call: every check, the state and a host caller's output at once
     raise_bad_inputs(checks.fetch(), inputs)
     ovq.check_overflow(_overflow(checks, rowmax), a.state, a.dtype)
     out = out.reshape(N, d_v) if on_device else checks.part("out").reshape(N, d_v).copy()
     if not return_state:
         return out
-    keys, values = checks.part("keys").reshape(n_max, d), checks.part("values").reshape(n_max, d_v)
-    return out, ovq.OVQState(keys, values, _unpack_counts(checks.part("counts")), n, t)
+    return out, _fetched_states(checks, ends, n_max, d, d_v)[0]
 
 
 def _packed_ovq_attention_kernel(xp, a, given, offsets, states, return_state):
@@ -1294,47 +1310,27 @@ def _packed_ovq_attention_kernel(xp, a, given, offsets, states, return_state):
     p, dtype = a.params, a.dtype
     (T, d), d_v, n_max = a.q.shape, a.v.shape[1], p.max_size
     lengths = np.diff(offsets)
-    if any(st is not None and validation.common_float_dtype(a.q, st.keys) != dtype for st in states):
-        return NotImplemented  # the loop computes that sequence in the state's dtype
-    try:
-        for n, st in zip(lengths.tolist(), states):
-            if n and st is not None:
-                # the loop checks each sequence's first chunk against its state again, on its own length
-                validation.check_ovq_stream_state(st, ovq.OVQState, p, n, d, d_v, ovq._growth)
-    except ValueError:
+    if ovq.states_left_to_the_loop(a.q, a.v, dtype, p, lengths, states):
         return NotImplemented
     live = [i for i, n in enumerate(lengths.tolist()) if n]
-    Dk, Dv, counts = np.zeros((len(live), n_max, d), dtype), np.zeros((len(live), n_max, d_v), dtype), np.zeros((len(live), n_max), np.int64)
-    sequences = []
-    for j, i in enumerate(live):
-        st = states[i]
-        if st is not None:
-            Dk[j], Dv[j], counts[j] = st.keys, st.values, st.counts
-        sequences.append((int(offsets[i]), int(lengths[i]), 0 if st is None else st.size, 0 if st is None else st.tokens_seen))
-    Dk, Dv, counts = cuda.to_device(Dk), cuda.to_device(Dv), cuda.to_device(counts)
+    Dk, Dv, counts, starts = _state_arrays([states[i] for i in live], n_max, d, d_v, dtype)
+    sequences = [(int(offsets[i]), int(lengths[i]), n, t) for i, (n, t) in zip(live, starts)]
     q, k, v = (to_device(x, dtype).reshape(1, T, x.shape[1]) for x in (a.q, a.k, a.v))
     out, rowmax, ends = _ovq_loop(q, k, v, p, Dk, Dv, counts, sequences)
     checks = Checks(dtype)
     checks.finite(rowmax, "rowmax")
     checks.rows(out, "out")
     if return_state:
-        packed = cuda.device_array((len(live), n_max, 3), dtype)
-        g = launch_geometry(1, len(live), d, d_v, n_max, p.chunk_size)
-        _pack_counts_kernel[g.pack[0], g.pack[1]](counts, packed, len(live))
-        for x, name in ((Dk, "keys"), (Dv, "values"), (packed, "counts")):
-            checks.rows(x, name)
+        _queue_states(checks, Dk, Dv, counts, p.chunk_size)
     # the one copy of the call: the overflow check, the output and the states at once
     if checks.fetch().failed("rowmax"):
         return NotImplemented  # the loop refuses it, naming the sequence's row
     out = checks.part("out").reshape(T, d_v).copy()
     if not return_state:
         return out
-    keys = checks.part("keys").reshape(len(live), n_max, d)
-    values = checks.part("values").reshape(len(live), n_max, d_v)
-    counts = _unpack_counts(checks.part("counts")).reshape(len(live), n_max)
     new = [None] * len(states)
-    for j, i in enumerate(live):
-        new[i] = ovq.OVQState(keys[j].copy(), values[j].copy(), counts[j].copy(), *ends[j])
+    for i, st in zip(live, _fetched_states(checks, ends, n_max, d, d_v)):
+        new[i] = st
     return out, ovq.sequence_states(new, states, n_max, a.q, a.v, dtype)
 
 
