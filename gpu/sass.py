@@ -673,7 +673,7 @@ def assemble(ptx: str, arch: str = "sm_90", sass: bool = True, ptxas=None, cuobj
             # the PTX linked with the device runtime, as Numba-CUDA links it before the launch: the linker places the
             # module's shared arrays, which ptxas -c leaves out of the entry's count (the SASS read below is ptxas's
             # own, the kernel's code that the link only relocates)
-            for entry, used in parse_link_info(link_device_runtime(ptx, arch)[1]).items():
+            for entry, used in parse_link_info(link_device_runtime(ptx, arch)).items():
                 if entry in out["resources"]:
                     out["resources"][entry]["shared"] = used
         if sass:
@@ -685,8 +685,8 @@ def assemble(ptx: str, arch: str = "sm_90", sass: bool = True, ptxas=None, cuobj
     return out
 
 
-def link_device_runtime(ptx: str, arch: str = "sm_90") -> tuple:
-    """``(linked cubin, info log)``: a PTX module linked with the device runtime (``libcudadevrt``) by nvJitLink.
+def link_device_runtime(ptx: str, arch: str = "sm_90") -> str:
+    """nvJitLink's info log of a PTX module linked with the device runtime (``libcudadevrt``); a failed link raises.
 
     No GPU and no driver are needed: nvJitLink (the ``nvidia-nvjitlink`` wheel,
     through ``cuda-bindings``) links for ``arch``; the library is the CUDA
@@ -704,9 +704,7 @@ def link_device_runtime(ptx: str, arch: str = "sm_90") -> tuple:
             nvjitlink.complete(handle)
         except nvjitlink.nvJitLinkError as err:
             raise RuntimeError(f"nvJitLink failed ({err}): {_link_log(nvjitlink, handle, 'error')[-2000:]}") from err
-        linked = bytearray(nvjitlink.get_linked_cubin_size(handle))
-        nvjitlink.get_linked_cubin(handle, linked)
-        return bytes(linked), _link_log(nvjitlink, handle, "info")
+        return _link_log(nvjitlink, handle, "info")
     finally:
         nvjitlink.destroy(handle)
 
