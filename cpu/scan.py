@@ -39,15 +39,24 @@ The bidirectional form is two matrix products, write then read,
 ``Phi_Q (Phi_K^T [V, 1])``: the forward by blocks of :data:`BLOCK_ROWS`
 rows (:func:`blocked_forward`), each block's share of the state a
 single-threaded product in a ``prange``, added in block order, then each
-block of queries read in place, for the reason the chunked form has (BLAS's
+block of queries read, for the reason the chunked form has (BLAS's
 own threads and Numba's would share the cores); its backward likewise
 (:func:`blocked_backward`).
+
+The long forms allocate their results and no other array of ``N`` rows:
+``[V_c, 1]``, a block's numerators before they are normalised, and the
+backward's ``g / den`` are made a block at a time in work blocks of the
+thread's own (:func:`_thread_buffers`), and the chunks' states are
+allocated by the driver.  An array of ``N`` rows made at every call came
+back as fresh pages, each faulted in and zeroed by the operating system
+(``docs/performance_gma.md``: a quarter of the bidirectional forward's time).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+import numba
+from numba import get_thread_id, njit, prange
 
 from refimpl import varlen
 from refimpl.scan import FeatureAttentionCache, FeatureAttentionGrads
@@ -187,47 +196,109 @@ def _sum_into(out, a, b):
             out[i, j] = a[i, j] + b[i, j]
 
 
-def _chunked_forward(Q, K, V1, num):
+@njit(inline="always")
+def _block(buffers, which, rows, cols):
+    """A ``rows x cols`` block of the calling thread's buffer ``which`` (``buffers`` from :func:`_thread_buffers`)."""
+    return buffers[get_thread_id(), which, : rows * cols].reshape((rows, cols))
+
+
+@njit(inline="always")
+def _ones_block(buffers, V, a, b):
+    """``[V_c, 1]`` of rows ``a:b``, in the calling thread's first buffer."""
+    W = V.shape[1] + 1
+    v1 = _block(buffers, 0, b - a, W)
+    for i in range(b - a):
+        for j in range(W - 1):
+            v1[i, j] = V[a + i, j]
+        v1[i, W - 1] = 1
+    return v1
+
+
+@njit(inline="always")
+def _num_block(buffers, rows, W):
+    """A ``rows x W`` block of the calling thread's second buffer: a block's ``[num, den - eps]`` before it is normalised."""
+    return _block(buffers, 1, rows, W)
+
+
+@njit(inline="always")
+def _columns_block(buffers, G1, a, b):
+    """``G1[a:b, :-1]`` (``g / den``) copied to the calling thread's second buffer: a contiguous operand."""
+    cols = G1.shape[1] - 1
+    gn = _block(buffers, 1, b - a, cols)
+    for i in range(b - a):
+        for j in range(cols):
+            gn[i, j] = G1[a + i, j]
+    return gn
+
+
+@njit(inline="always")
+def _normalise_rows(num, eps, out, den):
+    """``den = num[:, -1] + eps`` and ``out = num[:, :-1] / den`` for a block's rows (the division unchecked: see
+    :func:`_normalised`)."""
+    W = num.shape[1]
+    for i in range(num.shape[0]):
+        den[i] = num[i, W - 1] + eps
+        for j in range(W - 1):
+            out[i, j] = num[i, j] / den[i]
+
+
+def _thread_buffers(rows, v):
+    """Two ``rows x (d_v + 1)`` work blocks per thread of the pool: ``[V_c, 1]`` and a block's numerators, so that a
+    call allocates its outputs and no array of ``N`` rows besides (a fresh one would be fresh pages, zeroed by the
+    kernel, at every call: ``docs/performance_gma.md``)."""
+    return np.empty((numba.get_num_threads(), 2, rows * (v.shape[1] + 1)), dtype=v.dtype)
+
+
+def _chunk_states(count, phi_k, v):
+    """``count`` arrays of the states of every chunk, ``(N / CHUNK, F, d_v + 1)``, allocated here rather than in the
+    kernel: arrays this size allocated in a Numba kernel came back as fresh pages at every call, NumPy's did not
+    (``docs/performance_gma.md``)."""
+    return np.empty((count, -(-v.shape[0] // CHUNK), phi_k.shape[1], v.shape[1] + 1), dtype=v.dtype)
+
+
+def _chunked_forward(Q, K, V, eps, out, den, buffers, S):
     n = Q.shape[0]
     m = (n + CHUNK - 1) // CHUNK
-    S = np.empty((m, K.shape[1], V1.shape[1]), Q.dtype)
     for c in prange(m):
         a, b = c * CHUNK, min(n, (c + 1) * CHUNK)
+        v1 = _ones_block(buffers, V, a, b)
         # the chunk's state: Phi_K,c^T [V_c, 1]
-        S[c] = np.dot(K[a:b].T, V1[a:b])
+        S[c] = np.dot(K[a:b].T, v1)
     _running_sums(S, False)
     for c in prange(m):
         a, b = c * CHUNK, min(n, (c + 1) * CHUNK)
+        v1, num = _ones_block(buffers, V, a, b), _num_block(buffers, b - a, V.shape[1] + 1)
         # [num, den - eps]_c = Phi_Q,c [S, z]_before + tril(Phi_Q,c Phi_K,c^T) [V_c, 1]
         block = np.dot(Q[a:b], K[a:b].T)
         _lower(block)
-        _sum_into(num[a:b], np.dot(Q[a:b], S[c]), np.dot(block, V1[a:b]))
+        _sum_into(num, np.dot(Q[a:b], S[c]), np.dot(block, v1))
+        _normalise_rows(num, eps, out[a:b], den[a:b])
 
 
-def _chunked_backward(Q, K, V, V1, Gn, G1, dq, dk, dv):
+def _chunked_backward(Q, K, V, G1, dq, dk, dv, buffers, before, after):
+    # before: [S, z] of the chunks before c; after: [R, r] of the chunks after c
     n = Q.shape[0]
     m = (n + CHUNK - 1) // CHUNK
-    F, w = K.shape[1], V1.shape[1]
-    before = np.empty((m, F, w), Q.dtype)  # [S, z] of the chunks before c
-    after = np.empty((m, F, w), Q.dtype)  # [R, r] of the chunks after c
+    w = G1.shape[1]
     for c in prange(m):
         a, b = c * CHUNK, min(n, (c + 1) * CHUNK)
-        before[c] = np.dot(K[a:b].T, V1[a:b])
+        before[c] = np.dot(K[a:b].T, _ones_block(buffers, V, a, b))
         after[c] = np.dot(Q[a:b].T, G1[a:b])
     _running_sums(before, False)
     _running_sums(after, True)
     for c in prange(m):
         a, b = c * CHUNK, min(n, (c + 1) * CHUNK)
+        v1, gn = _ones_block(buffers, V, a, b), _columns_block(buffers, G1, a, b)
         # M_tj = g1_t . [v_j, 1] and B_tj = phi_q_t . phi_k_j for j <= t
-        M = np.dot(G1[a:b], V1[a:b].T)
+        M = np.dot(G1[a:b], v1.T)
         _lower(M)
         B = np.dot(Q[a:b], K[a:b].T)
         _lower(B)
         R = np.ascontiguousarray(after[c][:, : w - 1])
         # dphi_q_t = [S, z]_t g1_t (prefix sums), dphi_k_t = [R, r]_t [v_t, 1], dv_t = R_t^T phi_k_t (suffix sums)
         _sum_into(dq[a:b], np.dot(G1[a:b], before[c].T), np.dot(M, K[a:b]))
-        _sum_into(dk[a:b], np.dot(V1[a:b], after[c].T), np.dot(M.T, Q[a:b]))
-        _sum_into(dv[a:b], np.dot(K[a:b], R), np.dot(B.T, Gn[a:b]))
+        _sum_into(dk[a:b], np.dot(v1, after[c].T), np.dot(M.T, Q[a:b]))
+        _sum_into(dv[a:b], np.dot(K[a:b], R), np.dot(B.T, gn))
 
 
 @njit(inline="always")
@@ -239,32 +310,35 @@ def _blocks_sum(parts, first, count):
     return total
 
 
-def _blocked_forward(Q, K, V1, num):
+def _blocked_forward(Q, K, V, eps, out, den, buffers):
     n_k, n_q = K.shape[0], Q.shape[0]
     m = (n_k + BLOCK_ROWS - 1) // BLOCK_ROWS
-    parts = np.empty((m, K.shape[1], V1.shape[1]), Q.dtype)
+    parts = np.empty((m, K.shape[1], V.shape[1] + 1), Q.dtype)
     for c in prange(m):
         a, b = c * BLOCK_ROWS, min(n_k, (c + 1) * BLOCK_ROWS)
+        v1 = _ones_block(buffers, V, a, b)
         # the block's share of the state: Phi_K,c^T [V_c, 1]
-        parts[c] = np.dot(K[a:b].T, V1[a:b])
+        parts[c] = np.dot(K[a:b].T, v1)
     # [S, z] = Phi_K^T [V, 1], the blocks' shares added in block order
     total = _blocks_sum(parts, 0, m)
     for c in prange((n_q + BLOCK_ROWS - 1) // BLOCK_ROWS):
         a, b = c * BLOCK_ROWS, min(n_q, (c + 1) * BLOCK_ROWS)
-        # [num, den - eps] = Phi_Q [S, z], written in place (a temporary this size would be a fresh mapping each time)
-        np.dot(Q[a:b], total, num[a:b])
+        num = _num_block(buffers, b - a, V.shape[1] + 1)
+        # [num, den - eps] = Phi_Q [S, z], into the thread's block, then normalised into out and den
+        np.dot(Q[a:b], total, num)
+        _normalise_rows(num, eps, out[a:b], den[a:b])
 
 
-def _blocked_backward(Q, K, V1, G1, dq, dk, dv):
+def _blocked_backward(Q, K, V, G1, dq, dk, dv, buffers):
     n_k, n_q = K.shape[0], Q.shape[0]
-    F, w = K.shape[1], V1.shape[1]
+    F, w = K.shape[1], G1.shape[1]
     m_k, m_q = (n_k + BLOCK_ROWS - 1) // BLOCK_ROWS, (n_q + BLOCK_ROWS - 1) // BLOCK_ROWS
     parts = np.empty((m_k + m_q, F, w), Q.dtype)
     for c in prange(m_k + m_q):
         if c < m_k:
             a, b = c * BLOCK_ROWS, min(n_k, (c + 1) * BLOCK_ROWS)
             # the block's share of [S, z] = Phi_K^T [V, 1], the forward's state again
-            parts[c] = np.dot(K[a:b].T, V1[a:b])
+            parts[c] = np.dot(K[a:b].T, _ones_block(buffers, V, a, b))
         else:
             a, b = (c - m_k) * BLOCK_ROWS, min(n_q, (c - m_k + 1) * BLOCK_ROWS)
             # the block's share of [dS, dz] = Phi_Q^T [gn, delta]
@@ -279,7 +353,7 @@ def _blocked_backward(Q, K, V1, G1, dq, dk, dv):
     for c in prange(m_k):
         a, b = c * BLOCK_ROWS, min(n_k, (c + 1) * BLOCK_ROWS)
         # dphi_k = v dS^T + 1 dz^T = [v, 1] [dS, dz]^T, dv = phi_k dS
-        np.dot(V1[a:b], dstate_t, dk[a:b])
+        np.dot(_ones_block(buffers, V, a, b), dstate_t, dk[a:b])
         np.dot(K[a:b], ds, dv[a:b])
 
 
@@ -289,49 +363,68 @@ _CHUNKED_FORWARD = threaded_and_serial(_chunked_forward, **FAST)
 _CHUNKED_BACKWARD = threaded_and_serial(_chunked_backward, **FAST)
 
 
-def chunked_forward(phi_q, phi_k, v1):
-    """Core: ``num_t = (sum_{j <= t} v1_j phi_k_j^T) phi_q_t`` for every token, by chunks and matrix products.
+def chunked_forward(phi_q, phi_k, v, eps):
+    """Core: ``(out, den)`` of the causal form by chunks and matrix products:
+    ``[num, den - eps]_t = (sum_{j <= t} [v_j, 1] phi_k_j^T) phi_q_t``, ``out_t = num_t / den_t``.
+
+    Each chunk's numerators are normalised in a thread's work block and written
+    to ``out`` and ``den``: the call allocates its two results and no other
+    array of ``N`` rows (:func:`_thread_buffers`).
 
     Parameters
     ----------
     phi_q, phi_k : ndarray, shape (N, F)
-    v1 : ndarray, shape (N, W)
+    v : ndarray, shape (N, d_v)
         One float dtype for the three.
+    eps : float
+        Added to every denominator.
 
     Returns
     -------
-    ndarray, shape (N, W)
+    out : ndarray, shape (N, d_v)
+    den : ndarray, shape (N,)
+        Unchecked (0 only with ``eps = 0``: the caller refuses it).
     """
-    phi_q, phi_k, v1 = (np.ascontiguousarray(a) for a in (phi_q, phi_k, v1))
-    num = np.empty_like(v1)
-    call_with_one_blas_thread(_CHUNKED_FORWARD, phi_q.size * v1.shape[1], phi_q, phi_k, v1, num)
-    return num
+    phi_q, phi_k, v = (np.ascontiguousarray(a) for a in (phi_q, phi_k, v))
+    out, den = np.empty_like(v), np.empty(v.shape[0], dtype=v.dtype)
+    call_with_one_blas_thread(_CHUNKED_FORWARD, phi_q.size * (v.shape[1] + 1), phi_q, phi_k, v, v.dtype.type(eps), out,
+                              den, _thread_buffers(CHUNK, v), _chunk_states(1, phi_k, v)[0])
+    return out, den
 
 
-def blocked_forward(phi_q, phi_k, v1):
-    """Core: ``num = Phi_Q (Phi_K^T [V, 1])``, the bidirectional write and read, by blocks of :data:`BLOCK_ROWS` rows.
+def blocked_forward(phi_q, phi_k, v, eps):
+    """Core: ``(out, den)`` of the bidirectional form, ``[num, den - eps] = Phi_Q (Phi_K^T [V, 1])`` and
+    ``out = num / den``, the write and the read by blocks of :data:`BLOCK_ROWS` rows.
 
     The products are single-threaded BLAS calls made from a kernel that runs
     ``prange`` over the blocks, as the chunked form's are: BLAS's own thread
     pool, left spinning between calls, would hold the cores that the next
-    Numba kernel (the responsibilities) wants.
+    Numba kernel (the responsibilities) wants.  ``[V_c, 1]`` and each block's
+    numerators live in a thread's work blocks: the call allocates its two
+    results and no other array of ``N`` rows (:func:`_thread_buffers`).
 
     Parameters
     ----------
     phi_q : ndarray, shape (N_q, F)
     phi_k : ndarray, shape (N_k, F)
-    v1 : ndarray, shape (N_k, W)
+    v : ndarray, shape (N_k, d_v)
         One float dtype for the three.
+    eps : float
+        Added to every denominator.
 
     Returns
     -------
-    ndarray, shape (N_q, W)
+    out : ndarray, shape (N_q, d_v)
+    den : ndarray, shape (N_q,)
+        Unchecked (0 only with ``eps = 0``: the caller refuses it).
     """
-    phi_q, phi_k, v1 = (np.ascontiguousarray(a) for a in (phi_q, phi_k, v1))
-    num = np.empty((phi_q.shape[0], v1.shape[1]), dtype=v1.dtype)
-    work = (phi_q.shape[0] + phi_k.shape[0]) * phi_k.shape[1] * v1.shape[1]
-    call_with_one_blas_thread(_BLOCKED_FORWARD, work, phi_q, phi_k, v1, num)
-    return num
+    phi_q, phi_k, v = (np.ascontiguousarray(a) for a in (phi_q, phi_k, v))
+    out = np.empty((phi_q.shape[0], v.shape[1]), dtype=v.dtype)
+    den = np.empty(phi_q.shape[0], dtype=v.dtype)
+    work = (phi_q.shape[0] + phi_k.shape[0]) * phi_k.shape[1] * (v.shape[1] + 1)
+    call_with_one_blas_thread(_BLOCKED_FORWARD, work, phi_q, phi_k, v, v.dtype.type(eps), out, den,
+                              _thread_buffers(BLOCK_ROWS, v))
+    return out, den
 
 
 def blocked_backward(phi_q, phi_k, v, g1):
@@ -339,21 +432,23 @@ def blocked_backward(phi_q, phi_k, v, g1):
 
     The forward's state ``[S, z]`` again and ``[dS, dz] = Phi_Q^T g1``, each
     the blocks' shares added in block order, then each block of rows'
-    products in place, as :func:`blocked_forward` computes.
+    products in place, as :func:`blocked_forward` computes (``[V_c, 1]`` in
+    the thread's work block).
     """
     phi_q, phi_k, v, g1 = (np.ascontiguousarray(a) for a in (phi_q, phi_k, v, g1))
     dq, dk, dv = np.empty_like(phi_q), np.empty_like(phi_k), np.empty_like(v)
     work = (phi_q.shape[0] + phi_k.shape[0]) * phi_k.shape[1] * g1.shape[1]
-    call_with_one_blas_thread(_BLOCKED_BACKWARD, work, phi_q, phi_k, _ones_column(v), g1, dq, dk, dv)
+    call_with_one_blas_thread(_BLOCKED_BACKWARD, work, phi_q, phi_k, v, g1, dq, dk, dv, _thread_buffers(BLOCK_ROWS, v))
     return dq, dk, dv
 
 
 def chunked_backward(phi_q, phi_k, v, g1):
     """Core: ``(dphi_q, dphi_k, dv)`` of the causal scan by chunks, ``g1 = [g / den, -(g . out) / den]`` (N, d_v + 1)."""
     phi_q, phi_k, v = (np.ascontiguousarray(a) for a in (phi_q, phi_k, v))
-    gn = np.ascontiguousarray(g1[:, :-1])
     dq, dk, dv = np.empty_like(phi_q), np.empty_like(phi_k), np.empty_like(v)
-    call_with_one_blas_thread(_CHUNKED_BACKWARD, phi_q.size * g1.shape[1], phi_q, phi_k, v, _ones_column(v), gn, g1, dq, dk, dv)
+    before, after = _chunk_states(2, phi_k, v)
+    call_with_one_blas_thread(_CHUNKED_BACKWARD, phi_q.size * g1.shape[1], phi_q, phi_k, v, g1, dq, dk, dv,
+                              _thread_buffers(CHUNK, v), before, after)
     return dq, dk, dv
 
 
@@ -438,14 +533,13 @@ def scan_forward(phi_q, phi_k, v, causal, eps, chunk_size):
     chunk = max(1, min(chunk_size, phi_q.shape[0]))
     if not causal:
         # write the keys into the state, then read it with the queries: [num, den - eps] = Phi_Q (Phi_K^T [V, 1])
-        out, den = _normalised(blocked_forward(phi_q, phi_k, _ones_column(v)), eps)
+        out, den = blocked_forward(phi_q, phi_k, v, eps)
         return out, FeatureAttentionCache(phi_q, phi_k, v, out, den, False, eps, chunk)
     # [num, den - eps]_t = (sum_{j <= t} [v_j, 1] phi_k_j^T) phi_q_t
     if phi_q.shape[0] * phi_q.shape[1] * (v.shape[1] + 1) > CHUNK_WORK:
-        num = chunked_forward(phi_q, phi_k, _ones_column(v))
+        out, den = chunked_forward(phi_q, phi_k, v, eps)
     else:
-        num = prefix_contract(_ones_column(v), phi_k, phi_q)
-    out, den = _normalised(num, eps)
+        out, den = _normalised(prefix_contract(_ones_column(v), phi_k, phi_q), eps)
     return out, FeatureAttentionCache(phi_q, phi_k, v, out, den, True, eps, chunk)
 
 

@@ -91,6 +91,34 @@ def test_the_bidirectional_write_and_read_by_blocks_agree(n_q, n_k, dtype):
         np.testing.assert_allclose(got, getattr(ref, name), rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"] * scale, err_msg=name)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_long_forms_allocate_their_results_and_no_other_array_of_n_rows(causal, monkeypatch):
+    """The bidirectional and chunked forward normalise each block in a thread's work block: the call's peak is its
+    two results, the work blocks and (causal) the chunks' states, not the [V, 1] and numerators of N rows each that
+    it used to allocate (fresh pages, zeroed by the kernel, at every call)."""
+    import tracemalloc
+
+    monkeypatch.setattr(cpu_scan, "CHUNK_WORK", -1)
+    rng = np.random.default_rng(11)
+    n, F, d_v = 40_000, 8, 15
+    phi_q, phi_k = rng.uniform(0, 1, size=(2, n, F))
+    v = rng.normal(size=(n, d_v))
+    cpu_scan.scan_forward(phi_q, phi_k, v, causal, 1e-6, 64)  # compiled before tracing
+    tracemalloc.start()
+    try:
+        out, cache = cpu_scan.scan_forward(phi_q, phi_k, v, causal, 1e-6, 64)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    rows = cpu_scan.CHUNK if causal else cpu_scan.BLOCK_ROWS
+    work = cpu_scan._thread_buffers(rows, v).nbytes + (cpu_scan._chunk_states(1, phi_k, v).nbytes if causal else 0)
+    results = out.nbytes + cache.den.nbytes
+    # one more array of N x (d_v + 1) would add 5.1 MB to the 4.8 MB of the results; 1 MiB for the rest (the call's
+    # Python objects, the blocks' sum)
+    assert results <= peak <= results + work + (1 << 20), (peak, results, work)
+    np.testing.assert_allclose(out, scan.scan_forward(phi_q, phi_k, v, causal, 1e-6, 64)[0], **TOL[np.float64])
+
+
 def test_prefix_contract_is_its_definition():
     rng = np.random.default_rng(5)
     b, a, w = rng.normal(size=(9, 3)), rng.normal(size=(9, 4)), rng.normal(size=(9, 4))
