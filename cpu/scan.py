@@ -54,8 +54,8 @@ back as fresh pages, each faulted in and zeroed by the operating system
 
 from __future__ import annotations
 
-import numpy as np
 import numba
+import numpy as np
 from numba import get_thread_id, njit, prange
 
 from refimpl import varlen
