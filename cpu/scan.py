@@ -243,8 +243,8 @@ def _normalise_rows(num, eps, out, den):
 
 
 def _thread_buffers(rows, v):
-    """Two ``rows x (d_v + 1)`` work blocks per thread of the pool: ``[V_c, 1]`` and a block's numerators, so that a
-    call allocates its outputs and no array of ``N`` rows besides (a fresh one would be fresh pages, zeroed by the
+    """Two ``rows x (d_v + 1)`` work blocks per thread of the pool: ``[V_c, 1]``, and a block's numerators (the
+    forward) or ``g / den`` (the causal backward), so that a call allocates its outputs and no array of ``N`` rows besides (a fresh one would be fresh pages, zeroed by the
     kernel, at every call: ``docs/performance_gma.md``)."""
     return np.empty((numba.get_num_threads(), 2, rows * (v.shape[1] + 1)), dtype=v.dtype)
 
@@ -364,10 +364,10 @@ _CHUNKED_BACKWARD = threaded_and_serial(_chunked_backward, **FAST)
 
 
 def chunked_forward(phi_q, phi_k, v, eps):
-    """Core: ``(out, den)`` of the causal form by chunks and matrix products:
-    ``[num, den - eps]_t = (sum_{j <= t} [v_j, 1] phi_k_j^T) phi_q_t``, ``out_t = num_t / den_t``.
+    """Core: ``(out, den)`` of the causal form, by chunks and matrix products.
 
-    Each chunk's numerators are normalised in a thread's work block and written
+    ``[num, den - eps]_t = (sum_{j <= t} [v_j, 1] phi_k_j^T) phi_q_t`` and
+    ``out_t = num_t / den_t``.  Each chunk's numerators are normalised in a thread's work block and written
     to ``out`` and ``den``: the call allocates its two results and no other
     array of ``N`` rows (:func:`_thread_buffers`).
 
@@ -393,9 +393,9 @@ def chunked_forward(phi_q, phi_k, v, eps):
 
 
 def blocked_forward(phi_q, phi_k, v, eps):
-    """Core: ``(out, den)`` of the bidirectional form, ``[num, den - eps] = Phi_Q (Phi_K^T [V, 1])`` and
-    ``out = num / den``, the write and the read by blocks of :data:`BLOCK_ROWS` rows.
+    """Core: ``(out, den)`` of the bidirectional form, the write and the read by blocks of :data:`BLOCK_ROWS` rows.
 
+    ``[num, den - eps] = Phi_Q (Phi_K^T [V, 1])`` and ``out = num / den``.
     The products are single-threaded BLAS calls made from a kernel that runs
     ``prange`` over the blocks, as the chunked form's are: BLAS's own thread
     pool, left spinning between calls, would hold the cores that the next
