@@ -29,7 +29,12 @@ The estimate and its assumptions
   (the epilogues: a log-sum-exp's combine, an online softmax's rescaling, the
   staging of the first tile) runs once per warp per work item.  Both are
   lower counts than what runs: setup code counted once per item, not per
-  block, and loops inside an epilogue (a combine tree) once.
+  block, and loops inside an epilogue (a combine tree) once.  A kernel made
+  of device functions run at different rates (``gpu.work.KernelWork.calls``:
+  OVQ's loop and predict kernels) has its code split by the call each
+  instruction is inlined from (a build with line information,
+  :func:`gpu.sass.kernel_calls`), each call's code counted as often as that
+  call runs, the code of no call once per warp per work item.
 * Issue: an SM issues at most 4 warp instructions a clock (4 schedulers), and
   each class of instruction has its own rate (:data:`H200` ``"pipes"``, warp
   instructions per clock per SM, from the CUDA programming guide's table for
@@ -61,8 +66,10 @@ The estimate and its assumptions
   (predict, plan, merge) ended by a grid-wide barrier of :data:`H200`
   ``"grid_sync_s"`` (3 microseconds, an assumption until a GPU measures it).
   VQ still launches each chunk (its predict and merge kernels, after the unit
-  rows and the codes).  The merge's work is not counted.  A chunk takes the
-  larger of its share of the
+  rows and the codes).  The loop kernel's merge code counts once a warp of
+  32 merge items (one a thread, ``L (d + 2 d_v)`` a chunk), its plan's once
+  a warp of one block per sequence and chunk (VQ's merge kernel is counted
+  as launches only).  A chunk takes the larger of its share of the
   GPU's issue rate and the time one work item takes alone (its warps on
   their own at one instruction per 4 clocks: the latency bound of a GPU the
   chunk does not fill), plus the plan of its last block: ``log2 P (log2 P
@@ -209,6 +216,46 @@ def _minus(a, b):
     return {k: max(0, a[k] - b.get(k, 0)) for k in a}
 
 
+def _calls(row):
+    """The row's split of its code by device function (:func:`gpu.sass.kernel_calls`), when it is of the same code
+    (the same length as the plain build's body); else ``None``."""
+    split = row.get("calls")
+    return split if split and split["instructions"] == row["body_pipes"]["total"] else None
+
+
+def _region_call(row, split, reg):
+    """The call whose code holds the declared region ``reg`` (found among the row's regions by its shape)."""
+    for r in row.get("regions") or ():
+        if (r["depth"], r["instructions"], r["flops"]) == (reg["depth"], reg["instructions"], reg["flops"]):
+            return split["region_calls"].get(str(r["start"]))
+    return None
+
+
+def _outside(row, w, declared):
+    """``[(unit, count, pipes)]``: the kernel's code outside its ``declared`` regions and how often it runs.
+
+    Without a split of the code by call (or a kernel that declares none): all
+    of it, once per warp per work item.  With one: each call's code (its
+    declared regions taken out) as often as the kernel declares that call
+    runs (``gpu.work.KernelWork.calls``; a call it does not name: once per
+    warp per item).
+    """
+    split = _calls(row) if w.calls else None
+    if split is None:
+        outside = row["body_pipes"]
+        for r in declared:
+            outside = _minus(outside, r["pipes"])
+        return [("block", w.items, outside)]
+    out = []
+    for call, code in split["pipes"].items():
+        for r in declared:
+            if _region_call(row, split, r) == call:
+                code = _minus(code, r["pipes"])
+        unit, count = w.calls.get(call, ("block", w.items))
+        out.append((unit, count, code))
+    return out
+
+
 def kernel_estimate(key, case, rows, device=H200):
     """The estimate of the kernel region ``key`` of :data:`gpu.work.KERNELS` at the sizes ``case``.
 
@@ -228,11 +275,11 @@ def kernel_estimate(key, case, rows, device=H200):
     region_s = passes * pass_cycles(reg["pipes"], device) / rate
     epilogue_s = 0.0
     if w.items(case) and row.get("body_pipes"):
-        outside = row["body_pipes"]
-        for other, ow in work.KERNELS.items():
-            if (ow.kernel or other) == name and (r := work.region(row, other)) is not None:
-                outside = _minus(outside, r["pipes"])
-        epilogue_s = w.items(case) * row["threads"] / device["warp"] * pass_cycles(outside, device) / rate
+        declared = [r for other, ow in work.KERNELS.items() if (ow.kernel or other) == name
+                    and (r := work.region(row, other)) is not None]
+        for unit, count, code in _outside(row, w, declared):
+            passes = count(case) * (row["threads"] if unit == "block" else 1) / device["warp"]
+            epilogue_s += passes * pass_cycles(code, device) / rate
     nbytes = w.bytes(case)
     memory_s = nbytes / device["copy_bandwidth_Bps"]
     issue_s = region_s + epilogue_s
@@ -262,7 +309,10 @@ def ovq_estimate(T, n_max, C, H, d, rows, device=H200, kernel=K_OVQ):
     # per warps_to_issue clocks (nothing else to issue on its scheduler)
     warps = row["threads"] / device["warp"]
     passes = whole["warp_passes"] / max(1, work.KERNELS[kernel].items(case)) / warps
-    alone = passes * reg["instructions"] + max(0, row["body_pipes"]["total"] - reg["instructions"])
+    split = _calls(row)
+    # the code of one item besides its region: the predict call's and the kernel's own (split), else all the kernel's
+    body = (split["pipes"]["_predict_item"]["total"] + split["pipes"]["kernel"]["total"]) if split else row["body_pipes"]["total"]
+    alone = passes * reg["instructions"] + max(0, body - reg["instructions"])
     serial_s = alone * device["warps_to_issue"] / device["clock_Hz"]
     device_s = plan_s = 0.0
     for i, (L, n) in enumerate(chunks):
@@ -378,7 +428,17 @@ def static_rows(dtype):
         if sass.find_tool(tool) is None:
             raise SystemExit(f"gpu_model.py: {tool} not found: install the {sass.TOOL_WHEELS[tool]} wheel "
                              "(the cuda13 extra has both)")
-    return sass.kernel_rows(sass.compile_kernels((9, 0)), sass_dtypes=(dtype,))
+    rows = sass.kernel_rows(sass.compile_kernels((9, 0)), sass_dtypes=(dtype,))
+    if sass.find_tool("nvdisasm") is None:
+        print(f"gpu_model.py: nvdisasm not found (the {sass.TOOL_WHEELS['nvdisasm']} wheel): the kernels made of device "
+              "functions are counted unsplit, all their code once per warp and work item", file=sys.stderr)
+        return rows
+    # the kernels whose code is device functions run at different rates: their code split by call (a build with lines)
+    for key, w in work.KERNELS.items():
+        for row in rows:
+            if w.calls and row["kernel"] == (w.kernel or key) and row["dtype"] == dtype and row.get("body_pipes"):
+                row["calls"] = sass.kernel_calls(row["kernel"], [c for c in w.calls if c != "kernel"], dtype)
+    return rows
 
 
 def parse_args(argv=None):

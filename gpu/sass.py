@@ -21,6 +21,11 @@ facts come out of them, each a plain function on text:
   arithmetic on registers alone, so not the constants of an ``exp``'s
   polynomial).  The work loop is what the floating-point share is gated on
   and what ``benchmarks/gpu_model.py`` paces a kernel by;
+* which source line of the kernel each instruction comes from
+  (:func:`parse_line_info`, from ``nvdisasm -g`` on code assembled with
+  ``-lineinfo``), so that the code a device function inlines at its call can
+  be told apart from the rest (:func:`call_pipes`: the model counts each
+  call's code by how often that call runs);
 * what the gates and the model read of a loop region: its FADD/FMUL/FFMA
   (:func:`arithmetic`, :func:`ffma`), its shared-memory wavefronts
   (:func:`shared_wavefronts`: a 128-bit access is four, one per quarter
@@ -52,6 +57,9 @@ __all__ = [
     "link_device_runtime",
     "occupancy",
     "parse_sass",
+    "parse_line_info",
+    "call_lines",
+    "call_pipes",
     "classify",
     "loops",
     "basic_blocks",
@@ -93,10 +101,11 @@ SM90 = {
 _TOOL_HOMES = {
     "ptxas": ("nvidia.cu13", "nvidia.cuda_nvcc"),
     "cuobjdump": ("nvidia.cu13", "nvidia.cuda_cuobjdump"),
+    "nvdisasm": ("nvidia.cu13", "nvidia.cuda_nvdisasm"),
 }
 
 #: The wheel that brings each tool, for the message of a missing one.
-TOOL_WHEELS = {"ptxas": "nvidia-cuda-nvcc", "cuobjdump": "nvidia-cuda-cuobjdump"}
+TOOL_WHEELS = {"ptxas": "nvidia-cuda-nvcc", "cuobjdump": "nvidia-cuda-cuobjdump", "nvdisasm": "nvidia-cuda-nvdisasm"}
 
 
 def find_tool(name: str):
@@ -255,6 +264,19 @@ _SASS_LINE = re.compile(r"^\s*/\*([0-9a-fA-F]{4,})\*/\s+(.*?)\s*;")
 _BRANCH_TARGET = re.compile(r"0x([0-9a-fA-F]+)")
 
 
+def _by_function(text: str, header):
+    """``(function name, line)`` for each line of ``text`` after the first line that ``header`` matches, the name
+    being its first group in the last such line (the header lines themselves as ``(name, None)``)."""
+    current = None
+    for line in text.splitlines():
+        m = header.match(line)
+        if m:
+            current = m.group(1)
+            yield current, None
+        elif current is not None:
+            yield current, line
+
+
 def parse_sass(text: str) -> dict:
     """The instructions of each function in the output of ``cuobjdump -sass``.
 
@@ -266,14 +288,11 @@ def parse_sass(text: str) -> dict:
         ``operands`` the rest of the line (``""`` when none), ``predicate``
         the guard (``"@!P0"``) or ``""``.
     """
-    out, current = {}, None
-    for line in text.splitlines():
-        m = _SASS_FUNCTION.match(line)
-        if m:
-            current = out.setdefault(m.group(1), [])
-            continue
-        m = _SASS_LINE.match(line)
-        if m is None or current is None:
+    out = {}
+    for name, line in _by_function(text, _SASS_FUNCTION):
+        current = out.setdefault(name, [])
+        m = None if line is None else _SASS_LINE.match(line)
+        if m is None:
             continue
         body = m.group(2).split()
         if not body:
@@ -283,6 +302,75 @@ def parse_sass(text: str) -> dict:
             continue
         current.append((int(m.group(1), 16), body[0], " ".join(body[1:]), predicate))
     return out
+
+
+_NVDISASM_SECTION = re.compile(r"^\s*\.text\.(\S+?):\s*$")
+_NVDISASM_LINE = re.compile(r'^\s*//## File "[^"]*", line (\d+)')
+_INLINED_AT = re.compile(r'inlined at "[^"]*", line (\d+)')
+
+
+def parse_line_info(text: str) -> dict:
+    """The source line of each instruction in the output of ``nvdisasm -g``.
+
+    Returns
+    -------
+    dict
+        ``{function name: {address: line}}``: an instruction takes the line
+        of the last ``//## File ..., line N`` before it in its function (none
+        before it: not in the result), the outermost ``inlined at`` line
+        when there is one.  The addresses are those of :func:`parse_sass` on
+        the same cubin.
+    """
+    out, line = {}, None
+    for name, text_line in _by_function(text, _NVDISASM_SECTION):
+        current = out.setdefault(name, {})
+        if text_line is None:  # a function's header: it starts with no line
+            line = None
+            continue
+        m = _NVDISASM_LINE.match(text_line)
+        if m:
+            # the outermost place: the line of the function disassembled (code inlined into it names its call there)
+            line = int((_INLINED_AT.findall(text_line) or [m.group(1)])[-1])
+            continue
+        m = _SASS_LINE.match(text_line)
+        if m and line is not None:
+            current[int(m.group(1), 16)] = line
+    return out
+
+
+def call_lines(fn, calls) -> dict:
+    """``{name: set of source lines}`` of each call in ``fn``'s body to a function named in ``calls`` (each line of
+    the call's statement, its arguments included), from the source of ``fn`` (a plain or a Numba function)."""
+    import ast
+    import inspect
+    import textwrap
+
+    fn = getattr(fn, "py_func", fn)
+    source, first = inspect.getsourcelines(fn)
+    out = {name: set() for name in calls}
+    for node in ast.walk(ast.parse(textwrap.dedent("".join(source)))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in out:
+            out[node.func.id].update(range(first + node.lineno - 1, first + node.end_lineno))
+    return out
+
+
+def call_pipes(instructions, lines: dict, calls: dict) -> dict:
+    """The :func:`pipes` of the code each call inlines into a kernel, and of the rest.
+
+    ``instructions``: the kernel's (:func:`kernel_body`); ``lines``: its
+    address to source line map (:func:`parse_line_info`); ``calls``: the
+    lines of each call (:func:`call_lines`).  Returns ``{"pipes": {name:
+    pipes, ..., "kernel": pipes of every other instruction}, "of": {address:
+    name}}``.
+    """
+    owner = {line: name for name, owned in calls.items() for line in owned}
+    parts = {name: [] for name in [*calls, "kernel"]}
+    of = {}
+    for ins in instructions:
+        name = owner.get(lines.get(ins[0]), "kernel")
+        parts[name].append(ins)
+        of[ins[0]] = name
+    return {"pipes": {name: pipes(code) for name, code in parts.items()}, "of": of}
 
 
 #: Opcodes (without modifiers) of each class; an opcode of none of them is control/other.
@@ -634,6 +722,20 @@ def regions(instructions) -> list:
 # --- the tools, run -----------------------------------------------------------------------------------------
 
 
+def _tool(name, given=None):
+    """``given``, else :func:`find_tool`'s ``name``; a missing tool raises, naming its wheel."""
+    path = given or find_tool(name)
+    if path is None:
+        raise FileNotFoundError(f"{name} not found: install the {TOOL_WHEELS[name]} wheel")
+    return path
+
+
+def _relocatable(ptx: str) -> list:
+    """``["-c"]`` for a kernel that calls into the device runtime (a cooperative grid's barrier, in libcudadevrt): it
+    is assembled as relocatable code, as the driver's linker takes it; ``[]`` for the others (whole programs)."""
+    return ["-c"] if re.search(r"^\.extern \.func", ptx, re.MULTILINE) else []
+
+
 def assemble(ptx: str, arch: str = "sm_90", sass: bool = True, ptxas=None, cuobjdump=None) -> dict:
     """Assemble one PTX module with ``ptxas -v`` and disassemble the cubin it writes.
 
@@ -651,15 +753,11 @@ def assemble(ptx: str, arch: str = "sm_90", sass: bool = True, ptxas=None, cuobj
     dict
         ``{"resources": parse_ptxas_info(...), "sass": parse_sass(...) or None}``.
     """
-    ptxas = ptxas or find_tool("ptxas")
-    if ptxas is None:
-        raise FileNotFoundError(f"ptxas not found: install the {TOOL_WHEELS['ptxas']} wheel")
+    ptxas = _tool("ptxas", ptxas)
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
         src.write_text(ptx)
-        # a kernel that calls into the device runtime (a cooperative grid's barrier, in libcudadevrt) is assembled as
-        # relocatable code, as the driver's linker takes it; the others as whole programs
-        relocatable = ["-c"] if re.search(r"^\.extern \.func", ptx, re.MULTILINE) else []
+        relocatable = _relocatable(ptx)
         proc = subprocess.run([str(ptxas), f"-arch={arch}", "-v", *relocatable, "-o", str(cubin), str(src)],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
@@ -677,9 +775,7 @@ def assemble(ptx: str, arch: str = "sm_90", sass: bool = True, ptxas=None, cuobj
                 if entry in out["resources"]:
                     out["resources"][entry]["shared"] = used
         if sass:
-            cuobjdump = cuobjdump or find_tool("cuobjdump")
-            if cuobjdump is None:
-                raise FileNotFoundError(f"cuobjdump not found: install the {TOOL_WHEELS['cuobjdump']} wheel")
+            cuobjdump = _tool("cuobjdump", cuobjdump)
             dis = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True)
             out["sass"] = parse_sass(dis.stdout)
     return out
@@ -824,6 +920,54 @@ def compile_kernels(cc=(9, 0), also=()) -> dict:
             threads, assumed, tags = _device.launch_info(name, f)
             launch[name][str(f)] = {"threads": threads, "assumed": assumed, "tags": sorted(tags)}
     return {"ptx": ptx, "launch": launch, "also": lengths}
+
+
+def kernel_calls(name: str, calls, dtype: str = "float32", cc=(9, 0)) -> dict:
+    """What :func:`call_pipes` says of the registered kernel ``name``: the code each device function of ``calls``
+    inlines into it, and the rest, from a build with line information.
+
+    Compiles the kernel for ``cc`` with ``lineinfo`` (a real CUDA target, as
+    :func:`compile_kernels`), assembles it with ``ptxas -lineinfo`` and reads
+    the SASS (``cuobjdump``) and each instruction's source line (``nvdisasm
+    -g``).  Line information does not change the code (the instruction count
+    is returned to check it against the plain build).
+
+    Returns
+    -------
+    dict
+        ``{"pipes": {name: pipes, ..., "kernel": pipes}, "region_calls":
+        {start address: name} of every :func:`regions` entry, "instructions":
+        the kernel body's length}``, JSON-ready.
+    """
+    import importlib
+
+    from numba import cuda, float32, float64
+
+    from gpu.numba_cuda import _device
+
+    importlib.import_module(name.rsplit(".", 1)[0])
+    fn, signature = _device.KERNELS[name]
+    f = {"float32": float32, "float64": float64}[dtype]
+    with _device._current_device_reports(tuple(cc)):
+        ptx, _ = cuda.compile_ptx(fn, signature(f), cc=tuple(cc), lineinfo=True, **_device.compile_options(name, f))
+    arch = f"sm_{cc[0]}{cc[1]}"
+    tools = {t: _tool(t) for t in ("ptxas", "cuobjdump", "nvdisasm")}
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        (Path(tmp) / "kernel.ptx").write_text(ptx)
+        subprocess.run([str(tools["ptxas"]), f"-arch={arch}", "-lineinfo", *_relocatable(ptx), "-o", str(cubin),
+                        str(Path(tmp) / "kernel.ptx")],
+                       capture_output=True, text=True, check=True)
+        code = parse_sass(subprocess.run([str(tools["cuobjdump"]), "-sass", str(cubin)], capture_output=True, text=True,
+                                         check=True).stdout)
+        lines = parse_line_info(subprocess.run([str(tools["nvdisasm"]), "-g", "-c", str(cubin)], capture_output=True,
+                                               text=True, check=True).stdout)
+    entry = re.search(r"^\.visible \.entry (\S+?)\(", ptx, re.MULTILINE).group(1)
+    body = kernel_body(code[entry])
+    split = call_pipes(body, lines.get(entry, {}), call_lines(fn, calls))
+    return {"pipes": split["pipes"], "instructions": len(body),
+            "region_calls": {str(r["start"]): split["of"][r["start"]] for r in regions(code[entry])
+                             if r["start"] in split["of"]}}
 
 
 def kernel_rows(compiled: dict, sass_dtypes=("float32",), jobs: int = 2) -> list:

@@ -101,7 +101,12 @@ class KernelWork(NamedTuple):
     key then the name and the region's name).  ``what`` says in words what
     is counted.  ``items``: the work items (tiles) of the kernel's blocks,
     each of which runs the kernel's code outside its declared regions once
-    (the model's epilogues).
+    (the model's epilogues).  ``calls``: for a kernel whose code is mostly
+    device functions run at different rates, how often each runs, ``(unit,
+    count)``: ``count(case)`` calls, each by a whole block (``"block"``) or
+    by one thread (``"thread"``); the model then counts the code each call
+    inlines (:func:`gpu.sass.kernel_calls`) that many times instead of all
+    the kernel's code once per item (``"kernel"``: the code of no call).
     """
 
     case: dict
@@ -114,6 +119,7 @@ class KernelWork(NamedTuple):
     launches: Callable = lambda c: 1
     kernel: str | None = None  # the qualified name, when the key of KERNELS names a second region of a kernel
     items: Callable = lambda c: 0  # the block work items (tiles) whose epilogue runs once each, for the model
+    calls: dict | None = None  # device function called -> ("block" or "thread", how often it runs at c), for the model
 
 
 def _module(name):
@@ -238,6 +244,11 @@ def _ovq_computed(c):
     return c["H"] * total
 
 
+def _ovq_items(c):
+    # the predict items: each coordinate product of ROWS x KEYS over d rounded up to whole stages
+    return _ovq_computed(c) // (_ovq()["ROWS"] * _ovq()["KEYS"] * 2 * _ceil(c["d"], _ovq()["DC"]) * _ovq()["DC"])
+
+
 def _ovq_flops(c):
     # the read-out's logits against the centroids and the chunk's keys b <= a, and the assignment's similarities
     return c["H"] * sum((2 * L * n + L * (L + 1)) * c["d"] + 2 * L * n * c["d"] for L, n in ovq_chunks(c["T"], c["n_max"], c["C"]))
@@ -309,16 +320,24 @@ KERNELS = {
         case=dict(H=1, T=65536, n_max=1024, C=256, d=64),
         flops=_ovq_flops,
         computed=_ovq_computed, step=32, depth=None,
-        items=lambda c: _ovq_computed(c) // (_ovq()["ROWS"] * _ovq()["KEYS"] * 2 * _ceil(c["d"], _ovq()["DC"]) * _ovq()["DC"]),
+        items=_ovq_items,
         bytes=lambda c: FLOAT32 * c["H"] * c["T"] * 4 * c["d"],
         what="the read-out's logits (centroids, and the chunk's keys b <= a) and the assignment's similarities: "
              "sum_c (2 L n_c + L (L + 1)) d + 2 L n_c d (OVQ's work at T = 65,536, as launches per chunk: the kernel "
              "VQ launches so)",
-        launches=lambda c: len(ovq_chunks(c["T"], c["n_max"], c["C"]))),
+        launches=lambda c: len(ovq_chunks(c["T"], c["n_max"], c["C"])),
+        # the plan of each sequence's chunk runs in one block (its bitonic steps' latency is the model's plan time);
+        # the kernel's own code (the item's place in the grid) is counted once an item
+        calls={"_predict_item": ("block", _ovq_items), "kernel": ("block", _ovq_items),
+               "_plan_chunk": ("block", lambda c: c["H"] * len(ovq_chunks(c["T"], c["n_max"], c["C"])))}),
 }
-# OVQ's loop kernel runs the predict kernel's items (the same device function), every chunk in one launch
+# OVQ's loop kernel runs the predict kernel's items (the same device function), every chunk in one launch: the predict
+# items, then each sequence's plan by one block, then the merge items, one a thread (L (d + 2 d_v) a chunk)
 KERNELS["gpu.numba_cuda.ovq._chunk_loop_kernel"] = KERNELS["gpu.numba_cuda.ovq._predict_kernel"]._replace(
-    what="the predict kernel's work, every chunk in the one launch of the loop (OVQ, T = 65,536)", launches=lambda c: 1)
+    what="the predict kernel's work, every chunk in the one launch of the loop (OVQ, T = 65,536)", launches=lambda c: 1,
+    calls=dict(KERNELS["gpu.numba_cuda.ovq._predict_kernel"].calls,
+               _merge_item=("thread", lambda c: c["H"] * sum(L for L, _ in ovq_chunks(c["T"], c["n_max"], c["C"]))
+                            * 3 * c["d"])))
 
 
 def declared(name):

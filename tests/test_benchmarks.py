@@ -328,6 +328,37 @@ def test_gpu_model_counts_the_epilogue_outside_every_declared_region_of_a_kernel
     assert gm.kernel_estimate(gm.K_PV, case, {gm.K_FLASH: row})["epilogue_s"] == 0  # counted once, with q k^T
 
 
+def test_gpu_model_counts_the_code_of_each_call_as_often_as_it_runs():
+    """OVQ's loop kernel is three device functions run at three rates: its predict items, each sequence's plan once a
+    chunk, its merge items one a thread.  Split by call (gpu.sass.kernel_calls), each part is counted that often;
+    unsplit, or split from other code, all of it once per warp per predict item (an overcount: the plan is the model's
+    plan time besides)."""
+    gm = _load("gpu_model")
+    from gpu import work
+
+    case = work.KERNELS[gm.K_OVQ].case
+    loop = {"depth": 3, "start": 0x100, "instructions": 60, "flops": 128, "arithmetic": 30, "ffma": 30, "wavefronts": 8,
+            "pipes": _pipes(60, fp32=30, shared=8)}
+    parts = {"_predict_item": _pipes(300, fp32=30, shared=8), "_plan_chunk": _pipes(500), "_merge_item": _pipes(200),
+             "kernel": _pipes(40)}
+    body = _pipes(1040, fp32=30, shared=8)
+    row = dict(_static_row(gm.K_OVQ, 60, 128, 0.25, body=body, regions=[loop], threads=128))
+    split = dict(row, calls={"pipes": parts, "instructions": 1040, "region_calls": {str(0x100): "_predict_item"}})
+    rate = 132 * 1.98e9  # 4 warps a scheduler at a quarter of the occupancy: every clock issues
+    items = work.KERNELS[gm.K_OVQ].items(case)
+    chunks = len(work.ovq_chunks(case["T"], case["n_max"], case["C"]))
+    merges = sum(L for L, _ in work.ovq_chunks(case["T"], case["n_max"], case["C"])) * 3 * case["d"]
+    # the predict item's 240 instructions besides its loop (60 clocks) and the kernel's 40 (10), 4 warps an item; the
+    # plan's 500 (125) by the 4 warps of one block a chunk; the merge's 200 (50) once a warp of 32 items
+    want = (items * 4 * (60 + 10) + chunks * 4 * 125 + merges / 32 * 50) / rate
+    assert gm.kernel_estimate(gm.K_OVQ, case, {gm.K_OVQ: split})["epilogue_s"] == pytest.approx(want, rel=1e-12)
+    whole = items * 4 * (1040 - 60) / 4 / rate
+    assert gm.kernel_estimate(gm.K_OVQ, case, {gm.K_OVQ: row})["epilogue_s"] == pytest.approx(whole, rel=1e-12)
+    other = dict(split, calls=dict(split["calls"], instructions=1041))  # a split of other code than the row's
+    assert gm.kernel_estimate(gm.K_OVQ, case, {gm.K_OVQ: other})["epilogue_s"] == pytest.approx(whole, rel=1e-12)
+    assert want < whole
+
+
 def _declared_static_rows(gm):
     regions = {gm.K_ROWS: 2, gm.K_PV: 2}  # the regions declared at a depth other than the work loop's
     rows = []

@@ -177,6 +177,61 @@ def test_sass_is_split_per_function_and_read_line_by_line():
     assert kern[7] == (0x70, "BRA", "0x30", "@P0")
 
 
+NVDISASM_SAMPLE = """\
+\t.section\t.text.helper,"ax",@progbits
+.text.helper:
+        /*0000*/                   EXIT ;
+\t.section\t.text.kern,"ax",@progbits
+.text.kern:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+\t//## File "/src/mod.py", line 12
+        /*0010*/                   S2R R0, SR_TID.X ;
+        /*0020*/                   FFMA R2, R0, R0, R1 ;
+.L_x_1:
+\t//## File "/src/mod.py", line 15 inlined at "/src/mod.py", line 30
+        /*0030*/                   FADD R3, R2, R2 ;
+\t//## File "/src/mod.py", line 13
+        /*0040*/               @P0 BRA `(.L_x_1) ;
+        /*0050*/                   EXIT ;
+"""
+
+
+def _sample_callee(a, b):
+    return a * b
+
+
+def _other_callee(x):
+    return -x
+
+
+def _calls_sample(a, b):
+    x = a + b
+    y = _sample_callee(a,
+                       b)
+    return _other_callee(x) + _sample_callee(y, y)
+
+
+def test_line_info_gives_each_instruction_the_last_line_named_before_it_in_its_function():
+    lines = sass.parse_line_info(NVDISASM_SAMPLE)
+    # code inlined from another function takes the line it is inlined at
+    assert lines == {"helper": {}, "kern": {0x10: 12, 0x20: 12, 0x30: 30, 0x40: 13, 0x50: 13}}
+
+
+def test_calls_are_found_with_every_line_of_their_statement():
+    import inspect
+
+    first = inspect.getsourcelines(_calls_sample)[1]
+    found = sass.call_lines(_calls_sample, ["_sample_callee", "_absent"])
+    assert found == {"_sample_callee": {first + 2, first + 3, first + 4}, "_absent": set()}
+    # the instructions of each call's lines go to it, the rest (and those of no line) to the kernel
+    code = [(0x10, "FFMA", "R1, R2, R3, R4", ""), (0x20, "IADD3", "R1, R2, R3, RZ", ""), (0x30, "FADD", "R1, R2, R3", ""),
+            (0x40, "EXIT", "", "")]
+    split = sass.call_pipes(code, {0x10: first + 3, 0x20: first + 1, 0x30: first + 4}, found)
+    assert split["of"] == {0x10: "_sample_callee", 0x20: "kernel", 0x30: "_sample_callee", 0x40: "kernel"}
+    assert split["pipes"]["_sample_callee"]["fp32"] == 2 and split["pipes"]["kernel"]["total"] == 2
+    assert split["pipes"]["_absent"]["total"] == 0
+
+
 @pytest.mark.parametrize(
     "opcode, cls",
     [("FFMA.FTZ", "fp"), ("FADD", "fp"), ("FMUL", "fp"), ("DFMA.RM", "fp"), ("MUFU.EX2", "fp"), ("FSETP.GT.AND", "fp"),
@@ -424,6 +479,36 @@ def test_the_cooperative_loop_is_linked_with_the_device_runtime_and_counted_as_i
         assert "cudaCGSynchronize" in ptx and ".extern .func" in ptx
         declared = sum(int(n) for n in re.findall(r"^\.visible \.shared .*\[(\d+)\];", ptx, re.MULTILINE))
         assert r["shared"] >= declared > 0 and r["spill_stores"] == 0
+
+
+_CALLS = """
+import json, sys
+from gpu import sass
+json.dump(sass.kernel_calls("gpu.numba_cuda.ovq._chunk_loop_kernel", ["_predict_item", "_plan_chunk", "_merge_item"]),
+          open(sys.argv[1], "w"))
+"""
+
+
+def test_the_loop_kernels_code_is_split_by_the_device_function_each_line_calls(table, tmp_path):
+    """benchmarks/gpu_model.py counts OVQ's loop kernel by call: a build with line information (nvdisasm -g) gives each
+    instruction the kernel's line that calls it; the build is the plain one's code, the parts add up to it, and the
+    work loop lies in the predict item's code, beside a plan and a merge of their own."""
+    _tool_or_skip("nvdisasm")
+    _tool_or_skip("cuobjdump")
+    out = tmp_path / "calls.json"
+    proc = subprocess.run([sys.executable, "-c", _CALLS, str(out)], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0"), timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    calls = json.loads(out.read_text())
+    (row,) = [r for r in table if r["kernel"] == "gpu.numba_cuda.ovq._chunk_loop_kernel" and r["dtype"] == "float32"]
+    assert calls["instructions"] == row["body_pipes"]["total"]
+    assert sum(p["total"] for p in calls["pipes"].values()) == calls["instructions"]
+    work_loop = next(r for r in row["regions"] if r["depth"] == row["work_loop_depth"]
+                     and r["instructions"] == row["work_loop"]["total"])
+    assert calls["region_calls"][str(work_loop["start"])] == "_predict_item"
+    # each part is substantial: the plan's sorting networks are the largest, the kernel's own loops the smallest
+    sizes = {name: p["total"] for name, p in calls["pipes"].items()}
+    assert sizes["_plan_chunk"] > sizes["_predict_item"] > sizes["_merge_item"] > sizes["kernel"] > 0, sizes
 
 
 def test_every_kernel_compiles_for_sm80_too(compiled):
