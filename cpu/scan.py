@@ -231,10 +231,11 @@ def _columns_block(buffers, G1, a, b):
     return gn
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _normalise_rows(num, eps, out, den):
-    """``den = num[:, -1] + eps`` and ``out = num[:, :-1] / den`` for a block's rows (the division unchecked: see
-    :func:`_normalised`)."""
+    """``den = num[:, -1] + eps`` and ``out = num[:, :-1] / den`` for a block's rows (or all of them: :func:`_normalised`).
+
+    The division is unchecked (``den = 0`` only with ``eps = 0``: the caller refuses it), so the loop vectorises."""
     W = num.shape[1]
     for i in range(num.shape[0]):
         den[i] = num[i, W - 1] + eps
@@ -461,9 +462,8 @@ def _ones_column(v):
 
 def _normalised(num, eps):
     """``(out, den)`` from ``[num, den - eps]`` (N, d_v + 1); no raise (den = 0 only with eps = 0: the caller refuses it)."""
-    den = num[:, -1] + num.dtype.type(eps)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = num[:, :-1] / den[:, None]
+    out, den = np.empty((num.shape[0], num.shape[1] - 1), dtype=num.dtype), np.empty(num.shape[0], dtype=num.dtype)
+    _normalise_rows(num, num.dtype.type(eps), out, den)
     return out, den
 
 
