@@ -31,10 +31,11 @@ The estimate and its assumptions
   lower counts than what runs: setup code counted once per item, not per
   block, and loops inside an epilogue (a combine tree) once.  A kernel made
   of device functions run at different rates (``gpu.work.KernelWork.calls``:
-  OVQ's loop and predict kernels) has its code split by the call each
-  instruction is inlined from (a build with line information,
-  :func:`gpu.sass.kernel_calls`), each call's code counted as often as that
-  call runs, the code of no call once per warp per work item.
+  the responsibilities kernel, OVQ's loop and predict kernels) has its code
+  split by the call each instruction is inlined from (a build with line
+  information, :func:`gpu.sass.kernel_calls`), each call's code counted as
+  often as that call runs, the code of no call once per warp per work item
+  unless the kernel says otherwise.
 * Issue: an SM issues at most 4 warp instructions a clock (4 schedulers), and
   each class of instruction has its own rate (:data:`H200` ``"pipes"``, warp
   instructions per clock per SM, from the CUDA programming guide's table for
@@ -156,7 +157,8 @@ def workloads():
     rows = []
     size = f"N={N} K={K} d={d}"
     for fn in ("responsibilities", "log_responsibilities"):
-        rows.append((fn, "", size, work.responsibilities_counts(N, K, d), [(K_RESP, dict(B=1, N=N, K=K, d=d), 1)],
+        rows.append((fn, "", size, work.responsibilities_counts(N, K, d),
+                     [(K_RESP, dict(B=1, N=N, K=K, d=d, log=fn == "log_responsibilities"), 1)],
                      LAUNCHES["responsibilities"], None))
     for n in (1 << 14, 1 << 17, 1 << 20):
         size = f"N={n} K={K} d_r=d_v={d}"

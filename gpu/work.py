@@ -171,6 +171,36 @@ def _posterior_computed(c):
     return tiles * t["NT"] * _ceil(c["d"], t["DC"]) * t["DC"] * t["RM"] * t["RK"] * 4
 
 
+def _posterior_row_tiles(c):
+    return c["B"] * _ceil(c["N"], _gmm()["TILE_ROWS"])
+
+
+def _posterior_items(c):
+    return _posterior_row_tiles(c) * _ceil(c["K"], _gmm()["TILE_COMPS"])
+
+
+def _posterior_calls():
+    """How often each part of the responsibilities kernel runs, per block (``gpu.work.KernelWork.calls``)."""
+    def rows_normalised(log):
+        # each thread's RM rows: one entry of each, TX apart, per call: ceil(K / TX) calls (the last one masked)
+        return lambda c: _posterior_row_tiles(c) * _ceil(c["K"], _gmm()["TX"]) if bool(c.get("log")) == log else 0
+
+    return {
+        # the epilogue of each component tile: l written, min q/2, the running (max, sum of exponentials)
+        "absorb": ("block", _posterior_items),
+        # the last, partial stage of coordinates: only where d is not a multiple of DC
+        "load_tail": ("block", lambda c: _posterior_items(c) if c["d"] % _gmm()["DC"] else 0),
+        "stage_tail": ("block", lambda c: _posterior_items(c) if c["d"] % _gmm()["DC"] else 0),
+        # the lanes' ordered tree, log2(TX) steps per row tile
+        "combine": ("block", lambda c: _posterior_row_tiles(c) * (_gmm()["TX"].bit_length() - 1)),
+        "normalise": ("block", rows_normalised(False)),
+        "log_normalise": ("block", rows_normalised(True)),
+        # the kernel's own code: a row tile's setup and its rows' totals once per row tile (its per-component-tile
+        # loop control, a few dozen instructions, is counted once too)
+        "kernel": ("block", _posterior_row_tiles),
+    }
+
+
 def _states_computed(c):
     # every (chunk, feature tile, column tile) of every thread, over the chunk's tokens rounded up to whole stages
     t, _ = _scan()
@@ -266,9 +296,10 @@ KERNELS = {
         case=_RESP,
         flops=lambda c: 4 * c["B"] * c["N"] * c["K"] * c["d"],
         computed=_posterior_computed, step=64, depth=None,
-        items=lambda c: c["B"] * _ceil(c["N"], _gmm()["TILE_ROWS"]) * _ceil(c["K"], _gmm()["TILE_COMPS"]),
+        items=_posterior_items,
         bytes=lambda c: FLOAT32 * c["B"] * c["N"] * (c["d"] + c["K"]),
-        what="the quadratic form sum_j (x_j - mu_kj)^2 p_kj: 4 N K d (responsibilities)"),
+        what="the quadratic form sum_j (x_j - mu_kj)^2 p_kj: 4 N K d (responsibilities)",
+        calls=_posterior_calls()),
     "gpu.numba_cuda.scan._chunk_states[float32]": KernelWork(
         case=dict(B=1, N=1 << 20, F=256, E=65, chunk=256),
         flops=lambda c: 2 * c["B"] * c["N"] * c["F"] * c["E"],

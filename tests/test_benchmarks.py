@@ -359,6 +359,45 @@ def test_gpu_model_counts_the_code_of_each_call_as_often_as_it_runs():
     assert want < whole
 
 
+def test_gpu_model_counts_the_responsibilities_epilogue_as_often_as_each_part_runs():
+    """The responsibilities kernel's code split by call: a component tile's epilogue (absorb) once per (row tile,
+    component tile), the lanes' tree log2(TX) times and each row's normalisation ceil(K / TX) times per row tile, the
+    kernel's own code once per row tile; the last, partial stage only where d is not a multiple of DC, and the log
+    form's normalisation only in log_responsibilities (code that does not run is not counted)."""
+    gm = _load("gpu_model")
+    from gpu import work
+    from gpu.numba_cuda import gmm
+
+    t = gmm.tile_constants(gmm.GPU_GEOMETRY)
+    loop = {"depth": 3, "start": 0x100, "instructions": 60, "flops": 128, "arithmetic": 30, "ffma": 30, "wavefronts": 8,
+            "pipes": _pipes(60, fp32=30, shared=8)}
+    # float32 code only: a warp pass takes a quarter of its instructions in clocks
+    parts = {"absorb": _pipes(400, fp32=400), "load_tail": _pipes(40, fp32=40), "stage_tail": _pipes(400, fp32=400),
+             "combine": _pipes(80, fp32=80), "normalise": _pipes(40, fp32=40), "log_normalise": _pipes(20, fp32=20),
+             "kernel": _pipes(60 + 240, fp32=30 + 240, shared=8)}
+    total = sum(p["total"] for p in parts.values())
+    body = _pipes(total, fp32=total - 30, shared=8)
+    row = dict(_static_row(gm.K_RESP, 60, 128, 0.5, body=body, regions=[loop], threads=t["NT"]))
+    split = dict(row, calls={"pipes": parts, "instructions": total, "region_calls": {str(0x100): "kernel"}})
+    rate = 132 * 1.98e9  # at half the occupancy every clock issues
+    warps = t["NT"] // 32
+
+    def epilogue(N, K, d, log):
+        case = dict(B=1, N=N, K=K, d=d, log=log)
+        return gm.kernel_estimate(gm.K_RESP, case, {gm.K_RESP: split})["epilogue_s"]
+
+    for N, K, d in ((1 << 20, 256, 64), (1000, 100, 60)):
+        row_tiles = -(-N // t["TILE_ROWS"])
+        items = row_tiles * -(-K // t["TILE_COMPS"])
+        steps, entries = t["TX"].bit_length() - 1, -(-K // t["TX"])
+        tail = items * (10 + 100) if d % t["DC"] else 0
+        want = warps * (items * 100 + tail + row_tiles * (steps * 20 + entries * 10 + 60)) / rate
+        assert epilogue(N, K, d, False) == pytest.approx(want, rel=1e-12)
+        want_log = want + warps * row_tiles * entries * (5 - 10) / rate
+        assert epilogue(N, K, d, True) == pytest.approx(want_log, rel=1e-12)
+    assert work.KERNELS[gm.K_RESP].calls["stage_tail"][1](dict(B=1, N=64, K=64, d=64)) == 0
+
+
 def _declared_static_rows(gm):
     regions = {gm.K_ROWS: 2, gm.K_PV: 2}  # the regions declared at a depth other than the work loop's
     rows = []

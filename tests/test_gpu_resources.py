@@ -484,22 +484,26 @@ def test_the_cooperative_loop_is_linked_with_the_device_runtime_and_counted_as_i
 _CALLS = """
 import json, sys
 from gpu import sass
-json.dump(sass.kernel_calls("gpu.numba_cuda.ovq._chunk_loop_kernel", ["_predict_item", "_plan_chunk", "_merge_item"]),
-          open(sys.argv[1], "w"))
+json.dump(sass.kernel_calls(sys.argv[2], sys.argv[3].split(",")), open(sys.argv[1], "w"))
 """
+
+
+def _kernel_calls(tmp_path, name, calls):
+    """:func:`gpu.sass.kernel_calls` of the float32 build of ``name``, in a process compiling for a real GPU."""
+    _tool_or_skip("nvdisasm")
+    _tool_or_skip("cuobjdump")
+    out = tmp_path / "calls.json"
+    proc = subprocess.run([sys.executable, "-c", _CALLS, str(out), name, ",".join(calls)], capture_output=True, text=True,
+                          cwd=ROOT, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0"), timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
 
 
 def test_the_loop_kernels_code_is_split_by_the_device_function_each_line_calls(table, tmp_path):
     """benchmarks/gpu_model.py counts OVQ's loop kernel by call: a build with line information (nvdisasm -g) gives each
     instruction the kernel's line that calls it; the build is the plain one's code, the parts add up to it, and the
     work loop lies in the predict item's code, beside a plan and a merge of their own."""
-    _tool_or_skip("nvdisasm")
-    _tool_or_skip("cuobjdump")
-    out = tmp_path / "calls.json"
-    proc = subprocess.run([sys.executable, "-c", _CALLS, str(out)], capture_output=True, text=True, cwd=ROOT,
-                          env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0"), timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    calls = json.loads(out.read_text())
+    calls = _kernel_calls(tmp_path, "gpu.numba_cuda.ovq._chunk_loop_kernel", ["_predict_item", "_plan_chunk", "_merge_item"])
     (row,) = [r for r in table if r["kernel"] == "gpu.numba_cuda.ovq._chunk_loop_kernel" and r["dtype"] == "float32"]
     assert calls["instructions"] == row["body_pipes"]["total"]
     assert sum(p["total"] for p in calls["pipes"].values()) == calls["instructions"]
@@ -509,6 +513,30 @@ def test_the_loop_kernels_code_is_split_by_the_device_function_each_line_calls(t
     # each part is substantial: the plan's sorting networks are the largest, the kernel's own loops the smallest
     sizes = {name: p["total"] for name, p in calls["pipes"].items()}
     assert sizes["_plan_chunk"] > sizes["_predict_item"] > sizes["_merge_item"] > sizes["kernel"] > 0, sizes
+
+
+def test_the_responsibilities_code_is_split_into_the_parts_the_model_counts_apart(table, tmp_path):
+    """benchmarks/gpu_model.py counts the responsibilities kernel's epilogue by call (gpu.work's declaration): the split
+    is the plain build's code and adds up to it; the work loop is the kernel's own code; the last, partial stage is a
+    stage's product (the loop's floating point); each component tile's epilogue holds RM (RK + 1) exponentials (one an
+    entry and one rescale a row), the normalisation one a row (RM rows unrolled), its log form none."""
+    from gpu import work
+    from gpu.numba_cuda import gmm
+
+    name = "gpu.numba_cuda.gmm._posterior_tiles[float32]"
+    parts = [c for c in work.KERNELS[name].calls if c != "kernel"]
+    calls = _kernel_calls(tmp_path, name, parts)
+    (row,) = [r for r in table if r["kernel"] == name and r["dtype"] == "float32"]
+    assert calls["instructions"] == row["body_pipes"]["total"]
+    assert sum(p["total"] for p in calls["pipes"].values()) == calls["instructions"]
+    work_loop = next(r for r in row["regions"] if r["depth"] == row["work_loop_depth"]
+                     and r["instructions"] == row["work_loop"]["total"])
+    assert calls["region_calls"][str(work_loop["start"])] == "kernel"
+    pipes, t = calls["pipes"], gmm.tile_constants(gmm.GPU_GEOMETRY)
+    assert pipes["stage_tail"]["fp32"] == work_loop["pipes"]["fp32"] == t["DC"] * t["RM"] * t["RK"] * 3
+    assert pipes["absorb"]["mufu"] == t["RM"] * (t["RK"] + 1)
+    assert pipes["normalise"]["mufu"] == t["RM"] and pipes["log_normalise"]["mufu"] == 0
+    assert all(p["total"] > 0 for p in pipes.values()), {n: p["total"] for n, p in pipes.items()}
 
 
 def test_every_kernel_compiles_for_sm80_too(compiled):

@@ -40,7 +40,12 @@ Two launches per call, whatever ``B``, ``N``, ``K`` and ``d``:
    pairs of a row are combined by an ordered tree in shared memory, then each
    thread rereads its own entries and normalises them (a second pass over
    its ``N x K`` entries, no other).  The arrays come flat: row offsets are
-   formed once per row, counters are 32-bit.
+   formed once per row, counters are 32-bit.  The epilogue's parts are
+   device functions inlined into the kernel (``absorb``, ``combine``,
+   ``normalise``, ``log_normalise``; the last, partial stage's product is
+   ``stage_tail``), the same code as written in line, so that
+   ``benchmarks/gpu_model.py`` counts each as often as it runs
+   (:data:`gpu.work.KERNELS`).
 
 The geometry of both launches is a pure function of the shapes and dtype,
 :func:`launch_geometry`, inside every hardware limit for any ``B``, ``N`` and
@@ -354,6 +359,64 @@ def _build_posterior_tiles(g: Geometry, f=None):
         return device(load)
 
     load_full, load_tail = loads(False), loads(True)
+    # the last, partial stage's product under a name of its own: the same function, a call the model counts apart
+    # (benchmarks/gpu_model.py: it runs only where d is not a multiple of DC)
+    stage_tail = stage
+
+    # the epilogue of a component tile for the thread's RM rows: l = log_norm - q/2 written to gamma, min q/2, and the
+    # running pair (m, s) absorbing the tile's entries
+    def absorb(q, red_m, red_s, red_q, log_norm, gamma, xo, tx, k0, K32, ln_at, g_row, K64, rows_in):
+        for a in range(RM):
+            r = u32(xo + u32(a))
+            slot = u32(r * u32(TX) + tx)
+            go = g_row + (u64(a) * K64 + k0)  # gamma entry (row r, component k0)
+            row_in = r < rows_in
+            m_old = red_m[slot]
+            tile_m = m_old
+            min_q = red_q[slot]
+            for c in range(RK):
+                kk = u32(tx + u32(c * TX))
+                if u32(k0 + kk) < K32:
+                    hq = q[a, c]
+                    if hq < min_q or hq != hq:
+                        min_q = hq
+                    lk = log_norm[ln_at + kk] - hq
+                    q[a, c] = lk
+                    tile_m = max_keep_nan(tile_m, lk)  # NaN, once met, stays (and makes the row's sum NaN)
+                    if row_in:
+                        gamma[go + kk] = lk
+            red_q[slot] = min_q
+            # (m, s) absorbs the tile's entries: s' = e^{m - m'} s + sum_c e^{l_c - m'}
+            s = exp_shifted(m_old, tile_m) * red_s[slot]
+            for c in range(RK):
+                if u32(k0 + tx + u32(c * TX)) < K32:
+                    s += exp_shifted(q[a, c], tile_m)
+            red_s[slot] = s
+            red_m[slot] = tile_m
+
+    absorb = device(absorb)
+
+    # one step of the ordered tree: lane tx of each of the thread's rows takes in lane tx + stride
+    def combine(red_m, red_s, red_q, xo, tx, stride):
+        for a in range(RM):
+            r = u32(u32(xo + u32(a)) * u32(TX) + tx)
+            m_new, s_new = softmax_combine(red_m[r], red_s[r], red_m[r + stride], red_s[r + stride])
+            red_m[r] = m_new
+            red_s[r] = s_new
+            q_b = red_q[r + stride]
+            if q_b < red_q[r] or q_b != q_b:
+                red_q[r] = q_b
+
+    combine = device(combine)
+
+    # one entry of a row of gamma normalised: exp(l - M) * (1 / S), or (l - M) - log S
+    def normalise(gamma, at, big_m, inv_s):
+        gamma[at] = math.exp(gamma[at] - big_m) * inv_s
+
+    def log_normalise(gamma, at, big_m, log_s):
+        gamma[at] = (gamma[at] - big_m) - log_s
+
+    normalise, log_normalise = device(normalise), device(log_normalise)
 
     @kernel(_tiles_signature, threads=NT, tags=("responsibilities",), options=options, dtypes=dtypes)
     def _posterior_tiles(x, comps_t, log_norm, log, gamma, min_quad, B, N, K, d, H):
@@ -437,49 +500,16 @@ def _build_posterior_tiles(g: Geometry, f=None):
                 if j0 < d32:
                     load_tail(x, comps_t, sh_x, sh_c, x_src, c_src, x_slot, c_slot, x_col, u32(d32 - j0), zero)
                     cuda.syncthreads()
-                    stage(q, xr, mr, hr, sh_x, sh_c, x_at, c_at)
+                    stage_tail(q, xr, mr, hr, sh_x, sh_c, x_at, c_at)
                     cuda.syncthreads()
                 x_src -= u64(j0)  # back to coordinate 0 for the next component tile
                 ln_at = u64(h) * K64 + k0  # log_norm of the tile's first component
-                for a in range(RM):
-                    r = u32(xo + u32(a))
-                    slot = u32(r * u32(TX) + tx)
-                    go = g_row + (u64(a) * K64 + k0)  # gamma entry (row r, component k0)
-                    row_in = r < rows_in
-                    m_old = red_m[slot]
-                    tile_m = m_old
-                    min_q = red_q[slot]
-                    for c in range(RK):
-                        kk = u32(tx + u32(c * TX))
-                        if u32(k0 + kk) < K32:
-                            hq = q[a, c]
-                            if hq < min_q or hq != hq:
-                                min_q = hq
-                            lk = log_norm[ln_at + kk] - hq
-                            q[a, c] = lk
-                            tile_m = max_keep_nan(tile_m, lk)  # NaN, once met, stays (and makes the row's sum NaN)
-                            if row_in:
-                                gamma[go + kk] = lk
-                    red_q[slot] = min_q
-                    # (m, s) absorbs the tile's entries: s' = e^{m - m'} s + sum_c e^{l_c - m'}
-                    s = exp_shifted(m_old, tile_m) * red_s[slot]
-                    for c in range(RK):
-                        if u32(k0 + tx + u32(c * TX)) < K32:
-                            s += exp_shifted(q[a, c], tile_m)
-                    red_s[slot] = s
-                    red_m[slot] = tile_m
+                absorb(q, red_m, red_s, red_q, log_norm, gamma, xo, tx, k0, K32, ln_at, g_row, K64, rows_in)
             cuda.syncthreads()
             stride = u32(TX // 2)
             while stride > 0:
                 if tx < stride:
-                    for a in range(RM):
-                        r = u32(u32(xo + u32(a)) * u32(TX) + tx)
-                        m_new, s_new = softmax_combine(red_m[r], red_s[r], red_m[r + stride], red_s[r + stride])
-                        red_m[r] = m_new
-                        red_s[r] = s_new
-                        q_b = red_q[r + stride]
-                        if q_b < red_q[r] or q_b != q_b:
-                            red_q[r] = q_b
+                    combine(red_m, red_s, red_q, xo, tx, stride)
                 cuda.syncthreads()
                 stride = u32(stride // u32(2))
             for a in range(RM):
@@ -497,12 +527,12 @@ def _build_posterior_tiles(g: Geometry, f=None):
                         if big_s != zero:
                             log_s = math.log(big_s)
                         while k < K32:
-                            gamma[go + k] = (gamma[go + k] - big_m) - log_s
+                            log_normalise(gamma, go + k, big_m, log_s)
                             k = u32(k + u32(TX))
                     else:
                         inv_s = one / big_s
                         while k < K32:
-                            gamma[go + k] = math.exp(gamma[go + k] - big_m) * inv_s
+                            normalise(gamma, go + k, big_m, inv_s)
                             k = u32(k + u32(TX))
             cuda.syncthreads()  # every thread has read the row's (M, S) before the next tile resets its lanes
 
