@@ -519,7 +519,8 @@ def test_the_responsibilities_code_is_split_into_the_parts_the_model_counts_apar
     """benchmarks/gpu_model.py counts the responsibilities kernel's epilogue by call (gpu.work's declaration): the split
     is the plain build's code and adds up to it; the work loop is the kernel's own code; the last, partial stage is a
     stage's product (the loop's floating point); each component tile's epilogue holds RM (RK + 1) exponentials (one an
-    entry and one rescale a row), the normalisation one a row (RM rows unrolled), its log form none."""
+    entry and one rescale a row) and no branch per entry, the normalisation one a row (RM rows unrolled), its log form
+    none."""
     from gpu import work
     from gpu.numba_cuda import gmm
 
@@ -535,6 +536,9 @@ def test_the_responsibilities_code_is_split_into_the_parts_the_model_counts_apar
     pipes, t = calls["pipes"], gmm.tile_constants(gmm.GPU_GEOMETRY)
     assert pipes["stage_tail"]["fp32"] == work_loop["pipes"]["fp32"] == t["DC"] * t["RM"] * t["RK"] * 3
     assert pipes["absorb"]["mufu"] == t["RM"] * (t["RK"] + 1)
+    # no branch per entry in a component tile's epilogue (the padding past K is -inf there): fewer control
+    # instructions than the thread's RM x RK entries
+    assert pipes["absorb"]["other"] < t["RM"] * t["RK"], pipes["absorb"]
     assert pipes["normalise"]["mufu"] == t["RM"] and pipes["log_normalise"]["mufu"] == 0
     assert all(p["total"] > 0 for p in pipes.values()), {n: p["total"] for n, p in pipes.items()}
 

@@ -365,7 +365,17 @@ def _build_posterior_tiles(g: Geometry, f=None):
 
     # the epilogue of a component tile for the thread's RM rows: l = log_norm - q/2 written to gamma, min q/2, and the
     # running pair (m, s) absorbing the tile's entries
+    # Components past K (the padding of the last tile) take l = -inf, which moves neither the maximum nor the sum
+    # (e^-inf = 0 is added, exactly), and are neither written nor compared: no branch per entry, and the entries
+    # inside K see the same arithmetic in the same order.  log_norm is read once per component, for the RM rows.
     def absorb(q, red_m, red_s, red_q, log_norm, gamma, xo, tx, k0, K32, ln_at, g_row, K64, rows_in):
+        f = q.dtype.type
+        lnr = cuda.local.array(RK, dtype=q.dtype)
+        for c in range(RK):
+            kk = u32(tx + u32(c * TX))
+            lnr[c] = f(-math.inf)
+            if u32(k0 + kk) < K32:
+                lnr[c] = log_norm[ln_at + kk]
         for a in range(RM):
             r = u32(xo + u32(a))
             slot = u32(r * u32(TX) + tx)
@@ -376,21 +386,20 @@ def _build_posterior_tiles(g: Geometry, f=None):
             min_q = red_q[slot]
             for c in range(RK):
                 kk = u32(tx + u32(c * TX))
-                if u32(k0 + kk) < K32:
-                    hq = q[a, c]
-                    if hq < min_q or hq != hq:
-                        min_q = hq
-                    lk = log_norm[ln_at + kk] - hq
-                    q[a, c] = lk
-                    tile_m = max_keep_nan(tile_m, lk)  # NaN, once met, stays (and makes the row's sum NaN)
-                    if row_in:
-                        gamma[go + kk] = lk
+                inside = u32(k0 + kk) < K32
+                hq = q[a, c]
+                if inside and (hq < min_q or hq != hq):
+                    min_q = hq
+                lk = lnr[c] - hq if inside else lnr[c]
+                q[a, c] = lk
+                tile_m = max_keep_nan(tile_m, lk)  # NaN, once met, stays (and makes the row's sum NaN)
+                if row_in and inside:
+                    gamma[go + kk] = lk
             red_q[slot] = min_q
             # (m, s) absorbs the tile's entries: s' = e^{m - m'} s + sum_c e^{l_c - m'}
             s = exp_shifted(m_old, tile_m) * red_s[slot]
             for c in range(RK):
-                if u32(k0 + tx + u32(c * TX)) < K32:
-                    s += exp_shifted(q[a, c], tile_m)
+                s += exp_shifted(q[a, c], tile_m)
             red_s[slot] = s
             red_m[slot] = tile_m
 
