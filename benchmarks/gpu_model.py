@@ -31,11 +31,13 @@ The estimate and its assumptions
   lower counts than what runs: setup code counted once per item, not per
   block, and loops inside an epilogue (a combine tree) once.  A kernel made
   of device functions run at different rates (``gpu.work.KernelWork.calls``:
-  the responsibilities kernel, OVQ's loop and predict kernels) has its code
-  split by the call each instruction is inlined from (a build with line
-  information, :func:`gpu.sass.kernel_calls`), each call's code counted as
-  often as that call runs, the code of no call once per warp per work item
-  unless the kernel says otherwise.
+  the responsibilities kernel, the flash attention, OVQ's loop and predict
+  kernels) has its code split by the call each instruction is inlined from
+  (a build with line information, :func:`gpu.sass.kernel_calls`), each
+  call's code counted as often as that call runs, the code of no call once
+  per warp per work item unless the kernel says otherwise.  An instruction
+  the compiler recomputes inside a loop keeps the line it came from: a
+  call's value recomputed in the loop is counted at the call's rate.
 * Issue: an SM issues at most 4 warp instructions a clock (4 schedulers), and
   each class of instruction has its own rate (:data:`H200` ``"pipes"``, warp
   instructions per clock per SM, from the CUDA programming guide's table for

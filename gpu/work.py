@@ -245,6 +245,35 @@ def _flash_computed(c):
     return c["BH"] * n_cg * k_tiles * g.threads * c["d"] * g.RQ * g.RK * 2
 
 
+def _flash_blocks(c):
+    # one block per (sequence, query tile, column group)
+    g = _attention()
+    return c["BH"] * _ceil(c["N"], g.tile_q) * max(1, _ceil(c["d"], g.COLS))
+
+
+def _flash_items(c):
+    # the (query tile, column group, key tile) work items: every key tile a block visits
+    return _flash_computed(c) // (_attention().tile_q * _attention().tile_k * 2 * c["d"])
+
+
+def _flash_calls():
+    """How often each part of the flash attention kernel runs, per block (``gpu.work.KernelWork.calls``)."""
+    def q_stages(c):
+        # q^T is staged once a block when it is resident (d <= D_CHUNK), else at every key tile, a chunk at a time
+        chunks = _ceil(c["d"], _attention().D_CHUNK)
+        return chunks * (_flash_blocks(c) if c["d"] <= _attention().D_CHUNK else _flash_items(c))
+
+    return {
+        "place": ("block", _flash_blocks),
+        "locate": ("block", lambda c: _flash_blocks(c) if c.get("packed") else 0),
+        "start": ("block", _flash_blocks),
+        "stage_q": ("block", q_stages),
+        "finish": ("block", _flash_blocks),
+        # the kernel's own code: a key tile's (its staging, scores, mask, rescaling and the two products' loops)
+        "kernel": ("block", _flash_items),
+    }
+
+
 def _flash_pv_computed(c):
     # P V: every (query tile, column group) of every thread, over the key tiles it visits and each tile's keys rounded
     # up to whole steps, every staged chunk of value columns: RQ x GC fused multiply-adds a key
@@ -335,9 +364,10 @@ KERNELS = {
         case=dict(BH=1, N=16384, d=64, causal=False),
         flops=lambda c: 2 * c["BH"] * c["N"] * c["N"] * c["d"],
         computed=_flash_computed, step=lambda: _attention().RQ * _attention().RK * 2, depth=None,
-        items=lambda c: _flash_computed(c) // (_attention().tile_q * _attention().tile_k * 2 * c["d"]),
+        items=_flash_items,
         bytes=lambda c: FLOAT32 * 4 * c["BH"] * c["N"] * c["d"],
-        what="the scores q k^T: 2 N^2 d, half of softmax attention's 4 N^2 d (bidirectional)"),
+        what="the scores q k^T: 2 N^2 d, half of softmax attention's 4 N^2 d (bidirectional)",
+        calls=_flash_calls()),
     "gpu.numba_cuda.attention._flash_forward[float32] P V": KernelWork(
         case=dict(BH=1, N=16384, d=64, causal=False),
         flops=lambda c: 2 * c["BH"] * c["N"] * c["N"] * c["d"],

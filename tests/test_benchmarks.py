@@ -398,6 +398,42 @@ def test_gpu_model_counts_the_responsibilities_epilogue_as_often_as_each_part_ru
     assert work.KERNELS[gm.K_RESP].calls["stage_tail"][1](dict(B=1, N=64, K=64, d=64)) == 0
 
 
+def test_gpu_model_counts_the_flash_kernels_per_block_code_once_a_block():
+    """The flash kernel's place, start, q's staging (resident: d <= D_CHUNK) and the rows' results run once a block;
+    the packed search only in a packed call; the kernel's own code (a key tile's) once per key tile.  Counted all per
+    key tile, as an unsplit kernel is, the once-a-block code weighed as many times as a block has key tiles."""
+    import numpy as np
+
+    gm = _load("gpu_model")
+    from gpu import work
+    from gpu.numba_cuda import attention
+
+    g = attention.GPU_GEOMETRY[np.dtype(np.float32)]
+    qk = {"depth": 3, "start": 0x100, "instructions": 60, "flops": 128, "arithmetic": 30, "ffma": 30, "wavefronts": 8,
+          "pipes": _pipes(60, fp32=30, shared=8)}
+    parts = {"place": _pipes(80, fp32=80), "locate": _pipes(40, fp32=40), "start": _pipes(20, fp32=20),
+             "stage_q": _pipes(100, fp32=100), "finish": _pipes(200, fp32=200),
+             "kernel": _pipes(60 + 400, fp32=30 + 400, shared=8)}
+    total = sum(p["total"] for p in parts.values())
+    body = _pipes(total, fp32=total - 30, shared=8)
+    row = dict(_static_row(gm.K_FLASH, 60, 128, 0.5, body=body, regions=[qk], threads=g.threads))
+    split = dict(row, calls={"pipes": parts, "instructions": total, "region_calls": {str(0x100): "kernel"}})
+    rate = 132 * 1.98e9
+    warps = g.threads // 32
+    for N, d, causal, packed in ((4096, 64, False, False), (1000, 64, True, True), (512, 128, False, False)):
+        case = dict(BH=2, N=N, d=d, causal=causal, packed=packed)
+        blocks = 2 * -(-N // g.tile_q) * max(1, -(-d // g.COLS))
+        items = work.KERNELS[gm.K_FLASH].items(case)
+        assert items > blocks
+        chunks = -(-d // g.D_CHUNK)
+        stages = chunks * (blocks if d <= g.D_CHUNK else items)
+        want = warps * (blocks * (20 + 5 + 50 + (10 if packed else 0)) + stages * 25 + items * 100) / rate
+        got = gm.kernel_estimate(gm.K_FLASH, case, {gm.K_FLASH: split})["epilogue_s"]
+        assert got == pytest.approx(want, rel=1e-12)
+        unsplit = gm.kernel_estimate(gm.K_FLASH, case, {gm.K_FLASH: row})["epilogue_s"]
+        assert unsplit == pytest.approx(warps * items * (total - 60) / 4 / rate, rel=1e-12) and unsplit > got
+
+
 def _declared_static_rows(gm):
     regions = {gm.K_ROWS: 2, gm.K_PV: 2}  # the regions declared at a depth other than the work loop's
     rows = []

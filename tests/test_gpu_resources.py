@@ -543,6 +543,27 @@ def test_the_responsibilities_code_is_split_into_the_parts_the_model_counts_apar
     assert all(p["total"] > 0 for p in pipes.values()), {n: p["total"] for n, p in pipes.items()}
 
 
+def test_the_flash_attention_code_is_split_into_its_per_block_parts(table, tmp_path):
+    """benchmarks/gpu_model.py counts the flash kernel's once-a-block code once a block (gpu.work's declaration): the
+    split is the plain build's code and adds up to it; both declared products (q k^T, P V) are the kernel's own code,
+    counted per key tile; the block's place and the packed search are integer code, q's staging loads and stores
+    without arithmetic, the rows' results divide (the reciprocal's special function)."""
+    from gpu import work
+
+    name = "gpu.numba_cuda.attention._flash_forward[float32]"
+    calls = _kernel_calls(tmp_path, name, [c for c in work.KERNELS[name].calls if c != "kernel"])
+    (row,) = [r for r in table if r["kernel"] == name and r["dtype"] == "float32"]
+    assert calls["instructions"] == row["body_pipes"]["total"]
+    assert sum(p["total"] for p in calls["pipes"].values()) == calls["instructions"]
+    products = [r for r in row["regions"] if r["flops"] and r["depth"] >= 2 and r["pipes"]["fp32"] >= 32]
+    assert len(products) >= 2 and all(calls["region_calls"][str(r["start"])] == "kernel" for r in products)
+    pipes = calls["pipes"]
+    assert pipes["place"]["fp32"] == pipes["locate"]["fp32"] == pipes["stage_q"]["fp32"] == 0
+    assert pipes["stage_q"]["mem"] > 0 and pipes["stage_q"]["shared"] > 0
+    assert pipes["finish"]["mufu"] > 0 and pipes["finish"]["mem"] > 0
+    assert all(p["total"] > 0 for p in pipes.values()), {n: p["total"] for n, p in pipes.items()}
+
+
 def test_every_kernel_compiles_for_sm80_too(compiled):
     """The A100's PTX of every kernel and float type, written by NVVM from the IR lowered for sm_90."""
     sm80 = compiled["also"]["sm_80"]

@@ -105,6 +105,7 @@ from refimpl import boundary
 from refimpl.validation import check_score_maxima
 
 from ._device import Checks, any_device, backend, blocks, is_device_array, kernel, raise_bad_inputs, result, to_device
+from . import _primitives
 from ._primitives import MAX_GRID_X, MAX_GRID_YZ, MAX_THREADS, exp_shifted, max_keep_nan, row_max, row_sum, sequence_axes
 
 __all__ = ["softmax_attention", "Geometry", "GPU_GEOMETRY", "SIMULATOR_GEOMETRY", "GEOMETRY", "launch_geometry"]
@@ -218,6 +219,75 @@ def _build_flash_forward(g: Geometry, f=None):
     # one 128-bit load each (4 floats, 2 doubles; the transposing stores, consecutive threads on consecutive
     # coordinates, then meet 4-way bank conflicts in float32, against the loads' 64 coordinates a tile).  The arrays
     # come flat (C order): a flat index holds fewer registers than a 3-D one.
+    # The kernel's code that runs once a block, not once a key tile, is in device functions of its own, inlined (the
+    # loops of the two products compile to the same code as written in line), so that benchmarks/gpu_model.py counts
+    # each as often as it runs (gpu.work.KERNELS): the block's place, the packed call's search for its sequence, the
+    # start of its rows, q's staging and the rows' results.
+    device = _primitives.inliner(f is None)
+
+    # the block's query tile, column group and sequence's first rows (the thread's offsets, which the compiler may
+    # recompute inside the key tiles' loop, are the kernel's own)
+    def place(b, w, N_q, N_k, d_v):
+        n_cg = max(1, (d_v + COLS - 1) // COLS)
+        tile = w // n_cg
+        c0 = (w % n_cg) * COLS
+        q_row = b * N_q  # the sequence's first query row, and its first key row (of k and v alike)
+        k_row = b * N_k
+        return tile, c0, q_row, k_row
+
+    # packed: b is a head of N_q = T rows; the block's sequence s is the first whose query tiles end past its tile
+    # (bisection over tile_end, empty sequences own no tile), its rows cu[s]:cu[s + 1], its keys the same
+    def locate(tile, q_row, cu, tile_end, S):
+        lo = 0
+        hi = S - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tile_end[mid] > tile:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo > 0:
+            tile -= tile_end[lo - 1]
+        return tile, q_row + cu[lo], cu[lo + 1] - cu[lo]
+
+    # the rows' running maxima (-inf), sums and accumulators (0); returns the tile's first row and its keys' end
+    def start(mrow, l_run, acc, tx, oq, tile, N_q, N_k, causal):
+        n_qt = (N_q + TILE_Q - 1) // TILE_Q
+        q0 = (n_qt - 1 - tile) * TILE_Q  # the last query tiles (the most keys when causal) first
+        if tx == 0:
+            for i in range(RQ):
+                mrow[oq + u32(i)] = mrow.dtype.type(-math.inf)
+        for i in range(RQ):
+            l_run[i] = l_run.dtype.type(0.0)
+            for gg in range(G):
+                acc[i, gg] = acc.dtype.type(0.0)
+        # causal: the rows < q0 + TILE_Q see the keys < q0 + TILE_Q only (N_q == N_k)
+        return q0, (min(N_k, q0 + TILE_Q) if causal else N_k)
+
+    # qT[c, r] = q[q0 + r, d0 + c], read along c (coalesced)
+    def stage_q(q, qT, t, q0, q_row, N_q, d, d0, dn):
+        for e in range(t, TILE_Q * D_CHUNK, THREADS):
+            r = u32(e >> u32(D_SHIFT))
+            c = u32(e & u32(D_CHUNK - 1))
+            ok_q = q0 + r < N_q and c < dn
+            qT[u32(c * u32(QW) + r)] = q[(q_row + q0 + r) * d + d0 + c] if ok_q else qT.dtype.type(0.0)
+
+    # out = acc / l, l the row's TX partial sums in order; the row maximum (NaN kept) for the check
+    def finish(out, row_max_out, red, mrow, acc, q0, oq, q_row, N_q, c0, ov, d_v, mb, tx):
+        for i in range(RQ):
+            row = q0 + oq + i
+            if row < N_q:
+                l = row_sum(red, oq + u32(i), TX)
+                for h in range(N_CHUNKS):
+                    for gg in range(GC):
+                        col = c0 + h * V_CHUNK + ov + gg
+                        if col < d_v:
+                            out[(q_row + row) * d_v + col] = acc[i, h * GC + gg] / l
+                if tx == 0 and c0 == 0:
+                    row_max_out[q_row + row] = mrow[mb + oq + u32(i)]
+
+    place, locate, start, stage_q, finish = (device(fn) for fn in (place, locate, start, stage_q, finish))
+
     @kernel(_flash_signature, threads=g.threads, tags=("attention",), options=options, dtypes=dtypes)
     def _flash_forward(q, k, v, scale, causal, out, row_max_out, BH, N_q, N_k, d, d_v, cu, tile_end, S):
         dt = q.dtype
@@ -246,44 +316,16 @@ def _build_flash_forward(g: Geometry, f=None):
         ok = u32(tx * u32(RK))  # its first key in a row of k^T (kp), S and P
         op = u32(oq * u32(KW))
         ov = u32(tx * u32(GC))  # its first value column in a row of vs
-        n_cg = max(1, (d_v + COLS - 1) // COLS)
-        w = cuda.blockIdx.x
-        tile = w // n_cg
-        c0 = (w % n_cg) * COLS
-        q_row = b * N_q  # the sequence's first query row, and its first key row (of k and v alike)
-        k_row = b * N_k
+        tile, c0, q_row, k_row = place(b, cuda.blockIdx.x, N_q, N_k, d_v)
         if S > 0:
-            # packed: b is a head of N_q = T rows; the block's sequence s is the first whose query tiles end past its
-            # tile (bisection over tile_end, empty sequences own no tile), its rows cu[s]:cu[s + 1], its keys the same
-            lo = 0
-            hi = S - 1
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if tile_end[mid] > tile:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            if lo > 0:
-                tile -= tile_end[lo - 1]
-            q_row += cu[lo]
+            tile, q_row, N_q = locate(tile, q_row, cu, tile_end, S)
             k_row = q_row
-            N_q = cu[lo + 1] - cu[lo]
             N_k = N_q
-        n_qt = (N_q + TILE_Q - 1) // TILE_Q
-        q0 = (n_qt - 1 - tile) * TILE_Q  # the last query tiles (the most keys when causal) first
         resident = d <= D_CHUNK
         # the running maxima live in shared memory (the same on the TX threads of a row), in two halves: a key tile
         # reads the half at mb and its lane tx = 0 writes the other, which the next tile reads (barriers between)
         mb = u32(0)
-        if tx == 0:
-            for i in range(RQ):
-                mrow[oq + u32(i)] = neg_inf
-        for i in range(RQ):
-            l_run[i] = zero
-            for gg in range(G):
-                acc[i, gg] = zero
-        # causal: the rows < q0 + TILE_Q see the keys < q0 + TILE_Q only (N_q == N_k)
-        k_end = min(N_k, q0 + TILE_Q) if causal else N_k
+        q0, k_end = start(mrow, l_run, acc, tx, oq, tile, N_q, N_k, causal)
         for k0 in range(0, k_end, TILE_K):
             # s_ij = sum_c q_ic k_jc, D_CHUNK coordinates at a time (q^T stays when d <= D_CHUNK)
             for i in range(RQ):
@@ -292,12 +334,7 @@ def _build_flash_forward(g: Geometry, f=None):
             for d0 in range(0, d, D_CHUNK):
                 dn = u32(min(D_CHUNK, d - d0))
                 if k0 == 0 or not resident:
-                    # qT[c, r] = q[q0 + r, d0 + c], read along c (coalesced)
-                    for e in range(t, TILE_Q * D_CHUNK, THREADS):
-                        r = u32(e >> u32(D_SHIFT))
-                        c = u32(e & u32(D_CHUNK - 1))
-                        ok_q = q0 + r < N_q and c < dn
-                        qT[u32(c * u32(QW) + r)] = q[(q_row + q0 + r) * d + d0 + c] if ok_q else zero
+                    stage_q(q, qT, t, q0, q_row, N_q, d, d0, dn)
                 # kp[c, j] = k[k0 + j, d0 + c]
                 for e in range(t, TILE_K * D_CHUNK, THREADS):
                     j = u32(e >> u32(D_SHIFT))
@@ -386,17 +423,7 @@ def _build_flash_forward(g: Geometry, f=None):
         for i in range(RQ):
             red[oq + u32(i), tx] = l_run[i]
         cuda.syncthreads()
-        for i in range(RQ):
-            row = q0 + oq + i
-            if row < N_q:
-                l = row_sum(red, oq + u32(i), TX)
-                for h in range(N_CHUNKS):
-                    for gg in range(GC):
-                        col = c0 + h * V_CHUNK + ov + gg
-                        if col < d_v:
-                            out[(q_row + row) * d_v + col] = acc[i, h * GC + gg] / l
-                if tx == 0 and c0 == 0:
-                    row_max_out[q_row + row] = mrow[mb + oq + u32(i)]
+        finish(out, row_max_out, red, mrow, acc, q0, oq, q_row, N_q, c0, ov, d_v, mb, tx)
 
     return _flash_forward
 
