@@ -179,6 +179,11 @@ def _posterior_items(c):
     return _posterior_row_tiles(c) * _ceil(c["K"], _gmm()["TILE_COMPS"])
 
 
+def _posterior_tail(c):
+    # the last, partial stage of coordinates runs in every item where d is not a multiple of DC, in none where it is
+    return _posterior_items(c) if c["d"] % _gmm()["DC"] else 0
+
+
 def _posterior_calls():
     """How often each part of the responsibilities kernel runs, per block (``gpu.work.KernelWork.calls``)."""
     def rows_normalised(log):
@@ -188,9 +193,8 @@ def _posterior_calls():
     return {
         # the epilogue of each component tile: l written, min q/2, the running (max, sum of exponentials)
         "absorb": ("block", _posterior_items),
-        # the last, partial stage of coordinates: only where d is not a multiple of DC
-        "load_tail": ("block", lambda c: _posterior_items(c) if c["d"] % _gmm()["DC"] else 0),
-        "stage_tail": ("block", lambda c: _posterior_items(c) if c["d"] % _gmm()["DC"] else 0),
+        "load_tail": ("block", _posterior_tail),
+        "stage_tail": ("block", _posterior_tail),
         # the lanes' ordered tree, log2(TX) steps per row tile
         "combine": ("block", lambda c: _posterior_row_tiles(c) * (_gmm()["TX"].bit_length() - 1)),
         "normalise": ("block", rows_normalised(False)),

@@ -43,7 +43,7 @@ Two launches per call, whatever ``B``, ``N``, ``K`` and ``d``:
    formed once per row, counters are 32-bit.  The epilogue's parts are
    device functions inlined into the kernel (``absorb``, ``combine``,
    ``normalise``, ``log_normalise``; the last, partial stage's product is
-   ``stage_tail``), the same code as written in line, so that
+   ``stage_tail``, the loop's ``stage`` under another name), so that
    ``benchmarks/gpu_model.py`` counts each as often as it runs
    (:data:`gpu.work.KERNELS`).
 
